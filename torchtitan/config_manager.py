@@ -1,0 +1,365 @@
+"""The job configuration: defaults, then a TOML file, then ``--section.key value`` overrides.
+
+Every option lives in exactly one dataclass field below, with its default and a one-line help text in
+``metadata``. Range checks are declared next to the field (``ge``, ``gt``, ``lt``, ``le``, ``choices``) so that the
+TOML loader, the command-line parser and ``--help`` all read the same facts. Mistakes raise
+:class:`torchtitan.errors.UserError` with one line naming the key and, for typos, the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from torchtitan.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+
+def opt(default: Any, help: str, **checks: Any) -> Any:
+    """A config field: its default, one line of help and its range checks."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **checks})
+    return field(default=default, metadata={"help": help, **checks})
+
+
+@dataclass
+class Job:
+    config_file: Optional[str] = opt(None, "TOML job config to load before command-line overrides")
+    dump_folder: str = opt("./outputs", "folder for TensorBoard logs, checkpoints and traces")
+    description: str = opt("default job", "free-text description of the job, logged at start")
+    print_args: bool = opt(False, "log the full resolved config at start")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "model family", choices=("llama3",))
+    flavor: str = opt("debugmodel", "model size from llama3_configs (debugmodel, 8B, 70B, 405B, ...)")
+    tokenizer_path: str = opt("./assets/tokenizer/tiktoken_test.model", "tokenizer file (tiktoken BPE or sentencepiece)")
+    tokenizer_type: str = opt(
+        "auto", "tokenizer format; auto picks sentencepiece for a *.model file that is one",
+        choices=("auto", "tiktoken", "sentencepiece"),
+    )
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "optimizer: AdamW, Adam, AdamMini, AdamW8bit, AdamW4bit, AdamWFp8 (case-insensitive)")
+    lr: float = opt(8e-4, "peak learning rate", gt=0.0)
+    beta1: float = opt(0.9, "first-moment decay", ge=0.0, lt=1.0)
+    beta2: float = opt(0.95, "second-moment decay", ge=0.0, lt=1.0)
+    eps: float = opt(1e-8, "denominator epsilon", gt=0.0)
+    weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms and biases by AdamMini)", ge=0.0)
+    implementation: Optional[str] = opt(
+        None, "for-loop, foreach or fused where the optimizer has them; unset picks the optimizer's default",
+        choices=("for-loop", "foreach", "fused"),
+    )
+    # AdamMini only.
+    value_blocks: Optional[str] = opt(
+        None, "AdamMini: second moment of value weights per output row (per_row) or per tensor (per_tensor)",
+        choices=("per_row", "per_tensor"),
+    )
+    # torchao low-bit optimizers only.
+    block_size: Optional[int] = opt(None, "low-bit AdamW: quantization block size", gt=0)
+    bf16_stochastic_round: Optional[bool] = opt(None, "low-bit AdamW: stochastic rounding for bf16 parameters")
+
+
+@dataclass
+class Training:
+    dataset: str = opt("sample", "dataset: sample (bundled, offline), c4 (streamed from the hub) or text (local files)")
+    dataset_path: Optional[str] = opt(None, "local file or folder of text/json/jsonl/parquet files (any dataset)")
+    batch_size: int = opt(8, "sequences per data-parallel rank per micro-batch", gt=0)
+    seq_len: int = opt(2048, "tokens per sequence", gt=0)
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", gt=0)
+    steps: int = opt(10000, "optimizer steps to train", gt=0)
+    warmup_steps: int = opt(200, "linear warmup steps", ge=0)
+    decay_type: str = opt("linear", "lr decay after warmup", choices=("linear", "cosine", "constant"))
+    lr_min: float = opt(0.0, "lr floor as a fraction of the peak lr", ge=0.0, le=1.0)
+    max_norm: float = opt(1.0, "gradient clipping by global norm; 0 disables clipping", ge=0.0)
+    data_parallel_replicate_degree: int = opt(1, "HSDP replicas (1 = plain FSDP)", gt=0)
+    data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 fills the world size", ge=-1)
+    tensor_parallel_degree: int = opt(1, "tensor-parallel degree", gt=0)
+    disable_loss_parallel: bool = opt(False, "with tensor parallelism, gather logits instead of a parallel loss")
+    param_dtype: str = opt("float32", "dtype of the model's master weights", choices=("float32", "float64", "bfloat16"))
+    mixed_precision_param: str = opt(
+        "bfloat16", "FSDP compute dtype on GPU (CPU computes in param_dtype)", choices=("bfloat16", "float32")
+    )
+    mixed_precision_reduce: str = opt("float32", "FSDP gradient reduction dtype on GPU", choices=("float32",))
+    compile: bool = opt(False, "torch.compile each transformer block")
+    seed: int = opt(0, "random seed for weights and data order", ge=0)
+    deterministic: bool = opt(False, "use deterministic algorithms (slower)")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "log and record metrics every N steps", gt=0)
+    enable_tensorboard: bool = opt(True, "write TensorBoard event files")
+    save_tb_folder: str = opt("tb", "TensorBoard folder inside job.dump_folder")
+
+
+@dataclass
+class Checkpoint:
+    enable_checkpoint: bool = opt(False, "save and resume checkpoints")
+    folder: str = opt("checkpoint", "checkpoint folder, relative to job.dump_folder unless absolute")
+    interval: int = opt(500, "save every N steps (and at the last step)", gt=0)
+    keep_latest_k: int = opt(0, "keep only the newest k checkpoints; 0 keeps all", ge=0)
+    async_mode: str = opt("disabled", "disabled or async (save in a background thread)", choices=("disabled", "async"))
+    load_step: int = opt(-1, "resume from this step; -1 resumes from the latest complete checkpoint", ge=-1)
+    export_dtype: str = opt(
+        "float32", "dtype of the final weights-only export", choices=("float32", "bfloat16", "float16")
+    )
+    model_weights_only: bool = opt(False, "at the end, export model weights only (in export_dtype)")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("none", "activation checkpointing: none, full or selective", choices=("none", "full", "selective"))
+    selective_ac_option: str = opt("2", "selective: 'op' for the op-based policy, or k to checkpoint every k-th layer")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "write torch profiler traces")
+    save_traces_folder: str = opt("profile_traces", "trace folder inside job.dump_folder")
+    profile_freq: int = opt(10, "profile one step every N steps", gt=0)
+    enable_memory_snapshot: bool = opt(False, "write CUDA memory snapshots (GPU only)")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder inside job.dump_folder")
+
+
+@dataclass
+class Float8:
+    enable_float8_linear: bool = opt(False, "torchao float8 linears (needs a CUDA GPU with compute capability >= 8.9)")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "timeout for process-group setup and the first collectives", gt=0)
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    training: Training = field(default_factory=Training)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    profiling: Profiling = field(default_factory=Profiling)
+    float8: Float8 = field(default_factory=Float8)
+    comm: Comm = field(default_factory=Comm)
+
+    @classmethod
+    def parse_args(cls, argv: Optional[list[str]] = None, *, prog: str = "train.py") -> "JobConfig":
+        """Defaults, then ``--job.config_file`` (if given), then the other command-line overrides."""
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if "-h" in argv or "--help" in argv:
+            print(help_text(cls, prog))
+            raise SystemExit(0)
+        overrides = _split_command_line(cls, argv)
+        config = cls()
+        config_file = next((v for k, v in overrides if k == "job.config_file"), None)
+        if config_file is not None:
+            _apply_toml(config, config_file)
+            config.job.config_file = config_file
+        for key, raw in overrides:
+            section, name = key.split(".", 1)
+            setattr(getattr(config, section), name, _from_string(key, _field_type(cls, key), raw))
+        _check_ranges(config)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Checks that span several keys; per-key ranges are checked from the field metadata."""
+        t = self.training
+        if t.data_parallel_shard_degree == 0:
+            raise UserError("training.data_parallel_shard_degree must be -1 (fill) or a positive integer")
+        if t.dataset_path is not None and not os.path.exists(t.dataset_path):
+            raise UserError(f"training.dataset_path '{t.dataset_path}' does not exist; point it at a file or folder")
+        ac = self.activation_checkpoint
+        if ac.mode == "selective" and ac.selective_ac_option != "op":
+            if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
+                raise UserError(
+                    "activation_checkpoint.selective_ac_option must be 'op' or a positive integer k (every k-th layer)"
+                )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parsing helpers
+
+
+def _sections(cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _keys(cls: type) -> dict[str, dataclasses.Field]:
+    keys = {}
+    for section, section_cls in _sections(cls).items():
+        for f in dataclasses.fields(section_cls):
+            keys[f"{section}.{f.name}"] = f
+    return keys
+
+
+def _field_type(cls: type, key: str) -> Any:
+    section, name = key.split(".", 1)
+    return typing.get_type_hints(_sections(cls)[section])[name]
+
+
+def _unknown(kind: str, name: str, valid: list[str]) -> UserError:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else " (see --help for the valid keys)"
+    return UserError(f"unknown {kind} '{name}'{hint}")
+
+
+def _check_key(cls: type, key: str) -> None:
+    keys = _keys(cls)
+    if key in keys:
+        return
+    section = key.split(".", 1)[0]
+    if "." not in key or section not in _sections(cls):
+        # A typo'd section: compare whole keys so that the suggestion is complete.
+        raise _unknown("config key", key, list(keys))
+    raise _unknown("config key", key, [k for k in keys if k.startswith(section + ".")])
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(the scalar type, whether None is allowed) for ``T`` or ``Optional[T]``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    base, optional = _base_type(tp)
+    return {bool: "bool", int: "int", float: "float", str: "str"}[base] + (" or none" if optional else "")
+
+
+def _from_string(key: str, tp: Any, raw: str) -> Any:
+    base, optional = _base_type(tp)
+    if optional and raw.lower() in ("none", "null", ""):
+        return None
+    if base is bool:
+        lowered = raw.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+    else:
+        try:
+            return base(raw)
+        except ValueError:
+            pass
+    raise UserError(f"{key} expects {_type_name(tp)}, got '{raw}'")
+
+
+def _from_toml(key: str, tp: Any, value: Any) -> Any:
+    base, optional = _base_type(tp)
+    if value is None and optional:
+        return None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is str and optional and isinstance(value, str) and value.lower() == "none":
+        return None
+    if isinstance(value, base) and (base is bool or not isinstance(value, bool)):
+        return value
+    raise UserError(f"{key} expects {_type_name(tp)}, got {type(value).__name__} {value!r} in the config file")
+
+
+def _apply_toml(config: JobConfig, path: str) -> None:
+    if not os.path.isfile(path):
+        raise UserError(f"config file '{path}' not found; pass an existing TOML file to --job.config_file")
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"config file '{path}' is not valid TOML: {e}") from None
+    cls = type(config)
+    sections = _sections(cls)
+    for section, table in data.items():
+        if section not in sections:
+            raise _unknown("config section", f"[{section}]", [f"[{s}]" for s in sections])
+        if not isinstance(table, dict):
+            raise UserError(f"'{section}' in '{path}' must be a table like [{section}]")
+        for name, value in table.items():
+            key = f"{section}.{name}"
+            _check_key(cls, key)
+            setattr(getattr(config, section), name, _from_toml(key, _field_type(cls, key), value))
+
+
+def _split_command_line(cls: type, argv: list[str]) -> list[tuple[str, str]]:
+    """``--a.b v``, ``--a.b=v`` and bare boolean ``--a.b`` into (key, raw string) pairs."""
+    pairs = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise UserError(f"unexpected argument '{arg}'; options look like --section.key value")
+        key, has_value, raw = arg[2:].partition("=")
+        _check_key(cls, key)
+        base, _ = _base_type(_field_type(cls, key))
+        if not has_value:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if base is bool and (nxt is None or nxt.lower() not in ("true", "false", "1", "0", "yes", "no")):
+                raw = "true"
+            elif nxt is None:
+                raise UserError(f"--{key} needs a value")
+            else:
+                raw = nxt
+                i += 1
+        pairs.append((key, raw))
+        i += 1
+    return pairs
+
+
+def _check_ranges(config: JobConfig) -> None:
+    for key, f in _keys(type(config)).items():
+        section, name = key.split(".", 1)
+        value = getattr(getattr(config, section), name)
+        if value is None:
+            continue
+        meta = f.metadata
+        if "choices" in meta and value not in meta["choices"]:
+            close = difflib.get_close_matches(str(value), meta["choices"], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(f"{key} must be one of {', '.join(meta['choices'])}; got '{value}'{hint}")
+        for check, ok, words in (
+            ("gt", lambda v, b: v > b, "greater than"),
+            ("ge", lambda v, b: v >= b, "at least"),
+            ("lt", lambda v, b: v < b, "less than"),
+            ("le", lambda v, b: v <= b, "at most"),
+        ):
+            if check in meta and not ok(value, meta[check]):
+                raise UserError(f"{key} must be {words} {meta[check]}; got {value}")
+
+
+def help_text(cls: type = JobConfig, prog: str = "train.py") -> str:
+    lines = [
+        f"usage: {prog} [--job.config_file FILE.toml] [--section.key value ...]",
+        "",
+        "Options come from defaults, then the TOML file, then the command line (booleans also as bare flags).",
+    ]
+    for section, section_cls in _sections(cls).items():
+        lines.append(f"\n[{section}]")
+        hints = typing.get_type_hints(section_cls)
+        for f in dataclasses.fields(section_cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            choices = f.metadata.get("choices")
+            kind = "{" + ",".join(choices) + "}" if choices else _type_name(hints[f.name]).upper()
+            lines.append(f"  --{section}.{f.name} {kind}  (default: {default})")
+            lines.append(f"      {f.metadata['help']}")
+    return "\n".join(lines)

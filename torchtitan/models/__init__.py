@@ -1,0 +1,1 @@
+"""Model families the trainer can build."""

@@ -1,0 +1,245 @@
+"""Llama 3: RoPE, grouped-query attention, SwiGLU feed-forward and RMSNorm, readable in one sitting.
+
+Parameter names follow torchtitan's (``tok_embeddings``, ``layers.N.attention.wq`` ...), and every module declares
+the role of each of its weights (``param_roles``) so that optimizers such as Adam-mini can block the second moment by
+structure rather than by guessing from names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+# Roles a weight can play; Adam-mini maps each role to a block rule.
+EMBEDDING, OUTPUT, QUERY, KEY, VALUE, ATTN_OUT, MLP, NORM = (
+    "embedding", "output", "query", "key", "value", "attn_out", "mlp", "norm"
+)
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: Optional[int] = None
+    vocab_size: int = -1  # set from the tokenizer
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 2048
+    depth_init: bool = True  # scale output-projection init by layer depth instead of by total depth
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def check(self) -> None:
+        """Raise ValueError for shapes the model cannot build."""
+        if self.vocab_size <= 0:
+            raise ValueError("vocab_size must be positive (it is normally taken from the tokenizer)")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """cos and sin of every (position, frequency) pair: shape (max_seq_len, head_dim // 2, 2), float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of ``x`` (batch, seq, heads, head_dim) by their position's angles."""
+    seq_len = x.shape[1]
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos = table[:seq_len, None, :, 0]
+    sin = table[:seq_len, None, :, 1]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    param_roles = {"weight": NORM}
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    param_roles = {"wq.weight": QUERY, "wk.weight": KEY, "wv.weight": VALUE, "wo.weight": ATTN_OUT}
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        # -1 rather than the configured head counts: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        group = q.shape[2] // k.shape[2]
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    param_roles = {"w1.weight": MLP, "w2.weight": MLP, "w3.weight": MLP}
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    param_roles = {"tok_embeddings.weight": EMBEDDING, "output.weight": OUTPUT}
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        args.check()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keeps layer names stable ("layers.3") when stages or wrappers drop some layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every weight from ``seed`` alone, identically for any sharding or world size.
+
+        Each parameter is drawn whole from its own seeded generator on its device and each rank keeps its shard,
+        so a 1-process and an N-process run start from the same model.
+        """
+        args = self.args
+        self.rope = rope_table(args.head_dim, args.max_seq_len, args.rope_theta, device=self.rope.device)
+        final_std = args.dim**-0.5
+        rules: dict[str, Callable[[torch.Tensor, torch.Generator], None]] = {
+            "tok_embeddings.weight": _normal(1.0),
+            "output.weight": _trunc_normal(final_std, 3 * final_std),
+        }
+        for name, layer in self.layers.items():
+            prefix = f"layers.{name}."
+            for w in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+                rules[prefix + w + ".weight"] = _trunc_normal(0.02, 0.04)
+            for w in ("attention.wo", "feed_forward.w2", "feed_forward.w3"):
+                rules[prefix + w + ".weight"] = _trunc_normal(layer.out_init_std, 2 * layer.out_init_std)
+        for index, (name, param) in enumerate(self.named_parameters()):
+            name = canonical_name(name)
+            rule = rules.get(name, _ones if name.endswith("norm.weight") else None)
+            if rule is None:
+                raise RuntimeError(f"no initialiser for parameter {name}")
+            _init_whole(param, rule, seed * 1_000_003 + index)
+
+    def named_param_roles(self) -> dict[str, str]:
+        """Role of every weight, keyed by its name in ``self.named_parameters()`` (wrappers included)."""
+        roles = {}
+        for module_name, module in self.named_modules():
+            for suffix, role in getattr(type(module), "param_roles", {}).items():
+                roles[f"{module_name}.{suffix}" if module_name else suffix] = role
+        names = {name for name, _ in self.named_parameters()}
+        return {name: role for name, role in roles.items() if name in names}
+
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name without the segments that activation checkpointing and compile insert."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def _normal(std: float):
+    return lambda t, g: t.normal_(0.0, std, generator=g)
+
+
+def _trunc_normal(std: float, cutoff: float):
+    return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -cutoff, cutoff, generator=g)
+
+
+def _ones(t: torch.Tensor, g: torch.Generator) -> None:
+    t.fill_(1.0)
+
+
+def _init_whole(param: torch.Tensor, rule, seed: int) -> None:
+    if param.device.type == "meta":
+        return
+    local = param.to_local() if isinstance(param, DTensor) else param
+    generator = torch.Generator(device=local.device).manual_seed(seed)
+    # Draw in float32 whatever the storage dtype, so float64 and float32 runs start from the same values.
+    whole = torch.empty(param.shape, device=local.device, dtype=torch.float32)
+    rule(whole, generator)
+    whole = whole.to(param.dtype)
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank drew the same tensor, so each keeps its shard without communicating.
+        whole = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    local.copy_(whole)
