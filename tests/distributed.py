@@ -1,0 +1,82 @@
+"""Run a test function in N gloo processes on this machine and collect what each rank returns.
+
+Usage::
+
+    def _check(rank, world_size, scale):          # module-level, so it can be pickled
+        ...                                         # torch.distributed is initialised (gloo) here
+        return some_picklable_result
+
+    results = run_workers(_check, world_size=2, args=(3.0,))   # [result of rank 0, result of rank 1]
+
+A failure in any rank re-raises in the test process with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout: float = 300.0) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, world_size, port, fn, tuple(args), queue)) for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        # Drain before joining: a rank blocks on exit until its (possibly large) result has been read.
+        while len(results) < world_size:
+            try:
+                rank, ok, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise AssertionError(f"a rank of {fn.__name__} died with exit codes {dead}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"distributed test {fn.__name__} did not finish within {timeout} s") from None
+                continue
+            if not ok:
+                raise AssertionError(f"rank {rank} of {fn.__name__} failed:\n{payload}")
+            results[rank] = payload
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]
