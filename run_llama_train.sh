@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Train Llama 3 with torchrun on this machine.
+#   NGPU         processes to start (default: the number of GPUs, else 2 on a CPU-only machine)
+#   CONFIG_FILE  job config (default: ./train_configs/debug_model.toml)
+#   extra arguments go to train.py, e.g. ./run_llama_train.sh --optimizer.name AdamMini --training.steps 100
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ -z "${NGPU:-}" ]; then
+    NGPU=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+    [ "$NGPU" -gt 0 ] || NGPU=2
+fi
+CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+# Check the job once before starting workers, so a mistake is one line rather than a wall of launcher output.
+python -m torchtitan.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+
+exec torchrun --standalone --nnodes=1 --nproc_per_node="$NGPU" train.py --job.config_file "$CONFIG_FILE" "$@"

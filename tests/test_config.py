@@ -1,0 +1,128 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config_manager import JobConfig, help_text
+from torchtitan.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_toml(tmp_path, text):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_then_toml_then_command_line(tmp_path):
+    path = write_toml(tmp_path, "[training]\nsteps = 7\nbatch_size = 3\n[optimizer]\nlr = 1\n")
+    config = JobConfig.parse_args(["--job.config_file", path, "--training.steps", "9"])
+    assert config.training.steps == 9  # command line beats TOML
+    assert config.training.batch_size == 3  # TOML beats default
+    assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)  # int widened to float
+    assert config.training.seq_len == JobConfig().training.seq_len  # default kept
+    assert config.job.config_file == path
+
+
+def test_command_line_before_config_file_still_wins(tmp_path):
+    path = write_toml(tmp_path, "[training]\nsteps = 7\n")
+    config = JobConfig.parse_args(["--training.steps=11", f"--job.config_file={path}"])
+    assert config.training.steps == 11
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--training.compile"], True),
+        (["--training.compile", "true"], True),
+        (["--training.compile=false"], False),
+        (["--training.compile", "false"], False),
+        (["--training.compile", "--training.steps", "3"], True),
+    ],
+)
+def test_boolean_flags(argv, expected):
+    assert JobConfig.parse_args(argv).training.compile is expected
+
+
+def test_optional_values_accept_none():
+    config = JobConfig.parse_args(["--optimizer.implementation", "fused", "--training.dataset_path", "none"])
+    assert config.optimizer.implementation == "fused"
+    assert config.training.dataset_path is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--training.stpes", "3"], "unknown config key 'training.stpes' (did you mean 'training.steps'?)"),
+        (["--trainig.steps", "3"], "did you mean 'training.steps'?"),
+        (["--nonsense.key", "3"], "unknown config key 'nonsense.key'"),
+        (["--training.steps", "three"], "training.steps expects int, got 'three'"),
+        (["--training.steps", "1.5"], "training.steps expects int"),
+        (["--optimizer.lr", "fast"], "optimizer.lr expects float"),
+        (["--training.compile", "maybe"], "unexpected argument 'maybe'"),
+        (["--training.compile=maybe"], "training.compile expects bool"),
+        (["--training.steps"], "--training.steps needs a value"),
+        (["--training.steps", "0"], "training.steps must be greater than 0"),
+        (["--optimizer.beta1", "1.0"], "optimizer.beta1 must be less than 1.0"),
+        (["--optimizer.lr", "-1"], "optimizer.lr must be greater than 0.0"),
+        (["--optimizer.eps", "0"], "optimizer.eps must be greater than 0.0"),
+        (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay must be at least 0.0"),
+        (["--optimizer.implementation", "fusd"], "did you mean 'fused'?"),
+        (["--training.data_parallel_shard_degree", "0"], "data_parallel_shard_degree must be -1"),
+        (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"], "'op' or a positive integer"),
+        (["--job.config_file", "/no/such/file.toml"], "config file '/no/such/file.toml' not found"),
+        (["--training.dataset_path", "/no/such/data"], "training.dataset_path '/no/such/data' does not exist"),
+        (["steps=3"], "unexpected argument 'steps=3'"),
+    ],
+)
+def test_bad_command_line(argv, message):
+    with pytest.raises(UserError) as info:
+        JobConfig.parse_args(argv)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ("[trainig]\nsteps = 3\n", "unknown config section '[trainig]' (did you mean '[training]'?)"),
+        ("[training]\nstpes = 3\n", "did you mean 'training.steps'?"),
+        ("[training]\nsteps = \"3\"\n", "training.steps expects int, got str '3'"),
+        ("[training]\ncompile = 1\n", "training.compile expects bool"),
+        ("[training]\nsteps = 2.5\n", "training.steps expects int"),
+        ("[training]\nsteps = true\n", "training.steps expects int"),
+        ("[optimizer]\nbeta2 = 1.5\n", "optimizer.beta2 must be less than 1.0"),
+        ("training = 3\n", "must be a table like [training]"),
+        ("[training\nsteps = 3\n", "is not valid TOML"),
+    ],
+)
+def test_bad_toml(tmp_path, toml, message):
+    path = write_toml(tmp_path, toml)
+    with pytest.raises(UserError) as info:
+        JobConfig.parse_args(["--job.config_file", path])
+    assert message in str(info.value)
+
+
+def test_help_lists_every_option_with_default_and_description():
+    text = help_text()
+    config = JobConfig()
+    for section, values in config.to_dict().items():
+        for key, default in values.items():
+            line = next(l for l in text.splitlines() if l.strip().startswith(f"--{section}.{key} "))
+            assert f"(default: {default})" in line
+    assert "peak learning rate" in text
+
+
+def test_shipped_configs_parse():
+    for path in sorted((ROOT / "train_configs").glob("*.toml")):
+        JobConfig.parse_args(["--job.config_file", str(path)])
+
+
+def test_help_and_errors_from_the_command_line():
+    ok = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0 and "--optimizer.name" in ok.stdout
+    bad = subprocess.run([sys.executable, "train.py", "--training.stpes", "3"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: unknown config key 'training.stpes' (did you mean 'training.steps'?)"

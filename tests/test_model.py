@@ -1,0 +1,127 @@
+import dataclasses
+
+import pytest
+import torch
+
+from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
+from torchtitan.models.llama.model import apply_rope, canonical_name, rope_table
+
+
+def tiny_args(**overrides):
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32, max_seq_len=32)
+    return ModelArgs(**{**base, **overrides})
+
+
+def count(args):
+    with torch.device("meta"):
+        return sum(p.numel() for p in Transformer(args).parameters())
+
+
+def expected_count(a: ModelArgs) -> int:
+    attn = a.dim * a.dim * 2 + 2 * a.dim * a.kv_heads * a.head_dim
+    ffn = 3 * a.dim * a.ffn_hidden_dim
+    return 2 * a.vocab_size * a.dim + a.n_layers * (attn + ffn + 2 * a.dim) + a.dim
+
+
+@pytest.mark.parametrize(
+    "flavor, published", [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9)]
+)
+def test_flavor_parameter_counts_on_meta(flavor, published):
+    args = llama3_configs[flavor]
+    n = count(args)
+    assert n == expected_count(args)
+    assert abs(n - published) / published < 0.001
+
+
+def test_8b_shapes():
+    args = llama3_configs["8B"]
+    assert args.ffn_hidden_dim == 14336 and args.head_dim == 128 and args.kv_heads == 8
+    assert llama3_configs["70B"].ffn_hidden_dim == 28672
+    assert llama3_configs["405B"].ffn_hidden_dim == 53248
+
+
+def test_parameter_names_follow_torchtitan():
+    names = {n for n, _ in Transformer(tiny_args()).named_parameters()}
+    assert {"tok_embeddings.weight", "norm.weight", "output.weight", "layers.0.attention.wq.weight",
+            "layers.1.attention.wk.weight", "layers.1.attention.wv.weight", "layers.0.attention.wo.weight",
+            "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight", "layers.0.feed_forward.w3.weight",
+            "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight"} <= names
+
+
+def test_forward_shapes_and_gqa_weight_shapes():
+    args = tiny_args()
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    assert model.layers["0"].attention.wk.weight.shape == (args.kv_heads * args.head_dim, args.dim)
+    logits = model(torch.randint(0, args.vocab_size, (3, 16)))
+    assert logits.shape == (3, 16, args.vocab_size)
+
+
+def test_roles_cover_every_parameter():
+    model = Transformer(tiny_args())
+    roles = model.named_param_roles()
+    assert set(roles) == {n for n, _ in model.named_parameters()}
+    assert roles["layers.1.attention.wq.weight"] == "query"
+    assert roles["layers.1.attention.wk.weight"] == "key"
+    assert roles["layers.1.attention.wv.weight"] == "value"
+    assert roles["layers.1.attention.wo.weight"] == "attn_out"
+    assert roles["layers.1.feed_forward.w2.weight"] == "mlp"
+    assert roles["layers.1.ffn_norm.weight"] == "norm"
+    assert roles["tok_embeddings.weight"] == "embedding" and roles["output.weight"] == "output"
+
+
+def test_causal():
+    model = Transformer(tiny_args())
+    model.init_weights(seed=1)
+    tokens = torch.randint(0, 97, (1, 12))
+    changed = tokens.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % 97
+    a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :8], b[:, :8])
+    assert not torch.allclose(a[:, 8:], b[:, 8:])
+
+
+def test_rope_rotates_pairs_and_keeps_norm():
+    table = rope_table(8, 16, 500000.0)
+    x = torch.randn(2, 16, 3, 8, dtype=torch.float64)
+    y = apply_rope(x, table)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(y[:, 0], x[:, 0])  # position 0 is not rotated
+    # Relative-position property: <R_m q, R_n k> depends only on m - n.
+    q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    def rot(v, pos):
+        return apply_rope(v.expand(1, 16, 1, 8).clone(), table)[0, pos, 0]
+    torch.testing.assert_close(rot(q, 5) @ rot(k, 3), rot(q, 9) @ rot(k, 7))
+
+
+def test_init_is_seeded_and_dtype_independent():
+    a, b, c = Transformer(tiny_args()), Transformer(tiny_args()), Transformer(tiny_args())
+    a.init_weights(seed=3)
+    b.init_weights(seed=3)
+    c.init_weights(seed=4)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if "norm" not in name:
+            assert not torch.equal(pa, pc), name
+    d = Transformer(tiny_args()).to(torch.float64)
+    d.init_weights(seed=3)
+    for pa, pd in zip(a.parameters(), d.parameters()):
+        assert torch.equal(pa.double(), pd)
+    assert a.layers["0"].attention.wo.weight.std() > a.layers["1"].attention.wo.weight.std()  # depth init
+
+
+def test_invalid_shapes_are_rejected():
+    with pytest.raises(ValueError, match="not divisible by n_kv_heads"):
+        Transformer(tiny_args(n_kv_heads=3))
+    with pytest.raises(ValueError, match="vocab_size"):
+        Transformer(tiny_args(vocab_size=-1))
+
+
+def test_canonical_name():
+    assert canonical_name("layers.0._checkpoint_wrapped_module._orig_mod.attention.wq.weight") == \
+        "layers.0.attention.wq.weight"
+
+
+def test_debug_flavor_is_small():
+    args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=2256)
+    assert count(args) < 10_000_000

@@ -1,0 +1,123 @@
+"""Per-step numbers: a log line, TensorBoard scalars and a metrics.jsonl beside them (rank 0 only).
+
+Run directories are ``{job.dump_folder}/{metrics.save_tb_folder}/{timestamp}_{optimizer}``, so runs of the same
+config with different optimizers overlay in one TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from typing import Optional
+
+import torch
+
+from torchtitan.logging import logger
+
+# Dense bf16 peak FLOP/s per device, for MFU.
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in _PEAK_FLOPS.items() if key in name), None)
+
+
+def flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """Training FLOPs per token: 6 per parameter plus causal attention's score and value products."""
+    return 6 * num_params + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+def rss_gib() -> float:
+    """Resident set size of this process now (Linux), else its peak."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return {
+            "memory/max_active(GiB)": stats.get("active_bytes.all.peak", 0) / 2**30,
+            "memory/max_reserved(GiB)": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+        }
+    return {"memory/rss(GiB)": rss_gib()}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def run_dir_name(optimizer_name: str, when: Optional[float] = None) -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(when)) + f"_{optimizer_name}"
+
+
+class MetricLogger:
+    """Writes scalars to TensorBoard and metrics.jsonl; a no-op on ranks other than 0."""
+
+    def __init__(self, run_dir: Optional[str], enable_tensorboard: bool):
+        self.run_dir = run_dir
+        self.writer = None
+        self.jsonl = None
+        if run_dir is None:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(run_dir, max_queue=1000)
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.run_dir is None:
+            return
+        if self.writer is not None:
+            for tag, value in metrics.items():
+                self.writer.add_scalar(tag, value, step)
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+def build_metric_logger(job_config, optimizer_name: str, rank: int) -> MetricLogger:
+    if rank != 0:
+        return MetricLogger(None, False)
+    base = os.path.join(job_config.job.dump_folder, job_config.metrics.save_tb_folder)
+    run_dir = os.path.join(base, run_dir_name(optimizer_name))
+    suffix = 1
+    while os.path.exists(run_dir):  # two runs started in the same second never share a folder
+        suffix += 1
+        run_dir = os.path.join(base, run_dir_name(optimizer_name) + f"-{suffix}")
+    logger.info(f"metrics go to {run_dir}")
+    return MetricLogger(run_dir, job_config.metrics.enable_tensorboard)
+
+
+def format_log_line(step: int, m: dict[str, float]) -> str:
+    parts = [
+        f"step: {step:>5}",
+        f"loss: {m['loss_metrics/global_avg_loss']:.8f}",
+        f"grad_norm: {m['grad_norm']:.4f}",
+        f"lr: {m['lr']:.4e}",
+        f"tps: {m['throughput/tps']:,.0f}",
+    ]
+    if "memory/max_active(GiB)" in m:
+        parts.append(f"memory: {m['memory/max_active(GiB)']:.2f}GiB active {m['memory/max_reserved(GiB)']:.2f}GiB reserved")
+    else:
+        parts.append(f"memory: {m['memory/rss(GiB)']:.2f}GiB rss")
+    if "mfu(%)" in m:
+        parts.append(f"mfu: {m['mfu(%)']:.2f}%")
+    return "  ".join(parts)

@@ -1,0 +1,65 @@
+"""Check a job before any worker starts: ``python -m torchtitan.preflight --nproc N [train.py options]``.
+
+``run_llama_train.sh`` runs this first, so that a mistake in the config shows as one line instead of one traceback
+per worker from the launcher. ``train.py`` runs the same checks at start.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torchtitan.config_manager import JobConfig
+from torchtitan.errors import UserError
+
+
+def model_args_for(job_config: JobConfig, vocab_size: int):
+    """The flavor's ModelArgs with the tokenizer's vocabulary and the job's sequence length."""
+    import dataclasses
+
+    from torchtitan.models.llama import llama3_configs
+
+    flavor = job_config.model.flavor
+    if flavor not in llama3_configs:
+        raise UserError(f"model.flavor '{flavor}' is unknown; choose one of {', '.join(llama3_configs)}")
+    args = dataclasses.replace(llama3_configs[flavor], vocab_size=vocab_size, max_seq_len=job_config.training.seq_len)
+    try:
+        args.check()
+    except ValueError as e:
+        raise UserError(f"model.flavor '{flavor}': {e}") from None
+    return args
+
+
+def preflight(job_config: JobConfig, world_size: int):
+    """Raise UserError for anything that would fail after the workers start.
+
+    Returns (parallel dims, model args, tokenizer) for the trainer to go on with.
+    """
+    # Imported here so that `--help` and config errors answer without importing torch.
+    from torchtitan.datasets import build_tokenizer
+    from torchtitan.parallelisms import ParallelDims, validate_model_for_parallelism
+
+    t = job_config.training
+    parallel_dims = ParallelDims(
+        dp_replicate=t.data_parallel_replicate_degree, dp_shard=t.data_parallel_shard_degree,
+        tp=t.tensor_parallel_degree, world_size=world_size, enable_loss_parallel=not t.disable_loss_parallel,
+    )
+    tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.tokenizer_type)
+    model_args = model_args_for(job_config, tokenizer.n_words)
+    validate_model_for_parallelism(model_args, parallel_dims)
+    return parallel_dims, model_args, tokenizer
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] != "--nproc" or not argv[1].isdigit() or int(argv[1]) < 1:
+        print("usage: python -m torchtitan.preflight --nproc N [train.py options]", file=sys.stderr)
+        return 2
+    try:
+        preflight(JobConfig.parse_args(argv[2:]), int(argv[1]))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
