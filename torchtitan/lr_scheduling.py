@@ -56,8 +56,10 @@ class SchedulersContainer:
             scheduler.last_epoch = int(state["last_epoch"])
             scheduler._step_count = int(state["_step_count"])
             # Re-apply the lr for the restored position.
-            for group, factor_lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr()):
-                _set_lr(group, factor_lr)
+            for group, base_lr, schedule in zip(
+                scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas
+            ):
+                _set_lr(group, _as_float(base_lr) * schedule(scheduler.last_epoch))
             scheduler._last_lr = [_as_float(g["lr"]) for g in scheduler.optimizer.param_groups]
 
 
