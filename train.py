@@ -1,0 +1,185 @@
+"""Pre-train Llama 3 from a TOML job config: ``torchrun ... train.py --job.config_file X.toml [--section.key value]``.
+
+Reads top to bottom like the training recipe: config, device mesh, tokenizer, model on meta, parallelize,
+initialise, optimizers, schedulers, data, checkpoint, loop. ``python train.py ...`` without torchrun runs as one
+process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from torchtitan.checkpoint import CheckpointManager
+from torchtitan.config_manager import JobConfig
+from torchtitan.datasets import build_hf_data_loader
+from torchtitan.errors import UserError
+from torchtitan.logging import init_logger, logger
+from torchtitan.lr_scheduling import build_lr_schedulers
+from torchtitan.metrics import (
+    build_metric_logger, flops_per_token, format_log_line, memory_metrics, peak_flops, reset_peak_memory,
+)
+from torchtitan.models.llama import Transformer
+from torchtitan.optim import build_optimizers
+from torchtitan.parallelisms import loss_parallel_context, parallelize_llama
+from torchtitan.preflight import preflight
+from torchtitan.profiling import maybe_profile
+from torchtitan.utils import DTYPES, all_reduce_scalar, clip_grad_norm_, init_distributed, set_determinism
+
+
+class TrainState:
+    """The loop's own position, saved with every checkpoint."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens_seen = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # At least float32 for the softmax; float64 runs stay float64 so that parity checks can be exact.
+    logits = logits.flatten(0, 1)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten())
+
+
+def main(job_config: JobConfig) -> None:
+    init_logger()
+    device, rank, world_size = init_distributed(job_config.comm.init_timeout_seconds)
+    t = job_config.training
+    logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")
+    if job_config.job.print_args:
+        logger.info(f"config: {job_config.to_dict()}")
+    set_determinism(t.seed, t.deterministic)
+
+    parallel_dims, model_args, tokenizer = preflight(job_config, world_size)
+    world_mesh = parallel_dims.build_mesh(device.type)
+    dp_rank, dp_degree = parallel_dims.dp_rank_and_degree(world_mesh)
+    dp_group = world_mesh["dp"].get_group() if parallel_dims.dp_enabled else None
+
+    with torch.device("meta"):
+        model = Transformer(model_args).to(DTYPES[t.param_dtype])
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        f"model: llama3 {job_config.model.flavor}, {num_params:,} parameters, vocab {model_args.vocab_size}, "
+        f"{t.param_dtype} weights"
+    )
+    parallelize_llama(model, world_mesh, parallel_dims, job_config)
+    model.to_empty(device=device)
+    model.init_weights(seed=t.seed)
+    model.train()
+    model_parts = [model]
+
+    optimizers = build_optimizers(model_parts, job_config)
+    lr_schedulers = build_lr_schedulers(optimizers, job_config)
+    data_loader = build_hf_data_loader(
+        t.dataset, t.dataset_path, tokenizer, t.batch_size, t.seq_len, dp_rank, dp_degree
+    )
+    train_state = TrainState()
+    checkpoint = CheckpointManager(
+        data_loader=data_loader, model_parts=model_parts, optimizers=optimizers, lr_schedulers=lr_schedulers,
+        states={"train_state": train_state}, job_config=job_config,
+    )
+    checkpoint.load(step=job_config.checkpoint.load_step)
+
+    metric_logger = build_metric_logger(job_config, optimizers.name, rank)
+    state_bytes = all_reduce_scalar(torch.tensor(float(optimizers.state_bytes())), "sum", _world_group())
+    metric_logger.log({"optimizer/state_bytes": state_bytes}, train_state.step)
+    logger.info(f"optimizer: {optimizers.name}, state {state_bytes / 2**20:,.1f} MiB over all ranks")
+
+    tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * dp_degree
+    flops = flops_per_token(num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len)
+    gpu_peak = peak_flops(device)
+    batches = iter(data_loader)
+    logger.info(
+        f"training {t.steps} steps from step {train_state.step}: global batch {t.batch_size * dp_degree} x "
+        f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"
+    )
+    window_start, window_steps = time.perf_counter(), 0
+    with maybe_profile(job_config, train_state) as profiler:
+        while train_state.step < t.steps:
+            train_state.step += 1
+            lr = lr_schedulers.get_last_lr()
+            loss, grad_norm = train_step(model, optimizers, batches, parallel_dims, job_config, device)
+            lr_schedulers.step()
+            train_state.tokens_seen += tokens_per_step
+            window_steps += 1
+
+            if train_state.step % job_config.metrics.log_freq == 0 or train_state.step == t.steps:
+                elapsed = time.perf_counter() - window_start
+                tps = tokens_per_step * window_steps / elapsed / max(1, world_size)
+                metrics = {
+                    "loss_metrics/global_avg_loss": all_reduce_scalar(loss, "mean", dp_group),
+                    "loss_metrics/global_max_loss": all_reduce_scalar(loss, "max", dp_group),
+                    "grad_norm": float(grad_norm),
+                    "lr": lr,
+                    "throughput/tps": tps,
+                    "throughput/tokens_seen": float(train_state.tokens_seen),
+                    **memory_metrics(device),
+                }
+                if gpu_peak is not None:
+                    metrics["mfu(%)"] = 100 * tps * flops / gpu_peak
+                logger.info(format_log_line(train_state.step, metrics))
+                metric_logger.log(metrics, train_state.step)
+                reset_peak_memory(device)
+                window_start, window_steps = time.perf_counter(), 0
+
+            checkpoint.save(train_state.step, force=train_state.step == t.steps)
+            if profiler is not None:
+                profiler.step()
+
+    checkpoint.close()
+    metric_logger.close()
+    logger.info("training done")
+
+
+def train_step(model, optimizers, batches, parallel_dims, job_config, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns (local loss, grad norm)."""
+    t = job_config.training
+    optimizers.zero_grad()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(t.gradient_accumulation_steps):
+        inputs, labels = next(batches)
+        inputs, labels = inputs.to(device), labels.to(device)
+        with loss_parallel_context(parallel_dims):
+            loss = cross_entropy(model(inputs), labels) / t.gradient_accumulation_steps
+            loss.backward()
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
+        total += loss.detach().to(torch.float64)
+    grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
+    optimizers.step()
+    return total, grad_norm
+
+
+def _world_group():
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def run() -> int:
+    try:
+        job_config = JobConfig.parse_args()
+        main(job_config)
+        return 0
+    except UserError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(run())
