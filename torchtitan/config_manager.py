@@ -146,6 +146,23 @@ class Comm:
 
 
 @dataclass
+class MemoryEstimation:
+    """Read by estimation.py only; train.py ignores this section."""
+
+    world_size: int = opt(8, "estimation.py: number of ranks to simulate", gt=0)
+    optimizers: str = opt("AdamW,AdamMini,AdamW4bit", "estimation.py: comma-separated optimizers to estimate")
+    device: str = opt(
+        "cuda", "estimation.py: training to simulate: cuda (FSDP bf16 mixed precision) or cpu (param_dtype throughout)",
+        choices=("cuda", "cpu"),
+    )
+    vocab_size: int = opt(
+        0, "estimation.py: vocabulary size; 0 takes the tokenizer's, or the flavor's when the tokenizer file is absent",
+        ge=0,
+    )
+    json: Optional[str] = opt(None, "estimation.py: also write the estimate as JSON to this file ('-': JSON only, to stdout)")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -157,6 +174,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
 
     @classmethod
     def parse_args(cls, argv: Optional[list[str]] = None, *, prog: str = "train.py") -> "JobConfig":
@@ -167,7 +185,8 @@ class JobConfig:
             raise SystemExit(0)
         overrides = _split_command_line(cls, argv)
         config = cls()
-        config_file = next((v for k, v in overrides if k == "job.config_file"), None)
+        # The last --job.config_file wins, like any other repeated option.
+        config_file = next((v for k, v in reversed(overrides) if k == "job.config_file"), None)
         if config_file is not None:
             _apply_toml(config, config_file)
             config.job.config_file = config_file

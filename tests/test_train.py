@@ -1,0 +1,103 @@
+"""End-to-end runs of train.py on the debug model: one process, two FSDP processes, determinism and bad input."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--job.config_file", "train_configs/debug_model.toml",
+    "--training.seq_len", "32", "--training.batch_size", "2", "--training.steps", "6",
+    "--training.warmup_steps", "2", "--metrics.log_freq", "1",
+]
+TAGS = {
+    "loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr", "throughput/tps",
+    "memory/rss(GiB)", "optimizer/state_bytes",
+}
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def train(tmp_path, *extra, nproc=1, check=True):
+    base = [sys.executable, "train.py"]
+    if nproc > 1:
+        base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+    cmd = base + TINY + ["--job.dump_folder", str(tmp_path)] + list(extra)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def run_dir(tmp_path):
+    dirs = glob.glob(str(tmp_path / "tb" / "*"))
+    assert len(dirs) == 1, dirs
+    return Path(dirs[0])
+
+
+def losses(tmp_path):
+    rows = [json.loads(line) for line in open(run_dir(tmp_path) / "metrics.jsonl")]
+    return [r["loss_metrics/global_avg_loss"] for r in rows if "loss_metrics/global_avg_loss" in r]
+
+
+def event_tags(path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path))
+    acc.Reload()
+    return set(acc.Tags()["scalars"])
+
+
+def test_one_process_trains_and_logs(tmp_path):
+    proc = train(tmp_path)
+    values = losses(tmp_path)
+    assert len(values) == 6
+    assert values[-1] < values[0]
+    assert "step:     6  loss:" in proc.stderr
+    directory = run_dir(tmp_path)
+    assert directory.name.endswith("_AdamW")
+    assert TAGS <= event_tags(directory)
+
+
+def test_identical_runs_give_identical_losses(tmp_path):
+    train(tmp_path / "a", "--training.steps", "3")
+    train(tmp_path / "b", "--training.steps", "3")
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_two_fsdp_processes_match_one_process(tmp_path):
+    # Same global batch (4 sequences): two ranks of 2 see exactly the data one rank of 4 sees.
+    train(tmp_path / "one", "--training.batch_size", "4", "--training.param_dtype", "float64")
+    train(tmp_path / "two", "--training.param_dtype", "float64", nproc=2)
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert two[-1] < two[0]
+    assert two == pytest.approx(one, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.stpes", "3"], "error: unknown config key 'training.stpes' (did you mean 'training.steps'?)"),
+        (["--training.steps", "x"], "error: training.steps expects int, got 'x'"),
+        (["--job.config_file", "missing.toml"], "error: config file 'missing.toml' not found"),
+        (["--model.tokenizer_path", "no/tokenizer.model"], "no/tokenizer.model"),
+        (["--training.dataset", "text", "--training.dataset_path", "no/such/dir"], "no/such/dir"),
+        (["--training.dataset", "text"], "training.dataset_path"),
+        (["--model.flavor", "9B"], "model.flavor '9B' is unknown"),
+        (["--training.tensor_parallel_degree", "2"], "tensor_parallel"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    proc = train(tmp_path, *args, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "tb").exists()
