@@ -1,0 +1,197 @@
+"""Tokenizers: Llama 3 style tiktoken BPE files and sentencepiece models, behind one small interface.
+
+``build_tokenizer(path)`` tells the two formats apart by content: a tiktoken file is text lines of
+``<base64 token> <rank>``, a sentencepiece model is a binary protocol buffer. The tiktoken tokenizer follows Llama 3:
+its pre-tokenization pattern, and 256 special tokens (``<|begin_of_text|>``, ``<|end_of_text|>``, reserved ones, ...)
+numbered right after the BPE ranks, so Meta's ``tokenizer.model`` (128,000 ranks) gives 128,256 ids.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import re
+from abc import ABC, abstractmethod
+from typing import Iterable, Iterator
+
+from torchtitan.errors import UserError
+
+LLAMA3_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+NUM_SPECIAL_TOKENS = 256
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+
+# Very long runs of spaces (or of non-spaces) make the pre-tokenization regex slow, so long texts are cut into
+# pieces first: no piece longer than _MAX_PIECE_CHARS, no run longer than _MAX_RUN_CHARS.
+_MAX_PIECE_CHARS = 400_000
+_MAX_RUN_CHARS = 25_000
+_RUNS = re.compile(r"\s+|\S+")
+_TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+={0,2} [0-9]+\r?$")
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids. ``n_words`` is the vocabulary size (the model's embedding rows)."""
+
+    n_words: int
+    bos_id: int
+    eos_id: int
+
+    @abstractmethod
+    def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
+        """Token ids of ``text``, with the BOS / EOS id added in front / at the end when asked."""
+
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``."""
+
+
+def llama3_special_tokens() -> list[str]:
+    """Llama 3's special tokens in id order (their ids follow the BPE ranks)."""
+    named = {
+        0: BOS_TOKEN, 1: EOS_TOKEN, 6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "<|eot_id|>",
+    }
+    tokens, reserved = [], 0
+    for index in range(NUM_SPECIAL_TOKENS):
+        if index in named:
+            tokens.append(named[index])
+        else:
+            tokens.append(f"<|reserved_special_token_{reserved}|>")
+            reserved += 1
+    return tokens
+
+
+def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
+    """The ``token bytes -> rank`` table of a tiktoken BPE file; ranks must be exactly 0..n-1."""
+    with open(path, "rb") as f:
+        data = f.read()
+    ranks: dict[bytes, int] = {}
+    for line_number, line in enumerate(data.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise UserError(
+                f"model.tokenizer_path '{path}' line {line_number} is not '<base64 token> <rank>'; "
+                "point it at a tiktoken BPE file or a sentencepiece model"
+            ) from None
+    if sorted(ranks.values()) != list(range(len(ranks))) or len(ranks) < 256:
+        raise UserError(
+            f"model.tokenizer_path '{path}' has {len(ranks)} tokens whose ranks are not 0..n-1 (n >= 256); "
+            "the tiktoken file is damaged"
+        )
+    return ranks
+
+
+def _pieces_for_regex(text: str) -> Iterator[str]:
+    """``text`` cut so that the pre-tokenizer never sees an overlong piece or run (short texts pass whole)."""
+    if len(text) <= _MAX_RUN_CHARS:
+        yield text
+        return
+    piece: list[str] = []
+    piece_chars = 0
+    for run in _RUNS.finditer(text):
+        run_text = run.group()
+        for start in range(0, len(run_text), _MAX_RUN_CHARS):
+            part = run_text[start : start + _MAX_RUN_CHARS]
+            # A run cut in several parts must be encoded in separate pieces; so must a piece past its size.
+            if piece and (start > 0 or piece_chars + len(part) > _MAX_PIECE_CHARS):
+                yield "".join(piece)
+                piece, piece_chars = [], 0
+            piece.append(part)
+            piece_chars += len(part)
+    if piece:
+        yield "".join(piece)
+
+
+class TikTokenizer(Tokenizer):
+    """A tiktoken BPE file with Llama 3's pre-tokenizer and special tokens.
+
+    Text that happens to spell a special token (say ``<|end_of_text|>`` inside a web page) is encoded as plain
+    text: only ``bos=True`` / ``eos=True`` produce special ids.
+    """
+
+    def __init__(self, path: str) -> None:
+        import tiktoken
+
+        ranks = read_tiktoken_ranks(path)
+        self.special_tokens = {token: len(ranks) + i for i, token in enumerate(llama3_special_tokens())}
+        self._encoding = tiktoken.Encoding(
+            name=os.path.basename(path),
+            pat_str=LLAMA3_SPLIT_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=self.special_tokens,
+        )
+        self.n_words = self._encoding.n_vocab
+        self.bos_id = self.special_tokens[BOS_TOKEN]
+        self.eos_id = self.special_tokens[EOS_TOKEN]
+
+    def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
+        ids = [self.bos_id] if bos else []
+        for piece in _pieces_for_regex(text):
+            ids.extend(self._encoding.encode_ordinary(piece))
+        if eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._encoding.decode([int(i) for i in ids])
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece model; it must define BOS and EOS pieces. Control ids decode to nothing."""
+
+    def __init__(self, path: str) -> None:
+        import sentencepiece
+
+        try:
+            self._processor = sentencepiece.SentencePieceProcessor(model_file=path)
+        except (OSError, RuntimeError):
+            raise UserError(
+                f"model.tokenizer_path '{path}' is not a sentencepiece model (it could not be parsed); "
+                "point it at a sentencepiece .model or tiktoken BPE file"
+            ) from None
+        self.n_words = self._processor.vocab_size()
+        self.bos_id = self._processor.bos_id()
+        self.eos_id = self._processor.eos_id()
+        if self.bos_id < 0 or self.eos_id < 0:
+            raise UserError(
+                f"model.tokenizer_path '{path}' is a sentencepiece model without BOS/EOS pieces; "
+                "train it with bos_id and eos_id set"
+            )
+
+    def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
+        ids = self._processor.encode(text)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._processor.decode([int(i) for i in ids])
+
+
+def looks_like_tiktoken(path: str) -> bool:
+    """True when the file starts with a ``<base64 token> <rank>`` line (a sentencepiece model is binary)."""
+    with open(path, "rb") as f:
+        first_line = f.readline(4096)
+    return _TIKTOKEN_LINE.match(first_line.rstrip(b"\n")) is not None
+
+
+def build_tokenizer(path: str, kind: str = "auto") -> Tokenizer:
+    """The tokenizer stored at ``path``; ``kind`` is "auto" (detect by content), "tiktoken" or "sentencepiece"."""
+    if kind not in ("auto", "tiktoken", "sentencepiece"):
+        raise UserError(f"model.tokenizer_type '{kind}' is unknown; choose auto, tiktoken or sentencepiece")
+    if not os.path.exists(path):
+        raise UserError(
+            f"model.tokenizer_path '{path}' does not exist; point it at a tiktoken BPE or sentencepiece model file"
+        )
+    if os.path.isdir(path):
+        raise UserError(f"model.tokenizer_path '{path}' is a folder; point it at the tokenizer file inside it")
+    try:
+        if kind == "auto":
+            kind = "tiktoken" if looks_like_tiktoken(path) else "sentencepiece"
+        return TikTokenizer(path) if kind == "tiktoken" else SentencePieceTokenizer(path)
+    except OSError as error:
+        raise UserError(f"model.tokenizer_path '{path}' cannot be read ({error.strerror or error})") from None
