@@ -66,7 +66,7 @@ def main(job_config: JobConfig) -> None:
     parallel_dims, model_args, tokenizer = preflight(job_config, world_size)
     world_mesh = parallel_dims.build_mesh(device.type)
     dp_rank, dp_degree = parallel_dims.dp_rank_and_degree(world_mesh)
-    dp_group = world_mesh["dp"].get_group() if parallel_dims.dp_enabled else None
+    dp_group = parallel_dims.dp_mesh(world_mesh).get_group() if parallel_dims.dp_enabled else None
 
     with torch.device("meta"):
         model = Transformer(model_args).to(DTYPES[t.param_dtype])

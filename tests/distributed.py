@@ -14,6 +14,7 @@ A failure in any rank re-raises in the test process with that rank's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import socket
 import time
@@ -39,7 +40,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
+        # Plain pickle copies tensors by value; the queue's own pickler would share memory that dies with this process.
+        result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - the parent re-raises it
         queue.put((rank, False, traceback.format_exc()))
@@ -71,7 +73,7 @@ def run_workers(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout
                 continue
             if not ok:
                 raise AssertionError(f"rank {rank} of {fn.__name__} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         for p in procs:
             p.join(max(1.0, deadline - time.monotonic()))
     finally:

@@ -63,6 +63,11 @@ class ModelArgs:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least float32 for precision-sensitive steps; float64 stays float64 (exact comparisons in tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
     """cos and sin of every (position, frequency) pair: shape (max_seq_len, head_dim // 2, 2), float32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
@@ -73,7 +78,7 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> to
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive pairs of ``x`` (batch, seq, heads, head_dim) by their position's angles."""
     seq_len = x.shape[1]
-    pairs = x.float().unflatten(-1, (-1, 2))
+    pairs = _upcast(x).unflatten(-1, (-1, 2))
     cos = table[:seq_len, None, :, 0]
     sin = table[:seq_len, None, :, 1]
     even, odd = pairs[..., 0], pairs[..., 1]
@@ -90,7 +95,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        wide = _upcast(x)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
     def reset_parameters(self) -> None:

@@ -1,0 +1,166 @@
+"""Parallelized Llama (FSDP2, HSDP, TP, FSDP x TP) trains exactly like the same model in one process, and bad
+parallel settings are refused with a UserError.
+
+Each world size is launched once (processes are the slow part on a small machine) and runs several layouts in turn;
+one test per layout then compares that layout's results with the single-process reference.
+
+Tolerance: everything runs in float64, so layouts differ from one process only by summation order across shards
+(~1e-16 relative per operation); we allow 1e-10 relative and 1e-12 absolute for gradients. The weights after one
+AdamW step get 1e-10 absolute: the first Adam step is g / (|g| + eps), which magnifies gradient differences by up
+to lr / eps on entries whose gradient is near zero.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_workers
+from tests.parallel_helpers import TINY, batch, job_config, materialize, meta_model, reference_step, train_step
+from torchtitan.errors import UserError
+from torchtitan.parallelisms import (
+    ParallelDims,
+    loss_parallel_context,
+    parallelize_llama,
+    validate_model_for_parallelism,
+)
+
+GRAD_TOLERANCE = dict(rtol=1e-10, atol=1e-12)
+WEIGHT_TOLERANCE = dict(rtol=0.0, atol=1e-10)
+
+# layout name -> (world size, (dp_replicate, dp_shard, tp), job config sections)
+LAYOUTS = {
+    "fsdp2": (2, (1, -1, 1), {}),
+    "tp2": (2, (1, 1, 2), {}),
+    "tp2_gathered_logits": (2, (1, 1, 2), {"training": {"disable_loss_parallel": True}}),
+    "tp2_selective_op_ac": (
+        2, (1, 1, 2), {"activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"}}
+    ),
+    "fsdp2_full_ac": (2, (1, 2, 1), {"activation_checkpoint": {"mode": "full"}}),
+    "replicate2": (2, (2, 1, 1), {}),  # HSDP with shard degree 1: plain replication
+    "fsdp3": (3, (1, 3, 1), {}),
+    "fsdp2_x_tp2": (4, (1, 2, 2), {}),
+    "hsdp2x2": (4, (2, 2, 1), {}),
+    "hsdp2x2_x_tp1": (4, (2, -1, 1), {"activation_checkpoint": {"mode": "selective", "selective_ac_option": "2"}}),
+}
+
+
+def _numpy(tensors: dict) -> dict:
+    # Not tensors: torch's queue would share their storage by file descriptor with a process that is exiting.
+    return {name: t.numpy() for name, t in tensors.items()}
+
+
+def _run_layout(world_size: int, degrees, sections) -> dict:
+    config = job_config(**sections)
+    dims = ParallelDims(*degrees, world_size, enable_loss_parallel=not config.training.disable_loss_parallel)
+    mesh = dims.build_mesh("cpu")
+    model = materialize(parallelize_llama(meta_model(), mesh, dims, config))
+    dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
+    inputs, labels = batch()
+    share = len(inputs) // dp_degree
+    rows = slice(dp_rank * share, (dp_rank + 1) * share)
+    result = train_step(model, inputs[rows], labels[rows], lambda: loss_parallel_context(dims, config))
+    # The global loss is the mean over data-parallel ranks (equal shares); FSDP averages gradients the same way.
+    loss = torch.tensor([result["loss"]], dtype=torch.float64)
+    if dims.dp_enabled:
+        dist.all_reduce(loss, group=dims.dp_mesh(mesh).get_group())
+    return {
+        "loss": loss.item() / dp_degree,
+        "dp": (dp_rank, dp_degree),
+        "grads": _numpy(result["grads"]),
+        "weights": _numpy(result["weights"]),
+    }
+
+
+def _run_layouts(rank: int, world_size: int, names: list[str]) -> dict:
+    return {name: _run_layout(world_size, LAYOUTS[name][1], LAYOUTS[name][2]) for name in names}
+
+
+@functools.lru_cache(maxsize=None)
+def _results_for_world_size(world_size: int) -> list[dict]:
+    names = [name for name, (size, _, _) in LAYOUTS.items() if size == world_size]
+    return run_workers(_run_layouts, world_size, (names,))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference() -> dict:
+    return reference_step()
+
+
+def _assert_close_dicts(actual: dict, expected: dict, tolerance: dict, what: str) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in actual.items():
+        torch.testing.assert_close(torch.from_numpy(value), expected[name], **tolerance, msg=f"{what} of {name}")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_trains_like_one_process(layout):
+    world_size = LAYOUTS[layout][0]
+    reference = _reference()
+    for rank, results in enumerate(_results_for_world_size(world_size)):
+        result = results[layout]
+        assert result["loss"] == pytest.approx(reference["loss"], rel=1e-12, abs=0.0)
+        _assert_close_dicts(result["grads"], reference["grads"], GRAD_TOLERANCE, f"rank {rank} gradient")
+        _assert_close_dicts(result["weights"], reference["weights"], WEIGHT_TOLERANCE, f"rank {rank} weight")
+
+
+def test_data_parallel_ranks_follow_the_mesh():
+    """dp rank = (replicate index, shard index) in row-major order; TP neighbours share a dp rank."""
+    by_rank = _results_for_world_size(4)
+    assert [r["fsdp2_x_tp2"]["dp"] for r in by_rank] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [r["hsdp2x2"]["dp"] for r in by_rank] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Degrees and validation (one process)
+
+
+def test_shard_degree_fills_the_world():
+    dims = ParallelDims(dp_replicate=2, dp_shard=-1, tp=2, world_size=16)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 4, 2)
+    assert dims.dp_enabled and dims.dp_replicate_enabled and dims.dp_shard_enabled and dims.tp_enabled
+    assert dims.loss_parallel_enabled
+    assert not ParallelDims(1, -1, 2, 2, enable_loss_parallel=False).loss_parallel_enabled
+    assert not ParallelDims(1, -1, 1, 2).loss_parallel_enabled  # no TP: nothing to parallelize the loss over
+
+
+@pytest.mark.parametrize(
+    "degrees, world_size",
+    [((2, 2, 1), 8), ((1, 3, 1), 4), ((1, -1, 3), 4), ((3, -1, 1), 4), ((1, -1, 1), 0)],
+)
+def test_degrees_not_matching_the_world_size_are_refused(degrees, world_size):
+    with pytest.raises(UserError, match="world.size"):
+        ParallelDims(*degrees, world_size=world_size)
+
+
+def test_one_process_needs_no_mesh_and_parallelize_is_a_no_op():
+    dims = ParallelDims(1, -1, 1, 1)
+    assert not dims.dp_enabled and not dims.tp_enabled
+    assert dims.build_mesh("cpu") is None
+    assert dims.dp_rank_and_degree(None) == (0, 1)
+    model = meta_model()
+    names = [name for name, _ in model.named_parameters()]
+    assert parallelize_llama(model, None, dims, job_config()) is model
+    assert [name for name, _ in model.named_parameters()] == names
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads, tp, named", [(6, None, 4, "n_heads 6"), (4, 1, 2, "n_kv_heads 1")])
+def test_tensor_parallel_degree_must_divide_the_head_counts(n_heads, n_kv_heads, tp, named):
+    args = replace(TINY, dim=16 * n_heads, n_heads=n_heads, n_kv_heads=n_kv_heads)
+    with pytest.raises(UserError, match=named):
+        validate_model_for_parallelism(args, ParallelDims(1, 1, tp, world_size=tp))
+    validate_model_for_parallelism(TINY, ParallelDims(1, 1, 2, world_size=2))  # 4 and 2 heads split in two: fine
+
+
+@pytest.mark.parametrize("gpu", [None, (8, 0)])
+def test_float8_without_a_recent_cuda_gpu_is_refused(monkeypatch, gpu):
+    """No CUDA GPU, or one older than compute capability 8.9 (here an A100), cannot run float8 matmuls."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu)
+    config = job_config(float8={"enable_float8_linear": True})
+    with pytest.raises(UserError, match="compute capability >= 8.9"):
+        parallelize_llama(meta_model(), None, ParallelDims(1, -1, 1, 1), config)

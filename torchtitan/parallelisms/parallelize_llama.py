@@ -1,0 +1,205 @@
+"""How a Llama 3 model is spread over the device mesh: float8 linears, tensor parallelism, activation
+checkpointing, compile and FSDP2, applied in that order to a model still on the meta device.
+
+The order matters: float8 swaps ``nn.Linear`` modules, which the tensor-parallel plan must then see; checkpoint
+and compile wrappers go around whole blocks; FSDP2 goes last, around the (wrapped) blocks and the root, so that its
+all-gathers run outside compiled and recomputed regions.
+
+With one process and no parallelism (``world_mesh is None``) only float8, activation checkpointing and compile are
+applied. Mixed precision (bf16 compute, fp32 reduction) comes with FSDP2 on CUDA; without data parallelism, and on
+CPU, the model computes in its parameters' dtype.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from torchtitan.config_manager import JobConfig
+from torchtitan.errors import UserError
+from torchtitan.models.llama import ModelArgs, Transformer
+from torchtitan.parallelisms.activation_checkpoint import apply_activation_checkpointing
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+# Float8 needs hardware float8 matmuls (Ada / Hopper and newer).
+_FLOAT8_MIN_CAPABILITY = (8, 9)
+
+
+def parallelize_llama(
+    model: Transformer, world_mesh: Optional[DeviceMesh], parallel_dims: ParallelDims, job_config: JobConfig
+) -> Transformer:
+    """Apply float8, TP, activation checkpointing, compile and FSDP2 to ``model`` in place; returns it."""
+    validate_model_for_parallelism(model.args, parallel_dims)
+    if job_config.float8.enable_float8_linear:
+        convert_to_float8(model)
+    if parallel_dims.tp_enabled:
+        apply_tensor_parallel(
+            model, world_mesh["tp"],
+            loss_parallel=_loss_parallel_on(parallel_dims, job_config),
+            float8=job_config.float8.enable_float8_linear,
+        )
+    apply_activation_checkpointing(model, job_config.activation_checkpoint)
+    if job_config.training.compile:
+        apply_compile(model)
+    if parallel_dims.dp_enabled:
+        apply_fsdp(model, parallel_dims.fsdp_mesh(world_mesh), _mixed_precision(world_mesh, job_config))
+    return model
+
+
+def validate_model_for_parallelism(model_args: ModelArgs, parallel_dims: ParallelDims) -> None:
+    """Raise UserError when the model's shapes cannot be split by the tensor-parallel degree."""
+    tp = parallel_dims.tp
+    if tp == 1:
+        return
+    shapes = {
+        "model n_heads": model_args.n_heads,
+        "model n_kv_heads": model_args.kv_heads,
+        "model feed-forward hidden size": model_args.ffn_hidden_dim,
+        # Sequence parallelism splits every sequence evenly between the tensor-parallel ranks.
+        "training.seq_len (model max_seq_len)": model_args.max_seq_len,
+    }
+    for what, size in shapes.items():
+        if size % tp:
+            raise UserError(
+                f"training.tensor_parallel_degree {tp} does not divide the {what} {size}; pick a degree that divides it"
+            )
+
+
+def loss_parallel_context(
+    parallel_dims: ParallelDims, job_config: Optional[JobConfig] = None
+) -> AbstractContextManager:
+    """Wrap the loss and its backward: cross-entropy over vocabulary-sharded logits, without gathering them."""
+    return loss_parallel() if _loss_parallel_on(parallel_dims, job_config) else nullcontext()
+
+
+def _loss_parallel_on(parallel_dims: ParallelDims, job_config: Optional[JobConfig]) -> bool:
+    disabled = job_config is not None and job_config.training.disable_loss_parallel
+    return parallel_dims.loss_parallel_enabled and not disabled
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Float8
+
+
+def check_float8_supported() -> None:
+    if not torch.cuda.is_available():
+        raise UserError("float8.enable_float8_linear needs a CUDA GPU with compute capability >= 8.9; none found")
+    capability = torch.cuda.get_device_capability()
+    if capability < _FLOAT8_MIN_CAPABILITY:
+        raise UserError(
+            f"float8.enable_float8_linear needs a GPU with compute capability >= 8.9; this one has "
+            f"{capability[0]}.{capability[1]} (turn float8 off)"
+        )
+
+
+def convert_to_float8(model: nn.Module) -> None:
+    """Swap every linear except the output projection for torchao's float8 training linear."""
+    check_float8_supported()
+    from torchao.float8 import convert_to_float8_training  # imported here: torchao is slow and noisy to import
+
+    # The output projection stays in high precision: its logits feed the loss directly and it is sensitive.
+    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn != "output")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tensor parallelism
+
+
+def _tp_styles(float8: bool):
+    """Column-wise, row-wise and input-preparing styles; float8 linears need torchao's float8-aware ones."""
+    if float8:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+def apply_tensor_parallel(
+    model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, float8: bool = False
+) -> None:
+    """Megatron-style TP with sequence parallelism: the residual stream between blocks is split along the sequence.
+
+    Every parameter becomes a DTensor on the tp mesh (norms are replicated ones through SequenceParallel), so that
+    foreach optimizers and gradient clipping never mix DTensors with plain tensors.
+    """
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                # Loss parallel keeps the logits sharded over the vocabulary as a DTensor; otherwise gather them.
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    colwise, rowwise, prepare_input = _tp_styles(float8)
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        # The rotary table (second argument) is a plain buffer every rank holds whole.
+        "attention": prepare_input(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
+        "attention.wo": rowwise(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": colwise(),
+        "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+        "feed_forward.w3": colwise(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compile and FSDP2
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each block on its own: blocks share code, so one compilation serves them all."""
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+
+
+def _mixed_precision(world_mesh: Optional[DeviceMesh], job_config: JobConfig) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 reduction on CUDA; on CPU compute stays in the parameters' own dtype."""
+    if world_mesh is None or world_mesh.device_type != "cuda":
+        return MixedPrecisionPolicy()
+    training = job_config.training
+    return MixedPrecisionPolicy(
+        param_dtype=_DTYPES[training.mixed_precision_param], reduce_dtype=_DTYPES[training.mixed_precision_reduce]
+    )
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+    """Shard each block and the root (embedding, final norm, output) over ``dp_mesh`` (2-D mesh: HSDP)."""
+    blocks = list(model.layers.values())
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        last = index == len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=not last)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
