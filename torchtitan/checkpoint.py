@@ -1,0 +1,588 @@
+"""Checkpoints: save and resume model, optimizers, lr schedulers, data-loader position and train state.
+
+Layout of ``checkpoint.folder`` (relative to ``job.dump_folder`` unless absolute)::
+
+    step-10/               a complete checkpoint (torch.distributed.checkpoint format: .metadata + *.distcp)
+    step-20/
+    step-20-weights/       the final weights-only export (model_weights_only), in export_dtype
+    .step-30.tmp-1a2b3c/   a save in progress (or one killed mid-way): never loaded, removed at the next start
+
+Crash safety: every save writes into a hidden temporary folder; only after all ranks finished writing does rank 0
+rename it to ``step-N`` (atomic on one filesystem) and fsync the parent folder. A checkpoint that is visible is
+therefore complete, and the last good one is never written over. ``keep_latest_k`` removes older checkpoints only
+after the new one is published, and removes them by renaming first, so a crash mid-delete leaves a temporary folder,
+not a half-deleted ``step-N``.
+
+Resharding: model and optimizer tensors are DTensors that DCP reshards on load, so a checkpoint saved on N ranks
+loads on M. Everything else (schedulers, data-loader position, train state) is world-size independent plain data.
+
+No pickle of arbitrary objects on load:
+- plain-data state (schedulers, data loader, ``states``) is stored as JSON text in a uint8 tensor;
+- DCP's own non-tensor leaves (optimizer hyperparameters) are read with ``torch.load(weights_only=True)``;
+- DCP's ``.metadata`` file is read with an unpickler that only accepts DCP's metadata classes and a few torch and
+  builtin types.
+
+Async mode (``checkpoint.async_mode = "async"``): the state is copied to CPU memory on the calling thread, then
+written by a background thread over a dedicated gloo process group (so its collectives never interleave with the
+training loop's). A save waits for the previous one before starting; ``close()`` waits for the last one.
+
+Weights export: when ``checkpoint.model_weights_only`` is set, ``save`` at the last training step (``training.steps``)
+also writes ``step-N-weights`` holding only the model's parameters in ``checkpoint.export_dtype``, keyed by their
+parameter names, loadable with ``dcp.load`` into a ``Transformer``'s ``state_dict()``. With checkpointing enabled the
+full checkpoint of that step is saved as usual, so the run stays resumable; the export also works with checkpointing
+off. ``export_weights(step)`` does the same on demand.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import pickle
+import re
+import secrets
+import shutil
+import time
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from torchtitan.errors import UserError
+from torchtitan.logging import logger
+
+STEP_FOLDER = re.compile(r"^step-(\d+)$")
+TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights)?\.tmp-")
+METADATA_FILE = ".metadata"
+
+MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER = "model", "optimizer", "lr_schedulers", "dataloader"
+RESERVED_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plain data <-> JSON bytes, for state that is not tensors (schedulers, data-loader position, train state).
+# JSON alone would silently turn tuples into lists and int keys into strings, so those (and small tensors such as
+# a sampler's generator state) are written as tagged objects and restored exactly.
+
+_TAGS = ("__tuple__", "__items__", "__tensor__", "__bytes__")
+
+
+def encode_plain(value: Any) -> bytes:
+    """Plain Python data (dict, list, tuple, str, int, float, bool, None, bytes, small tensors) as JSON bytes."""
+    return json.dumps(_to_json(value, "state"), separators=(",", ":")).encode("utf-8")
+
+
+def decode_plain(data: bytes) -> Any:
+    """The inverse of :func:`encode_plain`."""
+    return _from_json(json.loads(data.decode("utf-8")))
+
+
+def _to_json(value: Any, path: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"__tuple__": [_to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        looks_tagged = len(value) == 1 and next(iter(value)) in _TAGS
+        if all(isinstance(k, str) for k in value) and not looks_tagged:
+            return {k: _to_json(v, f"{path}.{k}") for k, v in value.items()}
+        return {"__items__": [[_to_json(k, f"{path}.<key>"), _to_json(v, f"{path}[{k!r}]")] for k, v in value.items()]}
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, torch.Tensor) and not value.is_complex() and type(value) is torch.Tensor:
+        tensor = value.detach().cpu()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return {"__tensor__": {"dtype": dtype, "shape": list(tensor.shape), "values": tensor.flatten().tolist()}}
+    raise TypeError(
+        f"{path} is a {type(value).__name__}; checkpointed non-model state must be plain data "
+        "(dict, list, tuple, str, int, float, bool, None, bytes or a plain tensor)"
+    )
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1:
+        (tag, body), = value.items()
+        if tag == "__tuple__":
+            return tuple(_from_json(v) for v in body)
+        if tag == "__items__":
+            return {_from_json(k): _from_json(v) for k, v in body}
+        if tag == "__bytes__":
+            return base64.b64decode(body)
+        if tag == "__tensor__":
+            dtype = getattr(torch, body["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown tensor dtype {body['dtype']!r} in checkpoint")
+            return torch.tensor(body["values"], dtype=dtype).reshape(body["shape"])
+    return {k: _from_json(v) for k, v in value.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading DCP checkpoints without unpickling arbitrary objects.
+
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # rebuilds torch.strided & co. from their names
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Accepts DCP's metadata classes, torch.Size, dtypes, layouts and paths, and a few builtin containers only."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch.distributed.checkpoint.metadata":
+            found = super().find_class(module, name)
+            if isinstance(found, type):  # its dataclasses and enums; never a function
+                return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A FileSystemReader whose ``.metadata`` is read with :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        rank = kwargs.get("rank")
+        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        with open(os.path.join(os.fspath(self.path), name), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        # What FileSystemReader.read_metadata does after unpickling: tag the metadata with this load's id.
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that non-tensor entries (e.g. optimizer hyperparameters) are read with
+    ``torch.load(weights_only=True)``, which only builds tensors and plain containers, never arbitrary objects."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        safe_value = torch.load(value, weights_only=True)
+        # Hand the parent a re-serialisation of the already-vetted value, so that its (unrestricted) load only ever
+        # sees bytes we produced; this keeps us off DCP's private planner fields.
+        vetted = io.BytesIO()
+        torch.save(safe_value, vetted)
+        vetted.seek(0)
+        super().load_bytes(read_item, vetted)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Folder helpers.
+
+
+def resolve_folder(job_config: Any) -> str:
+    folder = job_config.checkpoint.folder
+    return folder if os.path.isabs(folder) else os.path.join(job_config.job.dump_folder, folder)
+
+
+def complete_steps(folder: str) -> list[int]:
+    """Steps of the published checkpoints in ``folder``, oldest first (temporary folders never count)."""
+    if not os.path.isdir(folder):
+        return []
+    steps = []
+    for name in os.listdir(folder):
+        match = STEP_FOLDER.match(name)
+        if match and os.path.isfile(os.path.join(folder, name, METADATA_FILE)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def step_folder(folder: str, step: int) -> str:
+    return os.path.join(folder, f"step-{step}")
+
+
+def weights_folder(folder: str, step: int) -> str:
+    return os.path.join(folder, f"step-{step}-weights")
+
+
+def temporary_name(final_path: str, token: str) -> str:
+    head, name = os.path.split(final_path)
+    return os.path.join(head, f".{name}.tmp-{token}")
+
+
+def fsync_folder(path: str) -> None:
+    """Make renames and new entries in ``path`` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_folder(path: str) -> None:
+    """Delete a folder so that a crash mid-way never leaves a half-deleted checkpoint under a visible name."""
+    doomed = temporary_name(path, "deleting-" + secrets.token_hex(4))
+    os.rename(path, doomed)
+    fsync_folder(os.path.dirname(path))
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def publish(temporary: str, final: str) -> None:
+    """Atomically make a finished save visible under its final name, replacing an older one of the same name."""
+    fsync_folder(temporary)
+    if os.path.exists(final):
+        # A re-run over the same step (e.g. resumed from an earlier load_step): the new save wins. The old one is
+        # moved aside first because a folder cannot be renamed onto a non-empty folder.
+        logger.warning(f"checkpoint: replacing existing {final}")
+        remove_folder(final)
+    os.rename(temporary, final)
+    fsync_folder(os.path.dirname(final))
+
+
+def clean_temporary(folder: str) -> list[str]:
+    """Remove leftovers of interrupted saves and deletes; returns their names."""
+    if not os.path.isdir(folder):
+        return []
+    removed = sorted(name for name in os.listdir(folder) if TEMPORARY_FOLDER.match(name))
+    for name in removed:
+        shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+    return removed
+
+
+def flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
+    """Keys of a nested dict as DCP flattens them ("a.b.c")."""
+    keys = []
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            keys.extend(flat_keys(value, name + "."))
+        else:
+            keys.append(name)
+    return keys
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Saves and resumes a training job; see the module docstring for the folder layout and guarantees.
+
+    ``optimizers`` and ``lr_schedulers`` expose ``state_dict()`` / ``load_state_dict()`` (a plain list of schedulers
+    is accepted too); ``data_loader`` is a StatefulDataLoader (or None), whose state is the same on every rank;
+    ``states`` maps names to objects with ``state_dict()`` / ``load_state_dict()`` returning plain data.
+    """
+
+    def __init__(
+        self,
+        data_loader: Any,
+        model_parts: list[nn.Module],
+        optimizers: Any,
+        lr_schedulers: Any,
+        states: dict[str, Any],
+        job_config: Any,
+    ) -> None:
+        clash = set(states) & set(RESERVED_KEYS)
+        if clash:
+            raise ValueError(f"states may not use the reserved names {sorted(clash)}")
+        self.data_loader = data_loader
+        self.model_parts = list(model_parts)
+        self.optimizers = optimizers
+        self.lr_schedulers = lr_schedulers
+        self.states = dict(states)
+        config = job_config.checkpoint
+        self.enabled = config.enable_checkpoint
+        self.export_enabled = config.model_weights_only
+        self.interval = config.interval
+        self.keep_latest_k = config.keep_latest_k
+        self.async_enabled = config.async_mode == "async"
+        self.load_step = config.load_step
+        self.export_dtype = getattr(torch, config.export_dtype)
+        self.last_step = job_config.training.steps
+        self.folder = resolve_folder(job_config)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._pending: Optional[tuple[Any, str, str]] = None  # (future, temporary folder, final folder)
+        self._last_saved_step = -1
+        self._group = None
+        if not (self.enabled or self.export_enabled):
+            return
+        if dist.is_initialized():
+            # Our own gloo group: async saves talk on it from a background thread without interleaving with the
+            # training loop's collectives, and CPU tensors can coordinate ranks whatever the main backend is.
+            self._group = dist.new_group(backend="gloo")
+        self.check_writable()
+        if self.rank == 0:
+            removed = clean_temporary(self.folder)
+            if removed:
+                logger.info(f"checkpoint: removed {len(removed)} incomplete save(s) in {self.folder}: {removed}")
+        self._barrier()
+        mode = "async (background thread, dedicated gloo group)" if self.async_enabled else "synchronous"
+        logger.info(
+            f"checkpoint: folder {self.folder}, every {self.interval} steps, {mode}, keep "
+            f"{self.keep_latest_k or 'all'}" + (f", export weights as {config.export_dtype}" if self.export_enabled else "")
+        )
+
+    # -- public API ------------------------------------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Raise UserError (on every rank) unless this rank can create files in the checkpoint folder."""
+        problem = None
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            probe = os.path.join(self.folder, f".write-probe-{os.getpid()}-{secrets.token_hex(4)}")
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+                f.flush()
+                os.fsync(f.fileno())
+            os.remove(probe)
+        except OSError as e:
+            problem = e.strerror or str(e)
+        if self._any_rank(problem is not None):
+            raise UserError(
+                f"checkpoint folder '{self.folder}' is not writable ({problem or 'on another rank'}); fix its "
+                "permissions or point checkpoint.folder / job.dump_folder at a writable folder"
+            )
+
+    def load(self, step: int = -1) -> bool:
+        """Resume from ``step`` (or ``checkpoint.load_step``, or the latest complete checkpoint); True if loaded."""
+        if not self.enabled:
+            if step >= 0 or self.load_step >= 0:
+                logger.warning("checkpoint: load_step is ignored because checkpoint.enable_checkpoint is off")
+            return False
+        requested = step if step >= 0 else self.load_step
+        steps = complete_steps(self.folder)
+        if requested >= 0 and requested not in steps:
+            available = ", ".join(map(str, steps)) or "none"
+            raise UserError(
+                f"checkpoint.load_step {requested} has no complete checkpoint in '{self.folder}' "
+                f"(available steps: {available}); pick one of those or -1 for the latest"
+            )
+        if not steps:
+            logger.info(f"checkpoint: nothing to resume in {self.folder}; starting from scratch")
+            return False
+        chosen = requested if requested >= 0 else steps[-1]
+        begin = time.perf_counter()
+        self._load_from(step_folder(self.folder, chosen))
+        self._last_saved_step = chosen
+        logger.info(f"checkpoint: resumed from step {chosen} in {time.perf_counter() - begin:.2f} s")
+        return True
+
+    def save(self, curr_step: int, force: bool = False) -> None:
+        """Save at multiples of ``checkpoint.interval`` and when forced; export weights at the last step if asked."""
+        if self.enabled:
+            self._publish_pending(wait=False)
+            due = force or curr_step % self.interval == 0
+            if due and curr_step != self._last_saved_step:
+                self._save_full(curr_step)
+        if self.export_enabled and curr_step == self.last_step:
+            self.export_weights(curr_step)
+
+    def export_weights(self, step: int) -> str:
+        """Write the model's parameters alone, in ``checkpoint.export_dtype``, to ``step-N-weights``; its path."""
+        self._publish_pending(wait=True)
+        final = weights_folder(self.folder, step)
+        weights = {
+            name: value.to(self.export_dtype) if value.is_floating_point() else value
+            for name, value in self._model_state().items()
+        }
+        begin = time.perf_counter()
+        temporary = temporary_name(final, self._shared_token())
+        os.makedirs(temporary, exist_ok=True)
+        with _single_process_quiet():
+            dcp.save(weights, storage_writer=FileSystemWriter(temporary), process_group=self._group)
+        self._publish_everywhere(temporary, final)
+        logger.info(f"checkpoint: exported weights to {final} in {time.perf_counter() - begin:.2f} s")
+        return final
+
+    def close(self) -> None:
+        """Wait for an async save in flight and publish it."""
+        if self._group is None and not (self.enabled or self.export_enabled):
+            return
+        self._publish_pending(wait=True)
+        self._barrier()
+
+    # -- saving ----------------------------------------------------------------------------------------------------
+
+    def _save_full(self, step: int) -> None:
+        # Only one save in flight: the next one starts after the previous one is published.
+        self._publish_pending(wait=True)
+        begin = time.perf_counter()
+        final = step_folder(self.folder, step)
+        temporary = temporary_name(final, self._shared_token())
+        os.makedirs(temporary, exist_ok=True)
+        state = self._state_to_save()
+        writer = FileSystemWriter(temporary)
+        self._last_saved_step = step
+        if self.async_enabled:
+            with _single_process_quiet():
+                result = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+            # Newer torch may return a response whose upload_completion is the future to wait on.
+            future = getattr(result, "upload_completion", result)
+            self._pending = (future, temporary, final)
+            logger.info(f"checkpoint: step {step} staged in {time.perf_counter() - begin:.2f} s, writing in background")
+            return
+        with _single_process_quiet():
+            dcp.save(state, storage_writer=writer, process_group=self._group)
+        self._publish_everywhere(temporary, final)
+        logger.info(f"checkpoint: saved step {step} in {time.perf_counter() - begin:.2f} s")
+
+    def _publish_pending(self, wait: bool) -> None:
+        if self._pending is None:
+            return
+        future, temporary, final = self._pending
+        if not wait and not future.done():
+            return
+        future.result()  # re-raises a failed background save
+        self._pending = None
+        # DCP writes the metadata file on rank 0 after every rank's data is written, so a finished save on rank 0
+        # is a complete checkpoint: rank 0 can publish it without another collective.
+        if self.rank == 0:
+            self._publish_and_prune(temporary, final)
+            logger.info(f"checkpoint: published {final}")
+
+    def _publish_everywhere(self, temporary: str, final: str) -> None:
+        self._barrier()  # every rank has written its part
+        if self.rank == 0:
+            self._publish_and_prune(temporary, final)
+        self._barrier()  # nobody moves on before the checkpoint is visible
+
+    def _publish_and_prune(self, temporary: str, final: str) -> None:
+        publish(temporary, final)
+        if self.keep_latest_k and STEP_FOLDER.match(os.path.basename(final)):
+            for old in complete_steps(self.folder)[: -self.keep_latest_k]:
+                remove_folder(step_folder(self.folder, old))
+                logger.info(f"checkpoint: removed step-{old} (keep_latest_k={self.keep_latest_k})")
+
+    def _state_to_save(self) -> dict[str, Any]:
+        state: dict[str, Any] = {MODEL: self._model_state(), OPTIMIZER: self.optimizers.state_dict()}
+        for name, value in self._plain_states().items():
+            state[name] = torch.frombuffer(bytearray(encode_plain(value)), dtype=torch.uint8)
+        return state
+
+    def _plain_states(self) -> dict[str, Any]:
+        """Everything saved as JSON: world-size independent, identical on every rank (DCP writes it once)."""
+        plain: dict[str, Any] = {}
+        if self.lr_schedulers is not None:
+            plain[LR_SCHEDULERS] = _state_of(self.lr_schedulers)
+        if self.data_loader is not None:
+            plain[DATALOADER] = self.data_loader.state_dict()
+        for name, obj in self.states.items():
+            plain[name] = obj.state_dict()
+        return plain
+
+    def _model_state(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part in self.model_parts:
+            merged.update(get_model_state_dict(part))
+        return merged
+
+    # -- loading ---------------------------------------------------------------------------------------------------
+
+    def _load_from(self, path: str) -> None:
+        part_states = [get_model_state_dict(part) for part in self.model_parts]
+        optimizer_state = self.optimizers.state_dict()
+        state: dict[str, Any] = {
+            MODEL: {k: v for part_state in part_states for k, v in part_state.items()},
+            OPTIMIZER: optimizer_state,
+        }
+        reader = SafeFileSystemReader(path)
+        metadata = reader.read_metadata()
+        plain_names = list(self._plain_states())
+        self._check_matches(path, metadata, state, plain_names)
+        for name in plain_names:
+            state[name] = torch.empty(metadata.state_dict_metadata[name].size, dtype=torch.uint8)
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
+
+        for part, part_state in zip(self.model_parts, part_states):
+            set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
+        self.optimizers.load_state_dict(optimizer_state)
+        plain = {name: decode_plain(state[name].numpy().tobytes()) for name in plain_names}
+        if LR_SCHEDULERS in plain:
+            _load_state_of(self.lr_schedulers, plain[LR_SCHEDULERS])
+        if DATALOADER in plain:
+            self.data_loader.load_state_dict(plain[DATALOADER])
+        for name, obj in self.states.items():
+            obj.load_state_dict(plain[name])
+
+    @staticmethod
+    def _check_matches(path: str, metadata: Any, state: dict[str, Any], plain_names: list[str]) -> None:
+        saved = metadata.state_dict_metadata
+        missing = [k for k in flat_keys(state) if k not in saved and not any(s.startswith(k + ".") for s in saved)]
+        missing += [k for k in plain_names if getattr(saved.get(k), "properties", None) is None
+                    or saved[k].properties.dtype != torch.uint8]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise UserError(
+                f"checkpoint '{path}' does not match this job (missing {shown}); it was saved with a different "
+                "model, optimizer or data setup: resume with the same settings or use another checkpoint.folder"
+            )
+
+    # -- coordination (on our gloo group, CPU tensors) -----------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self._group is None:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(value.item())
+
+    def _shared_token(self) -> str:
+        """A random suffix for temporary folders, the same on every rank (rank 0 draws it)."""
+        value = torch.tensor([secrets.randbits(48)], dtype=torch.int64)
+        if self._group is not None:
+            dist.broadcast(value, src=dist.get_global_rank(self._group, 0), group=self._group)
+        return f"{int(value.item()):012x}"
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without a process group DCP warns on every call that it assumes one process; that is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _state_of(schedulers: Any) -> Any:
+    if hasattr(schedulers, "state_dict"):
+        return schedulers.state_dict()
+    return [scheduler.state_dict() for scheduler in schedulers]
+
+
+def _load_state_of(schedulers: Any, state: Any) -> None:
+    if hasattr(schedulers, "load_state_dict"):
+        schedulers.load_state_dict(state)
+        return
+    schedulers = list(schedulers)
+    if len(schedulers) != len(state):
+        raise UserError(
+            f"the checkpoint holds {len(state)} lr scheduler(s) but this job has {len(schedulers)}; "
+            "resume with the same model parts"
+        )
+    for scheduler, scheduler_state in zip(schedulers, state):
+        scheduler.load_state_dict(scheduler_state)
