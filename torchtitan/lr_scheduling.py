@@ -44,7 +44,7 @@ class SchedulersContainer:
             scheduler.step()
 
     def get_last_lr(self) -> float:
-        return self.schedulers[0].get_last_lr()[0]
+        return _as_float(self.schedulers[0].get_last_lr()[0])
 
     def state_dict(self) -> dict:
         # Every scheduler sees the same steps, so one state describes them all (and survives a change of parts).
