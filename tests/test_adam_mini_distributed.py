@@ -1,0 +1,309 @@
+"""Adam-mini across processes (gloo, float64): FSDP2 on 2, 3 and 4 ranks (uneven shards, KV heads not divisible by
+the rank count), tensor parallel, FSDP x TP and HSDP on 2 x 2 all equal the one-process run; an FSDP step sends
+only per-block sums (one all-reduce, no all-gather); a DCP checkpoint saved on 2 ranks resumes exactly on 1 and 3.
+
+Each world size is spawned once (module fixtures) and runs several layouts; a layout's failure is returned as its
+traceback so that only that layout's test fails."""
+
+from __future__ import annotations
+
+import io
+import traceback
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from tests.distributed import run_workers
+from tests.test_adam_mini import TINY, adam_mini_for, grad_from_values, max_difference, run_single_process, tiny_model
+from torchtitan.optim.partition import PER_ROW, PER_TENSOR
+
+STEPS = 5
+SAVE_AT, RESUME_STEPS = 3, 3
+pytestmark = pytest.mark.timeout(600)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Worker side (module level, so spawned ranks can import it)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _fsdp(model: torch.nn.Module, mesh) -> None:
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _tensor_parallel(model: torch.nn.Module, tp_mesh, embedding_plan=None) -> None:
+    # Column-wise Q/K/V/W1/W3 and output (Shard(0)), row-wise O/W2 (Shard(1)), vocabulary-parallel embedding
+    # (Shard(0)) unless told otherwise; norms stay plain tensors beside the DTensors.
+    parallelize_module(model, tp_mesh, {"tok_embeddings": embedding_plan or RowwiseParallel(),
+                                        "output": ColwiseParallel()})
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(), "feed_forward.w3": ColwiseParallel()}
+    for layer in model.layers.values():
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def _parallel_model(layout: str, world_size: int) -> torch.nn.Module:
+    model = tiny_model()
+    if layout == "fsdp":
+        _fsdp(model, init_device_mesh("cpu", (world_size,)))
+    elif layout == "tp":
+        _tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+    elif layout == "fsdp_tp":
+        # dp = world_size / 2: FSDP's strided shards of TP shards, uneven for the vocabulary (67 rows) and, with 3,
+        # for heads. The embedding is split by columns (Shard(1)): its per-row sums are partial over TP.
+        mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+        _tensor_parallel(model, mesh["tp"], embedding_plan=ColwiseParallel())
+        _fsdp(model, mesh["dp"])
+    elif layout == "hsdp":
+        _fsdp(model, init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard")))
+    else:
+        raise ValueError(layout)
+    return model
+
+
+def _set_grads(model: torch.nn.Module, step: int) -> None:
+    # Computed from each shard's own values: DTensor's slicing of a full tensor (distribute_tensor) does not always
+    # match where FSDP2 put the rows of uneven strided shards.
+    for name, p in model.named_parameters():
+        p.grad = grad_from_values(name, p, step)
+
+
+def _batch(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of a fixed global batch of 6 sequences (all of it in one process)."""
+    tokens = torch.randint(0, TINY.vocab_size, (6, 9), generator=torch.Generator().manual_seed(5))
+    share = tokens.shape[0] // world_size
+    tokens = tokens[rank * share:(rank + 1) * share]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train_on_loss(model: torch.nn.Module, rank: int, world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    """Real forward and backward (FSDP2 reduce-scatters the gradients), then AdamMini steps."""
+    optimizer = adam_mini_for(model)
+    inputs, labels = _batch(rank, world_size)
+    for _ in range(steps):
+        logits = model(inputs)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return _full_params(model)
+
+
+def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def _train(layout: str, world_size: int, steps: int, value_blocks: str = PER_ROW) -> dict[str, torch.Tensor]:
+    model = _parallel_model(layout, world_size)
+    optimizer = adam_mini_for(model, value_blocks=value_blocks)
+    for step in range(steps):
+        _set_grads(model, step)
+        optimizer.step()
+    return _full_params(model)
+
+
+class _CollectiveSizes(CommDebugMode):
+    """CommDebugMode that also records how many elements each collective sends."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not isinstance(func, torch._ops.HigherOrderOperator) and not any(t is DTensor for t in types):
+            if func._overloadpacket in self.comm_registry:
+                sent = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
+                self.sizes.append((str(func._overloadpacket).rsplit(".", 1)[-1], sent))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _collectives_of_one_step(layout: str, world_size: int) -> dict[str, Any]:
+    model = _parallel_model(layout, world_size)
+    optimizer = adam_mini_for(model)
+    _set_grads(model, 0)
+    optimizer.step()  # builds the state
+    _set_grads(model, 1)
+    with _CollectiveSizes() as comm:
+        optimizer.step()
+    counts = {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items() if n}
+    return {"counts": counts, "sizes": comm.sizes,
+            "smallest_param": min(p.numel() for p in model.parameters())}
+
+
+def _save_checkpoint(world_size: int, path: str) -> dict[str, torch.Tensor]:
+    model = _parallel_model("fsdp", world_size)
+    optimizer = adam_mini_for(model)
+    for step in range(SAVE_AT):
+        _set_grads(model, step)
+        optimizer.step()
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=path)
+    return _full_params(model)
+
+
+def _resume(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
+    """Load the checkpoint at ``path`` into a fresh optimizer on ``model`` and continue RESUME_STEPS steps."""
+    optimizer = adam_mini_for(model)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    for step in range(SAVE_AT, SAVE_AT + RESUME_STEPS):
+        _set_grads(model, step)
+        optimizer.step()
+    return _full_params(model)
+
+
+def _attempt(fn: Callable, *args) -> tuple[bool, Any]:
+    try:
+        return True, fn(*args)
+    except Exception:  # noqa: BLE001 - returned to the parent, which fails only this layout's test
+        return False, traceback.format_exc()
+
+
+def _world_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
+    runs: dict[str, tuple[bool, Any]] = {"fsdp": _attempt(_train, "fsdp", world_size, STEPS)}
+    if world_size == 2:
+        runs["tp"] = _attempt(_train, "tp", world_size, STEPS)
+        runs["fsdp_loss"] = _attempt(lambda: _train_on_loss(_parallel_model("fsdp", world_size), rank, world_size, 3))
+        runs["save"] = _attempt(_save_checkpoint, world_size, checkpoint_dir)
+        runs["comm_fsdp"] = _attempt(_collectives_of_one_step, "fsdp", world_size)
+        runs["comm_tp"] = _attempt(_collectives_of_one_step, "tp", world_size)
+    if world_size == 3:
+        runs["fsdp_per_tensor_values"] = _attempt(_train, "fsdp", world_size, STEPS, PER_TENSOR)
+        runs["comm_fsdp"] = _attempt(_collectives_of_one_step, "fsdp", world_size)
+        runs["resume"] = _attempt(lambda: _resume(_parallel_model("fsdp", world_size), resume_dir))
+    if world_size == 4:
+        runs["fsdp_tp"] = _attempt(_train, "fsdp_tp", world_size, STEPS)
+        runs["hsdp"] = _attempt(_train, "hsdp", world_size, STEPS)
+        runs["comm_fsdp_tp"] = _attempt(_collectives_of_one_step, "fsdp_tp", world_size)
+    if world_size == 6:
+        runs.pop("fsdp")
+        runs["fsdp_tp"] = _attempt(_train, "fsdp_tp", world_size, STEPS)
+    # Rank 0's results stand for all: every rank gathered the same full tensors.
+    if rank != 0:
+        runs = {name: (ok, None if ok else value) for name, (ok, value) in runs.items()}
+    # As bytes: tensors sent through the queue would share memory with a process that has exited.
+    buffer = io.BytesIO()
+    torch.save(runs, buffer)
+    return buffer.getvalue()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Parent side
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _spawn(world_size: int, checkpoint_dir: str | None, resume_dir: str | None) -> list[dict[str, Any]]:
+    packed = run_workers(_world_runs, world_size, (checkpoint_dir, resume_dir))
+    return [torch.load(io.BytesIO(data), weights_only=False) for data in packed]
+
+
+def _result(world: list[dict[str, Any]], name: str) -> Any:
+    for rank, runs in enumerate(world):
+        ok, value = runs[name]
+        if not ok:
+            pytest.fail(f"{name} failed on rank {rank}:\n{value}")
+    return world[0][name][1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("adam_mini_dcp"))
+
+
+@pytest.fixture(scope="module")
+def world2(checkpoint_dir):
+    return _spawn(2, checkpoint_dir, None)
+
+
+@pytest.fixture(scope="module")
+def world3(world2, checkpoint_dir):  # needs the checkpoint world2 saved
+    return _spawn(3, None, checkpoint_dir)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return _spawn(4, None, None)
+
+
+@pytest.fixture(scope="module")
+def world6():
+    return _spawn(6, None, None)
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    return {PER_ROW: run_single_process(STEPS, PER_ROW, grads_from_values=True),
+            PER_TENSOR: run_single_process(STEPS, PER_TENSOR, grads_from_values=True),
+            "uninterrupted": run_single_process(SAVE_AT + RESUME_STEPS, grads_from_values=True)}
+
+
+@pytest.mark.parametrize("world_name, layout", [
+    ("world2", "fsdp"), ("world3", "fsdp"), ("world4", "fsdp"),  # 2 KV heads over 3 and 4 ranks
+    ("world2", "tp"), ("world4", "fsdp_tp"), ("world4", "hsdp"),
+    ("world6", "fsdp_tp"),  # 3 x 2: heads of the TP shards cut unevenly by FSDP
+])
+def test_parallel_run_equals_single_process(request, single_process, world_name, layout):
+    params = _result(request.getfixturevalue(world_name), layout)
+    assert max_difference(params, single_process[PER_ROW]) < 1e-10
+
+
+def test_fsdp_with_whole_tensor_value_blocks_equals_single_process(world3, single_process):
+    assert max_difference(_result(world3, "fsdp_per_tensor_values"), single_process[PER_TENSOR]) < 1e-10
+
+
+def _block_sums_per_step() -> int:
+    """Entries of the per-head and per-tensor sums of squares of the tiny model (what an FSDP step sums)."""
+    heads = TINY.n_layers * (TINY.n_heads + TINY.kv_heads)
+    norms = 2 * TINY.n_layers + 1
+    return heads + norms
+
+
+def test_fsdp_training_on_a_real_loss_equals_single_process(world2):
+    expected = _train_on_loss(tiny_model(), 0, 1, 3)
+    assert max_difference(_result(world2, "fsdp_loss"), expected) < 1e-10
+
+
+@pytest.mark.parametrize("world_name", ["world2", "world3"])
+def test_fsdp_step_sends_only_block_sums(request, world_name):
+    comm = _result(request.getfixturevalue(world_name), "comm_fsdp")
+    print(f"{world_name} FSDP step collectives: {comm['counts']}, elements sent: {comm['sizes']}")
+    assert comm["counts"] == {"all_reduce": 1}
+    assert comm["sizes"] == [("all_reduce", _block_sums_per_step())]
+    assert max(size for _, size in comm["sizes"]) < comm["smallest_param"]
+
+
+def test_tp_and_fsdp_tp_steps_send_no_parameter_sized_tensor(world2, world4):
+    for name, comm in (("TP 2", _result(world2, "comm_tp")), ("FSDP x TP 2x2", _result(world4, "comm_fsdp_tp"))):
+        print(f"{name} step collectives: {comm['counts']}, elements sent: {comm['sizes']}")
+        assert "all_gather_into_tensor" not in comm["counts"]
+        # Per-row and per-block statistics only: never more than one entry per row of every matrix.
+        all_rows = sum(p.shape[0] for p in tiny_model().parameters() if p.dim() == 2)
+        assert sum(size for _, size in comm["sizes"]) <= all_rows + _block_sums_per_step()
+
+
+def test_checkpoint_from_2_ranks_resumes_exactly_on_1_rank(world2, checkpoint_dir, single_process):
+    _result(world2, "save")
+    resumed = _resume(tiny_model(seed=7), checkpoint_dir)
+    assert max_difference(resumed, single_process["uninterrupted"]) < 1e-10
+
+
+def test_checkpoint_from_2_ranks_resumes_exactly_on_3_ranks(world3, single_process):
+    assert max_difference(_result(world3, "resume"), single_process["uninterrupted"]) < 1e-10

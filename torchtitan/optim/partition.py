@@ -1,0 +1,213 @@
+"""Adam-mini's block partition: which entries of each weight share one second moment.
+
+Every weight is viewed as 2-D, rows being output neurons (or tokens, for embeddings). A block is then a run of
+rows, so every rule is a row grouping:
+
+=============  =========================================================  ==========================
+rule           weights                                                     blocks
+=============  =========================================================  ==========================
+per_row        embedding, output, value, attention output, MLP             one per row (token/neuron)
+per_head       query, key                                                  one per ``head_dim`` rows
+per_tensor     norms, every other 1-D parameter, value (optional)          one for the whole tensor
+per_element    biases                                                      plain Adam
+=============  =========================================================  ==========================
+
+A weight's role comes from the model when it declares one (our Llama's ``named_param_roles()``), otherwise from
+exact name rules for torchtitan and Hugging Face spellings. A matrix no rule matches gets one block per row and
+is reported, never silently blocked some other way. Norms, biases and every other 1-D parameter take no weight
+decay. Everything here depends only on names and global shapes, so the partition is the same on every rank and
+for every world size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
+
+from torchtitan.errors import UserError
+
+
+# Roles a weight can play (our Llama declares the first eight); BIAS and OTHER are assigned here.
+EMBEDDING, OUTPUT, QUERY, KEY, VALUE, ATTN_OUT, MLP, NORM = (
+    "embedding", "output", "query", "key", "value", "attn_out", "mlp", "norm"
+)
+BIAS, OTHER = "bias", "other"
+ROLES = (EMBEDDING, OUTPUT, QUERY, KEY, VALUE, ATTN_OUT, MLP, NORM, BIAS)
+
+# Block rules.
+PER_ROW, PER_HEAD, PER_TENSOR, PER_ELEMENT = "per_row", "per_head", "per_tensor", "per_element"
+VALUE_BLOCK_CHOICES = (PER_ROW, PER_TENSOR)
+
+# Module paths (as trailing name segments) whose ".weight" plays a role, in torchtitan and Hugging Face spelling.
+_WEIGHT_RULES: dict[tuple[str, ...], str] = {
+    ("tok_embeddings",): EMBEDDING,
+    ("embed_tokens",): EMBEDDING,
+    ("output",): OUTPUT,
+    ("lm_head",): OUTPUT,
+    ("attention", "wq"): QUERY,
+    ("self_attn", "q_proj"): QUERY,
+    ("attention", "wk"): KEY,
+    ("self_attn", "k_proj"): KEY,
+    ("attention", "wv"): VALUE,
+    ("self_attn", "v_proj"): VALUE,
+    ("attention", "wo"): ATTN_OUT,
+    ("self_attn", "o_proj"): ATTN_OUT,
+    ("feed_forward", "w1"): MLP,
+    ("feed_forward", "w2"): MLP,
+    ("feed_forward", "w3"): MLP,
+    ("mlp", "gate_proj"): MLP,
+    ("mlp", "up_proj"): MLP,
+    ("mlp", "down_proj"): MLP,
+}
+_LONGEST_RULE = max(len(path) for path in _WEIGHT_RULES)
+
+# Segments that activation checkpointing, torch.compile and FSDP1 insert into parameter names (DDP adds a leading
+# "module").
+_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How one parameter's second moment is blocked; depends only on its name, role and global shape."""
+
+    name: str
+    role: str
+    rule: str
+    shape: tuple[int, ...]
+    rows_per_block: int  # rows sharing one second moment (per_row: 1, per_head: head_dim, per_tensor: all rows)
+    decay: bool  # whether weight decay applies
+
+    @property
+    def rows(self) -> int:
+        """Rows of the 2-D view: the first dimension (a 0-D or 1-D parameter is one row)."""
+        return self.shape[0] if len(self.shape) >= 2 else 1
+
+    @property
+    def row_numel(self) -> int:
+        return self.numel // self.rows if self.rows else 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def n_blocks(self) -> int:
+        """Entries of the second moment ``v``: (n_blocks, 1), or the parameter's shape for per_element."""
+        if self.rule == PER_ELEMENT:
+            return self.numel
+        if self.rule == PER_TENSOR:
+            return 1
+        return self.rows // self.rows_per_block
+
+    @property
+    def block_numel(self) -> int:
+        """Parameter entries averaged into one second moment."""
+        if self.rule == PER_ELEMENT:
+            return 1
+        if self.rule == PER_TENSOR:
+            return self.numel
+        return self.rows_per_block * self.row_numel
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the segments that wrappers (checkpointing, compile, FSDP1, DDP) insert."""
+    parts = [part for part in name.split(".") if part not in _WRAPPER_SEGMENTS]
+    if len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def role_from_name(name: str) -> str:
+    """The role the exact name rules give a parameter; OTHER when none applies."""
+    parts = canonical_name(name).split(".")
+    if parts[-1] == "bias":
+        return BIAS
+    if parts[-1] != "weight" or len(parts) < 2:
+        return OTHER
+    module_path = parts[:-1]
+    last = module_path[-1]
+    if last == "norm" or last.endswith("_norm") or last.endswith("layernorm"):
+        return NORM
+    for length in range(min(_LONGEST_RULE, len(module_path)), 0, -1):
+        role = _WEIGHT_RULES.get(tuple(module_path[-length:]))
+        if role is not None:
+            return role
+    return OTHER
+
+
+def plan_blocks(
+    named_shapes: Iterable[tuple[str, tuple[int, ...]]],
+    *,
+    head_dim: int,
+    value_blocks: str = PER_ROW,
+    param_roles: Optional[Mapping[str, str]] = None,
+) -> list[BlockPlan]:
+    """A BlockPlan for every (name, global shape), in order.
+
+    ``param_roles`` (name -> role, names as given or without wrapper segments) takes precedence over the name
+    rules. Raises UserError for an unknown role or a query/key weight whose rows ``head_dim`` does not divide.
+    """
+    roles = _canonical_roles(param_roles or {})
+    plans = []
+    for name, shape in named_shapes:
+        role = roles.get(name) or roles.get(canonical_name(name)) or role_from_name(name)
+        plans.append(_plan_one(name, tuple(shape), role, head_dim, value_blocks))
+    return plans
+
+
+def _canonical_roles(param_roles: Mapping[str, str]) -> dict[str, str]:
+    roles = {}
+    for name, role in param_roles.items():
+        if role not in ROLES:
+            raise UserError(f"unknown Adam-mini role {role!r} for parameter {name}; choose one of {', '.join(ROLES)}")
+        roles[name] = role
+        roles.setdefault(canonical_name(name), role)
+    return roles
+
+
+def _plan_one(name: str, shape: tuple[int, ...], role: str, head_dim: int, value_blocks: str) -> BlockPlan:
+    rows = shape[0] if len(shape) >= 2 else 1
+    if len(shape) < 2:
+        # Vectors (norm scales, biases, anything else) never take per-row or per-head blocks, whatever their name.
+        rule = PER_ELEMENT if role == BIAS else PER_TENSOR
+        return BlockPlan(name, role, rule, shape, rows, decay=False)
+    if role in (QUERY, KEY):
+        if rows % head_dim:
+            raise UserError(
+                f"head size {head_dim} does not divide the {rows} rows of {role} weight {name}; "
+                "pass AdamMini the model's head_dim= (or the right dim=/n_heads=)"
+            )
+        return BlockPlan(name, role, PER_HEAD, shape, head_dim, decay=True)
+    if role == BIAS:
+        return BlockPlan(name, role, PER_ELEMENT, shape, 1, decay=False)
+    if role == NORM:
+        return BlockPlan(name, role, PER_TENSOR, shape, rows, decay=False)
+    if role == VALUE and value_blocks == PER_TENSOR:
+        return BlockPlan(name, role, PER_TENSOR, shape, rows, decay=True)
+    # embedding, output, value, attn_out, mlp, and matrices no rule matched (reported by the summary).
+    return BlockPlan(name, role, PER_ROW, shape, 1, decay=True)
+
+
+def partition_summary(plans: list[BlockPlan]) -> str:
+    """A short table: per role and rule, how many tensors, parameters and second-moment entries."""
+    rows: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    for plan in plans:
+        entry = rows[(plan.role, plan.rule)]
+        entry[0] += 1
+        entry[1] += plan.numel
+        entry[2] += plan.n_blocks
+    total_params = sum(plan.numel for plan in plans)
+    total_blocks = sum(plan.n_blocks for plan in plans)
+    lines = [f"Adam-mini partition: {len(plans)} tensors, {total_params:,} parameters, "
+             f"{total_blocks:,} second-moment entries ({total_blocks / max(total_params, 1):.4%} of Adam's)"]
+    lines.append(f"  {'role':<10} {'rule':<12} {'tensors':>7} {'parameters':>15} {'v entries':>12}")
+    for (role, rule), (count, numel, blocks) in sorted(rows.items()):
+        lines.append(f"  {role:<10} {rule:<12} {count:>7} {numel:>15,} {blocks:>12,}")
+    return "\n".join(lines)
+
+
+def unmatched_matrices(plans: list[BlockPlan]) -> list[str]:
+    """Names of parameters with two or more dimensions that neither the model nor a name rule gave a role."""
+    return [plan.name for plan in plans if plan.role == OTHER and len(plan.shape) >= 2]
