@@ -1,0 +1,508 @@
+"""build_optimizers and OptimizersContainer: names, options, state size, LR scheduling and DCP checkpoints.
+
+The low-bit optimizers compile their step on first use (tens of seconds on CPU, cached on disk afterwards), so only
+two tests step one (AdamW8bit): one in this process and one on two FSDP ranks. Their model has a single weight
+shape, so that each compiles as few graphs as possible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from tests.distributed import run_workers
+from torchtitan.config_manager import JobConfig
+from torchtitan.errors import UserError
+from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
+from torchtitan.optim import AdamMini, OptimizersContainer, build_optimizers
+from torchtitan.optim import builder
+
+torchao_optim = pytest.importorskip("torchao.optim")  # the `lowbit` extra; part of the dev install
+
+SEQ_LEN = 8
+TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=SEQ_LEN)
+# Every matrix 128 x 128: one compiled shape, and each of two FSDP ranks holds 8192 values of it, above torchao's
+# threshold for quantizing a tensor (4096 values; smaller ones keep plain state).
+LOW_BIT = ModelArgs(dim=128, n_layers=1, n_heads=4, vocab_size=128, multiple_of=128, ffn_dim_multiplier=0.375,
+                    max_seq_len=SEQ_LEN)
+LOW_BIT_NAMES = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
+
+
+def config(*argv: str) -> JobConfig:
+    return JobConfig.parse_args(list(argv))
+
+
+def model(args: ModelArgs = TINY, dtype: torch.dtype = torch.float64, seed: int = 0) -> Transformer:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        built = Transformer(args)
+    finally:
+        torch.set_default_dtype(previous)
+    built.init_weights(seed)
+    return built
+
+
+def batch(step: int, vocab_size: int, rank: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def train(net: Transformer, optimizers: OptimizersContainer, steps: range, schedulers=(), rank: int = 0) -> None:
+    for step in steps:
+        tokens = batch(step, net.args.vocab_size, rank)
+        logits = net(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizers.step()
+        for scheduler in schedulers:
+            scheduler.step()
+        optimizers.zero_grad()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def weights(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: full(p).detach().clone() for name, p in net.named_parameters()}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: 0.5 ** (step // 2))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Names and options
+
+
+@pytest.mark.parametrize("given, canonical", [
+    ("AdamW", "AdamW"), ("adamw", "AdamW"), ("ADAMW", "AdamW"), ("Adam", "Adam"), ("adam", "Adam"),
+    ("AdamMini", "AdamMini"), ("adam_mini", "AdamMini"), ("Adam-mini", "AdamMini"), ("adammini", "AdamMini"),
+    ("AdamW8bit", "AdamW8bit"), ("adamw_8bit", "AdamW8bit"), ("AdamW4bit", "AdamW4bit"),
+    ("AdamWFp8", "AdamWFp8"), ("adamw-fp8", "AdamWFp8"),
+])
+def test_every_name_and_alias_builds_its_optimizer(given, canonical):
+    net = model()
+    optimizers = build_optimizers([net], config("--optimizer.name", given))
+    assert optimizers.name == canonical
+    (optimizer,) = optimizers.optimizers
+    expected = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "AdamMini": AdamMini}.get(canonical)
+    assert isinstance(optimizer, expected or getattr(torchao_optim, canonical))
+    if canonical == "Adam":
+        assert not isinstance(optimizer, torch.optim.AdamW)
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert owned == {id(p) for p in net.parameters()}
+
+
+def test_one_optimizer_per_model_part_stepped_together():
+    parts = [model(seed=0), model(seed=1)]
+    optimizers = build_optimizers(parts, config())
+    assert len(optimizers.optimizers) == 2
+    for part, optimizer in zip(parts, optimizers.optimizers):
+        assert [p for p in optimizer.param_groups[0]["params"]] == list(part.parameters())
+    before = [weights(part) for part in parts]
+    for part in parts:
+        part(batch(0, TINY.vocab_size)[:, :-1]).square().mean().backward()
+    optimizers.step()
+    optimizers.zero_grad()
+    assert all(max_difference(b, weights(part)) > 0 for b, part in zip(before, parts))
+    assert all(p.grad is None for part in parts for p in part.parameters())
+    assert len(optimizers.param_groups) == 2
+
+
+def test_unknown_name_is_one_line_listing_valid_names():
+    with pytest.raises(UserError) as error:
+        build_optimizers([model()], config("--optimizer.name", "Lion"))
+    message = str(error.value)
+    assert "\n" not in message and "'Lion'" in message
+    for name in ("AdamW", "Adam", "AdamMini", "AdamW8bit", "AdamW4bit", "AdamWFp8"):
+        assert name in message
+
+
+def test_hyperparameters_reach_every_optimizer():
+    argv = ["--optimizer.lr", "0.003", "--optimizer.beta1", "0.8", "--optimizer.beta2", "0.9",
+            "--optimizer.eps", "1e-6", "--optimizer.weight_decay", "0.05"]
+    for name in ("AdamW", "Adam", "AdamMini", *LOW_BIT_NAMES):
+        (optimizer,) = build_optimizers([model()], config("--optimizer.name", name, *argv)).optimizers
+        group = optimizer.param_groups[0]
+        assert float(group["lr"]) == pytest.approx(0.003), name
+        assert tuple(group["betas"]) == (0.8, 0.9), name
+        assert (group["eps"], group["weight_decay"]) == (1e-6, 0.05), name
+
+
+def test_low_bit_options_arrive():
+    (optimizer,) = build_optimizers([model()], config(
+        "--optimizer.name", "AdamW4bit", "--optimizer.block_size", "64", "--optimizer.bf16_stochastic_round", "true",
+    )).optimizers
+    assert (optimizer.block_size, optimizer.bf16_stochastic_round) == (64, True)
+    (default,) = build_optimizers([model()], config("--optimizer.name", "AdamW8bit")).optimizers
+    assert (default.block_size, default.bf16_stochastic_round) == (256, False)  # torchao's own defaults
+
+
+@pytest.mark.parametrize("value_blocks, rule", [("per_row", "per_row"), ("per_tensor", "per_tensor")])
+def test_adam_mini_gets_value_blocks_and_the_models_shape(value_blocks, rule):
+    (optimizer,) = build_optimizers([model()], config(
+        "--optimizer.name", "AdamMini", "--optimizer.value_blocks", value_blocks)).optimizers
+    plans = {plan.name: plan for plan in optimizer.partition}
+    assert plans["layers.0.attention.wv.weight"].rule == rule
+    # Heads come from the model's own arguments: 4 query heads and 2 key/value heads of head_dim 8.
+    assert plans["layers.0.attention.wq.weight"].n_blocks == TINY.n_heads
+    assert plans["layers.0.attention.wk.weight"].n_blocks == TINY.kv_heads
+    assert plans["layers.0.attention.wk.weight"].rows_per_block == TINY.head_dim
+
+
+@pytest.mark.parametrize("implementation, flags", [
+    (None, None), ("for-loop", (False, False)), ("foreach", (True, False)), ("fused", (False, True)),
+])
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+def test_implementation_sets_torch_flags(name, implementation, flags):
+    argv = ["--optimizer.name", name] + (["--optimizer.implementation", implementation] if implementation else [])
+    optimizers = build_optimizers([model()], config(*argv))
+    group = optimizers.optimizers[0].param_groups[0]
+    if flags is None:
+        assert (group["foreach"], group["fused"]) == (None, None)  # torch picks
+    else:
+        assert (bool(group["foreach"]), bool(group["fused"])) == flags
+    # Every implementation actually steps.
+    net = optimizers.model_parts[0]
+    net(batch(0, TINY.vocab_size)[:, :-1]).square().mean().backward()
+    optimizers.step()
+
+
+@pytest.mark.parametrize("name, argv, fragment", [
+    ("AdamW", ["--optimizer.value_blocks", "per_tensor"], "optimizer.value_blocks does not apply to AdamW"),
+    ("Adam", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to Adam"),
+    ("AdamMini", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to AdamMini"),
+    ("AdamMini", ["--optimizer.implementation", "foreach"], "optimizer.implementation does not apply to AdamMini"),
+    ("AdamW", ["--optimizer.bf16_stochastic_round", "true"], "bf16_stochastic_round does not apply to AdamW"),
+    ("AdamW8bit", ["--optimizer.implementation", "fused"], "optimizer.implementation does not apply to AdamW8bit"),
+    ("AdamWFp8", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to AdamWFp8"),
+    ("AdamW4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamW4bit"),
+])
+def test_options_that_do_not_apply_are_rejected(name, argv, fragment):
+    with pytest.raises(UserError, match=fragment) as error:
+        build_optimizers([model()], config("--optimizer.name", name, *argv))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("beta1", 1.0, "optimizer.beta1 must be in \\[0, 1\\)"),
+    ("beta2", 1.5, "optimizer.beta2 must be in \\[0, 1\\)"),
+    ("lr", -1e-3, "optimizer.lr must be positive"),
+    ("eps", -1e-8, "optimizer.eps must be positive"),
+    ("eps", 0.0, "optimizer.eps must be positive"),
+    ("weight_decay", -0.1, "optimizer.weight_decay must be at least 0"),
+])
+@pytest.mark.parametrize("name", ["AdamW", "AdamMini", "AdamW8bit"])
+def test_invalid_values_are_user_errors(name, field, value, fragment):
+    job = config("--optimizer.name", name)
+    # Set after parsing: the builder must not rely on the config parser having checked (tools build configs too).
+    setattr(job.optimizer, field, value)
+    with pytest.raises(UserError, match=fragment):
+        build_optimizers([model()], job)
+
+
+def test_config_parser_rejects_beta1_of_one_clearly():
+    with pytest.raises(UserError, match="optimizer.beta1 must be less than 1.0"):
+        config("--optimizer.beta1", "1.0")
+
+
+def test_missing_torchao_explains_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)
+    monkeypatch.setattr(builder, "_low_bit_classes", {})
+    with pytest.raises(UserError, match=r"pip install 'torchtitan\[lowbit\]'") as error:
+        build_optimizers([model()], config("--optimizer.name", "AdamW4bit"))
+    assert "\n" not in str(error.value)
+    assert build_optimizers([model()], config("--optimizer.name", "AdamMini")).name == "AdamMini"
+
+
+def test_adam_mini_needs_a_model_that_knows_its_shape():
+    with pytest.raises(UserError, match="AdamMini needs the model's shape"):
+        build_optimizers([torch.nn.Linear(4, 4)], config("--optimizer.name", "AdamMini"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LR scheduling
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+@pytest.mark.parametrize("name", ["AdamW", "AdamMini", "AdamW8bit"])
+def test_lambda_lr_drives_every_optimizer_including_tensor_lr(name):
+    optimizers = build_optimizers([model(), model(seed=1)], config("--optimizer.name", name, "--optimizer.lr", "0.2"))
+    schedulers = [halving_schedule(optimizer) for optimizer in optimizers.optimizers]
+    lr_objects = [group["lr"] for group in optimizers.param_groups]
+    seen = []
+    for _ in range(5):
+        seen.extend(float(group["lr"]) for group in optimizers.param_groups)
+        for scheduler in schedulers:
+            scheduler.step()
+    assert seen == pytest.approx([0.2, 0.2, 0.2, 0.2, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05], rel=1e-6)
+    if name == "AdamW8bit":
+        # torchao refuses a float lr; the scheduler must update its tensor in place.
+        assert all(group["lr"] is obj for group, obj in zip(optimizers.param_groups, lr_objects))
+        assert all(isinstance(group["lr"], torch.Tensor) for group in optimizers.param_groups)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# State size
+
+
+def meta_model(args: ModelArgs) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(args)
+
+
+def test_state_bytes_on_the_debug_model_shape_without_allocating():
+    args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=2048)
+    sizes = {}
+    for name in ("AdamW", "AdamMini", *LOW_BIT_NAMES):
+        net = meta_model(args)
+        sizes[name] = build_optimizers([net], config("--optimizer.name", name)).state_bytes()
+        assert all(p.device.type == "meta" and p.grad is None for p in net.parameters())
+    param_bytes = sum(p.numel() * 4 for p in meta_model(args).parameters())
+    assert param_bytes * 2 <= sizes["AdamW"] <= param_bytes * 2.01  # m and v, plus step counters
+    assert sizes["AdamMini"] <= 0.51 * sizes["AdamW"]
+    assert sizes["AdamW8bit"] <= 0.27 * sizes["AdamW"]  # 1 byte per value + a scale per 256 values
+    assert sizes["AdamWFp8"] <= 0.27 * sizes["AdamW"]
+    assert sizes["AdamW4bit"] <= 0.14 * sizes["AdamW"]  # half a byte per value + a scale per 128 values
+
+
+def test_tensor_bytes_counts_local_shards_and_quantized_parts():
+    assert builder.tensor_bytes(torch.empty(10, 3, device="meta")) == 120
+    assert builder.tensor_bytes(3.0) == 0
+    quantized = torchao_optim.subclass_8bit.OptimState8bit.zeros((64, 64), signed=True, block_size=256)
+    assert builder.tensor_bytes(quantized) == 64 * 64 + 16 * 4 + 256 * 4  # codes, scales, code table
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints (one process)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini"])
+def test_creating_state_early_does_not_change_training(name):
+    """state_dict()/state_bytes() before the first step create the state; training must not notice."""
+    job = config("--optimizer.name", name, "--optimizer.lr", "0.01", "--optimizer.weight_decay", "0.1")
+    plain_net, early_net = model(), model()
+    plain, early = build_optimizers([plain_net], job), build_optimizers([early_net], job)
+    assert early.state_bytes() > 0 and early.state_dict()
+    assert max_difference(weights(plain_net), weights(early_net)) == 0.0  # creating state moved nothing
+    train(plain_net, plain, range(3))
+    train(early_net, early, range(3))
+    assert max_difference(weights(plain_net), weights(early_net)) == 0.0
+
+
+def save(state: dict, path) -> None:
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def load_into(net: Transformer, optimizers: OptimizersContainer, path) -> None:
+    state = {"model": net.state_dict(), "optimizer": optimizers.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    net.load_state_dict(state["model"])
+    optimizers.load_state_dict(state["optimizer"])
+
+
+def resume_run(name: str, args: ModelArgs, dtype: torch.dtype, path) -> tuple[dict, dict, dict, OptimizersContainer]:
+    """(uninterrupted weights, resumed weights, weights resumed with a fresh optimizer, resumed container)."""
+    job = config("--optimizer.name", name, "--optimizer.lr", "0.01")
+    net = model(args, dtype)
+    optimizers = build_optimizers([net], job)
+    schedulers = [halving_schedule(o) for o in optimizers.optimizers]
+    train(net, optimizers, range(3), schedulers)
+    save({"model": net.state_dict(), "optimizer": optimizers.state_dict()}, path)
+    scheduler_states = [s.state_dict() for s in schedulers]
+    train(net, optimizers, range(3, 6), schedulers)
+
+    def resumed(load_optimizer: bool):
+        fresh_net = model(args, dtype, seed=7)  # different weights, so loading must overwrite them
+        fresh = build_optimizers([fresh_net], job)
+        fresh_schedulers = [halving_schedule(o) for o in fresh.optimizers]
+        if load_optimizer:
+            load_into(fresh_net, fresh, path)
+        else:
+            state = {"model": fresh_net.state_dict()}
+            dcp.load(state, checkpoint_id=str(path))
+            for group in fresh.param_groups:  # same lr as the checkpoint, only the moments are lost
+                group["lr"].fill_(0.005) if isinstance(group["lr"], torch.Tensor) else group.update(lr=0.005)
+        for scheduler, state in zip(fresh_schedulers, scheduler_states):
+            scheduler.load_state_dict(state)
+        train(fresh_net, fresh, range(3, 6), fresh_schedulers)
+        return weights(fresh_net), fresh
+
+    resumed_weights, container = resumed(True)
+    return weights(net), resumed_weights, resumed(False)[0], container
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini"])
+def test_dcp_resume_equals_uninterrupted_run(name, tmp_path):
+    uninterrupted, resumed, without_state, _ = resume_run(name, TINY, torch.float64, tmp_path)
+    assert max_difference(uninterrupted, resumed) == 0.0
+    assert max_difference(uninterrupted, without_state) > 1e-4  # the optimizer state matters to this check
+
+
+def test_low_bit_dcp_round_trip_and_resume(tmp_path):
+    """AdamW8bit: quantized state is saved as plain tensors, quantized again on load, and training resumes."""
+    inductor_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    uninterrupted, resumed, without_state, optimizers = resume_run("AdamW8bit", LOW_BIT, torch.float32, tmp_path)
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == inductor_dir  # the per-optimizer cache folder was scoped
+    cache_base = inductor_dir or builder._default_inductor_cache_dir()
+    assert os.listdir(os.path.join(cache_base, "optim_AdamW8bit"))
+
+    # The live state is quantized again; the checkpoint holds only plain tensors.
+    (optimizer,) = optimizers.optimizers
+    wq = dict(optimizers.model_parts[0].named_parameters())["layers.0.attention.wq.weight"]
+    assert builder.is_quantized(optimizer.state[wq]["exp_avg"]) and builder.is_quantized(optimizer.state[wq]["exp_avg_sq"])
+    metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    saved = metadata["optimizer.state.layers.0.attention.wq.weight.exp_avg"]
+    assert type(saved).__name__ == "TensorStorageMetadata" and saved.properties.dtype == torch.float32
+    assert tuple(saved.size) == (128, 128)
+
+    # Within 8-bit noise of the uninterrupted run, and far closer than a resume that lost the moments.
+    resumed_error = max_difference(uninterrupted, resumed)
+    assert resumed_error < 0.05 * max_difference(uninterrupted, without_state)
+    typical = sum((uninterrupted[k] - resumed[k]).abs().mean().item() for k in resumed) / len(resumed)
+    assert typical < 0.01 * 0.01  # mean drift under a hundredth of one step (lr 0.01) after 3 steps
+
+    # Saved state reloads to the same values (quantizing a dequantized state again is lossless up to rounding).
+    state = optimizers.state_dict()
+    again = build_optimizers([model(LOW_BIT, torch.float32)], config("--optimizer.name", "AdamW8bit"))
+    again.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    reloaded = again.state_dict()
+    for key in (k for k in state if k.endswith(("exp_avg", "exp_avg_sq"))):
+        scale = state[key].abs().max().clamp(min=1e-12)
+        assert (reloaded[key] - state[key]).abs().max() <= 0.01 * scale, key
+
+    # Real (not meta) 8-bit state is about a quarter of AdamW's on the same model.
+    adamw = build_optimizers([model(LOW_BIT, torch.float32)], config("--optimizer.name", "AdamW")).state_bytes()
+    assert optimizers.state_bytes() < 0.4 * adamw
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints (two FSDP ranks)
+
+
+def _fsdp_model(args: ModelArgs, dtype: torch.dtype, seed: int) -> Transformer:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            net = Transformer(args)
+    finally:
+        torch.set_default_dtype(previous)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in net.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    net.to_empty(device="cpu")
+    net.init_weights(seed)
+    return net
+
+
+def _fsdp_resume_worker(rank: int, world_size: int, name: str, args: ModelArgs, dtype: torch.dtype, path: str):
+    job = config("--optimizer.name", name, "--optimizer.lr", "0.01")
+    net = _fsdp_model(args, dtype, seed=0)
+    optimizers = build_optimizers([net], job)
+    state_bytes = optimizers.state_bytes()
+    train(net, optimizers, range(3), rank=rank)
+    state = optimizers.state_dict()
+    dcp.save({"model": net.state_dict(), "optimizer": state}, checkpoint_id=path)
+    saved = {k: full(v).clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    train(net, optimizers, range(3, 5), rank=rank)
+    uninterrupted = weights(net)
+
+    fresh_net = _fsdp_model(args, dtype, seed=7)
+    fresh = build_optimizers([fresh_net], job)
+    load_into(fresh_net, fresh, path)
+    train(fresh_net, fresh, range(3, 5), rank=rank)
+    resumed = weights(fresh_net)
+
+    # The same resume without the optimizer state: how far off a lost state puts the run.
+    forgetful_net = _fsdp_model(args, dtype, seed=7)
+    forgetful = build_optimizers([forgetful_net], job)
+    model_only = {"model": forgetful_net.state_dict()}
+    dcp.load(model_only, checkpoint_id=path)
+    train(forgetful_net, forgetful, range(3, 5), rank=rank)
+    result = {"saved": saved, "uninterrupted": uninterrupted, "resumed": resumed, "without_state": weights(forgetful_net)}
+    # numpy, not tensors: results travel through a multiprocessing queue after this process has gone.
+    as_numpy = {part: {k: v.numpy().copy() for k, v in tensors.items()} for part, tensors in result.items()}
+    return {"state_bytes": state_bytes, **as_numpy}
+
+
+def _from_numpy(result: dict) -> dict:
+    return {part: {k: torch.from_numpy(v) for k, v in arrays.items()} if isinstance(arrays, dict) else arrays
+            for part, arrays in result.items()}
+
+
+def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) -> dict[str, torch.Tensor]:
+    """The optimizer state of a two-rank checkpoint loaded into one unsharded process."""
+    net = model(args, dtype, seed=7)
+    optimizers = build_optimizers([net], config("--optimizer.name", name, "--optimizer.lr", "0.01"))
+    load_into(net, optimizers, path)
+    return optimizers.state_dict()
+
+
+EXACT_NAMES = ("AdamW", "AdamMini")
+
+
+def _fsdp_resume_workers(rank: int, world_size: int, folder: str) -> dict[str, dict]:
+    return {name: _fsdp_resume_worker(rank, world_size, name, TINY, torch.float64, os.path.join(folder, name))
+            for name in EXACT_NAMES}
+
+
+@pytest.fixture(scope="module")
+def fsdp_exact_runs(tmp_path_factory) -> tuple[str, list[dict[str, dict]]]:
+    """Two-rank runs of AdamW and AdamMini in one pair of processes (starting processes is the slow part)."""
+    folder = str(tmp_path_factory.mktemp("fsdp_checkpoints"))
+    ranks = run_workers(_fsdp_resume_workers, 2, args=(folder,))
+    return folder, [{name: _from_numpy(result) for name, result in rank.items()} for rank in ranks]
+
+
+@pytest.mark.parametrize("name", EXACT_NAMES)
+def test_fsdp_two_ranks_resume_exactly_and_reshard_to_one(name, fsdp_exact_runs):
+    folder, runs = fsdp_exact_runs
+    ranks = [run[name] for run in runs]
+    for result in ranks:
+        assert max_difference(result["uninterrupted"], result["resumed"]) == 0.0
+    single = build_optimizers([model()], config("--optimizer.name", name)).state_bytes()
+    # Each rank holds about half the state (AdamMini keeps a few per-tensor numbers on every rank).
+    assert all(0.45 * single <= r["state_bytes"] <= 0.55 * single for r in ranks)
+    loaded = _single_process_state(name, TINY, torch.float64, os.path.join(folder, name))
+    saved = ranks[0]["saved"]
+    assert saved.keys() <= loaded.keys()
+    for key, value in saved.items():
+        assert torch.equal(torch.as_tensor(loaded[key]), value), key
+
+
+def test_fsdp_two_ranks_low_bit_resume_and_reshard(tmp_path):
+    ranks = run_workers(_fsdp_resume_worker, 2, args=("AdamW8bit", LOW_BIT, torch.float32, str(tmp_path)))
+    ranks = [_from_numpy(r) for r in ranks]
+    for result in ranks:
+        resumed_error = max_difference(result["uninterrupted"], result["resumed"])
+        assert resumed_error < 0.1 * max_difference(result["uninterrupted"], result["without_state"])
+        drift = [(result["uninterrupted"][k] - result["resumed"][k]).abs().mean().item() for k in result["resumed"]]
+        assert sum(drift) / len(drift) < 0.01 * 0.01  # mean drift under a hundredth of one step (lr 0.01)
+    single = build_optimizers([model(LOW_BIT, torch.float32)], config("--optimizer.name", "AdamW")).state_bytes()
+    assert all(r["state_bytes"] < 0.2 * single for r in ranks)  # 8-bit and half the parameters
+    loaded = _single_process_state("AdamW8bit", LOW_BIT, torch.float32, tmp_path)
+    for key, value in ranks[0]["saved"].items():
+        if key.endswith(("exp_avg", "exp_avg_sq")):
+            scale = value.abs().max().clamp(min=1e-12)
+            assert (loaded[key] - value).abs().max() <= 0.01 * scale, key
+        else:
+            assert torch.equal(torch.as_tensor(loaded[key]), value), key
