@@ -81,20 +81,35 @@ def test_two_fsdp_processes_match_one_process(tmp_path):
     assert two == pytest.approx(one, rel=1e-9)
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--training.stpes", "3"], "error: unknown config key 'training.stpes' (did you mean 'training.steps'?)"),
-        (["--training.steps", "x"], "error: training.steps expects int, got 'x'"),
-        (["--job.config_file", "missing.toml"], "error: config file 'missing.toml' not found"),
-        (["--model.tokenizer_path", "no/tokenizer.model"], "no/tokenizer.model"),
-        (["--training.dataset", "text", "--training.dataset_path", "no/such/dir"], "no/such/dir"),
-        (["--training.dataset", "text"], "training.dataset_path"),
-        (["--model.flavor", "9B"], "model.flavor '9B' is unknown"),
-        (["--training.tensor_parallel_degree", "2"], "tensor_parallel"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+BAD_INPUT = [
+    (["--training.stpes", "3"], "error: unknown config key 'training.stpes' (did you mean 'training.steps'?)"),
+    (["--training.steps", "x"], "error: training.steps expects int, got 'x'"),
+    (["--job.config_file", "missing.toml"], "error: config file 'missing.toml' not found"),
+    (["--model.tokenizer_path", "no/tokenizer.model"], "no/tokenizer.model"),
+    (["--training.dataset", "text", "--training.dataset_path", "no/such/dir"], "no/such/dir"),
+    (["--training.dataset", "text"], "training.dataset_path"),
+    (["--model.flavor", "9B"], "model.flavor '9B' is unknown"),
+    (["--training.tensor_parallel_degree", "2"], "tensor_parallel"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, monkeypatch, capsys):
+    # In-process for speed; the subprocess test below checks the same path end to end.
+    import train as train_module
+
+    argv = ["train.py"] + TINY + ["--job.dump_folder", str(tmp_path)] + args
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.chdir(ROOT)
+    assert train_module.run() == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[titan]")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert not (tmp_path / "tb").exists()
+
+
+@pytest.mark.parametrize("args, message", [BAD_INPUT[0], BAD_INPUT[3]])
+def test_bad_input_from_a_real_process(tmp_path, args, message):
     proc = train(tmp_path, *args, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -9,8 +9,10 @@ logger = logging.getLogger("torchtitan")
 def init_logger() -> None:
     rank = int(os.environ.get("RANK", "0"))
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[titan] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
+    # A fresh handler each time, bound to the current sys.stderr (which tests may have replaced).
+    for old in list(logger.handlers):
+        logger.removeHandler(old)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[titan] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
     logger.propagate = False

@@ -35,7 +35,7 @@ def preflight(job_config: JobConfig, world_size: int):
     Returns (parallel dims, model args, tokenizer) for the trainer to go on with.
     """
     # Imported here so that `--help` and config errors answer without importing torch.
-    from torchtitan.datasets import build_tokenizer
+    from torchtitan.datasets import build_tokenizer, resolve_dataset
     from torchtitan.parallelisms import ParallelDims, validate_model_for_parallelism
 
     t = job_config.training
@@ -43,6 +43,7 @@ def preflight(job_config: JobConfig, world_size: int):
         dp_replicate=t.data_parallel_replicate_degree, dp_shard=t.data_parallel_shard_degree,
         tp=t.tensor_parallel_degree, world_size=world_size, enable_loss_parallel=not t.disable_loss_parallel,
     )
+    resolve_dataset(t.dataset, t.dataset_path)
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.tokenizer_type)
     model_args = model_args_for(job_config, tokenizer.n_words)
     validate_model_for_parallelism(model_args, parallel_dims)

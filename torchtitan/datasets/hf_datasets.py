@@ -101,17 +101,17 @@ def local_data_files(dataset_path: str, dataset_name: str) -> tuple[str, list[st
     return kinds[0], [str(p) for p in files]
 
 
-def load_documents(dataset_name: str, dataset_path: Optional[str]) -> DocumentSource:
-    """The documents of ``training.dataset`` (optionally read from ``training.dataset_path``)."""
-    from datasets import load_dataset  # slow to import; only a data loader needs it
+def resolve_dataset(dataset_name: str, dataset_path: Optional[str]) -> Optional[tuple[str, list[str], str]]:
+    """Check ``training.dataset`` / ``training.dataset_path`` without reading any data.
 
+    Returns (datasets builder, files, description) for local data, or None for the c4 hub stream.
+    """
     if dataset_name not in DATASET_NAMES:
         raise UserError(f"training.dataset '{dataset_name}' is unknown; choose one of {', '.join(DATASET_NAMES)}")
     if dataset_path is None and dataset_name == "text":
         raise UserError("training.dataset 'text' needs training.dataset_path (a file or folder of text data)")
     if dataset_path is None and dataset_name == "c4":
-        hub = load_dataset("allenai/c4", name="en", split="train", streaming=True)
-        return DocumentSource(hub, "the c4 dataset (allenai/c4, en)")
+        return None
     description = f"training.dataset_path '{dataset_path}'"
     if dataset_path is None:
         if not SAMPLE_DATA_DIR.is_dir():
@@ -121,9 +121,21 @@ def load_documents(dataset_name: str, dataset_path: Optional[str]) -> DocumentSo
             )
         dataset_path, description = str(SAMPLE_DATA_DIR), f"the bundled sample dataset ({SAMPLE_DATA_DIR})"
     builder, files = local_data_files(dataset_path, dataset_name)
+    return builder, files, description
+
+
+def load_documents(dataset_name: str, dataset_path: Optional[str]) -> DocumentSource:
+    """The documents of ``training.dataset`` (optionally read from ``training.dataset_path``)."""
+    from datasets import load_dataset  # slow to import; only a data loader needs it
+
+    local = resolve_dataset(dataset_name, dataset_path)
+    if local is None:
+        hub = load_dataset("allenai/c4", name="en", split="train", streaming=True)
+        return DocumentSource(hub, "the c4 dataset (allenai/c4, en)")
+    builder, files, description = local
     options = {"sample_by": "paragraph"} if builder == "text" else {}
-    local = load_dataset(builder, data_files=files, split="train", streaming=True, **options)
-    return DocumentSource(local, description)
+    stream = load_dataset(builder, data_files=files, split="train", streaming=True, **options)
+    return DocumentSource(stream, description)
 
 
 # ----------------------------------------------------------------------------------------------------------------
