@@ -72,13 +72,27 @@ def test_identical_runs_give_identical_losses(tmp_path):
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 
 
-def test_two_fsdp_processes_match_one_process(tmp_path):
-    # Same global batch (4 sequences): two ranks of 2 see exactly the data one rank of 4 sees.
-    train(tmp_path / "one", "--training.batch_size", "4", "--training.param_dtype", "float64")
-    train(tmp_path / "two", "--training.param_dtype", "float64", nproc=2)
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+@pytest.fixture(scope="module")
+def one_process_float64(tmp_path_factory):
+    path = tmp_path_factory.mktemp("one")
+    train(path, "--training.batch_size", "4", "--training.param_dtype", "float64")
+    return losses(path)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--training.batch_size", "2"],  # FSDP over 2 ranks
+        ["--training.tensor_parallel_degree", "2", "--training.batch_size", "4"],  # TP over 2 ranks (loss parallel)
+    ],
+    ids=["fsdp2", "tp2"],
+)
+def test_two_processes_match_one_process(tmp_path, one_process_float64, layout):
+    # Same global batch (4 sequences), so every layout sees exactly the data one process sees.
+    train(tmp_path, "--training.param_dtype", "float64", *layout, nproc=2)
+    two = losses(tmp_path)
     assert two[-1] < two[0]
-    assert two == pytest.approx(one, rel=1e-9)
+    assert two == pytest.approx(one_process_float64, rel=1e-9)
 
 
 BAD_INPUT = [
@@ -90,6 +104,8 @@ BAD_INPUT = [
     (["--training.dataset", "text"], "training.dataset_path"),
     (["--model.flavor", "9B"], "model.flavor '9B' is unknown"),
     (["--training.tensor_parallel_degree", "2"], "tensor_parallel"),
+    (["--float8.enable_float8_linear"], "float8"),
+    (["--checkpoint.enable_checkpoint", "--checkpoint.load_step", "7"], "load_step"),
 ]
 
 
@@ -116,3 +132,44 @@ def test_bad_input_from_a_real_process(tmp_path, args, message):
     assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "tb").exists()
+
+
+def test_unwritable_checkpoint_folder_is_reported_before_training(tmp_path, monkeypatch, capsys):
+    import train as train_module
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("keep me")
+    argv = ["train.py"] + TINY + ["--job.dump_folder", str(tmp_path), "--checkpoint.enable_checkpoint",
+                                  "--checkpoint.folder", str(blocker / "checkpoints")]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.chdir(ROOT)
+    assert train_module.run() == 2
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip() and not l.startswith("[titan]")]
+    assert len(err) == 1 and err[0].startswith("error: ") and "checkpoint" in err[0]
+    assert blocker.read_text() == "keep me"
+    assert not (tmp_path / "tb").exists()
+
+
+@pytest.mark.parametrize(
+    "nproc, args, message",
+    [
+        (4, ["--training.tensor_parallel_degree", "3"], "4"),
+        (3, ["--training.tensor_parallel_degree", "3"], "3"),
+        (4, ["--training.data_parallel_replicate_degree", "3"], "3"),
+    ],
+)
+def test_preflight_rejects_layouts(nproc, args, message, capsys, monkeypatch):
+    from torchtitan.preflight import main as preflight_main
+
+    monkeypatch.chdir(ROOT)
+    assert preflight_main(["--nproc", str(nproc), "--job.config_file", "train_configs/debug_model.toml", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_preflight_accepts_a_good_layout(monkeypatch):
+    from torchtitan.preflight import main as preflight_main
+
+    monkeypatch.chdir(ROOT)
+    assert preflight_main(["--nproc", "4", "--job.config_file", "train_configs/debug_model.toml",
+                           "--training.tensor_parallel_degree", "2"]) == 0
