@@ -3,7 +3,6 @@ from the formulas, state dicts, bad input, and meta/fake tensors (the 8B state-s
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import zlib
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.parallel_helpers import default_dtype
 from torchtitan.errors import UserError
 from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
 from torchtitan.optim import AdamMini
@@ -20,16 +20,6 @@ from torchtitan.optim.partition import PER_ELEMENT, PER_HEAD, PER_ROW, PER_TENSO
 # A tiny GQA Llama whose sizes split unevenly over 2, 3 and 4 ranks (vocab 67, 2 KV heads of 8 rows).
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=67, multiple_of=16, max_seq_len=16)
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def tiny_model(args: ModelArgs = TINY, seed: int = 0) -> Transformer:

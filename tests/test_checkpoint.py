@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tests.distributed import run_workers
+from tests.parallel_helpers import meta_model
 from torchtitan.checkpoint import CheckpointManager, SafeFileSystemReader, SafeLoadPlanner, decode_plain, encode_plain
 from torchtitan.config_manager import JobConfig
 from torchtitan.errors import UserError
@@ -108,13 +109,7 @@ def warmup(step: int) -> float:
 
 
 def build_model(dtype=torch.float64) -> Transformer:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = Transformer(TINY)
-    finally:
-        torch.set_default_dtype(previous)
+    model = meta_model(TINY, dtype)
     if dist.is_initialized():
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in model.layers.values():

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from tests.distributed import run_workers
+from tests.parallel_helpers import default_dtype, meta_model
 from torchtitan.config_manager import JobConfig
 from torchtitan.errors import UserError
 from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
@@ -41,12 +42,8 @@ def config(*argv: str) -> JobConfig:
 
 
 def model(args: ModelArgs = TINY, dtype: torch.dtype = torch.float64, seed: int = 0) -> Transformer:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
+    with default_dtype(dtype):
         built = Transformer(args)
-    finally:
-        torch.set_default_dtype(previous)
     built.init_weights(seed)
     return built
 
@@ -398,13 +395,7 @@ def _fsdp_model(args: ModelArgs, dtype: torch.dtype, seed: int) -> Transformer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            net = Transformer(args)
-    finally:
-        torch.set_default_dtype(previous)
+    net = meta_model(args, dtype)
     mesh = init_device_mesh("cpu", (2,))
     for layer in net.layers.values():
         fully_shard(layer, mesh=mesh)
