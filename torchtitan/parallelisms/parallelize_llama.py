@@ -42,9 +42,18 @@ _FLOAT8_MIN_CAPABILITY = (8, 9)
 
 
 def parallelize_llama(
-    model: Transformer, world_mesh: Optional[DeviceMesh], parallel_dims: ParallelDims, job_config: JobConfig
+    model: Transformer,
+    world_mesh: Optional[DeviceMesh],
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    *,
+    compute_device_type: Optional[str] = None,
 ) -> Transformer:
-    """Apply float8, TP, activation checkpointing, compile and FSDP2 to ``model`` in place; returns it."""
+    """Apply float8, TP, activation checkpointing, compile and FSDP2 to ``model`` in place; returns it.
+
+    ``compute_device_type`` (default: the mesh's) decides the FSDP mixed-precision policy; the memory estimator
+    passes "cuda" to plan a GPU job on a simulated CPU mesh.
+    """
     validate_model_for_parallelism(model.args, parallel_dims)
     if job_config.float8.enable_float8_linear:
         convert_to_float8(model)
@@ -58,7 +67,8 @@ def parallelize_llama(
     if job_config.training.compile:
         apply_compile(model)
     if parallel_dims.dp_enabled:
-        apply_fsdp(model, parallel_dims.fsdp_mesh(world_mesh), _mixed_precision(world_mesh, job_config))
+        device_type = compute_device_type or (world_mesh.device_type if world_mesh is not None else "cpu")
+        apply_fsdp(model, parallel_dims.fsdp_mesh(world_mesh), _mixed_precision(device_type, job_config))
     return model
 
 
@@ -185,9 +195,9 @@ def apply_compile(model: Transformer) -> None:
         model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
 
-def _mixed_precision(world_mesh: Optional[DeviceMesh], job_config: JobConfig) -> MixedPrecisionPolicy:
+def _mixed_precision(device_type: str, job_config: JobConfig) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 reduction on CUDA; on CPU compute stays in the parameters' own dtype."""
-    if world_mesh is None or world_mesh.device_type != "cuda":
+    if device_type != "cuda":
         return MixedPrecisionPolicy()
     training = job_config.training
     return MixedPrecisionPolicy(

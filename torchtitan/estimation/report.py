@@ -1,0 +1,79 @@
+"""The memory estimate as a table for people and as JSON for programs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torchtitan.estimation.simulate import Estimate
+
+GIB, MIB = 2**30, 2**20
+
+# What the simulation cannot see, said with every estimate.
+NOT_INCLUDED = (
+    "CUDA context and library workspaces (cuBLAS, cuDNN, attention kernels' scratch)",
+    "the process-group backend's buffers (NCCL's; on CPU, gloo's temporary copies of gathered tensors)",
+    "caching-allocator fragmentation and reserved-but-unused blocks (see torch.cuda.max_memory_reserved)",
+    "the data loader, checkpoint staging and profiler buffers",
+)
+
+
+def _unit(e: Estimate) -> tuple[str, int]:
+    """GiB, or MiB for small models, so that the figures keep two meaningful decimals."""
+    largest = max((o.peak for o in e.optimizers), default=0)
+    return ("GiB", GIB) if largest >= GIB else ("MiB", MIB)
+
+
+def _header(e: Estimate) -> list[str]:
+    if e.device == "cuda":
+        precision = f"{e.param_dtype} parameters, {e.compute_dtype} compute"
+        if e.compute_dtype != e.param_dtype:
+            precision += " (FSDP mixed precision)"
+        simulated = f"CUDA training, {precision}"
+    else:
+        simulated = f"CPU training, {e.param_dtype} throughout"
+    return [
+        f"Memory estimate per rank: llama3 {e.flavor} ({e.num_params / 1e9:.2f}B parameters, vocabulary {e.vocab_size})",
+        f"  layout: {e.world_size} simulated rank(s), {e.layout}; figures are for rank 0",
+        f"  batch {e.batch_size} x sequence {e.seq_len} per rank, activation checkpointing: {e.activation_checkpoint}",
+        f"  simulated: {simulated}",
+    ]
+
+
+def format_table(e: Estimate) -> str:
+    baseline = e.optimizers[0] if e.optimizers else None
+    header = ("optimizer", "parameters", "gradients", "optimizer state", "activations", "peak",
+              f"state vs {baseline.optimizer if baseline else '-'}", "peak during")
+    unit, size = _unit(e)
+
+    def amount(nbytes: int) -> str:
+        return f"{nbytes / size:.2f}"
+
+    rows = []
+    for o in e.optimizers:
+        ratio = o.optimizer_state / baseline.optimizer_state if baseline and baseline.optimizer_state else float("nan")
+        rows.append((o.optimizer, amount(o.params), amount(o.gradients), amount(o.optimizer_state),
+                     amount(o.activations), amount(o.peak), f"{ratio:.2f}x", o.peak_phase))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    aligned = [
+        "  ".join(c.ljust(w) if i in (0, len(header) - 1) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        .rstrip()
+        for r in [header, *rows]
+    ]
+    lines = _header(e) + ["", f"{unit} per rank", *aligned, ""]
+    lines.append(
+        "peak: the most live tensor memory at any moment of one training step (forward, loss, backward with "
+        "clipping, optimizer step); the columns are not simultaneous, activations are freed as gradients appear."
+    )
+    lines.append("activations: what the forward pass keeps for backward, logits included.")
+    lines += [f"note: {note}" for note in e.notes]
+    lines.append("not included: " + "; ".join(NOT_INCLUDED) + ".")
+    return "\n".join(lines)
+
+
+def to_json(e: Estimate) -> dict[str, Any]:
+    data = dataclasses.asdict(e)
+    data["layout"] = e.layout
+    data["units"] = "bytes per rank"
+    data["not_included"] = list(NOT_INCLUDED)
+    return data

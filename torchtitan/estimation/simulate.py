@@ -1,0 +1,357 @@
+"""Simulate one training step of a job on one rank of a fake world, without allocating its memory.
+
+The model is built and parallelized by the trainer's own code (``parallelize_llama`` on a mesh from
+``ParallelDims.build_mesh``) over a fake process group of the simulated world size, with every tensor a fake tensor
+(``FakeTensorMode``: shapes, dtypes and devices, no data). Each optimizer is built by ``build_optimizers`` and its
+state created by the optimizer's own code; then the trainer's ``train_step`` (forward, loss, backward, clipping,
+optimizer step) runs under :class:`LiveMemoryTracker`, which counts live tensor bytes on the simulated rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import importlib
+import itertools
+import os
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan.config_manager import JobConfig
+from torchtitan.errors import UserError
+from torchtitan.estimation.tracker import OPTIMIZER_STATE, PARAMS, TRANSIENT, LiveMemoryTracker
+from torchtitan.optim.builder import OPTIMIZERS, build_optimizers, resolve_optimizer_name, tensor_bytes
+
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes.
+_CUDA_BLOCK_BYTES = 512
+
+_LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
+
+_LAYOUT_NAMES = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP"}
+
+# (model, optimizers, batches, parallel_dims, job_config, device) -> anything: the trainer's train_step.
+TrainStep = Callable[..., Any]
+
+
+@dataclass
+class OptimizerEstimate:
+    """Bytes on the simulated rank for one optimizer."""
+
+    optimizer: str
+    params: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    peak: int
+    peak_phase: str
+    peak_breakdown: dict[str, int]
+    state_source: str
+
+
+@dataclass
+class Estimate:
+    flavor: str
+    num_params: int
+    vocab_size: int
+    world_size: int
+    degrees: dict[str, int]
+    batch_size: int
+    seq_len: int
+    activation_checkpoint: str
+    device: str
+    param_dtype: str
+    compute_dtype: str
+    optimizers: list[OptimizerEstimate] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def layout(self) -> str:
+        parts = [f"{_LAYOUT_NAMES.get(name, name)} {degree}" for name, degree in self.degrees.items() if degree > 1]
+        return " x ".join(parts) if parts else "single device"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def optimizer_names(spec: str) -> list[str]:
+    """Canonical names for a comma-separated list; UserError for an unknown one."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise UserError("memory_estimation.optimizers is empty; give comma-separated names such as AdamW,AdamMini")
+    canonical = []
+    for name in names:
+        try:
+            kind = resolve_optimizer_name(name)
+        except UserError:
+            raise UserError(
+                f"memory_estimation.optimizers: unknown optimizer '{name}'; valid names: {', '.join(OPTIMIZERS)}"
+            ) from None
+        if kind.name not in canonical:
+            canonical.append(kind.name)
+    return canonical
+
+
+def vocab_size(job_config: JobConfig, notes: list[str]) -> int:
+    """The vocabulary to size embedding and output with: the option, the tokenizer's, or the flavor's."""
+    from torchtitan.models.llama import llama3_configs
+
+    chosen = job_config.memory_estimation.vocab_size
+    if chosen > 0:
+        return chosen
+    path = job_config.model.tokenizer_path
+    if os.path.isfile(path):
+        from torchtitan.datasets import build_tokenizer
+
+        return build_tokenizer(path, job_config.model.tokenizer_type).n_words
+    flavor_args = llama3_configs.get(job_config.model.flavor)
+    if flavor_args is not None and flavor_args.vocab_size > 0:
+        notes.append(
+            f"tokenizer '{path}' not found: assumed the {job_config.model.flavor} vocabulary of "
+            f"{flavor_args.vocab_size} tokens"
+        )
+        return flavor_args.vocab_size
+    raise UserError(
+        f"model.tokenizer_path '{path}' not found and flavor '{job_config.model.flavor}' has no vocabulary size; "
+        "pass --memory_estimation.vocab_size N"
+    )
+
+
+def _job_for_simulation(job_config: JobConfig, notes: list[str]) -> JobConfig:
+    """The job as it can be simulated on a CPU: eager, without float8 linears."""
+    job = copy.deepcopy(job_config)
+    if job.training.compile:
+        job.training.compile = False
+        notes.append("training.compile is simulated in eager mode (compiled blocks usually hold fewer activations)")
+    if job.float8.enable_float8_linear:
+        job.float8.enable_float8_linear = False
+        notes.append("float8 linears are not simulated (they need a GPU); linears are estimated in the compute dtype")
+    return job
+
+
+def job_for_optimizer(job_config: JobConfig, name: str, notes: list[str]) -> JobConfig:
+    """The job with optimizer ``name``; options of the configured optimizer that ``name`` does not take are unset."""
+    job = copy.deepcopy(job_config)
+    job.optimizer.name = name
+    kind = OPTIMIZERS[name]
+    for option in ("implementation", "value_blocks", "block_size", "bf16_stochastic_round"):
+        if getattr(job.optimizer, option) is not None and option not in kind.options:
+            setattr(job.optimizer, option, None)
+            notes.append(f"optimizer.{option} does not apply to {name}; estimated with {name}'s default")
+    return job
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The fake world
+
+
+@contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A fake process group: rank 0 of ``world_size``, collectives return at once without data."""
+    if dist.is_initialized():
+        raise RuntimeError("memory estimation needs a process without a process group; run it on its own")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # Fake implementations of the c10d collectives for fake tensors.
+    import torch.distributed._tools.fake_collectives  # noqa: F401
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def precompute_quantization_maps() -> None:
+    """Compute torchao's cached quantization maps for real, before fake mode.
+
+    torchao builds them once from Python lists read out of tensors, which fake tensors (having no values) cannot
+    give; once cached, the low-bit optimizers create their state on fake parameters with their own code.
+    """
+    for module_name in ("torchao.optim.subclass_4bit", "torchao.optim.subclass_8bit"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for function_name in ("get_qmap_signed", "get_qmap_unsigned"):
+            function = getattr(module, function_name, None)
+            if function is not None:
+                function()
+
+
+def build_model(job_config: JobConfig, model_args, parallel_dims, world_mesh, device: str) -> nn.Module:
+    """The trainer's model construction, on the meta device: param dtype, then parallelized."""
+    from torchtitan.models.llama import Transformer
+    from torchtitan.parallelisms import parallelize_llama
+    from torchtitan.utils import DTYPES
+
+    with torch.device("meta"):
+        model = Transformer(model_args).to(DTYPES[job_config.training.param_dtype])
+    # The simulated mesh lives on the CPU (fake collectives need no GPU); a CUDA job's FSDP computes in bf16.
+    parallelize_llama(model, world_mesh, parallel_dims, job_config, compute_device_type=device)
+    return model
+
+
+def fake_batches(batch_size: int, seq_len: int, vocab: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    while True:
+        yield (torch.randint(0, vocab, (batch_size, seq_len)), torch.randint(0, vocab, (batch_size, seq_len)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One optimizer
+
+
+def _optimizer_state_tensors(optimizers) -> list[torch.Tensor]:
+    return [v for opt in optimizers.optimizers for state in opt.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+@contextmanager
+def _phase_hooks(tracker: LiveMemoryTracker, model: nn.Module, optimizers, measured: dict) -> Iterator[None]:
+    """Name the phase the tracker is in, and measure the activations the forward pass leaves for backward."""
+
+    def before_forward(module, args):
+        tracker.phase = "forward"
+        measured["transient_before_forward"] = tracker.live[TRANSIENT]
+
+    def after_forward(module, args, output):
+        measured["activations"] = tracker.live[TRANSIENT] - measured["transient_before_forward"]
+        tracker.phase = "loss"
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: setattr(tracker, "phase", "backward"))
+
+    def before_step(*_):
+        tracker.phase = "optimizer step"
+
+    def after_step(*_):
+        tracker.phase = "after step"
+
+    handles = [model.register_forward_pre_hook(before_forward), model.register_forward_hook(after_forward)]
+    for opt in optimizers.optimizers:
+        handles += [opt.register_step_pre_hook(before_step), opt.register_step_post_hook(after_step)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _state_source(name: str) -> str:
+    source = "created by the optimizer's own code on fake tensors"
+    if name in _LOW_BIT:
+        source += " (torchao's quantization maps computed for real beforehand)"
+    return source
+
+
+def estimate_optimizer(
+    model: nn.Module, job_config: JobConfig, train_step: TrainStep, parallel_dims, batches, round_to: int,
+    warm_up: bool = False,
+) -> OptimizerEstimate:
+    """Build the job's optimizer on ``model``, create its state, and track one training step.
+
+    ``warm_up`` runs one untracked step first: FSDP2 sets itself up during the first step of a model (its gathered
+    parameters start as plain new tensors there, later as resized storages), and the estimate is of a steady step.
+    """
+    optimizers = build_optimizers([model], job_config)
+    state_bytes = optimizers.state_bytes()  # creates the state with the optimizer's own code
+    device = torch.device("cpu")
+    if warm_up:
+        with torch.compiler.set_stance("force_eager"):
+            train_step(model, optimizers, batches, parallel_dims, job_config, device)
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    tracker = LiveMemoryTracker(round_to=round_to)
+    tracker.track_existing(itertools.chain(model.parameters(), model.buffers()), PARAMS)
+    tracker.track_existing(_optimizer_state_tensors(optimizers), OPTIMIZER_STATE)
+    measured: dict[str, int] = {}
+    # Fake tensors hold no data to compile kernels for: compiled optimizer steps (torchao) run eagerly.
+    with _phase_hooks(tracker, model, optimizers, measured), torch.compiler.set_stance("force_eager"), tracker:
+        train_step(model, optimizers, batches, parallel_dims, job_config, device)
+    gradients = sum(tensor_bytes(p.grad) for p in model.parameters())
+    estimate = OptimizerEstimate(
+        optimizer=optimizers.name,
+        params=sum(tensor_bytes(p) for p in model.parameters()),
+        gradients=gradients,
+        optimizer_state=state_bytes,
+        activations=measured.get("activations", 0),
+        peak=tracker.peak,
+        peak_phase=tracker.peak_phase,
+        peak_breakdown=dict(tracker.peak_breakdown),
+        state_source=_state_source(optimizers.name),
+    )
+    for p in model.parameters():
+        p.grad = None
+    del optimizers
+    gc.collect()
+    return estimate
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The whole estimate
+
+
+def estimate_memory(job_config: JobConfig, train_step: TrainStep) -> Estimate:
+    """Per-rank memory of ``job_config``'s training for each optimizer in ``[memory_estimation]``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchtitan.parallelisms import ParallelDims, validate_model_for_parallelism
+    from torchtitan.preflight import model_args_for
+
+    settings = job_config.memory_estimation
+    names = optimizer_names(settings.optimizers)
+    notes: list[str] = []
+    t = job_config.training
+    try:
+        parallel_dims = ParallelDims(
+            dp_replicate=t.data_parallel_replicate_degree, dp_shard=t.data_parallel_shard_degree,
+            tp=t.tensor_parallel_degree, world_size=settings.world_size,
+            enable_loss_parallel=not t.disable_loss_parallel,
+        )
+    except UserError as e:
+        raise UserError(f"memory_estimation.world_size {settings.world_size}: {e}") from None
+    vocab = vocab_size(job_config, notes)
+    model_args = model_args_for(job_config, vocab)
+    validate_model_for_parallelism(model_args, parallel_dims)
+    job = _job_for_simulation(job_config, notes)
+    on_cuda_with_fsdp = settings.device == "cuda" and parallel_dims.dp_enabled
+    estimate = Estimate(
+        flavor=job_config.model.flavor, num_params=0, vocab_size=vocab, world_size=settings.world_size,
+        degrees=dict(parallel_dims.degrees), batch_size=t.batch_size, seq_len=t.seq_len,
+        activation_checkpoint=_ac_description(job_config), device=settings.device, param_dtype=t.param_dtype,
+        compute_dtype=t.mixed_precision_param if on_cuda_with_fsdp else t.param_dtype, notes=notes,
+    )
+    round_to = _CUDA_BLOCK_BYTES if settings.device == "cuda" else 1
+    world = fake_world(settings.world_size) if parallel_dims.any_parallelism else nullcontext()
+    if any(name in _LOW_BIT for name in names):
+        precompute_quantization_maps()
+    with world:
+        # Mesh and sharding plan are built for real (on the meta device); only tensors with data are fake.
+        model = build_model(job, model_args, parallel_dims, parallel_dims.build_mesh("cpu"), settings.device)
+        estimate.num_params = sum(p.numel() for p in model.parameters())
+        # Meta parameters become fake ones in to_empty, hence non-fake inputs are allowed.
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            # No init_weights: values do not change memory, and fake tensors have none.
+            model.to_empty(device="cpu")
+            model.train()
+            batches = fake_batches(t.batch_size, t.seq_len, vocab)
+            for index, name in enumerate(names):
+                optimizer_job = job_for_optimizer(job, name, notes)
+                estimate.optimizers.append(estimate_optimizer(
+                    model, optimizer_job, train_step, parallel_dims, batches, round_to, warm_up=index == 0
+                ))
+    return estimate
+
+
+def _ac_description(job_config: JobConfig) -> str:
+    ac = job_config.activation_checkpoint
+    if ac.mode != "selective":
+        return ac.mode
+    if ac.selective_ac_option == "op":
+        return "selective (op policy)"
+    return f"selective (1 block in {ac.selective_ac_option})"

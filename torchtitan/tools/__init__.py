@@ -1,0 +1,1 @@
+"""Command-line tools that work on the outputs of training runs (``python -m torchtitan.tools.<name>``)."""
