@@ -173,3 +173,10 @@ def test_preflight_accepts_a_good_layout(monkeypatch):
     monkeypatch.chdir(ROOT)
     assert preflight_main(["--nproc", "4", "--job.config_file", "train_configs/debug_model.toml",
                            "--training.tensor_parallel_degree", "2"]) == 0
+
+
+def test_profiler_traces_are_written(tmp_path):
+    train(tmp_path, "--training.steps", "4", "--profiling.enable_profiling", "--profiling.profile_freq", "2")
+    traces = sorted((tmp_path / "profile_traces").glob("step*/rank0_trace.json"))
+    assert [t.parent.name for t in traces] == ["step2", "step4"]
+    assert json.loads(traces[0].read_text())["traceEvents"]
