@@ -173,10 +173,13 @@ def precompute_quantization_maps() -> None:
     torchao builds them once from Python lists read out of tensors, which fake tensors (having no values) cannot
     give; once cached, the low-bit optimizers create their state on fake parameters with their own code.
     """
+    from torchtitan.optim.builder import _import_torchao_optim
+
     for module_name in ("torchao.optim.subclass_4bit", "torchao.optim.subclass_8bit"):
         try:
+            _import_torchao_optim()
             module = importlib.import_module(module_name)
-        except ImportError:
+        except (ImportError, UserError):
             continue
         for function_name in ("get_qmap_signed", "get_qmap_unsigned"):
             function = getattr(module, function_name, None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -352,6 +353,14 @@ def _reset_step(state: dict[str, Any]) -> None:
 
 
 def _import_torchao_optim():
+    # torchao's import warns about things that do not concern its optimizers: CUDA kernels that a CPU-only machine
+    # cannot load, and a deprecated pytree registration. Keep those lines out of the user's log.
+    noisy = [logging.getLogger("torch.utils._pytree")]
+    if not torch.cuda.is_available():
+        noisy.append(logging.getLogger("torchao"))
+    levels = [log.level for log in noisy]
+    for log in noisy:
+        log.setLevel(logging.ERROR)
     try:
         import torchao.optim as torchao_optim
     except ImportError as e:
@@ -359,6 +368,9 @@ def _import_torchao_optim():
             f"the low-bit optimizers need torchao, which is not importable ({e}); "
             "install it with: pip install 'torchtitan[lowbit]' (or pip install torchao)"
         ) from None
+    finally:
+        for log, level in zip(noisy, levels):
+            log.setLevel(level)
     return torchao_optim
 
 
