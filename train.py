@@ -99,7 +99,9 @@ def main(job_config: JobConfig) -> None:
     logger.info(f"optimizer: {optimizers.name}, state {state_bytes / 2**20:,.1f} MiB over all ranks")
 
     tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * dp_degree
-    flops = flops_per_token(num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len)
+    # The embedding is a lookup, not a matmul: its parameters cost no FLOPs.
+    matmul_params = num_params - model_args.vocab_size * model_args.dim
+    flops = flops_per_token(matmul_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len)
     gpu_peak = peak_flops(device)
     batches = iter(data_loader)
     logger.info(
