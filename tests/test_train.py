@@ -80,16 +80,19 @@ def one_process_float64(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "layout",
+    "nproc, layout",
     [
-        ["--training.batch_size", "2"],  # FSDP over 2 ranks
-        ["--training.tensor_parallel_degree", "2", "--training.batch_size", "4"],  # TP over 2 ranks (loss parallel)
+        (2, ["--training.batch_size", "2"]),  # FSDP over 2 ranks
+        (2, ["--training.tensor_parallel_degree", "2", "--training.batch_size", "4"]),  # TP 2 (loss parallel)
+        (4, ["--training.tensor_parallel_degree", "2", "--training.batch_size", "2"]),  # FSDP 2 x TP 2
+        (4, ["--training.data_parallel_replicate_degree", "2", "--training.batch_size", "1"]),  # HSDP 2 x 2
     ],
-    ids=["fsdp2", "tp2"],
+    ids=["fsdp2", "tp2", "fsdp2_x_tp2", "hsdp2x2"],
 )
-def test_two_processes_match_one_process(tmp_path, one_process_float64, layout):
-    # Same global batch (4 sequences), so every layout sees exactly the data one process sees.
-    train(tmp_path, "--training.param_dtype", "float64", *layout, nproc=2)
+def test_parallel_layouts_match_one_process(tmp_path, one_process_float64, nproc, layout):
+    # Same global batch (4 sequences), so every layout sees exactly the data one process sees; float64 makes the
+    # only difference the order of floating-point sums, far below rel 1e-9.
+    train(tmp_path, "--training.param_dtype", "float64", *layout, nproc=nproc)
     two = losses(tmp_path)
     assert two[-1] < two[0]
     assert two == pytest.approx(one_process_float64, rel=1e-9)
