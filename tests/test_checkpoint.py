@@ -29,6 +29,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tests.distributed import run_workers
 from tests.parallel_helpers import meta_model
+from torchtitan.lr_scheduling import SchedulersContainer
 from torchtitan.checkpoint import CheckpointManager, SafeFileSystemReader, SafeLoadPlanner, decode_plain, encode_plain
 from torchtitan.config_manager import JobConfig
 from torchtitan.errors import UserError
@@ -136,7 +137,7 @@ class Trainer:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.model = build_model()
         self.optimizers = Optimizers(self.model)
-        self.schedulers = [LambdaLR(self.optimizers.optimizer, warmup)]
+        self.schedulers = SchedulersContainer([LambdaLR(self.optimizers.optimizer, warmup)])
         self.loader = StatefulDataLoader(Windows(rank, world_size, GLOBAL_BATCH // world_size),
                                          batch_size=GLOBAL_BATCH // world_size)
         self.train_state = TrainState()
@@ -155,7 +156,7 @@ class Trainer:
         loss = F.cross_entropy(self.model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         self.optimizers.optimizer.step()
-        self.schedulers[0].step()
+        self.schedulers.step()
         self.optimizers.optimizer.zero_grad()
         self.train_state.step += 1
         total = loss.detach().clone()
@@ -179,7 +180,7 @@ class Trainer:
         return {
             "arrays": arrays,
             "lr": self.optimizers.optimizer.param_groups[0]["lr"],
-            "scheduler_epoch": self.schedulers[0].last_epoch,
+            "scheduler_epoch": self.schedulers.schedulers[0].last_epoch,
             "loader": self.loader.state_dict()["dataset_state"],
             "step": self.train_state.step,
         }
@@ -402,7 +403,7 @@ def test_plain_state_is_stored_as_json(tmp_path):
     text = {name: blob.numpy().tobytes() for name, blob in blobs.items()}
     assert text["train_state"] == b'{"step":1,"history":{"__tuple__":[1,2.5,"x"]}}'  # JSON text, not a pickle
     assert decode_plain(text["dataloader"])["dataset_state"] == {"batches": 1}
-    assert decode_plain(text["lr_schedulers"])[0]["last_epoch"] == 1
+    assert decode_plain(text["lr_schedulers"])["last_epoch"] == 1
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
+from torchtitan.utils import DTYPES
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights)?\.tmp-")
@@ -289,8 +290,7 @@ def flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
 class CheckpointManager:
     """Saves and resumes a training job; see the module docstring for the folder layout and guarantees.
 
-    ``optimizers`` and ``lr_schedulers`` expose ``state_dict()`` / ``load_state_dict()`` (a plain list of schedulers
-    is accepted too); ``data_loader`` is a StatefulDataLoader (or None), whose state is the same on every rank;
+    ``optimizers`` and ``lr_schedulers`` expose ``state_dict()`` / ``load_state_dict()``; ``data_loader`` is a StatefulDataLoader (or None), whose state is the same on every rank;
     ``states`` maps names to objects with ``state_dict()`` / ``load_state_dict()`` returning plain data.
     """
 
@@ -318,7 +318,7 @@ class CheckpointManager:
         self.keep_latest_k = config.keep_latest_k
         self.async_enabled = config.async_mode == "async"
         self.load_step = config.load_step
-        self.export_dtype = getattr(torch, config.export_dtype)
+        self.export_dtype = DTYPES[config.export_dtype]
         self.last_step = job_config.training.steps
         self.folder = resolve_folder(job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -484,7 +484,7 @@ class CheckpointManager:
         """Everything saved as JSON: world-size independent, identical on every rank (DCP writes it once)."""
         plain: dict[str, Any] = {}
         if self.lr_schedulers is not None:
-            plain[LR_SCHEDULERS] = _state_of(self.lr_schedulers)
+            plain[LR_SCHEDULERS] = self.lr_schedulers.state_dict()
         if self.data_loader is not None:
             plain[DATALOADER] = self.data_loader.state_dict()
         for name, obj in self.states.items():
@@ -520,7 +520,7 @@ class CheckpointManager:
         self.optimizers.load_state_dict(optimizer_state)
         plain = {name: decode_plain(state[name].numpy().tobytes()) for name in plain_names}
         if LR_SCHEDULERS in plain:
-            _load_state_of(self.lr_schedulers, plain[LR_SCHEDULERS])
+            self.lr_schedulers.load_state_dict(plain[LR_SCHEDULERS])
         if DATALOADER in plain:
             self.data_loader.load_state_dict(plain[DATALOADER])
         for name, obj in self.states.items():
@@ -566,23 +566,3 @@ def _single_process_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
-
-
-def _state_of(schedulers: Any) -> Any:
-    if hasattr(schedulers, "state_dict"):
-        return schedulers.state_dict()
-    return [scheduler.state_dict() for scheduler in schedulers]
-
-
-def _load_state_of(schedulers: Any, state: Any) -> None:
-    if hasattr(schedulers, "load_state_dict"):
-        schedulers.load_state_dict(state)
-        return
-    schedulers = list(schedulers)
-    if len(schedulers) != len(state):
-        raise UserError(
-            f"the checkpoint holds {len(state)} lr scheduler(s) but this job has {len(schedulers)}; "
-            "resume with the same model parts"
-        )
-    for scheduler, scheduler_state in zip(schedulers, state):
-        scheduler.load_state_dict(scheduler_state)

@@ -28,10 +28,11 @@ def maybe_profile(job_config, train_state):
         logger.warning("profiling.enable_memory_snapshot needs a CUDA device; no snapshots on this machine")
 
     def on_trace_ready(prof) -> None:
-        folder = os.path.join(trace_dir, f"step{train_state.step}")
-        os.makedirs(folder, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(folder, f"rank{rank}_trace.json"))
-        logger.info(f"profiler trace written to {folder}")
+        if cfg.enable_profiling:
+            folder = os.path.join(trace_dir, f"step{train_state.step}")
+            os.makedirs(folder, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(folder, f"rank{rank}_trace.json"))
+            logger.info(f"profiler trace written to {folder}")
         if cfg.enable_memory_snapshot and cuda:
             os.makedirs(snapshot_dir, exist_ok=True)
             path = os.path.join(snapshot_dir, f"step{train_state.step}_rank{rank}.pickle")

@@ -13,22 +13,14 @@ from torch.distributed.tensor import DTensor
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def init_distributed(timeout_seconds: int) -> tuple[torch.device, int, int]:
     """Pick CUDA + NCCL when GPUs are present, else CPU + gloo; returns (device, rank, world size).
 
     A plain ``python train.py`` (no torchrun) runs as a single process without a process group.
     """
-    world_size = world_size_from_env()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if device_type() == "cuda":
+    if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

@@ -34,8 +34,7 @@ from torchtitan.errors import UserError
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.parallelisms.activation_checkpoint import apply_activation_checkpointing
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+from torchtitan.utils import DTYPES
 
 # Float8 needs hardware float8 matmuls (Ada / Hopper and newer).
 _FLOAT8_MIN_CAPABILITY = (8, 9)
@@ -201,7 +200,7 @@ def _mixed_precision(device_type: str, job_config: JobConfig) -> MixedPrecisionP
         return MixedPrecisionPolicy()
     training = job_config.training
     return MixedPrecisionPolicy(
-        param_dtype=_DTYPES[training.mixed_precision_param], reduce_dtype=_DTYPES[training.mixed_precision_reduce]
+        param_dtype=DTYPES[training.mixed_precision_param], reduce_dtype=DTYPES[training.mixed_precision_reduce]
     )
 
 
