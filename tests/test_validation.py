@@ -146,16 +146,19 @@ def reference_loss() -> float:
         return F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()
 
 
-# name -> ((dp_replicate, dp_shard, tp), rows of each 12-row batch per data-parallel rank)
+# name -> (world size, (dp_replicate, dp_shard, tp), rows of each 12-row batch per data-parallel rank). Unequal
+# shares: a mean of the ranks' means would be off.
 LAYOUTS = {
-    "one_process": ((1, 1, 1), [12]),
-    "fsdp2_uneven": ((1, 2, 1), [8, 4]),  # unequal shares: a mean of the ranks' means would be off
-    "tp2": ((1, 1, 2), [12]),
+    "one_process": (1, (1, 1, 1), [12]),
+    "fsdp2_uneven": (2, (1, 2, 1), [8, 4]),
+    "tp2": (2, (1, 1, 2), [12]),
+    "fsdp2_x_tp2": (4, (1, 2, 2), [8, 4]),
+    "hsdp2x2": (4, (2, 2, 1), [5, 3, 2, 2]),
 }
 
 
 def _validate_layout(world_size: int, name: str) -> dict:
-    degrees, shares = LAYOUTS[name]
+    _, degrees, shares = LAYOUTS[name]
     dims = ParallelDims(*degrees, world_size, enable_loss_parallel=True)
     mesh = dims.build_mesh("cpu")
     model = materialize(parallelize_llama(meta_model(), mesh, dims, job_config()))
@@ -178,11 +181,17 @@ def _validate_layouts(rank: int, world_size: int, names: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def layout_results() -> dict:
-    results = _validate_layouts(0, 1, ["one_process"])
-    per_rank = run_workers(_validate_layouts, world_size=2, args=(["fsdp2_uneven", "tp2"],))
-    for name in ("fsdp2_uneven", "tp2"):
-        assert per_rank[0][name] == per_rank[1][name], name  # every rank reports the same global number
-        results[name] = per_rank[0][name]
+    """Every layout's result; one launch per world size."""
+    results = {}
+    for world_size in sorted({size for size, _, _ in LAYOUTS.values()}):
+        names = [name for name, (size, _, _) in LAYOUTS.items() if size == world_size]
+        if world_size == 1:
+            results.update(_validate_layouts(0, 1, names))
+            continue
+        per_rank = run_workers(_validate_layouts, world_size=world_size, args=(names,))
+        for name in names:
+            assert all(rank[name] == per_rank[0][name] for rank in per_rank), name  # one global number
+            results[name] = per_rank[0][name]
     return results
 
 
