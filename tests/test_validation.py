@@ -146,22 +146,25 @@ def reference_loss() -> float:
         return F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()
 
 
-# name -> (world size, (dp_replicate, dp_shard, tp), rows of each 12-row batch per data-parallel rank). Unequal
-# shares: a mean of the ranks' means would be off.
+# name -> (world size, (dp_replicate, dp_shard, tp), rows of each 12-row batch per data-parallel rank, job config
+# sections). Unequal shares: a mean of the ranks' means would be off.
 LAYOUTS = {
-    "one_process": (1, (1, 1, 1), [12]),
-    "fsdp2_uneven": (2, (1, 2, 1), [8, 4]),
-    "tp2": (2, (1, 1, 2), [12]),
-    "fsdp2_x_tp2": (4, (1, 2, 2), [8, 4]),
-    "hsdp2x2": (4, (2, 2, 1), [5, 3, 2, 2]),
+    "one_process": (1, (1, 1, 1), [12], {}),
+    "fsdp2_uneven": (2, (1, 2, 1), [8, 4], {}),
+    "tp2": (2, (1, 1, 2), [12], {}),
+    "tp2_selective_op_ac": (2, (1, 1, 2), [12], {"activation_checkpoint": {"mode": "selective",
+                                                                          "selective_ac_option": "op"}}),
+    "fsdp2_full_ac": (2, (1, 2, 1), [4, 8], {"activation_checkpoint": {"mode": "full"}}),
+    "fsdp2_x_tp2": (4, (1, 2, 2), [8, 4], {}),
+    "hsdp2x2": (4, (2, 2, 1), [5, 3, 2, 2], {}),
 }
 
 
 def _validate_layout(world_size: int, name: str) -> dict:
-    _, degrees, shares = LAYOUTS[name]
+    _, degrees, shares, sections = LAYOUTS[name]
     dims = ParallelDims(*degrees, world_size, enable_loss_parallel=True)
     mesh = dims.build_mesh("cpu")
-    model = materialize(parallelize_llama(meta_model(), mesh, dims, job_config()))
+    model = materialize(parallelize_llama(meta_model(), mesh, dims, job_config(**sections)))
     dp_rank, _ = dims.dp_rank_and_degree(mesh)
     start = sum(shares[:dp_rank])
     mine = [(x[start: start + shares[dp_rank]], y[start: start + shares[dp_rank]]) for x, y in validation_batches()]
@@ -183,8 +186,8 @@ def _validate_layouts(rank: int, world_size: int, names: list[str]) -> dict:
 def layout_results() -> dict:
     """Every layout's result; one launch per world size."""
     results = {}
-    for world_size in sorted({size for size, _, _ in LAYOUTS.values()}):
-        names = [name for name, (size, _, _) in LAYOUTS.items() if size == world_size]
+    for world_size in sorted({layout[0] for layout in LAYOUTS.values()}):
+        names = [name for name, layout in LAYOUTS.items() if layout[0] == world_size]
         if world_size == 1:
             results.update(_validate_layouts(0, 1, names))
             continue
