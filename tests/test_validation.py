@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from tests.distributed import run_workers
 from tests.parallel_helpers import SEQ_LEN, TINY, job_config, materialize, meta_model
 from tests.test_train import ROOT, event_tags, run_dir, train
+from tests.test_train import TINY as TINY_RUN
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import DocumentSplit, build_hf_data_loader, build_tokenizer
 from torchtitan.datasets.hf_datasets import SAMPLE_DATA_DIR, is_held_out
@@ -287,3 +289,20 @@ def test_help_lists_the_validation_table(capsys):
         JobConfig.parse_args(["--help"])
     out = capsys.readouterr().out
     assert "[validation]" in out and "--validation.held_out_every" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--validation.held_out_every", "0"], "validation.held_out_every is 0"),
+    # 64 x 513 tokens: more than the whole held-out split of the sample (about 23,000 tokens)
+    (["--validation.batch_size", "64", "--training.seq_len", "512"], "less than one global batch"),
+])
+def test_train_py_reports_validation_mistakes_before_training(tmp_path, monkeypatch, capsys, args, message):
+    import train as train_module
+
+    monkeypatch.setattr(sys, "argv", ["train.py", *TINY_RUN, "--job.dump_folder", str(tmp_path), "--validation.enable",
+                                      *args])
+    monkeypatch.chdir(ROOT)
+    assert train_module.run() == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("[titan]")]
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (tmp_path / "tb").exists()
