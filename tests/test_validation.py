@@ -113,7 +113,12 @@ def test_validation_data_and_its_user_errors(tokenizer, tmp_path):
     assert validation_data(config("--validation.dataset", "text", "--validation.dataset_path", str(other))) == (
         "text", str(other), DocumentSplit()  # other data is read whole
     )
+    held = next(f"text {i}" for i in range(100) if is_held_out(f"text {i}", 2))
+    only_held_out = tmp_path / "held.jsonl"
+    only_held_out.write_text(json.dumps({"text": held}) + "\n")
     cases = [
+        (lambda: next(iter(build_hf_data_loader("text", str(only_held_out), tokenizer, 1, 4, 0, 1,
+                                                split=DocumentSplit(2)))), "no document outside the held-out split"),
         (lambda: config("--validation.held_out_every", "1"), "validation.held_out_every"),
         (lambda: config("--validation.seq_len", "4096"), "validation.seq_len"),
         (lambda: config("--validation.dataset_path", str(tmp_path / "nope")), "validation.dataset_path"),

@@ -254,7 +254,8 @@ class TokenStream:
             raise UserError(f"{self._source.description} holds no text; point {section}.dataset_path at real data")
         if self._whole_epoch and self._kept_in_epoch == 0:
             raise UserError(
-                f"{self._source.description} has no document outside the held-out split (about 1 in "
+                f"{self._source.description} has no document {'in' if self._split.held_out else 'outside'} the "
+                f"held-out split (about 1 in "
                 f"{self._split.every} of {self.position['doc_index']} documents); give more data or raise "
                 "validation.held_out_every"
             )
