@@ -44,6 +44,10 @@ def preflight(job_config: JobConfig, world_size: int):
         tp=t.tensor_parallel_degree, world_size=world_size, enable_loss_parallel=not t.disable_loss_parallel,
     )
     resolve_dataset(t.dataset, t.dataset_path)
+    if job_config.validation.enable:
+        from torchtitan.validate import validation_data
+
+        validation_data(job_config)
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.tokenizer_type)
     model_args = model_args_for(job_config, tokenizer.n_words)
     validate_model_for_parallelism(model_args, parallel_dims)
