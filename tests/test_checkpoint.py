@@ -126,6 +126,7 @@ def job(dump_folder: str, steps: int = 4, **checkpoint) -> JobConfig:
     config.job.dump_folder = dump_folder
     config.training.steps = steps
     config.checkpoint.enable_checkpoint = True
+    config.checkpoint.folder = "checkpoint"  # explicit: used as given, with no per-optimizer subfolder
     for key, value in checkpoint.items():
         setattr(config.checkpoint, key, value)
     return config
@@ -322,12 +323,25 @@ def test_read_only_folder_is_a_user_error_and_keeps_checkpoints(tmp_path):
     assert sorted(os.listdir(folder / "step-1")) == before
 
 
-def test_checkpoint_of_another_model_is_a_user_error(tmp_path):
+def test_checkpoint_of_another_model_is_one_short_line(tmp_path, monkeypatch):
     Trainer(job(str(tmp_path), steps=1, interval=1)).run(1)
     other = Trainer(job(str(tmp_path), steps=1))
     other.checkpoint.model_parts = [Transformer(replace(TINY, n_layers=3))]
-    with pytest.raises(UserError, match=r"does not match this job \(missing model\.layers\.2"):
+    with pytest.raises(UserError) as caught:
         other.checkpoint.load()
+    message = str(caught.value)  # from the checkpoint's job facts: what it holds, what the job expects
+    assert "holds model flavor debugmodel (28,832 parameters); this job uses model flavor debugmodel (41,184 " \
+        in message
+    assert "\n" not in message and "model.layers" not in message
+    assert len(message) - message.count(str(tmp_path)) * len(str(tmp_path)) < 300
+    # A checkpoint without job facts (written before they existed) is judged by its keys, summarised in one line.
+    monkeypatch.setattr(CheckpointManager, "_read_facts", lambda self, path, entries: None)
+    with pytest.raises(UserError, match=r"does not match this job \(\d+ entries missing: model\.layers\.2\.\S+, "
+                                        r"model\.layers\.2\.\S+ and \d+ more\)") as caught:
+        other.checkpoint.load()
+    message = str(caught.value)
+    assert "\n" not in message and "resume with the model settings that wrote it" in message
+    assert len(message) - message.count(str(tmp_path)) * len(str(tmp_path)) < 300
 
 
 def test_weights_export_at_last_step(tmp_path):
