@@ -35,7 +35,7 @@ def preflight(job_config: JobConfig, world_size: int):
     Returns (parallel dims, model args, tokenizer) for the trainer to go on with.
     """
     # Imported here so that `--help` and config errors answer without importing torch.
-    from torchtitan.datasets import build_tokenizer, resolve_dataset
+    from torchtitan.datasets import build_tokenizer, check_hub_reachable, resolve_dataset
     from torchtitan.parallelisms import ParallelDims, validate_model_for_parallelism
 
     t = job_config.training
@@ -47,6 +47,7 @@ def preflight(job_config: JobConfig, world_size: int):
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.tokenizer_type)
     model_args = model_args_for(job_config, tokenizer.n_words)
     validate_model_for_parallelism(model_args, parallel_dims)
+    check_hub_reachable(t.dataset, t.dataset_path)  # last: the one check that may wait on the network
     return parallel_dims, model_args, tokenizer
 
 
