@@ -598,7 +598,7 @@ class CheckpointManager:
 
     def _warn_about_shared_folder(self) -> None:
         """Checkpoints in the shared folder of earlier versions are not resumed by default; say so once."""
-        if not self.default_folder:
+        if not self.default_folder or self.rank != 0:
             return
         shared = os.path.dirname(self.folder)
         steps = complete_steps(shared)
