@@ -350,7 +350,8 @@ def test_initial_load_path_model_only_or_everything(tmp_path):
         np.testing.assert_array_equal(warm["arrays"][key], untouched["arrays"][key], err_msg=key)
     fresh.run(1)
     assert sorted(os.listdir(tmp_path / "warm")) == ["step-1"]  # it saves into its own folder
-    assert Trainer(job(str(tmp_path), folder="warm", initial_load_path=step_2)).checkpoint.load()  # its own: step 1
+    again = Trainer(job(str(tmp_path), folder="warm", initial_load_path=step_2))
+    assert again.checkpoint.load() and again.train_state.step == 1  # its own checkpoint, not initial_load_path
 
 
 def test_default_folder_is_per_optimizer_and_names_older_shared_checkpoints(tmp_path, monkeypatch):
@@ -378,6 +379,12 @@ def test_checkpoint_of_another_model_is_one_short_line(tmp_path, monkeypatch):
         in message
     assert "\n" not in message and "model.layers" not in message
     assert len(message) - message.count(str(tmp_path)) * len(str(tmp_path)) < 300
+    # Weights only (the optimizer may differ), but of another model: one line too.
+    warm = Trainer(job(str(tmp_path), steps=1, folder="warm", initial_load_path=str(tmp_path / "checkpoint")))
+    warm.checkpoint.model_parts = [Transformer(replace(TINY, n_layers=3))]
+    with pytest.raises(UserError, match=r"holds model flavor debugmodel \(28,832 parameters\); this job uses model "
+                                        r"flavor debugmodel \(41,184 parameters\); point checkpoint.initial_load_path"):
+        warm.checkpoint.load()
     # A checkpoint without job facts (written before they existed) is judged by its keys, summarised in one line.
     monkeypatch.setattr(CheckpointManager, "_read_facts", lambda self, path, entries: None)
     with pytest.raises(UserError, match=r"does not match this job \(\d+ entries missing: model\.layers\.2\.\S+, "
