@@ -446,9 +446,9 @@ class CheckpointManager:
                 f"(available steps: {available}); pick one of those or -1 for the latest"
             )
         if not steps:
-            self._warn_about_shared_folder()
             if self._initial_load():
                 return True
+            self._warn_about_shared_folder()
             logger.info(f"checkpoint: nothing to resume in {self.folder}; starting from scratch")
             return False
         chosen = requested if requested >= 0 else steps[-1]
