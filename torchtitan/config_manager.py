@@ -126,7 +126,10 @@ class Metrics:
 @dataclass
 class Checkpoint:
     enable_checkpoint: bool = opt(False, "save and resume checkpoints")
-    folder: str = opt("checkpoint", "checkpoint folder, relative to job.dump_folder unless absolute")
+    folder: Optional[str] = opt(
+        None, "checkpoint folder, relative to job.dump_folder unless absolute; unset: checkpoint/<optimizer name>, "
+        "so runs with different optimizers never share checkpoints"
+    )
     interval: int = opt(500, "save every N steps (and at the last step)", gt=0)
     keep_latest_k: int = opt(0, "keep only the newest k checkpoints; 0 keeps all", ge=0)
     async_mode: str = opt("disabled", "disabled or async (save in a background thread)", choices=("disabled", "async"))
@@ -135,6 +138,13 @@ class Checkpoint:
         "float32", "dtype of the final weights-only export", choices=("float32", "bfloat16", "float16")
     )
     model_weights_only: bool = opt(False, "at the end, export model weights only (in export_dtype)")
+    initial_load_path: Optional[str] = opt(
+        None, "when checkpoint.folder holds no checkpoint yet, start from this one (a step-N folder, or a folder of "
+        "them: the latest), e.g. another optimizer's run"
+    )
+    initial_load_model_only: bool = opt(
+        True, "from initial_load_path load the model weights only: optimizer, lr schedule, data and step start fresh"
+    )
 
 
 @dataclass
@@ -223,6 +233,11 @@ class JobConfig:
         if t.dataset_path is not None and not os.path.exists(t.dataset_path):
             raise UserError(f"training.dataset_path '{t.dataset_path}' does not exist; point it at a file or folder")
         self._validate_validation()
+        initial = self.checkpoint.initial_load_path
+        if initial is not None and not os.path.isdir(initial):
+            raise UserError(
+                f"checkpoint.initial_load_path '{initial}' is not a folder; point it at a checkpoint's step-N folder"
+            )
         ac = self.activation_checkpoint
         if ac.mode == "selective" and ac.selective_ac_option != "op":
             if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:

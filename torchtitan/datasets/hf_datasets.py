@@ -9,6 +9,11 @@ of ``.txt`` (one document per paragraph), ``.json`` / ``.jsonl`` (optionally ``.
 "text" column. A local copy of the c4 hub repository (a folder with ``en/c4-train.*.json.gz``) reads its English
 train files only.
 
+The hub: c4 needs the Hugging Face hub (``HF_ENDPOINT``, by default https://huggingface.co). Preflight checks that it
+can be reached (one TCP connect with a short timeout, or the hub's offline switches ``HF_HUB_OFFLINE`` /
+``HF_DATASETS_OFFLINE``) and a hub that fails while loading is reported the same way: one UserError naming the
+offline alternative, a local copy of the dataset in ``training.dataset_path``.
+
 Data order: documents are tokenized with BOS and EOS, concatenated into one token stream and cut into windows of
 ``seq_len + 1`` tokens (inputs are ``window[:-1]``, labels ``window[1:]``). Every rank reads the same stream;
 global batch k is windows ``[k*W*B, (k+1)*W*B)`` for W data-parallel ranks of B sequences, and rank r takes the
@@ -26,6 +31,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
+import urllib.parse
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +49,10 @@ from torchtitan.errors import UserError
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA_DIR = REPO_ROOT / "assets" / "data" / "sample"
 DATASET_NAMES = ("c4", "sample", "text")
+DEFAULT_HUB = "https://huggingface.co"
+HUB_CONNECT_TIMEOUT_S = 3.0
+_OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 # File name endings -> the Hugging Face packaged builder that reads them.
 _BUILDER_BY_SUFFIX = {
@@ -79,13 +91,23 @@ class DocumentSplit:
 class DocumentSource:
     """The "text" values (blank ones skipped) of a Hugging Face streaming dataset, each with its state after it."""
 
-    def __init__(self, dataset: Any, description: str, section: str = "training") -> None:
+    def __init__(self, dataset: Any, description: str, section: str = "training", from_hub: bool = False) -> None:
         self.dataset = dataset
         self.description = description
         self.section = section  # the config table that named this data, for error messages
+        self.from_hub = from_hub
 
     def documents(self, start_state: str) -> Iterator[tuple[str, str]]:
         """Documents after ``start_state`` (a JSON state from an earlier pass; "" starts at the beginning)."""
+        if not self.from_hub:
+            yield from self._documents(start_state)
+            return
+        try:
+            yield from self._documents(start_state)
+        except _network_errors() as e:
+            raise hub_unreachable(_first_line(e), self.section) from None
+
+    def _documents(self, start_state: str) -> Iterator[tuple[str, str]]:
         self.dataset.load_state_dict(json.loads(start_state) if start_state else None)
         for example in self.dataset:
             if "text" not in example:
@@ -157,14 +179,75 @@ def resolve_dataset(
     return builder, files, description
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The hub
+
+
+def hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT") or DEFAULT_HUB
+
+
+def hub_unreachable(reason: str, section: str = "training") -> UserError:
+    return UserError(
+        f"{section}.dataset 'c4' streams allenai/c4 from the Hugging Face hub, which cannot be reached from here "
+        f"({hub_endpoint()}: {reason}); without network, copy the dataset's en/c4-train.*.json.gz files into a "
+        "folder's en/ subfolder and pass that folder as --{section}.dataset_path"
+    )
+
+
+def check_hub_reachable(dataset_name: str, dataset_path: Optional[str], section: str = "training") -> None:
+    """Raise UserError if the job streams from the hub and the hub is off or cannot be connected to (cheap)."""
+    if dataset_name != "c4" or dataset_path is not None:
+        return
+    truthy = ("1", "ON", "YES", "TRUE")
+    switched_off = [name for name in _OFFLINE_SWITCHES if os.environ.get(name, "").upper() in truthy]
+    if switched_off:
+        raise hub_unreachable(f"{switched_off[0]} is set", section)
+    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
+        return  # reached through a proxy: a direct connect proves nothing; loading reports failures instead
+    url = urllib.parse.urlsplit(hub_endpoint())
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=HUB_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise hub_unreachable(e.strerror or str(e) or type(e).__name__, section) from None
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions a failing hub raises through datasets and huggingface_hub (their HTTP clients vary)."""
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        import httpx
+
+        errors.append(httpx.TransportError)
+    except ImportError:
+        pass
+    try:
+        import requests
+
+        errors.append(requests.exceptions.ConnectionError)
+        errors.append(requests.exceptions.Timeout)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:160]
+
+
 def load_documents(dataset_name: str, dataset_path: Optional[str], section: str = "training") -> DocumentSource:
     """The documents of ``{section}.dataset`` (optionally read from ``{section}.dataset_path``)."""
     from datasets import load_dataset  # slow to import; only a data loader needs it
 
     local = resolve_dataset(dataset_name, dataset_path, section)
     if local is None:
-        hub = load_dataset("allenai/c4", name="en", split="train", streaming=True)
-        return DocumentSource(hub, "the c4 dataset (allenai/c4, en)", section)
+        try:
+            hub = load_dataset("allenai/c4", name="en", split="train", streaming=True)
+        except _network_errors() as e:
+            raise hub_unreachable(_first_line(e), section) from None
+        return DocumentSource(hub, "the c4 dataset (allenai/c4, en)", section, from_hub=True)
     builder, files, description = local
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     stream = load_dataset(builder, data_files=files, split="train", streaming=True, **options)
