@@ -191,7 +191,7 @@ def hub_unreachable(reason: str, section: str = "training") -> UserError:
     return UserError(
         f"{section}.dataset 'c4' streams allenai/c4 from the Hugging Face hub, which cannot be reached from here "
         f"({hub_endpoint()}: {reason}); without network, copy the dataset's en/c4-train.*.json.gz files into a "
-        "folder's en/ subfolder and pass that folder as --{section}.dataset_path"
+        f"folder's en/ subfolder and pass that folder as --{section}.dataset_path"
     )
 
 
