@@ -82,3 +82,29 @@ def run_workers(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout
                 p.kill()
                 p.join()
     return [results[r] for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py subprocesses on a machine with or without GPUs
+#
+# train.py trains on CUDA (NCCL) whenever a GPU is visible, one GPU per rank. A test that starts more ranks than the
+# machine has GPUs, or that compares its numbers with CPU float64 results, hides the GPUs from its processes so
+# that they run on CPU with gloo instead; everything else runs where a researcher trains.
+
+
+def uses_cuda(nproc: int = 1, cpu: bool = False) -> bool:
+    """Whether a train.py run of ``nproc`` ranks started with ``launch_env(nproc, cpu)`` trains on CUDA."""
+    return not cpu and torch.cuda.is_available() and torch.cuda.device_count() >= nproc
+
+
+def launch_env(nproc: int = 1, cpu: bool = False, **extra: str) -> dict[str, str]:
+    """Environment for a train.py subprocess of ``nproc`` ranks (``cpu``: always on CPU)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    if not uses_cuda(nproc, cpu):
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def memory_tag(nproc: int = 1, cpu: bool = False) -> str:
+    """The peak-memory tag train.py logs on the device such a run uses."""
+    return "memory/max_active(GiB)" if uses_cuda(nproc, cpu) else "memory/rss(GiB)"

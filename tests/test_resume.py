@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from tests.distributed import launch_env
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner, decode_plain
 
 # DCP says it assumes one process whenever no process group exists; so do we.
@@ -61,7 +62,9 @@ def command(script: str, world_size: int, args: list[str]) -> list[str]:
 
 
 def environment() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # On CPU whatever the machine: runs on 1, 2 and 3 ranks are compared number for number, so they must all use
+    # the same device kind.
+    return launch_env(cpu=True, PYTHONUNBUFFERED="1")
 
 
 def train(dump_folder: str, world_size: int, *extra: str) -> str:
