@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_workers
-from tests.parallel_helpers import BATCH, TINY, SEQ_LEN, full, job_config, materialize, meta_model
+from tests.parallel_helpers import BATCH, SEQ_LEN, TINY, full, job_config, materialize, meta_model
 from torchtitan.models.llama.model import canonical_name
 from torchtitan.optim import OptimizersContainer, build_optimizers
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
@@ -30,9 +30,9 @@ from torchtitan.parallelisms import ParallelDims, parallelize_llama
 LR = 1e-2
 SGD_LR = 0.5
 CLIP = 0.05  # well below the gradient norm of the tiny model's first step (checked below)
-GRAD_TOLERANCE = dict(rtol=1e-10, atol=1e-12)
+GRAD_TOLERANCE = {"rtol": 1e-10, "atol": 1e-12}
 # AdamW's first step is g / (|g| + eps): it magnifies gradient differences on entries whose gradient is near zero.
-WEIGHT_TOLERANCE = dict(rtol=0.0, atol=1e-10)
+WEIGHT_TOLERANCE = {"rtol": 0.0, "atol": 1e-10}
 
 
 def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,8 +119,8 @@ def two_ranks(request) -> tuple[str, list[dict]]:
 
 def assert_close(a: dict, b: dict, tolerance: dict) -> None:
     assert a.keys() == b.keys()
-    for key in a:
-        np.testing.assert_allclose(a[key], b[key], err_msg=key, **tolerance)
+    for key, value in a.items():
+        np.testing.assert_allclose(value, b[key], err_msg=key, **tolerance)
 
 
 def assert_same_step(got: dict, want: dict) -> None:
@@ -142,7 +142,7 @@ def test_accumulation_equals_one_big_batch_in_one_process(one_process, accumulat
 
 
 def test_accumulation_and_data_parallelism_equal_one_big_batch(one_process, two_ranks):
-    layout, ranks = two_ranks
+    _, ranks = two_ranks
     for rank in ranks:
         for name in ("adamw", "adamw_accum2"):
             assert_same_step(rank[name], one_process["adamw"])
