@@ -79,6 +79,19 @@ def test_ranks_split_each_global_batch_without_overlap(tokenizer, world):
     assert len(rows) == world * batch_size * steps  # every rank got different windows
 
 
+def test_data_order_does_not_depend_on_the_seed(tokenizer, sample_stream):
+    # training.seed seeds torch's global generator (and the weights); the data order is the stream's own.
+    batch_size, seq_len = 2, 16
+    runs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        runs.append(torch.cat([inputs for inputs, _ in take(sample_loader(tokenizer, batch_size, seq_len), 3)]))
+    assert torch.equal(runs[0], runs[1])
+    window = seq_len + 1
+    for row, inputs in enumerate(runs[1]):
+        assert inputs.tolist() == sample_stream[row * window:row * window + seq_len]
+
+
 def test_sentencepiece_tokenizer_packs_the_same_way():
     spm = build_tokenizer(str(ASSETS / "tokenizer" / "sentencepiece_test.model"))
     first = json.loads(SAMPLE_JSONL.read_text(encoding="utf-8").splitlines()[0])["text"]

@@ -14,6 +14,7 @@ Data order: documents are tokenized with BOS and EOS, concatenated into one toke
 global batch k is windows ``[k*W*B, (k+1)*W*B)`` for W data-parallel ranks of B sequences, and rank r takes the
 B windows starting at ``k*W*B + r*B``. The global batch therefore depends on W*B only, and the position in the
 stream - the loader's state - is the same on every rank and for every world size, so checkpoints reshard exactly.
+The order is the dataset's own: no seed (``training.seed`` included) or random state changes it.
 """
 
 from __future__ import annotations
