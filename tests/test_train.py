@@ -65,12 +65,15 @@ def test_one_process_trains_and_logs(tmp_path):
     assert TAGS | {memory_tag()} <= event_tags(directory)
 
 
-def test_identical_runs_give_identical_losses(tmp_path):
+def test_identical_runs_give_identical_losses_and_the_seed_matters(tmp_path):
     # On a GPU, bit-identical runs need the deterministic kernels (the documented switch); on CPU they are the default.
     extra = ["--training.deterministic"] if uses_cuda() else []
     train(tmp_path / "a", "--training.steps", "3", *extra)
     train(tmp_path / "b", "--training.steps", "3", *extra)
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    # Another training.seed starts from other weights (the data are the same: tests/test_datasets.py).
+    train(tmp_path / "c", "--training.steps", "1", "--training.seed", "1", *extra)
+    assert losses(tmp_path / "c")[0] != losses(tmp_path / "a")[0]
 
 
 @pytest.fixture(scope="module")
