@@ -55,15 +55,19 @@ class SGDContainer(OptimizersContainer):
         super().__init__([model], [torch.optim.SGD(model.parameters(), lr=SGD_LR)], "SGD")
 
 
-def run_case(degrees: tuple[int, int, int], world_size: int, accumulation: int, optimizer: str, max_norm: float) -> dict:
+def run_case(
+    degrees: tuple[int, int, int], world_size: int, accumulation: int, optimizer: str, max_norm: float,
+    gather_logits: bool = False,
+) -> dict:
     """One train_step of a fresh model; loss (global mean), logged grad norm, full gradients and weights."""
     import train
 
     config = job_config(
-        training={"gradient_accumulation_steps": accumulation, "max_norm": max_norm},
+        training={"gradient_accumulation_steps": accumulation, "max_norm": max_norm,
+                  "disable_loss_parallel": gather_logits},
         optimizer={"name": "AdamW", "lr": LR},
     )
-    dims = ParallelDims(*degrees, world_size)
+    dims = ParallelDims(*degrees, world_size, enable_loss_parallel=not gather_logits)
     mesh = dims.build_mesh("cpu")
     model = materialize(parallelize_llama(meta_model(), mesh, dims, config))
     before = {canonical_name(n): full(p).detach().clone() for n, p in model.named_parameters()}
@@ -98,11 +102,15 @@ CASES = [
     ("sgd_clipped", 1, "SGD", CLIP),
     ("sgd_accum2_clipped", 2, "SGD", CLIP),
 ]
-LAYOUTS = {"fsdp2": (1, 2, 1), "tp2": (1, 1, 2)}
+# layout -> (dp_replicate, dp_shard, tp), whether TP gathers the logits instead of a parallel loss
+LAYOUTS = {"fsdp2": ((1, 2, 1), False), "tp2": ((1, 1, 2), False), "tp2_gathered_logits": ((1, 1, 2), True)}
 
 
-def _cases_on_layout(rank: int, world_size: int, degrees) -> dict:
-    return {name: run_case(degrees, world_size, a, opt, norm) for name, a, opt, norm in CASES}
+def _cases_on_layouts(rank: int, world_size: int) -> dict:
+    return {
+        layout: {name: run_case(degrees, world_size, a, opt, norm, gather) for name, a, opt, norm in CASES}
+        for layout, (degrees, gather) in LAYOUTS.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +120,15 @@ def one_process() -> dict:
     return cases
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def two_ranks(request) -> tuple[str, list[dict]]:
-    return request.param, run_workers(_cases_on_layout, 2, args=(LAYOUTS[request.param],))
+@pytest.fixture(scope="module")
+def two_rank_runs() -> list[dict]:
+    """Every layout in one pair of processes (starting processes is the slow part)."""
+    return run_workers(_cases_on_layouts, 2)
+
+
+@pytest.fixture(params=sorted(LAYOUTS))
+def two_ranks(request, two_rank_runs) -> tuple[str, list[dict]]:
+    return request.param, [rank[request.param] for rank in two_rank_runs]
 
 
 def assert_close(a: dict, b: dict, tolerance: dict) -> None:
