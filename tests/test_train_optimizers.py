@@ -59,10 +59,15 @@ def test_two_fsdp_processes(tmp_path, name):
     assert run_dir(tmp_path / "two").name.endswith("_" + name)
 
 
+def resume_args(name):
+    """8 steps with a checkpoint every 4; on a GPU with deterministic kernels, so that runs can agree bit for bit."""
+    return ["--optimizer.name", name, "--training.steps", "8", "--checkpoint.enable_checkpoint",
+            "--checkpoint.interval", "4", *(["--training.deterministic"] if uses_cuda() else [])]
+
+
 def resumed_vs_straight(tmp_path, name):
     """Losses of steps 5-8 of a straight 8-step run, and of the same steps resumed from its step-4 checkpoint."""
-    common = ["--optimizer.name", name, "--training.steps", "8", "--checkpoint.enable_checkpoint",
-              "--checkpoint.interval", "4"]
+    common = resume_args(name)
     train(tmp_path / "straight", *common)
     shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-4", tmp_path / "resumed" / "checkpoint" / "step-4")
     train(tmp_path / "resumed", *common, "--checkpoint.load_step", "4")
@@ -99,11 +104,9 @@ def test_low_bit_resume_within_quantization_noise(tmp_path, monkeypatch):
     assert len(resumed) == 4
     assert resumed == pytest.approx(straight, rel=tolerance)
     # Negative control: the same resume with the optimizer state lost lands far outside that tolerance.
-    common = ["--optimizer.name", "AdamW8bit", "--training.steps", "8", "--checkpoint.enable_checkpoint",
-              "--checkpoint.interval", "4", "--checkpoint.load_step", "4"]
     without_optimizer_moments(tmp_path / "straight" / "checkpoint" / "step-4",
                               tmp_path / "forgetful" / "checkpoint" / "step-4")
-    train(tmp_path / "forgetful", *common)
+    train(tmp_path / "forgetful", *resume_args("AdamW8bit"), "--checkpoint.load_step", "4")
     forgetful = losses(tmp_path / "forgetful")
     assert len(forgetful) == 4
     worst = max(abs(f - s) / abs(s) for f, s in zip(forgetful, straight))
