@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import train
 from tests.distributed import run_workers
 from tests.parallel_helpers import BATCH, SEQ_LEN, TINY, full, job_config, materialize, meta_model
 from torchtitan.models.llama.model import canonical_name
@@ -60,8 +61,6 @@ def run_case(
     gather_logits: bool = False,
 ) -> dict:
     """One train_step of a fresh model; loss (global mean), logged grad norm, full gradients and weights."""
-    import train
-
     config = job_config(
         training={"gradient_accumulation_steps": accumulation, "max_norm": max_norm,
                   "disable_loss_parallel": gather_logits},
