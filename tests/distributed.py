@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
 import time
 import traceback
@@ -108,3 +109,28 @@ def launch_env(nproc: int = 1, cpu: bool = False, **extra: str) -> dict[str, str
 def memory_tag(nproc: int = 1, cpu: bool = False) -> str:
     """The peak-memory tag train.py logs on the device such a run uses."""
     return "memory/max_active(GiB)" if uses_cuda(nproc, cpu) else "memory/rss(GiB)"
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants, whatever session they run in (torchrun starts each rank in a
+    session of its own, so killing torchrun's process group leaves the ranks running)."""
+    victims, pending = [pid], [pid]
+    while pending:  # collected before any is killed: an orphan's parent becomes init and the tree is lost
+        parent = pending.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            victims += children
+            pending += children
+    for victim in victims:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tests.distributed import launch_env
+from tests.distributed import kill_process_tree, launch_env
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner, decode_plain
 
 # DCP says it assumes one process whenever no process group exists; so do we.
@@ -151,7 +150,7 @@ def train_until_killed_mid_save(dump_folder: str, tmp_path) -> str:
                 break
         assert stalled == 2, "".join(lines[-100:])
     finally:
-        os.killpg(child.pid, signal.SIGKILL)  # torchrun and both ranks, without any chance to clean up
+        kill_process_tree(child.pid)  # torchrun and both ranks, without any chance to clean up
         child.wait(timeout=60)
     return "".join(lines)
 
