@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
 import time
 import traceback
@@ -82,3 +83,54 @@ def run_workers(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout
                 p.kill()
                 p.join()
     return [results[r] for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py subprocesses on a machine with or without GPUs
+#
+# train.py trains on CUDA (NCCL) whenever a GPU is visible, one GPU per rank. A test that starts more ranks than the
+# machine has GPUs, or that compares its numbers with CPU float64 results, hides the GPUs from its processes so
+# that they run on CPU with gloo instead; everything else runs where a researcher trains.
+
+
+def uses_cuda(nproc: int = 1, cpu: bool = False) -> bool:
+    """Whether a train.py run of ``nproc`` ranks started with ``launch_env(nproc, cpu)`` trains on CUDA."""
+    return not cpu and torch.cuda.is_available() and torch.cuda.device_count() >= nproc
+
+
+def launch_env(nproc: int = 1, cpu: bool = False, **extra: str) -> dict[str, str]:
+    """Environment for a train.py subprocess of ``nproc`` ranks (``cpu``: always on CPU)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    if not uses_cuda(nproc, cpu):
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def memory_tag(nproc: int = 1, cpu: bool = False) -> str:
+    """The peak-memory tag train.py logs on the device such a run uses."""
+    return "memory/max_active(GiB)" if uses_cuda(nproc, cpu) else "memory/rss(GiB)"
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants, whatever session they run in (torchrun starts each rank in a
+    session of its own, so killing torchrun's process group leaves the ranks running)."""
+    victims, pending = [pid], [pid]
+    while pending:  # collected before any is killed: an orphan's parent becomes init and the tree is lost
+        parent = pending.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            victims += children
+            pending += children
+    for victim in victims:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

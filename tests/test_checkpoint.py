@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -309,18 +311,38 @@ def test_unwritable_folder_is_a_user_error_before_training(tmp_path):
     assert blocker.read_text() == "keep me"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores folder permissions")
+@contextlib.contextmanager
+def unwritable(folder):
+    """``folder`` refuses new files while inside, for root too: permissions for a user, the immutable attribute for
+    root (whom permissions do not stop)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+        return
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)], capture_output=True, check=False).returncode:
+        pytest.skip("as root a folder is made unwritable with chattr +i, which this file system or user cannot set")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
 def test_read_only_folder_is_a_user_error_and_keeps_checkpoints(tmp_path):
     Trainer(job(str(tmp_path), steps=1, interval=1)).run(1)
     folder = tmp_path / "checkpoint"
     before = sorted(os.listdir(folder / "step-1"))
-    folder.chmod(0o555)
-    try:
-        with pytest.raises(UserError, match="not writable"):
-            Trainer(job(str(tmp_path), steps=1))
-    finally:
-        folder.chmod(0o755)
+    with unwritable(folder), pytest.raises(UserError, match="not writable"):
+        Trainer(job(str(tmp_path), steps=1))
     assert sorted(os.listdir(folder / "step-1")) == before
+
+
+def test_folder_the_system_refuses_is_a_user_error():
+    # procfs takes no new files from anyone, root included.
+    with pytest.raises(UserError, match=r"checkpoint folder '/proc/self' is not writable \(.+\); fix its permissions"):
+        Trainer(job("/proc/self", steps=1, folder="/proc/self"))
 
 
 def test_initial_load_path_model_only_or_everything(tmp_path):

@@ -82,6 +82,19 @@ def test_ranks_split_each_global_batch_without_overlap(tokenizer, world):
     assert len(rows) == world * batch_size * steps  # every rank got different windows
 
 
+def test_data_order_does_not_depend_on_the_seed(tokenizer, sample_stream):
+    # training.seed seeds torch's global generator (and the weights); the data order is the stream's own.
+    batch_size, seq_len = 2, 16
+    runs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        runs.append(torch.cat([inputs for inputs, _ in take(sample_loader(tokenizer, batch_size, seq_len), 3)]))
+    assert torch.equal(runs[0], runs[1])
+    window = seq_len + 1
+    for row, inputs in enumerate(runs[1]):
+        assert inputs.tolist() == sample_stream[row * window:row * window + seq_len]
+
+
 def test_sentencepiece_tokenizer_packs_the_same_way():
     spm = build_tokenizer(str(ASSETS / "tokenizer" / "sentencepiece_test.model"))
     first = json.loads(SAMPLE_JSONL.read_text(encoding="utf-8").splitlines()[0])["text"]
@@ -334,8 +347,10 @@ def test_unreachable_hub_is_one_line_from_rank_0_and_exit_2(tmp_path, nproc, off
     assert "allenai/c4" in errors[0] and reason in errors[0] and "--training.dataset_path" in errors[0], errors[0]
     if nproc == 1:
         assert proc.returncode == 2 and "Traceback" not in output, output[-4000:]
-    else:  # every worker stopped with the user-error code; torchrun's own summary follows
-        assert output.count("exitcode  : 2") == nproc, output[-4000:]
+    else:
+        # A worker stopped with the user-error code (torchrun may end the other with SIGTERM once one has exited,
+        # so how many report code 2 depends on timing); torchrun's own summary follows.
+        assert "exitcode  : 2" in output, output[-4000:]
     assert not (tmp_path / "tb").exists()
 
 

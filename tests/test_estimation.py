@@ -27,7 +27,12 @@ from torchtitan.estimation.tracker import GATHERED_PARAMS, PARAMS, storages_of
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(REPO / "train_configs" / "debug_model.toml")
 VOCAB = 512
-TOLERANCE = 0.10
+# Estimate vs the allocator's measured peak, as (lowest, highest) relative error. One process: the same allocations
+# as the real step, so the bound is the README's 0.2%. Two gloo ranks: the estimate leaves out gloo's temporary
+# copies of the tensors it sends (real on CPU, no counterpart under NCCL), measured at 4-4.5% of the peak on the
+# debug model; the estimate must stay below the measurement and within 6% of it.
+ONE_PROCESS_TOLERANCE = (-0.002, 0.002)
+GLOO_TOLERANCE = (-0.06, 0.0)
 
 
 def _job(*overrides: str) -> JobConfig:
@@ -113,13 +118,14 @@ def _measure_real_steps(job: JobConfig, world_size: int, mesh, optimizer_names: 
     return measured
 
 
-def _assert_close(estimate, measured: dict, what: str) -> None:
+def _assert_close(estimate, measured: dict, what: str, tolerance: tuple[float, float]) -> None:
     for o in estimate.optimizers:
         real = measured[o.optimizer]
         error = (o.peak - real["peak"]) / real["peak"]
         print(f"{what} {o.optimizer}: estimated peak {o.peak / 2**20:.2f} MiB, measured {real['peak'] / 2**20:.2f} "
               f"MiB ({100 * error:+.2f}%)")
-        assert abs(error) <= TOLERANCE, f"{o.optimizer}: estimate {o.peak} vs measured {real['peak']}"
+        low, high = tolerance
+        assert low <= error <= high, f"{o.optimizer}: estimate {o.peak} vs measured {real['peak']} ({error:+.4f})"
         assert o.optimizer_state == real["state"]
 
 
@@ -127,7 +133,7 @@ def test_single_process_estimate_matches_a_real_cpu_step():
     job = _job("--memory_estimation.world_size", "1", "--memory_estimation.optimizers", "AdamW,AdamMini")
     estimate = estimate_memory(job, train.train_step)
     measured = _measure_real_steps(job, 1, None, ["AdamW", "AdamMini"], seed=0)
-    _assert_close(estimate, measured, "1 process")
+    _assert_close(estimate, measured, "1 process", ONE_PROCESS_TOLERANCE)
 
 
 def _real_rank(rank: int, world_size: int, overrides: list[str]) -> dict:
@@ -152,7 +158,7 @@ def test_two_rank_estimate_matches_rank_0_of_a_real_two_process_step(overrides):
     job = _job("--memory_estimation.world_size", "2", "--memory_estimation.optimizers", "AdamW", *overrides)
     estimate = estimate_memory(job, train.train_step)
     measured_rank0 = run_workers(_real_rank, world_size=2, args=(overrides,))[0]
-    _assert_close(estimate, measured_rank0, " ".join(overrides))
+    _assert_close(estimate, measured_rank0, " ".join(overrides), GLOO_TOLERANCE)
 
 
 # ----------------------------------------------------------------------------------------------------------------

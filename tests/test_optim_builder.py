@@ -26,7 +26,14 @@ from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
 from torchtitan.optim import AdamMini, OptimizersContainer, build_optimizers
 from torchtitan.optim import builder
 
-torchao_optim = pytest.importorskip("torchao.optim")  # the `lowbit` extra; part of the dev install
+try:
+    import torchao.optim as torchao_optim  # the `lowbit` extra; part of the dev install
+except ImportError:
+    torchao_optim = None
+# Only the tests of the low-bit optimizers need torchao; AdamW, Adam and AdamMini are tested without it.
+needs_torchao = pytest.mark.skipif(
+    torchao_optim is None, reason="needs torchao for the low-bit optimizers: pip install 'torchtitan[lowbit]'"
+)
 
 SEQ_LEN = 8
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=SEQ_LEN)
@@ -35,6 +42,16 @@ TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, mul
 LOW_BIT = ModelArgs(dim=128, n_layers=1, n_heads=4, vocab_size=128, multiple_of=128, ffn_dim_multiplier=0.375,
                     max_seq_len=SEQ_LEN)
 LOW_BIT_NAMES = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
+
+
+def low_bit(*values):
+    """A parametrize entry that needs torchao."""
+    return pytest.param(*values, marks=needs_torchao)
+
+
+def names_param(*names):
+    """Optimizer names for parametrize; the low-bit ones skip without torchao."""
+    return [low_bit(name) if name in LOW_BIT_NAMES else name for name in names]
 
 
 def config(*argv: str) -> JobConfig:
@@ -87,8 +104,8 @@ def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
 @pytest.mark.parametrize("given, canonical", [
     ("AdamW", "AdamW"), ("adamw", "AdamW"), ("ADAMW", "AdamW"), ("Adam", "Adam"), ("adam", "Adam"),
     ("AdamMini", "AdamMini"), ("adam_mini", "AdamMini"), ("Adam-mini", "AdamMini"), ("adammini", "AdamMini"),
-    ("AdamW8bit", "AdamW8bit"), ("adamw_8bit", "AdamW8bit"), ("AdamW4bit", "AdamW4bit"),
-    ("AdamWFp8", "AdamWFp8"), ("adamw-fp8", "AdamWFp8"),
+    low_bit("AdamW8bit", "AdamW8bit"), low_bit("adamw_8bit", "AdamW8bit"), low_bit("AdamW4bit", "AdamW4bit"),
+    low_bit("AdamWFp8", "AdamWFp8"), low_bit("adamw-fp8", "AdamWFp8"),
 ])
 def test_every_name_and_alias_builds_its_optimizer(given, canonical):
     net = model()
@@ -128,17 +145,18 @@ def test_unknown_name_is_one_line_listing_valid_names():
         assert name in message
 
 
-def test_hyperparameters_reach_every_optimizer():
+@pytest.mark.parametrize("name", names_param("AdamW", "Adam", "AdamMini", *LOW_BIT_NAMES))
+def test_hyperparameters_reach_every_optimizer(name):
     argv = ["--optimizer.lr", "0.003", "--optimizer.beta1", "0.8", "--optimizer.beta2", "0.9",
             "--optimizer.eps", "1e-6", "--optimizer.weight_decay", "0.05"]
-    for name in ("AdamW", "Adam", "AdamMini", *LOW_BIT_NAMES):
-        (optimizer,) = build_optimizers([model()], config("--optimizer.name", name, *argv)).optimizers
-        group = optimizer.param_groups[0]
-        assert float(group["lr"]) == pytest.approx(0.003), name
-        assert tuple(group["betas"]) == (0.8, 0.9), name
-        assert (group["eps"], group["weight_decay"]) == (1e-6, 0.05), name
+    (optimizer,) = build_optimizers([model()], config("--optimizer.name", name, *argv)).optimizers
+    group = optimizer.param_groups[0]
+    assert float(group["lr"]) == pytest.approx(0.003), name
+    assert tuple(group["betas"]) == (0.8, 0.9), name
+    assert (group["eps"], group["weight_decay"]) == (1e-6, 0.05), name
 
 
+@needs_torchao
 def test_low_bit_options_arrive():
     (optimizer,) = build_optimizers([model()], config(
         "--optimizer.name", "AdamW4bit", "--optimizer.block_size", "64", "--optimizer.bf16_stochastic_round", "true",
@@ -184,9 +202,9 @@ def test_implementation_sets_torch_flags(name, implementation, flags):
     ("AdamMini", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to AdamMini"),
     ("AdamMini", ["--optimizer.implementation", "foreach"], "optimizer.implementation does not apply to AdamMini"),
     ("AdamW", ["--optimizer.bf16_stochastic_round", "true"], "bf16_stochastic_round does not apply to AdamW"),
-    ("AdamW8bit", ["--optimizer.implementation", "fused"], "optimizer.implementation does not apply to AdamW8bit"),
-    ("AdamWFp8", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to AdamWFp8"),
-    ("AdamW4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamW4bit"),
+    low_bit("AdamW8bit", ["--optimizer.implementation", "fused"], "optimizer.implementation does not apply to AdamW8bit"),
+    low_bit("AdamWFp8", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to AdamWFp8"),
+    low_bit("AdamW4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamW4bit"),
 ])
 def test_options_that_do_not_apply_are_rejected(name, argv, fragment):
     with pytest.raises(UserError, match=fragment) as error:
@@ -202,7 +220,7 @@ def test_options_that_do_not_apply_are_rejected(name, argv, fragment):
     ("eps", 0.0, "optimizer.eps must be positive"),
     ("weight_decay", -0.1, "optimizer.weight_decay must be at least 0"),
 ])
-@pytest.mark.parametrize("name", ["AdamW", "AdamMini", "AdamW8bit"])
+@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit"))
 def test_invalid_values_are_user_errors(name, field, value, fragment):
     job = config("--optimizer.name", name)
     # Set after parsing: the builder must not rely on the config parser having checked (tools build configs too).
@@ -236,7 +254,7 @@ def test_adam_mini_needs_a_model_that_knows_its_shape():
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-@pytest.mark.parametrize("name", ["AdamW", "AdamMini", "AdamW8bit"])
+@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit"))
 def test_lambda_lr_drives_every_optimizer_including_tensor_lr(name):
     optimizers = build_optimizers([model(), model(seed=1)], config("--optimizer.name", name, "--optimizer.lr", "0.2"))
     schedulers = [halving_schedule(optimizer) for optimizer in optimizers.optimizers]
@@ -257,24 +275,40 @@ def test_lambda_lr_drives_every_optimizer_including_tensor_lr(name):
 # State size
 
 
-def test_state_bytes_on_the_debug_model_shape_without_allocating():
+def meta_state_bytes(names) -> dict[str, int]:
+    """State bytes of each optimizer on the debug model's shape, on the meta device (nothing allocated)."""
     args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=2048)
     sizes = {}
-    for name in ("AdamW", "AdamMini", *LOW_BIT_NAMES):
+    for name in names:
         net = meta_model(args, torch.float32)
         sizes[name] = build_optimizers([net], config("--optimizer.name", name)).state_bytes()
         assert all(p.device.type == "meta" and p.grad is None for p in net.parameters())
+    return sizes
+
+
+def test_state_bytes_on_the_debug_model_shape_without_allocating():
+    sizes = meta_state_bytes(("AdamW", "AdamMini"))
+    args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=2048)
     param_bytes = sum(p.numel() * 4 for p in meta_model(args, torch.float32).parameters())
     assert param_bytes * 2 <= sizes["AdamW"] <= param_bytes * 2.01  # m and v, plus step counters
     assert sizes["AdamMini"] <= 0.51 * sizes["AdamW"]
+
+
+@needs_torchao
+def test_low_bit_state_bytes_on_the_debug_model_shape_without_allocating():
+    sizes = meta_state_bytes(("AdamW", *LOW_BIT_NAMES))
     assert sizes["AdamW8bit"] <= 0.27 * sizes["AdamW"]  # 1 byte per value + a scale per 256 values
     assert sizes["AdamWFp8"] <= 0.27 * sizes["AdamW"]
     assert sizes["AdamW4bit"] <= 0.14 * sizes["AdamW"]  # half a byte per value + a scale per 128 values
 
 
-def test_tensor_bytes_counts_local_shards_and_quantized_parts():
+def test_tensor_bytes_counts_local_shards():
     assert builder.tensor_bytes(torch.empty(10, 3, device="meta")) == 120
     assert builder.tensor_bytes(3.0) == 0
+
+
+@needs_torchao
+def test_tensor_bytes_counts_quantized_parts():
     quantized = torchao_optim.subclass_8bit.OptimState8bit.zeros((64, 64), signed=True, block_size=256)
     assert builder.tensor_bytes(quantized) == 64 * 64 + 16 * 4 + 256 * 4  # codes, scales, code table
 
@@ -345,6 +379,7 @@ def test_dcp_resume_equals_uninterrupted_run(name, tmp_path):
     assert max_difference(uninterrupted, without_state) > 1e-4  # the optimizer state matters to this check
 
 
+@needs_torchao
 def test_low_bit_dcp_round_trip_and_resume(tmp_path):
     """AdamW8bit: quantized state is saved as plain tensors, quantized again on load, and training resumes."""
     inductor_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -475,6 +510,7 @@ def test_fsdp_two_ranks_resume_exactly_and_reshard_to_one(name, fsdp_exact_runs)
         assert torch.equal(torch.as_tensor(loaded[key]), value), key
 
 
+@needs_torchao
 def test_fsdp_two_ranks_low_bit_resume_and_reshard(tmp_path):
     ranks = run_workers(_fsdp_resume_worker, 2, args=("AdamW8bit", LOW_BIT, torch.float32, str(tmp_path)))
     ranks = [_from_numpy(r) for r in ranks]

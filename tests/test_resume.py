@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from tests.distributed import kill_process_tree, launch_env
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner, decode_plain
 
 # DCP says it assumes one process whenever no process group exists; so do we.
@@ -61,7 +61,9 @@ def command(script: str, world_size: int, args: list[str]) -> list[str]:
 
 
 def environment() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # On CPU whatever the machine: runs on 1, 2 and 3 ranks are compared number for number, so they must all use
+    # the same device kind.
+    return launch_env(cpu=True, PYTHONUNBUFFERED="1")
 
 
 def train(dump_folder: str, world_size: int, *extra: str) -> str:
@@ -152,7 +154,7 @@ def train_until_killed_mid_save(dump_folder: str, tmp_path) -> str:
                 break
         assert stalled == 2, "".join(lines[-100:])
     finally:
-        os.killpg(child.pid, signal.SIGKILL)  # torchrun and both ranks, without any chance to clean up
+        kill_process_tree(child.pid)  # torchrun and both ranks, without any chance to clean up
         child.wait(timeout=60)
     return "".join(lines)
 

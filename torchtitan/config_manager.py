@@ -95,7 +95,7 @@ class Training:
     )
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduction dtype on GPU", choices=("float32",))
     compile: bool = opt(False, "torch.compile each transformer block")
-    seed: int = opt(0, "random seed for weights and data order", ge=0)
+    seed: int = opt(0, "random seed for the initial weights (the data order does not depend on it)", ge=0)
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
 
 

@@ -19,6 +19,7 @@ Data order: documents are tokenized with BOS and EOS, concatenated into one toke
 global batch k is windows ``[k*W*B, (k+1)*W*B)`` for W data-parallel ranks of B sequences, and rank r takes the
 B windows starting at ``k*W*B + r*B``. The global batch therefore depends on W*B only, and the position in the
 stream - the loader's state - is the same on every rank and for every world size, so checkpoints reshard exactly.
+The order is the dataset's own: no seed (``training.seed`` included) or random state changes it.
 
 Held-out split: a stream may read only part of the documents. With ``every = N``, a document is held out when a
 64-bit BLAKE2b hash of its text is divisible by N (about one in N). The training stream skips those documents and
