@@ -1,0 +1,14 @@
+"""Suite-wide checks: no process started by the tests outlives the suite."""
+
+import pytest
+
+from tests.processes import SUITE, end_tree, marked
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    yield
+    left = marked(SUITE)
+    for pid in left:
+        end_tree(pid, SUITE)
+    assert not left, f"processes started by the tests were still alive at the end of the suite: {left}"
