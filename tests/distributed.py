@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.processes import SUITE, end_tree
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -78,7 +80,8 @@ def run_workers(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout
             p.join(max(1.0, deadline - time.monotonic()))
     finally:
         for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+            if p.pid is not None:
+                # The rank and anything it started (e.g. compile workers), even when the rank itself has exited.
+                end_tree(p.pid, mark=f"{SUITE}.none")
+            p.join()
     return [results[r] for r in range(world_size)]

@@ -6,7 +6,6 @@ import gzip
 import importlib.util
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tests import processes
 from torchtitan.datasets import build_hf_data_loader, build_tokenizer
 from torchtitan.datasets import hf_datasets
 from torchtitan.errors import UserError
@@ -307,8 +307,8 @@ def test_dataset_user_errors(tokenizer, tmp_path):
 def test_make_assets_reproduces_the_committed_assets(tmp_path):
     """One fresh run of the script (about 3 s) must give the committed bytes: the script is deterministic."""
     out = tmp_path / "assets"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_assets.py"), "--out", str(out)], check=True,
-                   capture_output=True)
+    made = processes.run([sys.executable, str(REPO / "scripts" / "make_assets.py"), "--out", str(out)], timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
     spec = importlib.util.spec_from_file_location("make_assets", REPO / "scripts" / "make_assets.py")
     make_assets = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_assets)

@@ -12,17 +12,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from tests import processes
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner, decode_plain
 
 # DCP says it assumes one process whenever no process group exists; so do we.
@@ -66,8 +65,8 @@ def environment() -> dict[str, str]:
 
 def train(dump_folder: str, world_size: int, *extra: str) -> str:
     """Run train.py to the end; its output."""
-    result = subprocess.run(command(TRAIN, world_size, train_args(dump_folder, world_size, *extra)), cwd=REPO,
-                            env=environment(), capture_output=True, text=True, timeout=TIMEOUT)
+    result = processes.run(command(TRAIN, world_size, train_args(dump_folder, world_size, *extra)), cwd=REPO,
+                           env=environment(), timeout=TIMEOUT)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     return output
@@ -136,21 +135,12 @@ def train_until_killed_mid_save(dump_folder: str, tmp_path) -> str:
     script = tmp_path / "stalling_train.py"
     script.write_text(_STALLING_TRAIN.format(repo=REPO, train=TRAIN))
     args = train_args(dump_folder, 2, "--checkpoint.interval", "5")
-    child = subprocess.Popen(command(str(script), 2, args), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines, stalled = [], 0
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        for line in child.stdout:
-            lines.append(line)
-            stalled += line.startswith("STALLED")
-            if stalled == 2 or time.monotonic() > deadline:
-                break
-        assert stalled == 2, "".join(lines[-100:])
-    finally:
-        os.killpg(child.pid, signal.SIGKILL)  # torchrun and both ranks, without any chance to clean up
-        child.wait(timeout=60)
-    return "".join(lines)
+    # Leaving the block SIGKILLs torchrun and both ranks (each in a session of its own), with no chance to clean up.
+    with processes.started(command(str(script), 2, args), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True) as child:
+        output = processes.LineReader(child.stdout)
+        output.wait_for(lambda lines: sum(line.startswith("STALLED") for line in lines) == 2, timeout=TIMEOUT)
+    return output.text()
 
 
 def test_sigkill_mid_save_then_resume_matches_straight_run_bit_for_bit(reference, tmp_path):

@@ -3,11 +3,12 @@
 import glob
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -30,7 +31,7 @@ def train(tmp_path, *extra, nproc=1, check=True):
     if nproc > 1:
         base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     cmd = base + TINY + ["--job.dump_folder", str(tmp_path)] + list(extra)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    proc = processes.run(cmd, cwd=ROOT, env=env(), timeout=600)
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
