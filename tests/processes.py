@@ -68,6 +68,19 @@ def marked(prefix: str = SUITE) -> list[int]:
     return found
 
 
+def left_by_ended_suites() -> list[int]:
+    """Live marked processes whose test session (the pytest process named in the mark) is gone, e.g. killed hard."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        mark = _environ_mark(int(name))
+        suite_pid = mark.split("-", 1)[0] if mark else ""
+        if suite_pid.isdigit() and not _alive(int(suite_pid)) and _alive(int(name)):
+            found.append(int(name))
+    return found
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (children of all its threads, recursively)."""
     found, todo = [], [pid]

@@ -43,3 +43,21 @@ def test_a_timeout_ends_the_tree_and_reports_the_output():
     with pytest.raises(AssertionError, match="did not finish within 2 s") as failure:
         run([sys.executable, "-c", TREE, "sleep"], timeout=2)
     assert not _alive(grandchild(str(failure.value)))
+
+
+def test_leftovers_of_a_session_that_died_are_found():
+    import os
+    import subprocess
+
+    from tests.processes import MARK, end_tree, left_by_ended_suites
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_suite = f"{ended.stdout.strip()}-test"
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                              env={**os.environ, MARK: f"{dead_suite}.1"}, start_new_session=True)
+    try:
+        assert orphan.pid in left_by_ended_suites()
+    finally:
+        end_tree(orphan.pid, dead_suite)
+        orphan.wait()
+    assert orphan.pid not in left_by_ended_suites()
