@@ -18,7 +18,7 @@ TINY = [
 ]
 TAGS = {
     "loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr", "throughput/tps",
-    "memory/rss(GiB)", "optimizer/state_bytes",
+    "memory/rss(GiB)", "optimizer/state_bytes", "skipped_steps",
 }
 
 
@@ -56,21 +56,26 @@ def event_tags(path):
     return set(acc.Tags()["scalars"])
 
 
-def test_one_process_trains_and_logs(tmp_path):
-    proc = train(tmp_path)
-    values = losses(tmp_path)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    path = tmp_path_factory.mktemp("default")
+    return path, train(path)
+
+
+def test_one_process_trains_and_logs(one_process):
+    path, proc = one_process
+    values = losses(path)
     assert len(values) == 6
     assert values[-1] < values[0]
     assert "step:     6  loss:" in proc.stderr
-    directory = run_dir(tmp_path)
+    directory = run_dir(path)
     assert directory.name.endswith("_AdamW")
     assert TAGS <= event_tags(directory)
 
 
-def test_identical_runs_give_identical_losses(tmp_path):
-    train(tmp_path / "a", "--training.steps", "3")
-    train(tmp_path / "b", "--training.steps", "3")
-    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+def test_identical_runs_give_identical_losses(one_process, tmp_path):
+    train(tmp_path)
+    assert losses(tmp_path) == losses(one_process[0])
 
 
 @pytest.fixture(scope="module")
