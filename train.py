@@ -147,11 +147,13 @@ def main(job_config: JobConfig) -> None:
                 window_start, window_steps = time.perf_counter(), 0
 
             if guard.stopped_at is not None:
-                stop = guard.error(checkpoint.last_finite_step(), checkpoint.folder if checkpoint.enabled else None)
+                stop = guard.error(checkpoint.resume_hint())
                 metric_logger.close()
                 raise stop
             if updated:  # never a checkpoint at a skipped step, the last one included
                 checkpoint.save(train_state.step, force=train_state.step == t.steps)
+            elif train_state.step == t.steps and checkpoint.enabled:
+                logger.warning(f"the last step was skipped: no final checkpoint; {checkpoint.resume_hint()}")
             if profiler is not None:
                 profiler.step()
 

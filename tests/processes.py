@@ -139,7 +139,9 @@ def started(command: Sequence[str], env: Optional[dict[str, str]] = None, **pope
                 stream.close()
 
 
-def run(command: Sequence[str], timeout: float, env: Optional[dict[str, str]] = None, cwd=None) -> subprocess.CompletedProcess:
+def run(
+    command: Sequence[str], timeout: float, env: Optional[dict[str, str]] = None, cwd=None
+) -> subprocess.CompletedProcess:
     """Run ``command`` until it exits (text output captured); on timeout fail with its output's tail.
 
     The output is read on threads and collected after the tree is ended: a leftover grandchild holding the pipes
@@ -189,7 +191,8 @@ class LineReader:
         self._queue.put(None)
 
     def wait_for(self, predicate: Callable[[list[str]], bool], timeout: float) -> None:
-        """Block until ``predicate(lines so far)`` holds; AssertionError (with the output) at end of stream or timeout."""
+        """Block until ``predicate(lines so far)`` holds; AssertionError (with the output) at end of output or
+        timeout."""
         deadline = time.monotonic() + timeout
         while not predicate(self.lines):
             try:

@@ -15,7 +15,7 @@ import train as train_module
 from tests import processes
 from tests.distributed import run_workers
 from tests.test_train import ROOT, TINY, event_tags, run_dir
-from torchtitan.guard import DivergenceError, DivergenceGuard, tensors_are_finite
+from torchtitan.guard import DivergenceError, DivergenceGuard, resume_hint, tensors_are_finite
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 
@@ -47,7 +47,7 @@ def test_guard_skips_non_finite_steps_and_stops_after_the_allowed_streak():
     assert guard.stopped_at is None  # a finite step reset the count: never more than 2 in a row
     assert not guard.should_update(torch.tensor(1.0), torch.tensor(NAN), 7)  # a non-finite grad norm counts too
     assert guard.stopped_at == 7 and guard.first_skipped == 5
-    message = str(guard.error(4, "ckpt"))
+    message = str(guard.error(resume_hint(4, "ckpt")))
     assert "non-finite at step 5 and stayed so through step 7" in message and "step-4 in ckpt" in message
 
 
@@ -55,8 +55,9 @@ def test_zero_allowed_skips_stops_at_the_first_and_says_when_there_is_no_checkpo
     guard = DivergenceGuard(max_skipped_steps=0, device=CPU)
     assert decisions(guard, [1.0, NAN]) == [True, False]
     assert guard.stopped_at == 2
-    assert "at step 2 (" in str(guard.error(None, "ckpt")) and "none to resume from" in str(guard.error(None, "ckpt"))
-    assert "checkpointing is off" in str(guard.error(None, None))
+    message = str(guard.error(resume_hint(None, "ckpt")))
+    assert "non-finite at step 2 (" in message and "no checkpoint was written in ckpt" in message
+    assert "checkpointing is off" in resume_hint(None, None)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -89,7 +90,8 @@ def _two_ranks(rank, world_size, folder):
             local.copy_(kept)
     listing_after_refusals = sorted(os.listdir(os.path.join(folder, "checkpoint")))
     trainer.checkpoint.save(4, force=True)  # finite again: saved, and keep_latest_k=1 prunes step-2
-    return updates, guard.stopped_at, refusals, listing_after_refusals, sorted(os.listdir(os.path.join(folder, "checkpoint")))
+    listing_after_save = sorted(os.listdir(os.path.join(folder, "checkpoint")))
+    return updates, guard.stopped_at, refusals, listing_after_refusals, listing_after_save
 
 
 def test_two_ranks_decide_together_and_refuse_non_finite_state(tmp_path):

@@ -10,9 +10,9 @@ Layout of ``checkpoint.folder`` (relative to ``job.dump_folder`` unless absolute
 Crash safety: every save writes into a hidden temporary folder; only after all ranks finished writing does rank 0
 rename it to ``step-N`` (atomic on one filesystem) and fsync the parent folder. A checkpoint that is visible is
 therefore complete, and the last good one is never written over. A save whose model or optimizer state holds a
-NaN or an infinity on any rank is refused (``DivergenceError``, nothing written), so every checkpoint is finite. ``keep_latest_k`` removes older checkpoints only
-after the new one is published, and removes them by renaming first, so a crash mid-delete leaves a temporary folder,
-not a half-deleted ``step-N``.
+NaN or an infinity on any rank is refused (``DivergenceError``, nothing written), so every checkpoint is finite.
+``keep_latest_k`` removes older checkpoints only after the new one is published, and removes them by renaming first,
+so a crash mid-delete leaves a temporary folder, not a half-deleted ``step-N``.
 
 Resharding: model and optimizer tensors are DTensors that DCP reshards on load, so a checkpoint saved on N ranks
 loads on M. Everything else (schedulers, data-loader position, train state) is world-size independent plain data.
@@ -428,6 +428,10 @@ class CheckpointManager:
         self._publish_pending(wait=True)
         return self._last_saved_step if self._last_saved_step >= 0 else None
 
+    def resume_hint(self) -> str:
+        """Where a diverged run can resume from, as the end of its error message."""
+        return resume_hint(self.last_finite_step(), self.folder if self.enabled else None)
+
     def close(self) -> None:
         """Wait for an async save in flight and publish it."""
         if self._group is None and not (self.enabled or self.export_enabled):
@@ -469,7 +473,7 @@ class CheckpointManager:
         if self._any_rank(not tensors_are_finite(state_tensors(state))):
             raise DivergenceError(
                 f"training diverged: the model or optimizer state is non-finite at step {step}, so its checkpoint "
-                "was not written; " + resume_hint(self.last_finite_step(), self.folder if self.enabled else None)
+                "was not written; " + self.resume_hint()
             )
 
     def _publish_pending(self, wait: bool) -> None:

@@ -124,10 +124,11 @@ class DivergenceGuard:
         """The first step of the current run of non-finite steps."""
         return (self.stopped_at or 0) - self.consecutive + 1
 
-    def error(self, last_finite_step: Optional[int], folder: Optional[str]) -> DivergenceError:
-        """The error that stops the run at :attr:`stopped_at`."""
+    def error(self, resume: str) -> DivergenceError:
+        """The error that stops the run at :attr:`stopped_at`; ``resume`` says where to resume from
+        (:func:`resume_hint`)."""
         streak = f" and stayed so through step {self.stopped_at}" if self.stopped_at != self.first_skipped else ""
         return DivergenceError(
             f"training diverged: the loss or gradients became non-finite at step {self.first_skipped}{streak} "
-            f"(training.max_skipped_steps={self.max_skipped_steps}); " + resume_hint(last_finite_step, folder)
+            f"(training.max_skipped_steps={self.max_skipped_steps}); " + resume
         )
