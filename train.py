@@ -19,6 +19,7 @@ from torchtitan.checkpoint import CheckpointManager
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import build_hf_data_loader
 from torchtitan.errors import UserError
+from torchtitan.guard import DIVERGENCE_EXIT_CODE, DivergenceError, DivergenceGuard
 from torchtitan.logging import init_logger, logger
 from torchtitan.loss import cross_entropy
 from torchtitan.lr_scheduling import build_lr_schedulers
@@ -41,13 +42,15 @@ class TrainState:
     def __init__(self) -> None:
         self.step = 0
         self.tokens_seen = 0
+        self.skipped_steps = 0  # steps whose update the divergence guard skipped
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))  # absent from checkpoints of older versions
 
 
 def main(job_config: JobConfig) -> None:
@@ -102,6 +105,7 @@ def main(job_config: JobConfig) -> None:
     flops = flops_per_token(matmul_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len)
     gpu_peak = peak_flops(device)
     batches = iter(data_loader)
+    guard = DivergenceGuard(t.max_skipped_steps, device)
     logger.info(
         f"training {t.steps} steps from step {train_state.step}: global batch {t.batch_size * dp_degree} x "
         f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"
@@ -111,9 +115,13 @@ def main(job_config: JobConfig) -> None:
         while train_state.step < t.steps:
             train_state.step += 1
             lr = lr_schedulers.get_last_lr()
-            loss, grad_norm = train_step(model, optimizers, batches, parallel_dims, job_config, device)
+            loss, grad_norm, updated = train_step(
+                model, optimizers, batches, parallel_dims, job_config, device, guard, train_state.step
+            )
+            # A skipped step still consumes its batch and advances the schedule (see torchtitan/guard.py).
             lr_schedulers.step()
             train_state.tokens_seen += tokens_per_step
+            train_state.skipped_steps += not updated
             window_steps += 1
 
             if train_state.step % job_config.metrics.log_freq == 0 or train_state.step == t.steps:
@@ -126,6 +134,7 @@ def main(job_config: JobConfig) -> None:
                     "lr": lr,
                     "throughput/tps": tps,
                     "throughput/tokens_seen": float(train_state.tokens_seen),
+                    "skipped_steps": float(train_state.skipped_steps),
                     **memory_metrics(device),
                 }
                 if gpu_peak is not None:
@@ -135,6 +144,11 @@ def main(job_config: JobConfig) -> None:
                 reset_peak_memory(device)
                 window_start, window_steps = time.perf_counter(), 0
 
+            if guard.stopped_at is not None:
+                stop = guard.error(checkpoint.resume_hint())
+                metric_logger.close()
+                raise stop
+
             if validator is not None and validator.due(train_state.step):
                 started = time.perf_counter()
                 val_metrics, val_tokens = validator.run(model)
@@ -142,7 +156,10 @@ def main(job_config: JobConfig) -> None:
                 metric_logger.log(val_metrics, train_state.step)
                 window_start += time.perf_counter() - started  # evaluation time is not training throughput
 
-            checkpoint.save(train_state.step, force=train_state.step == t.steps)
+            if updated:  # never a checkpoint at a skipped step, the last one included
+                checkpoint.save(train_state.step, force=train_state.step == t.steps)
+            elif train_state.step == t.steps and checkpoint.enabled:
+                logger.warning(f"the last step was skipped: no final checkpoint; {checkpoint.resume_hint()}")
             if profiler is not None:
                 profiler.step()
 
@@ -151,8 +168,11 @@ def main(job_config: JobConfig) -> None:
     logger.info("training done")
 
 
-def train_step(model, optimizers, batches, parallel_dims, job_config, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns (local loss, grad norm)."""
+def train_step(
+    model, optimizers, batches, parallel_dims, job_config, device, guard: DivergenceGuard | None = None, step: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns (local loss, grad norm,
+    whether the update was applied). With a ``guard``, a non-finite loss or grad norm skips the update of ``step``."""
     t = job_config.training
     optimizers.zero_grad()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -166,8 +186,10 @@ def train_step(model, optimizers, batches, parallel_dims, job_config, device) ->
             loss = loss.full_tensor()
         total += loss.detach().to(torch.float64)
     grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
+    if guard is not None and not guard.should_update(total, grad_norm, step):
+        return total, grad_norm, False
     optimizers.step()
-    return total, grad_norm
+    return total, grad_norm, True
 
 
 def _world_group():
@@ -183,6 +205,10 @@ def run() -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except DivergenceError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return DIVERGENCE_EXIT_CODE
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
-import signal
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -26,21 +27,25 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.processes import SUITE, end_tree
+
 
 def free_port() -> int:
+    """A TCP port nobody listens on right now (e.g. an endpoint that must refuse connections)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue) -> None:
+def _worker(rank: int, world_size: int, store_file: str, fn: Callable, args: Sequence[Any], queue) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # A file rendezvous: no TCP port to pick, so no race with other processes on the machine for a free one.
+        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
         # Plain pickle copies tensors by value; the queue's own pickler would share memory that dies with this process.
         result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, True, result))
@@ -54,8 +59,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
 def run_workers(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout: float = 300.0) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, world_size, port, fn, tuple(args), queue)) for rank in range(world_size)]
+    store_dir = tempfile.mkdtemp(prefix="run_workers-")
+    store_file = os.path.join(store_dir, "store")
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, store_file, fn, tuple(args), queue))
+        for rank in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -79,9 +88,11 @@ def run_workers(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout
             p.join(max(1.0, deadline - time.monotonic()))
     finally:
         for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+            if p.pid is not None:
+                # The rank and anything it started (e.g. compile workers), even when the rank itself has exited.
+                end_tree(p.pid, mark=f"{SUITE}.none")
+            p.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
     return [results[r] for r in range(world_size)]
 
 
@@ -109,28 +120,3 @@ def launch_env(nproc: int = 1, cpu: bool = False, **extra: str) -> dict[str, str
 def memory_tag(nproc: int = 1, cpu: bool = False) -> str:
     """The peak-memory tag train.py logs on the device such a run uses."""
     return "memory/max_active(GiB)" if uses_cuda(nproc, cpu) else "memory/rss(GiB)"
-
-
-def kill_process_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants, whatever session they run in (torchrun starts each rank in a
-    session of its own, so killing torchrun's process group leaves the ranks running)."""
-    victims, pending = [pid], [pid]
-    while pending:  # collected before any is killed: an orphan's parent becomes init and the tree is lost
-        parent = pending.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    children = [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-            victims += children
-            pending += children
-    for victim in victims:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass

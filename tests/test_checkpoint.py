@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -29,6 +28,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from tests import processes
 from tests.distributed import run_workers
 from tests.parallel_helpers import meta_model
 from torchtitan.lr_scheduling import SchedulersContainer
@@ -524,23 +524,12 @@ _KILLED_SAVER = textwrap.dedent(
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, mode):
     script = _KILLED_SAVER.format(repo=REPO, folder=str(tmp_path), mode=mode)
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    output = []
-    try:
-        deadline = time.monotonic() + 120
-        for line in child.stdout:
-            output.append(line)
-            if line.startswith("WROTE_DATA") or time.monotonic() > deadline:
-                break
-        assert output and output[-1].startswith("WROTE_DATA"), "".join(output)
-        # With async saves the background thread is writing; a synchronous save blocks the loop.
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    with processes.started([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) as child:
+        output = processes.LineReader(child.stdout)
+        output.wait_for(lambda lines: bool(lines) and lines[-1].startswith("WROTE_DATA"), timeout=300)
+        # With async saves the background thread is writing; a synchronous save blocks the loop. Leaving the
+        # block SIGKILLs it.
     assert child.returncode == -signal.SIGKILL
     folder = tmp_path / "checkpoint"
     leftovers = [name for name in os.listdir(folder) if name.startswith(".step-4.tmp-")]

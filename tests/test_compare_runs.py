@@ -6,7 +6,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from PIL import Image
 from torch.utils.tensorboard import SummaryWriter
 
+from tests import processes
 from torchtitan.tools.compare_runs import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,10 +83,10 @@ def test_command_line_writes_png_table_and_json(runs, tmp_path):
     tb, adamw, adam_mini, expected = runs
     out = tmp_path / "figs" / "compare.png"
     json_path = tmp_path / "summary.json"
-    result = subprocess.run(
+    result = processes.run(
         [sys.executable, "-m", "torchtitan.tools.compare_runs", str(tb), "--out", str(out), "--last-k", "5",
          "--json", str(json_path)],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
     )
     assert result.returncode == 0, result.stderr
 
@@ -151,10 +151,10 @@ def _error_line(capsys) -> str:
 
 
 def test_missing_directory_exits_2_with_one_line(tmp_path):
-    result = subprocess.run(
+    result = processes.run(
         [sys.executable, "-m", "torchtitan.tools.compare_runs", str(tmp_path / "nope"), "--out",
          str(tmp_path / "c.png")],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]

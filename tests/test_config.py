@@ -1,9 +1,9 @@
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import processes
 from torchtitan.config_manager import JobConfig, help_text
 from torchtitan.errors import UserError
 
@@ -121,8 +121,8 @@ def test_shipped_configs_parse():
 
 
 def test_help_and_errors_from_the_command_line():
-    ok = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
-    assert ok.returncode == 0 and "--optimizer.name" in ok.stdout
-    bad = subprocess.run([sys.executable, "train.py", "--training.stpes", "3"], cwd=ROOT, capture_output=True, text=True)
+    ok = processes.run([sys.executable, "train.py", "--help"], cwd=ROOT, timeout=300)
+    assert ok.returncode == 0 and "--optimizer.name" in ok.stdout and "--training.max_skipped_steps" in ok.stdout
+    bad = processes.run([sys.executable, "train.py", "--training.stpes", "3"], cwd=ROOT, timeout=300)
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: unknown config key 'training.stpes' (did you mean 'training.steps'?)"

@@ -7,7 +7,6 @@ import importlib.util
 import itertools
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -17,10 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tests import processes
+from tests.distributed import free_port
 from torchtitan.datasets import build_hf_data_loader, build_tokenizer
 from torchtitan.datasets import hf_datasets
 from torchtitan.errors import UserError
-from tests.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
@@ -338,8 +338,7 @@ def test_unreachable_hub_is_one_line_from_rank_0_and_exit_2(tmp_path, nproc, off
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     command = [*launcher, "train.py", *TINY, "--job.dump_folder", str(tmp_path), "--training.dataset", "c4"]
-    proc = subprocess.run(command, cwd=REPO, env=_hub_off_environment(tmp_path, offline_switches),
-                          capture_output=True, text=True, timeout=300)
+    proc = processes.run(command, cwd=REPO, env=_hub_off_environment(tmp_path, offline_switches), timeout=300)
     output = proc.stdout + proc.stderr
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, output[-4000:]
@@ -366,8 +365,8 @@ def test_hub_failing_while_loading_is_a_user_error(tmp_path):
             print("USER ERROR:", e)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_hub_off_environment(tmp_path, True),
-                          capture_output=True, text=True, timeout=300)
+    proc = processes.run([sys.executable, "-c", script], cwd=REPO, env=_hub_off_environment(tmp_path, True),
+                         timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("USER ERROR:")]
     assert len(lines) == 1 and "Couldn't reach 'allenai/c4'" in lines[0] and "training.dataset_path" in lines[0], (
@@ -381,8 +380,8 @@ def test_hub_failing_while_loading_is_a_user_error(tmp_path):
 def test_make_assets_reproduces_the_committed_assets(tmp_path):
     """One fresh run of the script (about 3 s) must give the committed bytes: the script is deterministic."""
     out = tmp_path / "assets"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_assets.py"), "--out", str(out)], check=True,
-                   capture_output=True)
+    made = processes.run([sys.executable, str(REPO / "scripts" / "make_assets.py"), "--out", str(out)], timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
     spec = importlib.util.spec_from_file_location("make_assets", REPO / "scripts" / "make_assets.py")
     make_assets = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_assets)

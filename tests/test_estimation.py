@@ -10,7 +10,6 @@ import gc
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 
 import train
 from estimation import main as estimation_main
+from tests import processes
 from tests.distributed import run_workers
 from torchtitan.config_manager import JobConfig
 from torchtitan.estimation import LiveMemoryTracker, estimate_memory
@@ -245,11 +245,11 @@ def test_tracker_follows_resized_storages_and_rounds_to_blocks():
 
 def test_command_line_prints_a_table_and_writes_json(tmp_path):
     out = tmp_path / "estimate.json"
-    result = subprocess.run(
+    result = processes.run(
         [sys.executable, "estimation.py", "--job.config_file", DEBUG_CONFIG, "--memory_estimation.world_size", "4",
          "--training.tensor_parallel_degree", "2", "--memory_estimation.optimizers", "AdamW,adam_mini",
          "--memory_estimation.vocab_size", str(VOCAB), "--memory_estimation.json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())

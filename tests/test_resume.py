@@ -1,8 +1,8 @@
 """End to end: ``train.py`` on the debug model resumes exactly, reshards across world sizes, and survives SIGKILL.
 
-One straight 20-step run on 2 ranks (FSDP, float64, global batch 6) is the reference. From its step-10 checkpoint:
-- a run on 2 ranks is SIGKILLed while saving step 15; the next start ignores and removes the half-written save,
-  resumes from step 10 (async saves) and matches the reference loss for loss and, at step 20, tensor for tensor;
+One straight 10-step run on 2 ranks (FSDP, float64, global batch 6) is the reference. From its step-5 checkpoint:
+- a run on 2 ranks is SIGKILLed while saving step 8; the next start ignores and removes the half-written save,
+  resumes from step 5 (async saves) and matches the reference loss for loss and, at step 10, tensor for tensor;
 - runs on 1 and 3 ranks (local batch 6 and 2: the same global batch, so the same data) continue the reference's
   losses within float64 summation-order noise.
 """
@@ -15,14 +15,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tests.distributed import kill_process_tree, launch_env
+from tests import processes
+from tests.distributed import launch_env
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner, decode_plain
 
 # DCP says it assumes one process whenever no process group exists; so do we.
@@ -31,7 +31,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, u
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
 GLOBAL_BATCH = 6
-STEPS = 20
+STEPS = 10
+MIDDLE = 5  # the reference saves here and at STEPS; the resumed runs start here
+KILLED_AT = 8  # a save of the killed run (interval 4, resumed from MIDDLE)
 LOSS_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+(\S+)")
 TIMEOUT = 600
 
@@ -47,7 +49,7 @@ def train_args(dump_folder: str, world_size: int, *extra: str) -> list[str]:
         "--metrics.log_freq", "1",
         "--metrics.enable_tensorboard", "false",
         "--checkpoint.enable_checkpoint",
-        "--checkpoint.interval", "10",
+        "--checkpoint.interval", str(MIDDLE),
         "--checkpoint.keep_latest_k", "0",
         *extra,
     ]
@@ -68,8 +70,8 @@ def environment() -> dict[str, str]:
 
 def train(dump_folder: str, world_size: int, *extra: str) -> str:
     """Run train.py to the end; its output."""
-    result = subprocess.run(command(TRAIN, world_size, train_args(dump_folder, world_size, *extra)), cwd=REPO,
-                            env=environment(), capture_output=True, text=True, timeout=TIMEOUT)
+    result = processes.run(command(TRAIN, world_size, train_args(dump_folder, world_size, *extra)), cwd=REPO,
+                           env=environment(), timeout=TIMEOUT)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     return output
@@ -106,10 +108,10 @@ def copy_checkpoint(source_dump: str, step: int, target_dump: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """20 steps straight on 2 ranks, saving at steps 10 and 20."""
+    """STEPS steps straight on 2 ranks, saving at steps MIDDLE and STEPS."""
     dump = str(tmp_path_factory.mktemp("straight"))
     output = train(dump, 2)
-    assert sorted(os.listdir(checkpoint_folder(dump))) == ["step-10", "step-20"]
+    assert sorted(os.listdir(checkpoint_folder(dump))) == sorted([f"step-{MIDDLE}", f"step-{STEPS}"])
     straight = losses(output)
     assert sorted(straight) == list(range(1, STEPS + 1))
     return dump, straight
@@ -141,42 +143,34 @@ def train_until_killed_mid_save(dump_folder: str, tmp_path) -> str:
     """Run train.py on 2 ranks, SIGKILL every process once both ranks are inside a save; its output."""
     script = tmp_path / "stalling_train.py"
     script.write_text(_STALLING_TRAIN.format(repo=REPO, train=TRAIN))
-    args = train_args(dump_folder, 2, "--checkpoint.interval", "5")
-    child = subprocess.Popen(command(str(script), 2, args), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines, stalled = [], 0
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        for line in child.stdout:
-            lines.append(line)
-            stalled += line.startswith("STALLED")
-            if stalled == 2 or time.monotonic() > deadline:
-                break
-        assert stalled == 2, "".join(lines[-100:])
-    finally:
-        kill_process_tree(child.pid)  # torchrun and both ranks, without any chance to clean up
-        child.wait(timeout=60)
-    return "".join(lines)
+    args = train_args(dump_folder, 2, "--checkpoint.interval", str(KILLED_AT - MIDDLE + 1))
+    # Leaving the block SIGKILLs torchrun and both ranks (each in a session of its own), with no chance to clean up.
+    with processes.started(command(str(script), 2, args), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True) as child:
+        output = processes.LineReader(child.stdout)
+        output.wait_for(lambda lines: sum(line.startswith("STALLED") for line in lines) == 2, timeout=TIMEOUT)
+    return output.text()
 
 
 def test_sigkill_mid_save_then_resume_matches_straight_run_bit_for_bit(reference, tmp_path):
     straight_dump, straight = reference
     dump = str(tmp_path / "resumed")
-    copy_checkpoint(straight_dump, 10, dump)
+    copy_checkpoint(straight_dump, MIDDLE, dump)
 
     killed = train_until_killed_mid_save(dump, tmp_path)
-    assert "resumed from step 10" in killed
-    assert {step: loss for step, loss in losses(killed).items()} == {s: straight[s] for s in range(11, 16)}
+    assert f"resumed from step {MIDDLE}" in killed
+    assert losses(killed) == {s: straight[s] for s in range(MIDDLE + 1, KILLED_AT + 1)}
     folder = checkpoint_folder(dump)
-    half_written = [name for name in os.listdir(folder) if name.startswith(".step-15.tmp-")]
-    assert sorted(os.listdir(folder)) == sorted(["step-10", *half_written]) and len(half_written) == 1
+    half_written = [name for name in os.listdir(folder) if name.startswith(f".step-{KILLED_AT}.tmp-")]
+    assert sorted(os.listdir(folder)) == sorted([f"step-{MIDDLE}", *half_written]) and len(half_written) == 1
 
     output = train(dump, 2, "--checkpoint.async_mode", "async")
-    assert "removed 1 incomplete save(s)" in output and "resumed from step 10" in output
-    assert losses(output) == {s: straight[s] for s in range(11, STEPS + 1)}
-    assert sorted(os.listdir(folder)) == ["step-10", "step-20"]
+    assert "removed 1 incomplete save(s)" in output and f"resumed from step {MIDDLE}" in output
+    assert losses(output) == {s: straight[s] for s in range(MIDDLE + 1, STEPS + 1)}
+    assert sorted(os.listdir(folder)) == sorted([f"step-{MIDDLE}", f"step-{STEPS}"])
 
-    expected, actual = read_checkpoint(checkpoint_path(straight_dump, 20)), read_checkpoint(checkpoint_path(dump, 20))
+    expected = read_checkpoint(checkpoint_path(straight_dump, STEPS))
+    actual = read_checkpoint(checkpoint_path(dump, STEPS))
     assert actual.keys() == expected.keys()
     assert any(name.startswith("optimizer.state.") for name in expected)
     for name, tensor in expected.items():
@@ -187,16 +181,17 @@ def test_sigkill_mid_save_then_resume_matches_straight_run_bit_for_bit(reference
 def test_resume_on_another_world_size_continues_the_losses(reference, tmp_path, world_size):
     straight_dump, straight = reference
     dump = str(tmp_path / f"world{world_size}")
-    copy_checkpoint(straight_dump, 10, dump)
+    copy_checkpoint(straight_dump, MIDDLE, dump)
 
     output = train(dump, world_size)
-    assert "resumed from step 10" in output
+    assert f"resumed from step {MIDDLE}" in output
     resumed = losses(output)
-    assert sorted(resumed) == list(range(11, STEPS + 1))
+    assert sorted(resumed) == list(range(MIDDLE + 1, STEPS + 1))
     for step in resumed:
         # float64 with a different number of shards: only the summation order differs (~1e-15 relative).
         assert float(resumed[step]) == pytest.approx(float(straight[step]), abs=2e-8), step
     # The loop's position and the data-loader position are world-size independent.
-    expected, actual = read_checkpoint(checkpoint_path(straight_dump, 20)), read_checkpoint(checkpoint_path(dump, 20))
+    expected = read_checkpoint(checkpoint_path(straight_dump, STEPS))
+    actual = read_checkpoint(checkpoint_path(dump, STEPS))
     for name in ("train_state", "dataloader", "lr_schedulers"):
         assert decode_plain(actual[name].numpy().tobytes()) == decode_plain(expected[name].numpy().tobytes()), name

@@ -2,12 +2,12 @@
 
 import glob
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import processes
 from tests.distributed import launch_env, memory_tag, uses_cuda
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +18,7 @@ TINY = [
 ]
 TAGS = {
     "loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr", "throughput/tps",
-    "throughput/tokens_seen", "optimizer/state_bytes",
+    "throughput/tokens_seen", "optimizer/state_bytes", "skipped_steps",
 }
 
 
@@ -29,7 +29,7 @@ def train(tmp_path, *extra, nproc=1, check=True, cpu=False):
         base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     cmd = base + TINY + ["--job.dump_folder", str(tmp_path)] + list(extra)
     env = launch_env(nproc, cpu, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = processes.run(cmd, cwd=ROOT, env=env, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -54,26 +54,35 @@ def event_tags(path):
     return set(acc.Tags()["scalars"])
 
 
-def test_one_process_trains_and_logs(tmp_path):
-    proc = train(tmp_path)
-    values = losses(tmp_path)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    path = tmp_path_factory.mktemp("default")
+    return path, train(path)
+
+
+def test_one_process_trains_and_logs(one_process):
+    path, proc = one_process
+    values = losses(path)
     assert len(values) == 6
     assert values[-1] < values[0]
     assert "step:     6  loss:" in proc.stderr
-    directory = run_dir(tmp_path)
+    directory = run_dir(path)
     assert directory.name.endswith("_AdamW")
     assert TAGS | {memory_tag()} <= event_tags(directory)
 
 
-def test_identical_runs_give_identical_losses_and_the_seed_matters(tmp_path):
+def test_identical_runs_give_identical_losses_and_the_seed_matters(one_process, tmp_path):
     # On a GPU, bit-identical runs need the deterministic kernels (the documented switch); on CPU they are the default.
     extra = ["--training.deterministic"] if uses_cuda() else []
-    train(tmp_path / "a", "--training.steps", "3", *extra)
-    train(tmp_path / "b", "--training.steps", "3", *extra)
-    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    reference = one_process[0]
+    if extra:
+        reference = tmp_path / "a"
+        train(reference, *extra)
+    train(tmp_path / "b", *extra)
+    assert losses(tmp_path / "b") == losses(reference)
     # Another training.seed starts from other weights (the data are the same: tests/test_datasets.py).
     train(tmp_path / "c", "--training.steps", "1", "--training.seed", "1", *extra)
-    assert losses(tmp_path / "c")[0] != losses(tmp_path / "a")[0]
+    assert losses(tmp_path / "c")[0] != losses(reference)[0]
 
 
 @pytest.fixture(scope="module")

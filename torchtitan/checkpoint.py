@@ -13,9 +13,10 @@ Layout of the checkpoint folder::
 
 Crash safety: every save writes into a hidden temporary folder; only after all ranks finished writing does rank 0
 rename it to ``step-N`` (atomic on one filesystem) and fsync the parent folder. A checkpoint that is visible is
-therefore complete, and the last good one is never written over. ``keep_latest_k`` removes older checkpoints only
-after the new one is published, and removes them by renaming first, so a crash mid-delete leaves a temporary folder,
-not a half-deleted ``step-N``.
+therefore complete, and the last good one is never written over. A save whose model or optimizer state holds a
+NaN or an infinity on any rank is refused (``DivergenceError``, nothing written), so every checkpoint is finite.
+``keep_latest_k`` removes older checkpoints only after the new one is published, and removes them by renaming first,
+so a crash mid-delete leaves a temporary folder, not a half-deleted ``step-N``.
 
 Resharding: model and optimizer tensors are DTensors that DCP reshards on load, so a checkpoint saved on N ranks
 loads on M. Everything else (schedulers, data-loader position, train state) is world-size independent plain data.
@@ -71,6 +72,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from torchtitan.errors import UserError
+from torchtitan.guard import DivergenceError, resume_hint, state_tensors, tensors_are_finite
 from torchtitan.logging import logger
 from torchtitan.optim.builder import resolve_optimizer_name
 from torchtitan.utils import DTYPES
@@ -476,6 +478,7 @@ class CheckpointManager:
             name: value.to(self.export_dtype) if value.is_floating_point() else value
             for name, value in self._model_state().items()
         }
+        self._refuse_non_finite(weights, step)
         begin = time.perf_counter()
         temporary = temporary_name(final, self._shared_token())
         os.makedirs(temporary, exist_ok=True)
@@ -484,6 +487,20 @@ class CheckpointManager:
         self._publish_everywhere(temporary, final)
         logger.info(f"checkpoint: exported weights to {final} in {time.perf_counter() - begin:.2f} s")
         return final
+
+    def last_finite_step(self) -> Optional[int]:
+        """The newest checkpoint this run saved or resumed from, once a save in flight is published; None if none.
+
+        Every checkpoint written here is finite (see ``_refuse_non_finite``), so it is safe to resume from.
+        """
+        if not self.enabled:
+            return None
+        self._publish_pending(wait=True)
+        return self._last_saved_step if self._last_saved_step >= 0 else None
+
+    def resume_hint(self) -> str:
+        """Where a diverged run can resume from, as the end of its error message."""
+        return resume_hint(self.last_finite_step(), self.folder if self.enabled else None)
 
     def close(self) -> None:
         """Wait for an async save in flight and publish it."""
@@ -499,9 +516,10 @@ class CheckpointManager:
         self._publish_pending(wait=True)
         begin = time.perf_counter()
         final = step_folder(self.folder, step)
+        state = self._state_to_save()
+        self._refuse_non_finite({MODEL: state[MODEL], OPTIMIZER: state[OPTIMIZER]}, step)
         temporary = temporary_name(final, self._shared_token())
         os.makedirs(temporary, exist_ok=True)
-        state = self._state_to_save()
         writer = FileSystemWriter(temporary)
         self._last_saved_step = step
         if self.async_enabled:
@@ -516,6 +534,17 @@ class CheckpointManager:
             dcp.save(state, storage_writer=writer, process_group=self._group)
         self._publish_everywhere(temporary, final)
         logger.info(f"checkpoint: saved step {step} in {time.perf_counter() - begin:.2f} s")
+
+    def _refuse_non_finite(self, state: dict[str, Any], step: int) -> None:
+        """Raise DivergenceError on every rank if any rank's share of ``state`` holds a NaN or an infinity.
+
+        Nothing is written then, so ``keep_latest_k`` never trades a finite checkpoint for a broken one.
+        """
+        if self._any_rank(not tensors_are_finite(state_tensors(state))):
+            raise DivergenceError(
+                f"training diverged: the model or optimizer state is non-finite at step {step}, so its checkpoint "
+                "was not written; " + self.resume_hint()
+            )
 
     def _publish_pending(self, wait: bool) -> None:
         if self._pending is None:

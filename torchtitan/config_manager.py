@@ -85,6 +85,10 @@ class Training:
     decay_type: str = opt("linear", "lr decay after warmup", choices=("linear", "cosine", "constant"))
     lr_min: float = opt(0.0, "lr floor as a fraction of the peak lr", ge=0.0, le=1.0)
     max_norm: float = opt(1.0, "gradient clipping by global norm; 0 disables clipping", ge=0.0)
+    max_skipped_steps: int = opt(
+        3, "consecutive steps with a non-finite loss or grad norm whose update is skipped before the run stops "
+        "(exit code 3); 0 stops at the first", ge=0,
+    )
     data_parallel_replicate_degree: int = opt(1, "HSDP replicas (1 = plain FSDP)", gt=0)
     data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 fills the world size", ge=-1)
     tensor_parallel_degree: int = opt(1, "tensor-parallel degree", gt=0)

@@ -1,0 +1,134 @@
+"""Divergence guard: a step whose loss or gradients are not finite does not update the model; a run that keeps
+diverging stops before it can write a broken checkpoint.
+
+What a skipped step does, on every rank alike (the decision is all-reduced, so no rank steps alone):
+- parameters and optimizer state are untouched: ``optimizer.step()`` is not called, so moments and the optimizer's
+  own step count (Adam's bias correction) stay as they were;
+- the batch is consumed and ``train_state.step``, ``tokens_seen`` and the lr schedule advance as on any step. A
+  step is one global batch of the data stream: step N always sees the same data and the same lr, whether or not
+  earlier steps were skipped, so a skipped run still lines up step for step (and token for token) with runs of
+  other optimizers, a resumed run stays aligned with an uninterrupted one, and a batch that produced the
+  non-finite values is not replayed;
+- no checkpoint is written at that step (nor at the last step, if it is skipped).
+
+After ``training.max_skipped_steps`` consecutive skipped steps (0: none allowed) the next non-finite step stops the
+run with :class:`DivergenceError`, which ``train.py`` prints as one ``error:`` line on rank 0 and exits with
+:data:`DIVERGENCE_EXIT_CODE`. A step that is finite again resets the count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtitan.logging import logger
+
+DIVERGENCE_EXIT_CODE = 3  # 2 is a user error; 3 says "training diverged"
+
+
+class DivergenceError(Exception):
+    """Training stopped because the loss, the gradients or the state became non-finite."""
+
+
+def any_rank(flag: bool, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """True on every rank if ``flag`` is true on any rank of ``group`` (the world by default)."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def tensors_are_finite(tensors: Iterable[Any]) -> bool:
+    """True if no floating-point tensor among ``tensors`` (this rank's shards) holds a NaN or an infinity.
+
+    One foreach max-abs per device and dtype: it is NaN or infinite exactly when a value is, and never overflows.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for value in tensors:
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = _local(value).detach()
+        if local.is_floating_point() and local.numel() > 0:
+            groups.setdefault((local.device, local.dtype), []).append(local)
+    for group in groups.values():
+        maxima = torch._foreach_norm(group, ord=math.inf)
+        if not bool(torch.isfinite(torch.stack(maxima)).all()):
+            return False
+    return True
+
+
+def state_tensors(state: Any) -> Iterable[Any]:
+    """Every leaf of a nested dict/list state (what DCP saves)."""
+    if isinstance(state, dict):
+        for value in state.values():
+            yield from state_tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from state_tensors(value)
+    else:
+        yield state
+
+
+def resume_hint(last_finite_step: Optional[int], folder: Optional[str]) -> str:
+    """The part of a divergence message that says where to resume from."""
+    if folder is None:
+        return "checkpointing is off, so there is no checkpoint to resume from"
+    if last_finite_step is None:
+        return f"no checkpoint was written in {folder} before that, so there is none to resume from"
+    return (
+        f"the last finite checkpoint is step-{last_finite_step} in {folder}: resume from it with "
+        f"--checkpoint.load_step {last_finite_step} and a lower optimizer.lr or training.max_norm"
+    )
+
+
+class DivergenceGuard:
+    """Decides, the same way on every rank, whether a step's update is applied; counts consecutive skips."""
+
+    def __init__(self, max_skipped_steps: int, device: torch.device) -> None:
+        self.max_skipped_steps = max_skipped_steps
+        self.device = device
+        self.consecutive = 0
+        self.stopped_at: Optional[int] = None  # the step that ran out of allowed skips
+
+    def should_update(self, loss: torch.Tensor, grad_norm: torch.Tensor, step: int) -> bool:
+        """False if the loss on any rank or the (global) grad norm is not finite; logs which step was skipped.
+
+        Sets :attr:`stopped_at` once more than ``max_skipped_steps`` steps in a row were not finite.
+        """
+        local_bad = not bool(torch.isfinite(loss).all()) or not bool(torch.isfinite(grad_norm).all())
+        if not any_rank(local_bad, self.device):
+            self.consecutive = 0
+            return True
+        self.consecutive += 1
+        if self.consecutive > self.max_skipped_steps:
+            self.stopped_at = step
+        else:
+            logger.warning(
+                f"step {step}: loss or gradient norm is non-finite on at least one rank (local loss "
+                f"{float(loss):.4g}, grad norm {float(grad_norm):.4g}); skipped the update "
+                f"({self.consecutive} in a row, training.max_skipped_steps={self.max_skipped_steps})"
+            )
+        return False
+
+    @property
+    def first_skipped(self) -> int:
+        """The first step of the current run of non-finite steps."""
+        return (self.stopped_at or 0) - self.consecutive + 1
+
+    def error(self, resume: str) -> DivergenceError:
+        """The error that stops the run at :attr:`stopped_at`; ``resume`` says where to resume from
+        (:func:`resume_hint`)."""
+        streak = f" and stayed so through step {self.stopped_at}" if self.stopped_at != self.first_skipped else ""
+        return DivergenceError(
+            f"training diverged: the loss or gradients became non-finite at step {self.first_skipped}{streak} "
+            f"(training.max_skipped_steps={self.max_skipped_steps}); " + resume
+        )
