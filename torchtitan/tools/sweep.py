@@ -481,9 +481,9 @@ def plot_sweep(results: Sequence[RunResult], report: dict, out: Path) -> None:
                 curves.fill_between(steps, low, high, color=colors[optimizer], alpha=0.2)
     curves.set(title="loss at each optimizer's best lr", xlabel="step", ylabel="loss")
 
-    # (b) the ranking loss against lr; diverged and failed lrs marked along the top edge.
+    # (b) the ranking loss against lr; diverged and failed lrs marked in a band above the finite values.
     top = by_lr.get_xaxis_transform()  # x in data, y in axes fractions
-    for index, optimizer in enumerate(optimizers):
+    for optimizer in optimizers:
         cells = [c for c in grid if c["optimizer"] == optimizer]
         ok = [c for c in cells if c["outcome"] == FINISHED]
         if ok:
@@ -493,12 +493,18 @@ def plot_sweep(results: Sequence[RunResult], report: dict, out: Path) -> None:
         if best[optimizer]["lr"] is not None:
             by_lr.plot([best[optimizer]["lr"]], [best[optimizer]["loss_mean"]], "*", markersize=16,
                        color=colors[optimizer])
-        for c in cells:
-            if c["outcome"] != FINISHED:
-                marker = "x" if c["outcome"] == DIVERGED else "s"
-                # Stacked by optimizer, so that two optimizers diverging at one lr stay visible.
-                by_lr.plot([c["lr"]], [0.96 - 0.05 * index], marker, transform=top, color=colors[optimizer], markersize=10,
-                           clip_on=False, label=f"{optimizer} lr {lr_label(c['lr'])} {c['outcome']}")
+    if by_lr.lines:  # keep the finite values in the lower 75% of the panel
+        low, high = by_lr.get_ylim()
+        by_lr.set_ylim(low, high + (high - low) / 3)
+    for index, optimizer in enumerate(optimizers):
+        for c in (c for c in grid if c["optimizer"] == optimizer and c["outcome"] != FINISHED):
+            marker = "x" if c["outcome"] == DIVERGED else "s"
+            # One row per optimizer, so that two optimizers diverging at one lr stay visible.
+            by_lr.plot([c["lr"]], [0.95 - 0.05 * index], marker, transform=top, color=colors[optimizer],
+                       markersize=10, label=f"{optimizer} lr {lr_label(c['lr'])} {c['outcome']}")
+    if any(c["outcome"] != FINISHED for c in grid):
+        by_lr.plot([0, 1], [0.78, 0.78], ":", color="gray", transform=by_lr.transAxes)
+        by_lr.text(0.01, 0.8, "diverged (x) / failed (■)", transform=by_lr.transAxes, fontsize="small", color="gray")
     by_lr.set_xscale("log")
     by_lr.set(title=f"final loss vs lr (★ best; {report['ranked_by']})", xlabel="peak lr", ylabel="final loss")
 
