@@ -5,8 +5,9 @@
 Each RUN_DIR is a run folder written by ``train.py`` (``{dump_folder}/tb/{YYYYmmdd-HHMMSS}_{Optimizer}``) or a folder
 holding several of them. The tool writes one PNG with loss against steps, loss against tokens seen and the gradient
 norm against steps, and prints a table per run: final loss (mean over the last k logged steps), mean tokens/s, peak
-memory and optimizer-state bytes. ``--json`` writes the same numbers as JSON (to a file, or to stdout when no path
-is given, in which case the table is not printed).
+memory and optimizer-state bytes; a run whose loss became non-finite shows as diverged at its first such step.
+``--json`` writes the same numbers as JSON (to a file, or to stdout when no path is given, in which case the table
+is not printed). ``python -m torchtitan.tools.sweep`` builds on this module for lr sweeps.
 """
 
 from __future__ import annotations

@@ -563,8 +563,8 @@ def _parser() -> argparse.ArgumentParser:
                     "Options after '--' go to every train.py run.",
     )
     p.add_argument("--dump-folder", required=True, help="the sweep's folder: runs/, sweep.png, sweep.md, sweep.json")
-    p.add_argument("--optimizers", default="AdamW AdamMini", help="optimizer names, space- or comma-separated")
-    p.add_argument("--lrs", default="3e-4 1e-3 3e-3", help="peak learning rates, space- or comma-separated")
+    p.add_argument("--optimizers", default="AdamW AdamMini", help="optimizer names, space- or comma-separated (default: AdamW AdamMini)")
+    p.add_argument("--lrs", default="3e-4 1e-3 3e-3", help="peak learning rates, space- or comma-separated (default: 3e-4 1e-3 3e-3)")
     p.add_argument("--seeds", default="0", help="training.seed values, space- or comma-separated (default 0)")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes per run (NGPU of run_llama_train.sh; default: the GPUs present, else 1)")
@@ -573,7 +573,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="final training loss = mean of the last k logged values (default 10)")
     p.add_argument("--report-only", action="store_true", help="write the report from the runs there, train nothing")
     p.add_argument("--launcher", default=str(REPO_ROOT / "run_llama_train.sh"),
-                   help="command that trains one run (default: the repository's run_llama_train.sh)")
+                   help="command that trains one run, given NGPU and CONFIG_FILE in its environment and the train.py "
+                        "options as arguments (default: the repository's run_llama_train.sh)")
     return p
 
 
