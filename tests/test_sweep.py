@@ -6,6 +6,7 @@ rest use tests/sweep_fake_trainer.py as the launcher, which logs a made-up run i
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -238,7 +239,7 @@ def test_bad_input_is_one_line_and_runs_nothing(tmp_path, capsys, args, message)
     assert not dump.exists()
 
 
-def test_resuming_with_other_options_and_a_user_error_in_a_run_stop_the_sweep(tmp_path, capsys):
+def test_other_options_a_second_sweep_and_a_user_error_in_a_run_stop_the_sweep(tmp_path, capsys):
     dump = tmp_path / "sweep"
     assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", "--", "--training.steps", "6") == 0
     capsys.readouterr()
@@ -246,6 +247,12 @@ def test_resuming_with_other_options_and_a_user_error_in_a_run_stop_the_sweep(tm
     assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", "--", "--training.steps", "8") == 2
     assert "holds a sweep run with other settings (train_args differ" in one_error_line(capsys)
     assert snapshot(dump) == before
+
+    # One sweep at a time in a folder.
+    with open(dump / "sweep.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", "--", "--training.steps", "6") == 2
+        assert "another sweep is running in" in one_error_line(capsys)
 
     # A run that exits 2 (a mistake in the options) stops the sweep there: the next runs would fail the same way.
     assert fake_sweep(tmp_path / "b", "--optimizers", "AdamW", "--lrs", "1e-3 1e-2",

@@ -24,6 +24,7 @@ the one with the lowest mean among those where no seed diverged or failed.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -48,6 +49,7 @@ VALIDATION_LOSS = "validation/loss"
 RUNS_FOLDER = "runs"
 STATUS_FILE = "sweep_status.json"
 SETTINGS_FILE = "sweep_settings.json"
+LOCK_FILE = "sweep.lock"
 LOG_FILE = "train.log"
 REPORT_NAME = "sweep"  # sweep.png, sweep.md, sweep.json
 # train.py's exit code when it stopped because the loss or the gradients became non-finite (2 is a user error).
@@ -170,8 +172,19 @@ def check_settings(dump: Path, settings: dict) -> None:
                 "use a new dump folder, or the same config, process count and options to resume it"
             )
         return
-    dump.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def lock_sweep(dump: Path):
+    """Hold the dump folder for this sweep alone (two sweeps in one folder would train the same runs twice)."""
+    dump.mkdir(parents=True, exist_ok=True)
+    lock = open(dump / LOCK_FILE, "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise UserError(f"another sweep is running in '{dump}'; wait for it to end, or use another dump folder")
+    return lock
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -563,8 +576,10 @@ def _parser() -> argparse.ArgumentParser:
                     "Options after '--' go to every train.py run.",
     )
     p.add_argument("--dump-folder", required=True, help="the sweep's folder: runs/, sweep.png, sweep.md, sweep.json")
-    p.add_argument("--optimizers", default="AdamW AdamMini", help="optimizer names, space- or comma-separated (default: AdamW AdamMini)")
-    p.add_argument("--lrs", default="3e-4 1e-3 3e-3", help="peak learning rates, space- or comma-separated (default: 3e-4 1e-3 3e-3)")
+    p.add_argument("--optimizers", default="AdamW AdamMini",
+                   help="optimizer names, space- or comma-separated (default: AdamW AdamMini)")
+    p.add_argument("--lrs", default="3e-4 1e-3 3e-3",
+                   help="peak learning rates, space- or comma-separated (default: 3e-4 1e-3 3e-3)")
     p.add_argument("--seeds", default="0", help="training.seed values, space- or comma-separated (default 0)")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes per run (NGPU of run_llama_train.sh; default: the GPUs present, else 1)")
@@ -602,8 +617,9 @@ def sweep(argv: Sequence[str]) -> int:
         check_train_options(train_args)
         specs = plan(_items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds))
         preflight_jobs(specs, config_file, nproc, train_args)
-        check_settings(dump, {"config_file": config_file, "nproc": nproc, "train_args": train_args})
-        statuses = run_sweep(specs, dump, config_file, nproc, train_args, shlex.split(args.launcher))
+        with lock_sweep(dump):
+            check_settings(dump, {"config_file": config_file, "nproc": nproc, "train_args": train_args})
+            statuses = run_sweep(specs, dump, config_file, nproc, train_args, shlex.split(args.launcher))
     report = write_report(dump, args.last_k)
     if report is None:
         raise UserError(f"no run in '{dump}' has ended yet; run the sweep first")
