@@ -506,7 +506,8 @@ def plot_sweep(results: Sequence[RunResult], report: dict, out: Path) -> None:
         if best[optimizer]["lr"] is not None:
             by_lr.plot([best[optimizer]["lr"]], [best[optimizer]["loss_mean"]], "*", markersize=16,
                        color=colors[optimizer])
-    if by_lr.lines:  # keep the finite values in the lower 75% of the panel
+    unfinished = any(c["outcome"] != FINISHED for c in grid)
+    if by_lr.lines and unfinished:  # keep the finite values in the lower 75% of the panel
         low, high = by_lr.get_ylim()
         by_lr.set_ylim(low, high + (high - low) / 3)
     for index, optimizer in enumerate(optimizers):
@@ -515,10 +516,13 @@ def plot_sweep(results: Sequence[RunResult], report: dict, out: Path) -> None:
             # One row per optimizer, so that two optimizers diverging at one lr stay visible.
             by_lr.plot([c["lr"]], [0.95 - 0.05 * index], marker, transform=top, color=colors[optimizer],
                        markersize=10, label=f"{optimizer} lr {lr_label(c['lr'])} {c['outcome']}")
-    if any(c["outcome"] != FINISHED for c in grid):
+    if unfinished:
         by_lr.plot([0, 1], [0.78, 0.78], ":", color="gray", transform=by_lr.transAxes)
         by_lr.text(0.01, 0.8, "diverged (x) / failed (■)", transform=by_lr.transAxes, fontsize="small", color="gray")
     by_lr.set_xscale("log")
+    lrs = sorted({c["lr"] for c in grid})
+    by_lr.set_xticks(lrs, [lr_label(lr) for lr in lrs])
+    by_lr.minorticks_off()
     by_lr.set(title=f"final loss vs lr (★ best; {report['ranked_by']})", xlabel="peak lr", ylabel="final loss")
 
     # (c) peak memory and optimizer state; (d) tokens/s.
