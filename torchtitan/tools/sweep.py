@@ -476,6 +476,8 @@ def plot_sweep(results: Sequence[RunResult], report: dict, out: Path) -> None:
     best, grid = report["best"], report["grid"]
     optimizers = list(best)
     colors = {o: f"C{i % 10}" for i, o in enumerate(optimizers)}
+    # A line style per optimizer too: optimizers that train alike (AdamW and its 8-bit form) keep both curves visible.
+    dashes = {o: ("-", "--", ":", "-.")[i % 4] for i, o in enumerate(optimizers)}
 
     # (a) each optimizer's loss curve at its best lr (mean over seeds, band from min to max).
     for optimizer, b in best.items():
@@ -483,12 +485,12 @@ def plot_sweep(results: Sequence[RunResult], report: dict, out: Path) -> None:
             continue
         chosen = [r for r in results if r.spec.optimizer == optimizer and r.spec.lr == b["lr"]]
         seeds = f", {len(chosen)} seeds" if len(chosen) > 1 else ""
-        for tag, style, suffix in ((LOSS, "-", ""), (VALIDATION_LOSS, "--o", " (validation)")):
+        for tag, marker, suffix in ((LOSS, "", ""), (VALIDATION_LOSS, "o", " (validation)")):
             series = [r.scalars[tag] for r in chosen if tag in r.scalars]
             if len(series) != len(chosen):
                 continue
             steps, mean, low, high = _mean_curve(series)
-            curves.plot(steps, mean, style, color=colors[optimizer], markersize=3,
+            curves.plot(steps, mean, dashes[optimizer] + marker, color=colors[optimizer], markersize=3,
                         label=f"{optimizer} lr {lr_label(b['lr'])}{seeds}{suffix}")
             if len(series) > 1:
                 curves.fill_between(steps, low, high, color=colors[optimizer], alpha=0.2)
@@ -501,8 +503,8 @@ def plot_sweep(results: Sequence[RunResult], report: dict, out: Path) -> None:
         ok = [c for c in cells if c["outcome"] == FINISHED]
         if ok:
             by_lr.errorbar([c["lr"] for c in ok], [c["loss_mean"] for c in ok],
-                           yerr=[c["loss_std"] or 0.0 for c in ok], fmt="-o", capsize=3, color=colors[optimizer],
-                           label=optimizer)
+                           yerr=[c["loss_std"] or 0.0 for c in ok], fmt=dashes[optimizer] + "o", capsize=3,
+                           color=colors[optimizer], label=optimizer)
         if best[optimizer]["lr"] is not None:
             by_lr.plot([best[optimizer]["lr"]], [best[optimizer]["loss_mean"]], "*", markersize=16,
                        color=colors[optimizer])
