@@ -13,7 +13,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torchtitan.checkpoint import CheckpointManager
@@ -21,9 +20,11 @@ from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import build_hf_data_loader
 from torchtitan.errors import UserError
 from torchtitan.logging import init_logger, logger
+from torchtitan.loss import cross_entropy
 from torchtitan.lr_scheduling import build_lr_schedulers
 from torchtitan.metrics import (
-    build_metric_logger, flops_per_token, format_log_line, memory_metrics, peak_flops, reset_peak_memory,
+    build_metric_logger, flops_per_token, format_log_line, format_validation_line, memory_metrics, peak_flops,
+    reset_peak_memory,
 )
 from torchtitan.models.llama import Transformer
 from torchtitan.optim import build_optimizers
@@ -31,6 +32,7 @@ from torchtitan.parallelisms import loss_parallel_context, parallelize_llama
 from torchtitan.preflight import preflight
 from torchtitan.profiling import maybe_profile
 from torchtitan.utils import DTYPES, all_reduce_scalar, clip_grad_norm_, init_distributed, set_determinism
+from torchtitan.validate import build_validator, training_split
 
 
 class TrainState:
@@ -46,12 +48,6 @@ class TrainState:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
-
-
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # At least float32 for the softmax; float64 runs stay float64 so that parity checks can be exact.
-    logits = logits.flatten(0, 1)
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten())
 
 
 def main(job_config: JobConfig) -> None:
@@ -84,8 +80,10 @@ def main(job_config: JobConfig) -> None:
     optimizers = build_optimizers(model_parts, job_config)
     lr_schedulers = build_lr_schedulers(optimizers, job_config)
     data_loader = build_hf_data_loader(
-        t.dataset, t.dataset_path, tokenizer, t.batch_size, t.seq_len, dp_rank, dp_degree
+        t.dataset, t.dataset_path, tokenizer, t.batch_size, t.seq_len, dp_rank, dp_degree,
+        split=training_split(job_config),
     )
+    validator = build_validator(job_config, tokenizer, parallel_dims, dp_rank, dp_degree, dp_group, device)
     train_state = TrainState()
     checkpoint = CheckpointManager(
         data_loader=data_loader, model_parts=model_parts, optimizers=optimizers, lr_schedulers=lr_schedulers,
@@ -136,6 +134,13 @@ def main(job_config: JobConfig) -> None:
                 metric_logger.log(metrics, train_state.step)
                 reset_peak_memory(device)
                 window_start, window_steps = time.perf_counter(), 0
+
+            if validator is not None and validator.due(train_state.step):
+                started = time.perf_counter()
+                val_metrics, val_tokens = validator.run(model)
+                logger.info(format_validation_line(train_state.step, val_metrics, val_tokens))
+                metric_logger.log(val_metrics, train_state.step)
+                window_start += time.perf_counter() - started  # evaluation time is not training throughput
 
             checkpoint.save(train_state.step, force=train_state.step == t.steps)
             if profiler is not None:

@@ -126,6 +126,7 @@ def job(dump_folder: str, steps: int = 4, **checkpoint) -> JobConfig:
     config.job.dump_folder = dump_folder
     config.training.steps = steps
     config.checkpoint.enable_checkpoint = True
+    config.checkpoint.folder = "checkpoint"  # explicit: used as given, with no per-optimizer subfolder
     for key, value in checkpoint.items():
         setattr(config.checkpoint, key, value)
     return config
@@ -322,12 +323,76 @@ def test_read_only_folder_is_a_user_error_and_keeps_checkpoints(tmp_path):
     assert sorted(os.listdir(folder / "step-1")) == before
 
 
-def test_checkpoint_of_another_model_is_a_user_error(tmp_path):
+def test_initial_load_path_model_only_or_everything(tmp_path):
+    source = Trainer(job(str(tmp_path), steps=2, interval=2, folder="source"))
+    source.run(2)
+    expected = source.snapshot()
+    step_2 = str(tmp_path / "source" / "step-2")
+
+    everything = Trainer(job(str(tmp_path), folder="full", initial_load_path=step_2, initial_load_model_only=False))
+    assert everything.checkpoint.load()
+    assert_same_snapshot(everything.snapshot(), expected)
+
+    # Model only, from the folder (its latest step): the weights, and a fresh optimizer, schedule, data and step.
+    fresh = Trainer(job(str(tmp_path), interval=1, folder="warm", initial_load_path=str(tmp_path / "source")))
+    untouched = fresh.snapshot()
+    assert fresh.checkpoint.load()
+    warm = fresh.snapshot()
+    params = [key for key in expected["arrays"] if key.startswith("param/")]
+    for key in params:
+        np.testing.assert_array_equal(warm["arrays"][key], expected["arrays"][key], err_msg=key)
+    assert not np.array_equal(untouched["arrays"][params[0]], expected["arrays"][params[0]])
+    assert {key: warm[key] for key in ("lr", "scheduler_epoch", "loader", "step")} == {
+        key: untouched[key] for key in ("lr", "scheduler_epoch", "loader", "step")}
+    moments = [key for key in untouched["arrays"] if key.startswith("optim/")]
+    assert moments and not np.array_equal(expected["arrays"][moments[0]], untouched["arrays"][moments[0]])
+    for key in moments:  # the optimizer state as a fresh optimizer has it
+        np.testing.assert_array_equal(warm["arrays"][key], untouched["arrays"][key], err_msg=key)
+    fresh.run(1)
+    assert sorted(os.listdir(tmp_path / "warm")) == ["step-1"]  # it saves into its own folder
+    again = Trainer(job(str(tmp_path), folder="warm", initial_load_path=step_2))
+    assert again.checkpoint.load() and again.train_state.step == 1  # its own checkpoint, not initial_load_path
+
+
+def test_default_folder_is_per_optimizer_and_names_older_shared_checkpoints(tmp_path, monkeypatch):
+    import torchtitan.checkpoint as checkpoint_module
+
+    Trainer(job(str(tmp_path), steps=1, interval=1)).run(1)  # the explicit shared folder: checkpoint/step-1
+    warnings_logged = []
+    monkeypatch.setattr(checkpoint_module.logger, "warning", warnings_logged.append)
+    per_optimizer = Trainer(job(str(tmp_path), steps=1, interval=1, folder=None))
+    assert per_optimizer.checkpoint.folder == str(tmp_path / "checkpoint" / "AdamW")
+    assert not per_optimizer.checkpoint.load()  # the shared folder's checkpoint is not resumed ...
+    assert len(warnings_logged) == 1 and "--checkpoint.folder checkpoint" in warnings_logged[0]  # ... but named
+    per_optimizer.run(1)
+    assert sorted(os.listdir(tmp_path / "checkpoint" / "AdamW")) == ["step-1"]
+
+
+def test_checkpoint_of_another_model_is_one_short_line(tmp_path, monkeypatch):
     Trainer(job(str(tmp_path), steps=1, interval=1)).run(1)
     other = Trainer(job(str(tmp_path), steps=1))
     other.checkpoint.model_parts = [Transformer(replace(TINY, n_layers=3))]
-    with pytest.raises(UserError, match=r"does not match this job \(missing model\.layers\.2"):
+    with pytest.raises(UserError) as caught:
         other.checkpoint.load()
+    message = str(caught.value)  # from the checkpoint's job facts: what it holds, what the job expects
+    assert "holds model flavor debugmodel (28,832 parameters); this job uses model flavor debugmodel (41,184 " \
+        in message
+    assert "\n" not in message and "model.layers" not in message
+    assert len(message) - message.count(str(tmp_path)) * len(str(tmp_path)) < 300
+    # Weights only (the optimizer may differ), but of another model: one line too.
+    warm = Trainer(job(str(tmp_path), steps=1, folder="warm", initial_load_path=str(tmp_path / "checkpoint")))
+    warm.checkpoint.model_parts = [Transformer(replace(TINY, n_layers=3))]
+    with pytest.raises(UserError, match=r"holds model flavor debugmodel \(28,832 parameters\); this job uses model "
+                                        r"flavor debugmodel \(41,184 parameters\); point checkpoint.initial_load_path"):
+        warm.checkpoint.load()
+    # A checkpoint without job facts (written before they existed) is judged by its keys, summarised in one line.
+    monkeypatch.setattr(CheckpointManager, "_read_facts", lambda self, path, entries: None)
+    with pytest.raises(UserError, match=r"does not match this job \(\d+ entries missing: model\.layers\.2\.\S+, "
+                                        r"model\.layers\.2\.\S+ and \d+ more\)") as caught:
+        other.checkpoint.load()
+    message = str(caught.value)
+    assert "\n" not in message and "resume with the model settings that wrote it" in message
+    assert len(message) - message.count(str(tmp_path)) * len(str(tmp_path)) < 300
 
 
 def test_weights_export_at_last_step(tmp_path):

@@ -6,8 +6,10 @@ import gzip
 import importlib.util
 import itertools
 import json
+import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,6 +20,7 @@ import torch
 from torchtitan.datasets import build_hf_data_loader, build_tokenizer
 from torchtitan.datasets import hf_datasets
 from torchtitan.errors import UserError
+from tests.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
@@ -298,6 +301,62 @@ def test_dataset_user_errors(tokenizer, tmp_path):
         with pytest.raises(UserError, match=words) as info:
             call()
         assert "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# An unreachable hub: one line from rank 0, exit 2, never a real external host
+
+
+def _hub_off_environment(tmp_path: Path, offline_switches: bool) -> dict[str, str]:
+    """The hub made unreachable: its endpoint a local port nobody listens on, optionally the offline switches."""
+    env = {key: value for key, value in os.environ.items()
+           if key.upper() not in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_ENDPOINT=f"http://127.0.0.1:{free_port()}",
+               HF_HOME=str(tmp_path / "hf_home"))
+    if offline_switches:
+        env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    return env
+
+
+@pytest.mark.parametrize("nproc, offline_switches", [(1, False), (2, True)], ids=["refused", "offline_torchrun"])
+def test_unreachable_hub_is_one_line_from_rank_0_and_exit_2(tmp_path, nproc, offline_switches):
+    from tests.test_train import TINY
+
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command = [*launcher, "train.py", *TINY, "--job.dump_folder", str(tmp_path), "--training.dataset", "c4"]
+    proc = subprocess.run(command, cwd=REPO, env=_hub_off_environment(tmp_path, offline_switches),
+                          capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output[-4000:]
+    reason = "HF_HUB_OFFLINE is set" if offline_switches else "Connection refused"
+    assert "allenai/c4" in errors[0] and reason in errors[0] and "--training.dataset_path" in errors[0], errors[0]
+    if nproc == 1:
+        assert proc.returncode == 2 and "Traceback" not in output, output[-4000:]
+    else:  # every worker stopped with the user-error code; torchrun's own summary follows
+        assert output.count("exitcode  : 2") == nproc, output[-4000:]
+    assert not (tmp_path / "tb").exists()
+
+
+def test_hub_failing_while_loading_is_a_user_error(tmp_path):
+    # Past preflight (e.g. the hub fails between the check and the load): the loader says the same in one line.
+    script = textwrap.dedent(
+        """
+        from torchtitan.datasets.hf_datasets import load_documents
+        from torchtitan.errors import UserError
+        try:
+            load_documents("c4", None)
+        except UserError as e:
+            print("USER ERROR:", e)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_hub_off_environment(tmp_path, True),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("USER ERROR:")]
+    assert len(lines) == 1 and "Couldn't reach 'allenai/c4'" in lines[0] and "training.dataset_path" in lines[0], (
+        proc.stdout + proc.stderr[-3000:])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -78,8 +78,12 @@ def losses(output: str) -> dict[int, str]:
     return {int(step): loss for step, loss in LOSS_LINE.findall(output)}
 
 
+def checkpoint_folder(dump_folder: str) -> str:
+    return os.path.join(dump_folder, "checkpoint", "AdamW")  # the default folder of the debug config's optimizer
+
+
 def checkpoint_path(dump_folder: str, step: int) -> str:
-    return os.path.join(dump_folder, "checkpoint", f"step-{step}")
+    return os.path.join(checkpoint_folder(dump_folder), f"step-{step}")
 
 
 def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
@@ -103,7 +107,7 @@ def reference(tmp_path_factory):
     """20 steps straight on 2 ranks, saving at steps 10 and 20."""
     dump = str(tmp_path_factory.mktemp("straight"))
     output = train(dump, 2)
-    assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == ["step-10", "step-20"]
+    assert sorted(os.listdir(checkpoint_folder(dump))) == ["step-10", "step-20"]
     straight = losses(output)
     assert sorted(straight) == list(range(1, STEPS + 1))
     return dump, straight
@@ -161,7 +165,7 @@ def test_sigkill_mid_save_then_resume_matches_straight_run_bit_for_bit(reference
     killed = train_until_killed_mid_save(dump, tmp_path)
     assert "resumed from step 10" in killed
     assert {step: loss for step, loss in losses(killed).items()} == {s: straight[s] for s in range(11, 16)}
-    folder = os.path.join(dump, "checkpoint")
+    folder = checkpoint_folder(dump)
     half_written = [name for name in os.listdir(folder) if name.startswith(".step-15.tmp-")]
     assert sorted(os.listdir(folder)) == sorted(["step-10", *half_written]) and len(half_written) == 1
 

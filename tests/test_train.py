@@ -109,6 +109,8 @@ BAD_INPUT = [
     (["--training.tensor_parallel_degree", "2"], "tensor_parallel"),
     (["--float8.enable_float8_linear"], "float8"),
     (["--checkpoint.enable_checkpoint", "--checkpoint.load_step", "7"], "load_step"),
+    (["--checkpoint.initial_load_path", "no/such/step-3"], "checkpoint.initial_load_path 'no/such/step-3' is not"),
+    (["--checkpoint.initial_load_path", "assets"], "checkpoint.initial_load_path 'assets' holds no complete checkpoint"),
 ]
 
 

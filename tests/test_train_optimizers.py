@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -53,7 +54,8 @@ def resumed_vs_straight(tmp_path, name):
     common = ["--optimizer.name", name, "--training.steps", "8", "--checkpoint.enable_checkpoint",
               "--checkpoint.interval", "4"]
     train(tmp_path / "straight", *common)
-    shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-4", tmp_path / "resumed" / "checkpoint" / "step-4")
+    step_4 = Path("checkpoint", name, "step-4")  # each optimizer's default folder
+    shutil.copytree(tmp_path / "straight" / step_4, tmp_path / "resumed" / step_4)
     train(tmp_path / "resumed", *common, "--checkpoint.load_step", "4")
     return losses(tmp_path / "straight")[4:], losses(tmp_path / "resumed")
 

@@ -1,6 +1,10 @@
 """Checkpoints: save and resume model, optimizers, lr schedulers, data-loader position and train state.
 
-Layout of ``checkpoint.folder`` (relative to ``job.dump_folder`` unless absolute)::
+Where: ``checkpoint.folder`` (relative to ``job.dump_folder`` unless absolute); unset, it is
+``checkpoint/<optimizer name>`` (the canonical name, e.g. ``checkpoint/AdamMini``), so runs that differ in the optimizer
+never share checkpoints, the way their TensorBoard run folders are apart. An explicit folder is used as given.
+
+Layout of the checkpoint folder::
 
     step-10/               a complete checkpoint (torch.distributed.checkpoint format: .metadata + *.distcp)
     step-20/
@@ -26,6 +30,15 @@ Async mode (``checkpoint.async_mode = "async"``): the state is copied to CPU mem
 written by a background thread over a dedicated gloo process group (so its collectives never interleave with the
 training loop's). A save waits for the previous one before starting; ``close()`` waits for the last one.
 
+Job facts: every checkpoint also holds a small plain record of the job that wrote it (optimizer, optional state dtype,
+model flavor, parameter count and a digest of the parameter names and shapes). A load compares it first, so a
+checkpoint of another optimizer or model is refused with one line saying what it holds and what the job expects.
+
+Warm start: ``checkpoint.initial_load_path`` names a checkpoint (a ``step-N`` folder, or a folder of them: the latest)
+to start from when the run's own folder holds none yet. With ``checkpoint.initial_load_model_only`` (the default)
+only the model weights are loaded, from a checkpoint of any optimizer; the optimizer state, lr schedule, data
+position and step start fresh. Otherwise everything is loaded, as a resume would, and must match the job.
+
 Weights export: when ``checkpoint.model_weights_only`` is set, ``save`` at the last training step (``training.steps``)
 also writes ``step-N-weights`` holding only the model's parameters in ``checkpoint.export_dtype``, keyed by their
 parameter names, loadable with ``dcp.load`` into a ``Transformer``'s ``state_dict()``. With checkpointing enabled the
@@ -37,6 +50,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -58,14 +72,17 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
+from torchtitan.optim.builder import resolve_optimizer_name
 from torchtitan.utils import DTYPES
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights)?\.tmp-")
 METADATA_FILE = ".metadata"
+DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optimizer
 
 MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER = "model", "optimizer", "lr_schedulers", "dataloader"
-RESERVED_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER)
+JOB_FACTS = "job_facts"
+RESERVED_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER, JOB_FACTS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -199,8 +216,51 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def resolve_folder(job_config: Any) -> str:
+    """``checkpoint.folder``, or unset ``checkpoint/<optimizer name>``, inside ``job.dump_folder`` unless absolute."""
     folder = job_config.checkpoint.folder
+    if folder is None:
+        folder = os.path.join(DEFAULT_FOLDER, resolve_optimizer_name(job_config.optimizer.name).name)
     return folder if os.path.isabs(folder) else os.path.join(job_config.job.dump_folder, folder)
+
+
+def job_facts(job_config: Any, model_state: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint of this job holds, in plain data: compared on load before any tensor is read."""
+    shapes = sorted((name, list(value.shape)) for name, value in model_state.items())
+    facts = {
+        "optimizer": resolve_optimizer_name(job_config.optimizer.name).name,
+        "model_flavor": job_config.model.flavor,
+        "parameters": sum(value.numel() for value in model_state.values()),
+        "model_digest": hashlib.sha256(json.dumps(shapes).encode("utf-8")).hexdigest()[:16],
+    }
+    state_dtype = getattr(job_config.optimizer, "state_dtype", None)
+    if state_dtype is not None:
+        facts["state_dtype"] = state_dtype
+    return facts
+
+
+def _describe_optimizer(facts: dict[str, Any]) -> str:
+    dtype = facts.get("state_dtype")
+    return facts["optimizer"] + (f" ({dtype} state)" if dtype else "")
+
+
+def _describe_model(facts: dict[str, Any]) -> str:
+    return f"model flavor {facts['model_flavor']} ({facts['parameters']:,} parameters)"
+
+
+def facts_mismatch(saved: dict[str, Any], expected: dict[str, Any], model_only: bool) -> Optional[tuple[str, str]]:
+    """What differs between a checkpoint's job facts and this job's: ("model" or "optimizer", in words), or None."""
+    if saved["model_digest"] != expected["model_digest"]:
+        same_size = saved["model_flavor"] == expected["model_flavor"] and saved["parameters"] == expected["parameters"]
+        other = " but other parameter names or shapes" if same_size else ""
+        return "model", f"holds {_describe_model(saved)}{other}; this job uses {_describe_model(expected)}"
+    if model_only:
+        return None
+    both_dtypes = "state_dtype" in saved and "state_dtype" in expected
+    dtypes_differ = both_dtypes and saved["state_dtype"] != expected["state_dtype"]
+    if saved["optimizer"] != expected["optimizer"] or dtypes_differ:
+        written, used = _describe_optimizer(saved), _describe_optimizer(expected)
+        return "optimizer", f"was written by {written}; this job uses {used}"
+    return None
 
 
 def complete_steps(folder: str) -> list[int]:
@@ -318,6 +378,10 @@ class CheckpointManager:
         self.keep_latest_k = config.keep_latest_k
         self.async_enabled = config.async_mode == "async"
         self.load_step = config.load_step
+        self.initial_load_path = config.initial_load_path
+        self.initial_load_model_only = config.initial_load_model_only
+        self.job_config = job_config
+        self.default_folder = config.folder is None
         self.export_dtype = DTYPES[config.export_dtype]
         self.last_step = job_config.training.steps
         self.folder = resolve_folder(job_config)
@@ -365,11 +429,14 @@ class CheckpointManager:
             )
 
     def load(self, step: int = -1) -> bool:
-        """Resume from ``step`` (or ``checkpoint.load_step``, or the latest complete checkpoint); True if loaded."""
+        """Resume from ``step`` (or ``checkpoint.load_step``, or the latest complete checkpoint); True if loaded.
+
+        When the folder holds no checkpoint, start from ``checkpoint.initial_load_path`` if one is given.
+        """
         if not self.enabled:
             if step >= 0 or self.load_step >= 0:
                 logger.warning("checkpoint: load_step is ignored because checkpoint.enable_checkpoint is off")
-            return False
+            return self._initial_load()
         requested = step if step >= 0 else self.load_step
         steps = complete_steps(self.folder)
         if requested >= 0 and requested not in steps:
@@ -379,6 +446,9 @@ class CheckpointManager:
                 f"(available steps: {available}); pick one of those or -1 for the latest"
             )
         if not steps:
+            if self._initial_load():
+                return True
+            self._warn_about_shared_folder()
             logger.info(f"checkpoint: nothing to resume in {self.folder}; starting from scratch")
             return False
         chosen = requested if requested >= 0 else steps[-1]
@@ -476,7 +546,8 @@ class CheckpointManager:
 
     def _state_to_save(self) -> dict[str, Any]:
         state: dict[str, Any] = {MODEL: self._model_state(), OPTIMIZER: self.optimizers.state_dict()}
-        for name, value in self._plain_states().items():
+        plain = {**self._plain_states(), JOB_FACTS: job_facts(self.job_config, state[MODEL])}
+        for name, value in plain.items():
             state[name] = torch.frombuffer(bytearray(encode_plain(value)), dtype=torch.uint8)
         return state
 
@@ -498,6 +569,58 @@ class CheckpointManager:
         return merged
 
     # -- loading ---------------------------------------------------------------------------------------------------
+
+    def _initial_load(self) -> bool:
+        """Start from ``checkpoint.initial_load_path`` (model weights only, or everything); False if none is set."""
+        if self.initial_load_path is None:
+            return False
+        path = self.initial_load_path
+        if not os.path.isfile(os.path.join(path, METADATA_FILE)):
+            steps = complete_steps(path)
+            if not steps:
+                raise UserError(
+                    f"checkpoint.initial_load_path '{path}' holds no complete checkpoint; point it at a step-N folder "
+                    "(or a folder of them) written by a finished save"
+                )
+            path = step_folder(path, steps[-1])
+        begin = time.perf_counter()
+        if self.initial_load_model_only:
+            saved = self._load_model_from(path)
+            written_by = f" (written by {_describe_optimizer(saved)})" if saved else ""
+            logger.info(
+                f"checkpoint: started from the model weights of {path}{written_by} in "
+                f"{time.perf_counter() - begin:.2f} s; optimizer state, lr schedule, data position and step are fresh"
+            )
+        else:
+            self._load_from(path)
+            logger.info(f"checkpoint: started from {path} (everything) in {time.perf_counter() - begin:.2f} s")
+        return True
+
+    def _warn_about_shared_folder(self) -> None:
+        """Checkpoints in the shared folder of earlier versions are not resumed by default; say so once."""
+        if not self.default_folder or self.rank != 0:
+            return
+        shared = os.path.dirname(self.folder)
+        steps = complete_steps(shared)
+        if steps:
+            logger.warning(
+                f"checkpoint: {shared} holds checkpoints outside the per-optimizer folders (steps "
+                f"{', '.join(map(str, steps))}); they are not resumed: to resume them, pass --checkpoint.folder "
+                f"{DEFAULT_FOLDER} (and the optimizer that wrote them)"
+            )
+
+    def _load_model_from(self, path: str) -> Optional[dict[str, Any]]:
+        """Load the model weights of the checkpoint at ``path`` only; its job facts (None for older checkpoints)."""
+        part_states = [get_model_state_dict(part) for part in self.model_parts]
+        state: dict[str, Any] = {MODEL: {k: v for part_state in part_states for k, v in part_state.items()}}
+        reader = SafeFileSystemReader(path)
+        metadata = reader.read_metadata()
+        saved = self._check_matches(path, metadata, state, [], model_only=True)
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=reader, process_group=self._group)
+        for part, part_state in zip(self.model_parts, part_states):
+            set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
+        return saved
 
     def _load_from(self, path: str) -> None:
         part_states = [get_model_state_dict(part) for part in self.model_parts]
@@ -526,18 +649,55 @@ class CheckpointManager:
         for name, obj in self.states.items():
             obj.load_state_dict(plain[name])
 
-    @staticmethod
-    def _check_matches(path: str, metadata: Any, state: dict[str, Any], plain_names: list[str]) -> None:
-        saved = metadata.state_dict_metadata
-        missing = [k for k in flat_keys(state) if k not in saved and not any(s.startswith(k + ".") for s in saved)]
-        missing += [k for k in plain_names if getattr(saved.get(k), "properties", None) is None
-                    or saved[k].properties.dtype != torch.uint8]
+    def _check_matches(
+        self, path: str, metadata: Any, state: dict[str, Any], plain_names: list[str], model_only: bool = False
+    ) -> Optional[dict[str, Any]]:
+        """Raise one short UserError unless the checkpoint fits ``state``; the checkpoint's job facts, if it has them.
+
+        The job facts are compared first, so that the message says what the checkpoint holds; checkpoints without
+        them are judged by their keys, summarised in one line.
+        """
+        entries = metadata.state_dict_metadata
+        saved = self._read_facts(path, entries)
+        if saved is not None:
+            mismatch = facts_mismatch(saved, job_facts(self.job_config, state[MODEL]), model_only)
+            if mismatch is not None:
+                kind, words = mismatch
+                raise UserError(f"checkpoint '{path}' {words}; {self._how_to_proceed(path, model_only, kind)}")
+        missing = [k for k in flat_keys(state) if k not in entries and not any(s.startswith(k + ".") for s in entries)]
+        missing += [k for k in plain_names if getattr(entries.get(k), "properties", None) is None
+                    or entries[k].properties.dtype != torch.uint8]
         if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            shown = ", ".join(missing[:2]) + (f" and {len(missing) - 2} more" if len(missing) > 2 else "")
+            kind = "model" if missing[0].startswith(MODEL + ".") else "other"
             raise UserError(
-                f"checkpoint '{path}' does not match this job (missing {shown}); it was saved with a different "
-                "model, optimizer or data setup: resume with the same settings or use another checkpoint.folder"
+                f"checkpoint '{path}' does not match this job ({len(missing)} entries missing: {shown}); "
+                f"{self._how_to_proceed(path, model_only, kind)}"
             )
+        return saved
+
+    @staticmethod
+    def _how_to_proceed(path: str, model_only: bool, kind: str) -> str:
+        if model_only:
+            return "point checkpoint.initial_load_path at a checkpoint of this model"
+        if kind == "model":
+            return "resume with the model settings that wrote it, or use another checkpoint.folder"
+        return (
+            "use another checkpoint.folder (unset, each optimizer gets its own), or start from its model weights with "
+            f"a fresh optimizer: --checkpoint.initial_load_path {path} and an empty checkpoint.folder"
+        )
+
+    def _read_facts(self, path: str, entries: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """The job facts saved in the checkpoint at ``path`` (None for checkpoints written before they existed)."""
+        entry = entries.get(JOB_FACTS)
+        if getattr(entry, "properties", None) is None or entry.properties.dtype != torch.uint8:
+            return None
+        blob = {JOB_FACTS: torch.empty(entry.size, dtype=torch.uint8)}
+        with _single_process_quiet():
+            dcp.load(blob, storage_reader=SafeFileSystemReader(path), process_group=self._group)
+        facts = decode_plain(blob[JOB_FACTS].numpy().tobytes())
+        needed = {"optimizer", "model_flavor", "parameters", "model_digest"}
+        return facts if isinstance(facts, dict) and needed <= set(facts) else None
 
     # -- coordination (on our gloo group, CPU tensors) -----------------------------------------------------------
 

@@ -100,6 +100,23 @@ class Training:
 
 
 @dataclass
+class Validation:
+    enable: bool = opt(False, "evaluate the loss on held-out data every validation.freq steps and at the last step")
+    freq: int = opt(100, "evaluate every N optimizer steps (and at the last step)", gt=0)
+    steps: int = opt(10, "batches per evaluation (fewer if the validation data runs out first)", gt=0)
+    dataset: Optional[str] = opt(
+        None, "validation data: sample, c4 or text; unset (or the training data): its held-out split"
+    )
+    dataset_path: Optional[str] = opt(None, "local file or folder of validation data (like training.dataset_path)")
+    batch_size: Optional[int] = opt(None, "sequences per data-parallel rank per batch; unset: training.batch_size", gt=0)
+    seq_len: Optional[int] = opt(None, "tokens per sequence, at most training.seq_len; unset: training.seq_len", gt=0)
+    held_out_every: int = opt(
+        20, "about 1 in N documents of the training data (by a hash of the text) is held out: never trained on, "
+        "even with validation off; 0 trains on every document", ge=0,
+    )
+
+
+@dataclass
 class Metrics:
     log_freq: int = opt(10, "log and record metrics every N steps", gt=0)
     enable_tensorboard: bool = opt(True, "write TensorBoard event files")
@@ -109,7 +126,10 @@ class Metrics:
 @dataclass
 class Checkpoint:
     enable_checkpoint: bool = opt(False, "save and resume checkpoints")
-    folder: str = opt("checkpoint", "checkpoint folder, relative to job.dump_folder unless absolute")
+    folder: Optional[str] = opt(
+        None, "checkpoint folder, relative to job.dump_folder unless absolute; unset: checkpoint/<optimizer name>, "
+        "so runs with different optimizers never share checkpoints"
+    )
     interval: int = opt(500, "save every N steps (and at the last step)", gt=0)
     keep_latest_k: int = opt(0, "keep only the newest k checkpoints; 0 keeps all", ge=0)
     async_mode: str = opt("disabled", "disabled or async (save in a background thread)", choices=("disabled", "async"))
@@ -118,6 +138,13 @@ class Checkpoint:
         "float32", "dtype of the final weights-only export", choices=("float32", "bfloat16", "float16")
     )
     model_weights_only: bool = opt(False, "at the end, export model weights only (in export_dtype)")
+    initial_load_path: Optional[str] = opt(
+        None, "when checkpoint.folder holds no checkpoint yet, start from this one (a step-N folder, or a folder of "
+        "them: the latest), e.g. another optimizer's run"
+    )
+    initial_load_model_only: bool = opt(
+        True, "from initial_load_path load the model weights only: optimizer, lr schedule, data and step start fresh"
+    )
 
 
 @dataclass
@@ -169,6 +196,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     training: Training = field(default_factory=Training)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     profiling: Profiling = field(default_factory=Profiling)
@@ -204,12 +232,34 @@ class JobConfig:
             raise UserError("training.data_parallel_shard_degree must be -1 (fill) or a positive integer")
         if t.dataset_path is not None and not os.path.exists(t.dataset_path):
             raise UserError(f"training.dataset_path '{t.dataset_path}' does not exist; point it at a file or folder")
+        self._validate_validation()
+        initial = self.checkpoint.initial_load_path
+        if initial is not None and not os.path.isdir(initial):
+            raise UserError(
+                f"checkpoint.initial_load_path '{initial}' is not a folder; point it at a checkpoint's step-N folder"
+            )
         ac = self.activation_checkpoint
         if ac.mode == "selective" and ac.selective_ac_option != "op":
             if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
                 raise UserError(
                     "activation_checkpoint.selective_ac_option must be 'op' or a positive integer k (every k-th layer)"
                 )
+
+    def _validate_validation(self) -> None:
+        t, v = self.training, self.validation
+        if v.held_out_every == 1:
+            raise UserError("validation.held_out_every 1 would hold out every document; use 0 (none) or 2 or more")
+        if v.dataset_path is not None and not os.path.exists(v.dataset_path):
+            raise UserError(f"validation.dataset_path '{v.dataset_path}' does not exist; point it at a file or folder")
+        if not v.enable:
+            return
+        if v.seq_len is not None and v.seq_len > t.seq_len:
+            raise UserError(f"validation.seq_len {v.seq_len} exceeds training.seq_len {t.seq_len}; lower it")
+        if v.seq_len is not None and v.seq_len % t.tensor_parallel_degree:
+            raise UserError(
+                f"training.tensor_parallel_degree {t.tensor_parallel_degree} does not divide validation.seq_len "
+                f"{v.seq_len}; pick a length it divides"
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -121,3 +121,11 @@ def format_log_line(step: int, m: dict[str, float]) -> str:
     if "mfu(%)" in m:
         parts.append(f"mfu: {m['mfu(%)']:.2f}%")
     return "  ".join(parts)
+
+
+def format_validation_line(step: int, m: dict[str, float], tokens: int) -> str:
+    # Worded unlike the training line, so that tools reading "step: N  loss: X" lines never mistake it for one.
+    return (
+        f"validation at step {step}: loss {m['validation/loss']:.8f}  "
+        f"perplexity {m['validation/perplexity']:.4f}  ({tokens:,} tokens)"
+    )

@@ -35,7 +35,7 @@ def preflight(job_config: JobConfig, world_size: int):
     Returns (parallel dims, model args, tokenizer) for the trainer to go on with.
     """
     # Imported here so that `--help` and config errors answer without importing torch.
-    from torchtitan.datasets import build_tokenizer, resolve_dataset
+    from torchtitan.datasets import build_tokenizer, check_hub_reachable, resolve_dataset
     from torchtitan.parallelisms import ParallelDims, validate_model_for_parallelism
 
     t = job_config.training
@@ -44,9 +44,18 @@ def preflight(job_config: JobConfig, world_size: int):
         tp=t.tensor_parallel_degree, world_size=world_size, enable_loss_parallel=not t.disable_loss_parallel,
     )
     resolve_dataset(t.dataset, t.dataset_path)
+    if job_config.validation.enable:
+        from torchtitan.validate import validation_data
+
+        validation_data(job_config)
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.tokenizer_type)
     model_args = model_args_for(job_config, tokenizer.n_words)
     validate_model_for_parallelism(model_args, parallel_dims)
+    # Last: the one check that may wait on the network.
+    check_hub_reachable(t.dataset, t.dataset_path)
+    v = job_config.validation
+    if v.enable and v.dataset is not None:
+        check_hub_reachable(v.dataset, v.dataset_path, "validation")
     return parallel_dims, model_args, tokenizer
 
 

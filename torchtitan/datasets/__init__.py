@@ -1,6 +1,8 @@
 """Tokenizers and the packed, rank-split, resumable text data loader."""
 
-from torchtitan.datasets.hf_datasets import build_hf_data_loader, resolve_dataset
+from torchtitan.datasets.hf_datasets import DocumentSplit, build_hf_data_loader, check_hub_reachable, resolve_dataset
 from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer
 
-__all__ = ["Tokenizer", "build_hf_data_loader", "build_tokenizer", "resolve_dataset"]
+__all__ = [
+    "DocumentSplit", "Tokenizer", "build_hf_data_loader", "build_tokenizer", "check_hub_reachable", "resolve_dataset",
+]
