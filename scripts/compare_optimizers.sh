@@ -1,22 +1,19 @@
 #!/usr/bin/env bash
-# Train one job once per optimizer, then compare the runs (loss curves, tokens/s, memory, optimizer state).
-#   OPTIMIZERS   space-separated optimizer names (default: "AdamW AdamMini")
+# Train one job for every optimizer x learning rate (x seed), then compare each optimizer at its own best lr:
+# sweep.png (best-lr loss curves, final loss vs lr, memory, tokens/s), sweep.md and sweep.json in DUMP_FOLDER.
+#   OPTIMIZERS   optimizer names (default: "AdamW AdamMini")
+#   LRS          peak learning rates (default: "3e-4 1e-3 3e-3")
+#   SEEDS        training.seed values (default: "0")
+#   NGPU         processes per run (default: the GPUs present, else 1)
 #   CONFIG_FILE  job config (default: ./train_configs/debug_model.toml)
-#   NGPU         processes per run, as for run_llama_train.sh
-#   DUMP_FOLDER  where the runs and the comparison go (default: ./outputs/compare_<date-time>)
+#   DUMP_FOLDER  the sweep's folder (default: ./outputs/sweep); run the same command again to resume a sweep
+#   LAST_K       final training loss = mean of the last k logged values (default: 10)
 #   extra arguments go to every train.py run, e.g. scripts/compare_optimizers.sh --training.steps 200
+# The sweep itself is python -m torchtitan.tools.sweep (--help for its options).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-OPTIMIZERS=${OPTIMIZERS:-"AdamW AdamMini"}
-DUMP_FOLDER=${DUMP_FOLDER:-./outputs/compare_$(date +%Y%m%d-%H%M%S)}
-
-for optimizer in $OPTIMIZERS; do
-    echo "=== training with $optimizer"
-    ./run_llama_train.sh --job.dump_folder "$DUMP_FOLDER" --metrics.enable_tensorboard true \
-        --optimizer.name "$optimizer" "$@"
-done
-
-# Each run wrote its own TensorBoard folder under $DUMP_FOLDER/tb (or metrics.save_tb_folder); compare them all.
-python -m torchtitan.tools.compare_runs "$DUMP_FOLDER" --out "$DUMP_FOLDER/compare.png" \
-    --json "$DUMP_FOLDER/compare.json"
+exec python -m torchtitan.tools.sweep \
+    --optimizers "${OPTIMIZERS:-AdamW AdamMini}" --lrs "${LRS:-3e-4 1e-3 3e-3}" --seeds "${SEEDS:-0}" \
+    ${NGPU:+--nproc "$NGPU"} --config-file "${CONFIG_FILE:-./train_configs/debug_model.toml}" \
+    --last-k "${LAST_K:-10}" --dump-folder "${DUMP_FOLDER:-./outputs/sweep}" -- "$@"

@@ -182,3 +182,17 @@ def test_bad_input_is_one_line_user_error(runs, tmp_path, capsys, make_args, mes
         args += ["--out", str(tmp_path / "c.png")]
     assert main(args) == 2
     assert message in _error_line(capsys)
+
+
+def test_diverged_run_is_shown_as_diverged(tmp_path, capsys):
+    run = tmp_path / "20250101-000000_AdamW"
+    with SummaryWriter(log_dir=str(run)) as w:
+        for step, loss in [(1, 5.0), (2, 4.0), (3, float("nan")), (4, float("nan"))]:
+            w.add_scalar("loss_metrics/global_avg_loss", loss, step)
+            w.add_scalar("grad_norm", loss, step)
+    assert main([str(run), "--out", str(tmp_path / "c.png"), "--last-k", "2"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(run.name))
+    assert "diverged at step 3" in row and "nan" not in row
+    assert main([str(run), "--out", str(tmp_path / "c.png"), "--json"]) == 0
+    (summary,) = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert summary["diverged_at_step"] == 3 and summary["final_loss"] is None

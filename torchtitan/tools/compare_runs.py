@@ -5,14 +5,16 @@
 Each RUN_DIR is a run folder written by ``train.py`` (``{dump_folder}/tb/{YYYYmmdd-HHMMSS}_{Optimizer}``) or a folder
 holding several of them. The tool writes one PNG with loss against steps, loss against tokens seen and the gradient
 norm against steps, and prints a table per run: final loss (mean over the last k logged steps), mean tokens/s, peak
-memory and optimizer-state bytes. ``--json`` writes the same numbers as JSON (to a file, or to stdout when no path
-is given, in which case the table is not printed).
+memory and optimizer-state bytes; a run whose loss became non-finite shows as diverged at its first such step.
+``--json`` writes the same numbers as JSON (to a file, or to stdout when no path is given, in which case the table
+is not printed). ``python -m torchtitan.tools.sweep`` builds on this module for lr sweeps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,10 +136,19 @@ def _mean(values: Sequence[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
+def first_non_finite_step(series: Series) -> Optional[int]:
+    """The first step whose value is NaN or infinite (a diverged run), or None."""
+    return next((step for step, value in zip(series.steps, series.values) if not math.isfinite(value)), None)
+
+
 def summarize(run: Run, last_k: int) -> dict:
-    """The numbers of the comparison table for one run; None where the run did not log the tag."""
+    """The numbers of the comparison table for one run; None where the run did not log the tag.
+
+    A run whose loss became non-finite has ``diverged_at_step`` set and no final loss.
+    """
     loss = run.scalars[LOSS]
     tail = loss.values[-last_k:]
+    diverged_at = first_non_finite_step(loss)
     memory_tag = next((t for t in MEMORY_TAGS if t in run.scalars), None)
     tps = run.scalars.get(TPS)
     state = run.scalars.get(STATE_BYTES)
@@ -146,8 +157,9 @@ def summarize(run: Run, last_k: int) -> dict:
         "name": run.name,
         "path": str(run.path),
         "last_step": loss.steps[-1],
-        "final_loss": _mean(tail),
+        "final_loss": None if diverged_at is not None else _mean(tail),
         "final_loss_steps": len(tail),
+        "diverged_at_step": diverged_at,
         "mean_tps": _mean(tps.values) if tps else None,
         "peak_memory_gib": max(run.scalars[memory_tag].values) if memory_tag else None,
         "peak_memory_tag": memory_tag,
@@ -168,8 +180,11 @@ def format_table(summaries: list[dict], last_k: int) -> str:
         if s["peak_memory_tag"] == "memory/rss(GiB)":
             memory += " (rss)"
         state = s["optimizer_state_bytes"]
+        loss = _fmt(s["final_loss"], ".4f")
+        if s["diverged_at_step"] is not None:
+            loss = f"diverged at step {s['diverged_at_step']}"
         rows.append((
-            s["name"], str(s["last_step"]), _fmt(s["final_loss"], ".4f"), _fmt(s["mean_tps"], ".1f"), memory,
+            s["name"], str(s["last_step"]), loss, _fmt(s["mean_tps"], ".1f"), memory,
             _fmt(None if state is None else state / 2**30, ".3f"),
         ))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

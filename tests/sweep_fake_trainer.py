@@ -1,0 +1,75 @@
+"""A stand-in for run_llama_train.sh in the sweep's tests: logs a made-up run in a second, no model.
+
+Takes the options the sweep passes (``--optimizer.name``, ``--optimizer.lr``, ``--training.seed``,
+``--job.dump_folder``, ``--training.steps``) and writes TensorBoard events where train.py would, with the trainer's
+tags. The training loss is lowest at lr 1e-3, the validation loss (logged when FAKE_VALIDATION is set) at lr 1e-2,
+and each seed adds 0.01 per seed number. FAKE_OUTCOMES, a JSON object from run name
+(``{Optimizer}_lr{lr}_seed{seed}``) to one of the behaviours below, makes a run misbehave:
+  "nan"   - logs a NaN loss from step 3 on and exits 0;
+  "exit3" - logs two steps, prints an ``error: ... non-finite ...`` line and exits 3, as train.py's guard does;
+  "exit1" - logs two steps and crashes;
+  "exit2" - prints a one-line user error and exits 2;
+  "hang"  - writes its pid to ``{dump}/fake.pid`` and sleeps until it is killed.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+from torchtitan.tools.sweep import lr_label
+
+
+def options(argv: list[str]) -> dict[str, str]:
+    # The sweep always passes "--key value"; the last value of a key wins, as in train.py.
+    return {argv[i][2:]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+
+
+def main() -> int:
+    o = options(sys.argv[1:])
+    optimizer, lr, seed = o["optimizer.name"], float(o["optimizer.lr"]), int(o["training.seed"])
+    steps = int(o.get("training.steps", "6"))
+    name = f"{optimizer}_lr{lr_label(lr)}_seed{seed}"
+    behaviour = json.loads(os.environ.get("FAKE_OUTCOMES", "{}")).get(name)
+    dump = Path(o["job.dump_folder"])
+    if behaviour == "exit2":
+        print("error: training.steps is too large for this test; lower it", file=sys.stderr)
+        return 2
+    if behaviour == "hang":
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "fake.pid").write_text(str(os.getpid()))
+        time.sleep(600)
+        return 1
+    writer = EventFileWriter(str(dump / "tb" / f"{time.strftime('%Y%m%d-%H%M%S')}_{optimizer}"))
+
+    def log(step: int, tag: str, value: float) -> None:
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)])
+        writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
+
+    distance = abs(math.log10(lr) + 3)
+    log(0, "optimizer/state_bytes", {"AdamMini": 1 << 20}.get(optimizer, 2 << 20))
+    for step in range(1, steps + 1):
+        if behaviour in ("exit3", "exit1") and step == 3:
+            writer.close()
+            if behaviour == "exit3":
+                print(f"error: the loss was non-finite at step {step}; lower optimizer.lr", file=sys.stderr)
+                return 3
+            raise RuntimeError("the fake trainer crashed")
+        loss = 2.0 + distance + 0.01 * seed + 4.0 / step
+        log(step, "loss_metrics/global_avg_loss", math.nan if behaviour == "nan" and step >= 3 else loss)
+        log(step, "throughput/tps", 1000.0 + 100.0 * seed + (500.0 if optimizer == "AdamMini" else 0.0))
+        log(step, "memory/rss(GiB)", 0.5 + 0.01 * step)
+        if os.environ.get("FAKE_VALIDATION") and step % 2 == 0:
+            log(step, "validation/loss", 3.0 + abs(math.log10(lr) + 2) + 0.01 * seed + 2.0 / step)
+    writer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The lr sweep: runs every combination, resumes without rerunning finished runs, reports best-vs-best.
+
+One end-to-end sweep goes through scripts/compare_optimizers.sh and run_llama_train.sh on the debug model; the
+rest use tests/sweep_fake_trainer.py as the launcher, which logs a made-up run in a second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from torchtitan.tools.sweep import main
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = f"{sys.executable} {ROOT / 'tests' / 'sweep_fake_trainer.py'}"
+LOSS = "loss_metrics/global_avg_loss"
+
+
+def env(**extra) -> dict:
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            **extra}
+
+
+def logged(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of one tag over all event folders of a run, read straight from TensorBoard, later wins."""
+    folders = sorted({p.parent for p in run_dir.rglob("events.out.tfevents*")})
+    by_step: dict[int, float] = {}
+    for folder in folders:
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            by_step.update((e.step, e.value) for e in acc.Scalars(tag))
+    return sorted(by_step.items())
+
+
+def attempts(run_dir: Path) -> int:
+    """How many times the sweep launched this run: each launch writes its command line to train.log."""
+    return sum(line.startswith("$ ") for line in (run_dir / "train.log").read_text().splitlines())
+
+
+def snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, p.stat().st_size)
+            for p in run_dir.rglob("*") if p.is_file()}
+
+
+def check_png(path: Path) -> None:
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size[0] >= 1000
+        assert np.asarray(image.convert("L"), dtype=np.float32).std() > 5.0
+
+
+def markdown_row(md: str, optimizer: str, table: int) -> str:
+    """The row of ``optimizer`` in the report's first (best lr) or second (grid) table."""
+    tables = md.split("\n\n")
+    return next(line for line in tables[table + 1].splitlines() if line.startswith(f"| {optimizer} |"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# End to end: the real trainer
+
+
+def test_tiny_sweep_end_to_end_resumes_and_shows_divergence(tmp_path):
+    dump = tmp_path / "sweep"
+    command = [
+        str(ROOT / "scripts" / "compare_optimizers.sh"),
+        "--training.seq_len", "32", "--training.batch_size", "2", "--training.steps", "4",
+        "--training.warmup_steps", "1", "--metrics.log_freq", "1", "--training.max_norm", "0",
+    ]
+    sweep_env = env(OPTIMIZERS="AdamW AdamMini", LRS="1e-3 1e6", NGPU="1", LAST_K="2", DUMP_FOLDER=str(dump))
+
+    def sweep():
+        proc = subprocess.run(command, cwd=tmp_path, env=sweep_env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    sweep()
+    runs = dump / "runs"
+    names = ["AdamW_lr1e-3_seed0", "AdamW_lr1e6_seed0", "AdamMini_lr1e-3_seed0", "AdamMini_lr1e6_seed0"]
+    assert sorted(p.name for p in runs.iterdir()) == sorted(names)
+    report = json.loads((dump / "sweep.json").read_text())
+    md = (dump / "sweep.md").read_text()
+    check_png(dump / "sweep.png")
+    by_name = {r["name"]: r for r in report["runs"]}
+    assert report["ranked_by"] == "mean of the last 2 logged training losses" and "last 2" in md
+    for optimizer in ("AdamW", "AdamMini"):
+        good, bad = by_name[f"{optimizer}_lr1e-3_seed0"], by_name[f"{optimizer}_lr1e6_seed0"]
+        # The table against the TensorBoard logs.
+        losses = logged(runs / good["name"], LOSS)
+        assert [step for step, _ in losses] == [1, 2, 3, 4]
+        expected = (losses[-1][1] + losses[-2][1]) / 2
+        assert good["outcome"] == "finished" and good["train_loss"] == pytest.approx(expected, rel=1e-12)
+        tps = [v for _, v in logged(runs / good["name"], "throughput/tps")]
+        assert good["mean_tps"] == pytest.approx(sum(tps) / len(tps), rel=1e-12)
+        assert good["optimizer_state_bytes"] == logged(runs / good["name"], "optimizer/state_bytes")[0][1]
+        assert report["best"][optimizer]["lr"] == 1e-3
+        assert f"**{expected:.4f}**" in markdown_row(md, optimizer, 1)
+        assert f"| {optimizer} | 1e-3 | {expected:.4f} |" in markdown_row(md, optimizer, 0)
+        # lr 1e6 without clipping: the logged loss becomes NaN; the run is diverged, not a crash of the tool.
+        first_nan = next(step for step, value in logged(runs / bad["name"], LOSS) if math.isnan(value))
+        assert bad["outcome"] == "diverged" and bad["diverged_at_step"] == first_nan and bad["train_loss"] is None
+        assert f"diverged (step {first_nan})" in markdown_row(md, optimizer, 1)
+    assert by_name["AdamMini_lr1e-3_seed0"]["optimizer_state_bytes"] < by_name["AdamW_lr1e-3_seed0"][
+        "optimizer_state_bytes"]
+
+    # Interrupted before its marker was written: that run trains again, the others are left untouched.
+    before = {name: snapshot(runs / name) for name in names}
+    (runs / "AdamMini_lr1e-3_seed0" / "sweep_status.json").unlink()
+    proc = sweep()
+    assert proc.stdout.count("earlier, skipped") == 3
+    for name in names:
+        assert attempts(runs / name) == (2 if name == "AdamMini_lr1e-3_seed0" else 1)
+        if name != "AdamMini_lr1e-3_seed0":
+            assert snapshot(runs / name) == before[name]
+    rerun = runs / "AdamMini_lr1e-3_seed0"
+    assert len({p.parent for p in rerun.rglob("events.out.tfevents*")}) == 2
+    losses = logged(rerun, LOSS)
+    summary = next(r for r in json.loads((dump / "sweep.json").read_text())["runs"] if r["name"] == rerun.name)
+    assert summary["train_loss"] == pytest.approx((losses[-1][1] + losses[-2][1]) / 2, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The sweep's logic, with the fake trainer
+
+
+def fake_sweep(dump: Path, *args: str, outcomes: dict | None = None, validation: bool = False) -> int:
+    os.environ["FAKE_OUTCOMES"] = json.dumps(outcomes or {})
+    os.environ["FAKE_VALIDATION"] = "1" if validation else ""
+    try:
+        return main(["--dump-folder", str(dump), "--launcher", FAKE, "--nproc", "1", "--last-k", "3", *args])
+    finally:
+        del os.environ["FAKE_OUTCOMES"], os.environ["FAKE_VALIDATION"]
+
+
+def test_seeds_divergence_by_exit_code_and_failures_retried(tmp_path, capsys):
+    dump = tmp_path / "sweep"
+    grid = ["--optimizers", "AdamW,adam_mini", "--lrs", "1e-4 1e-3 1e-2", "--seeds", "0 1"]
+    outcomes = {"AdamW_lr1e-2_seed1": "exit3", "AdamMini_lr1e-4_seed0": "exit1", "AdamMini_lr1e-2_seed0": "nan"}
+    assert fake_sweep(dump, *grid, outcomes=outcomes) == 1  # a failed run makes the sweep fail, after the others
+    captured = capsys.readouterr()
+    assert "error: 1 of 12 runs failed" in captured.err
+    assert "AdamMini_lr1e-4_seed0: failed, exit 1" in captured.out and "fake trainer crashed" in captured.out
+    runs = dump / "runs"
+    assert len(list(runs.glob("*/sweep_status.json"))) == 12
+
+    report = json.loads((dump / "sweep.json").read_text())
+    cells = {(c["optimizer"], c["lr"]): c for c in report["grid"]}
+    assert list(report["best"]) == ["AdamW", "AdamMini"]  # the sweep's order, names as train.py spells them
+    assert cells["AdamW", 1e-2]["outcome"] == "diverged" and cells["AdamW", 1e-2]["runs_diverged"] == 1
+    assert cells["AdamMini", 1e-2]["outcome"] == "diverged"
+    assert cells["AdamMini", 1e-4]["outcome"] == "failed"
+    # Mean and spread over seeds, from the logs: the fake's loss at its last 3 steps, plus 0.01 per seed.
+    per_seed = [np.mean([logged(runs / f"AdamW_lr1e-3_seed{s}", LOSS)[i][1] for i in (-3, -2, -1)]) for s in (0, 1)]
+    assert cells["AdamW", 1e-3]["loss_mean"] == pytest.approx(np.mean(per_seed), rel=1e-9)
+    assert cells["AdamW", 1e-3]["loss_std"] == pytest.approx(np.std(per_seed, ddof=1), rel=1e-6)
+    assert report["best"]["AdamW"]["lr"] == 1e-3 and report["best"]["AdamMini"]["lr"] == 1e-3
+    md = (dump / "sweep.md").read_text()
+    assert "diverged 1/2 seeds (step 3)" not in markdown_row(md, "AdamW", 1)  # exit 3 logged no non-finite value
+    assert "diverged 1/2 seeds" in markdown_row(md, "AdamW", 1)
+    assert "diverged 1/2 seeds (step 3)" in markdown_row(md, "AdamMini", 1)
+    assert "failed 1/2 seeds (exit 1)" in markdown_row(md, "AdamMini", 1)
+    assert "± " in markdown_row(md, "AdamW", 0) and "(2 seeds)" in markdown_row(md, "AdamW", 0)
+    check_png(dump / "sweep.png")
+    exit3 = json.loads((runs / "AdamW_lr1e-2_seed1" / "sweep_status.json").read_text())
+    assert exit3["outcome"] == "diverged" and "non-finite" in exit3["message"]
+
+    # Again: only the failed run trains again; diverged and finished ones are not retried.
+    assert fake_sweep(dump, *grid) == 0
+    for run in runs.iterdir():
+        assert attempts(run) == (2 if run.name == "AdamMini_lr1e-4_seed0" else 1), run.name
+    report = json.loads((dump / "sweep.json").read_text())
+    assert {(c["optimizer"], c["lr"]): c["outcome"] for c in report["grid"]}[("AdamMini", 1e-4)] == "finished"
+
+    # Extending the sweep with another lr trains only the new runs.
+    assert fake_sweep(dump, *grid[:2], "--lrs", "1e-4 1e-3 1e-2 3e-3", *grid[4:]) == 0
+    assert sorted(p.name for p in runs.iterdir() if attempts(p) == 1 and "3e-3" in p.name) == [
+        "AdamMini_lr3e-3_seed0", "AdamMini_lr3e-3_seed1", "AdamW_lr3e-3_seed0", "AdamW_lr3e-3_seed1"]
+
+    # --report-only rewrites the report from the folder alone.
+    (dump / "sweep.json").unlink()
+    assert main(["--dump-folder", str(dump), "--report-only", "--last-k", "3"]) == 0
+    assert len(json.loads((dump / "sweep.json").read_text())["runs"]) == 16
+
+
+def test_validation_loss_ranks_when_every_run_logs_it(tmp_path, capsys):
+    # The fake's training loss is best at lr 1e-3, its validation loss at 1e-2.
+    assert fake_sweep(tmp_path / "val", "--optimizers", "AdamW", "--lrs", "1e-3,1e-2", validation=True) == 0
+    report = json.loads((tmp_path / "val" / "sweep.json").read_text())
+    assert report["by_validation"] and report["ranked_by"] == "last validation/loss"
+    assert report["best"]["AdamW"]["lr"] == 1e-2
+    run = tmp_path / "val" / "runs" / "AdamW_lr1e-2_seed0"
+    assert report["best"]["AdamW"]["loss_mean"] == pytest.approx(logged(run, "validation/loss")[-1][1], rel=1e-12)
+    assert "Ranked by the last validation/loss" in (tmp_path / "val" / "sweep.md").read_text()
+
+    assert fake_sweep(tmp_path / "train", "--optimizers", "AdamW", "--lrs", "1e-3,1e-2") == 0
+    report = json.loads((tmp_path / "train" / "sweep.json").read_text())
+    assert not report["by_validation"] and report["best"]["AdamW"]["lr"] == 1e-3
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lrs", "1e-3 fast"], "learning rate 'fast' is not a number"),
+        (["--lrs", "0"], "must be a positive number"),
+        (["--seeds", "-1"], "must be non-negative integers"),
+        (["--optimizers", "AdamW Sgd"], "unknown optimizer.name 'Sgd'"),
+        (["--optimizers", "AdamW adamw"], "lists a run twice (AdamW_lr1e-3_seed0)"),
+        (["--", "--optimizer.lr", "1"], "--optimizer.lr is set by the sweep"),
+        (["--", "--job.dump_folder=x"], "--job.dump_folder is set by the sweep"),
+        (["--", "--training.stepz", "3"], "unknown config key 'training.stepz'"),
+        (["--", "--optimizer.value_blocks", "per_tensor"], "does not apply to AdamW"),
+    ],
+)
+def test_bad_input_is_one_line_and_runs_nothing(tmp_path, capsys, args, message):
+    dump = tmp_path / "sweep"
+    tail = args[args.index("--"):] if "--" in args else []
+    head = args[: len(args) - len(tail)]
+    base = ["--optimizers", "AdamW,AdamMini", "--lrs", "1e-3"]
+    assert fake_sweep(dump, *base, *head, *tail) == 2
+    assert message in one_error_line(capsys)
+    assert not dump.exists()
+
+
+def test_other_options_a_second_sweep_and_a_user_error_in_a_run_stop_the_sweep(tmp_path, capsys):
+    dump = tmp_path / "sweep"
+    assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", "--", "--training.steps", "6") == 0
+    capsys.readouterr()
+    before = snapshot(dump)
+    assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", "--", "--training.steps", "8") == 2
+    assert "holds a sweep run with other settings (train_args differ" in one_error_line(capsys)
+    assert snapshot(dump) == before
+
+    # One sweep at a time in a folder.
+    with open(dump / "sweep.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", "--", "--training.steps", "6") == 2
+        assert "another sweep is running in" in one_error_line(capsys)
+
+    # A run that exits 2 (a mistake in the options) stops the sweep there: the next runs would fail the same way.
+    assert fake_sweep(tmp_path / "b", "--optimizers", "AdamW", "--lrs", "1e-3 1e-2",
+                      outcomes={"AdamW_lr1e-3_seed0": "exit2"}) == 2
+    captured = capsys.readouterr()
+    assert "error: AdamW_lr1e-3_seed0 stopped on a mistake in its options: error: training.steps" in captured.err
+    assert not (tmp_path / "b" / "runs" / "AdamW_lr1e-2_seed0").exists()
+
+
+def test_interrupted_sweep_ends_its_run_and_leaves_it_unfinished(tmp_path):
+    dump = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan.tools.sweep", "--dump-folder", str(dump), "--launcher", FAKE,
+         "--nproc", "1", "--optimizers", "AdamW", "--lrs", "1e-3"],
+        cwd=ROOT, env=env(FAKE_OUTCOMES=json.dumps({"AdamW_lr1e-3_seed0": "hang"})), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )
+    pid_file = dump / "runs" / "AdamW_lr1e-3_seed0" / "fake.pid"
+    trainer = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the fake run never started"
+            time.sleep(0.1)
+        trainer = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        for pid in (proc.pid, trainer):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        proc.wait()
+    assert proc.returncode == 130
+    assert err.strip() == "error: sweep interrupted; run the same command again to resume it"
+    assert not Path(f"/proc/{trainer}").exists() or "zombie" in Path(f"/proc/{trainer}/status").read_text()
+    assert not (pid_file.parent / "sweep_status.json").exists()
