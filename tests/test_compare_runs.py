@@ -196,3 +196,17 @@ def test_diverged_run_is_shown_as_diverged(tmp_path, capsys):
     assert main([str(run), "--out", str(tmp_path / "c.png"), "--json"]) == 0
     (summary,) = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     assert summary["diverged_at_step"] == 3 and summary["final_loss"] is None
+
+
+def test_a_run_that_trained_nothing_is_left_out_and_named(runs, capsys):
+    # A finished job started again resumes at its last step and logs no training step: a folder of runs still
+    # compares, without it.
+    tb, adamw, adam_mini, _ = runs
+    idle = tb / "20250102-000000_AdamW"
+    with SummaryWriter(log_dir=str(idle)) as w:
+        w.add_scalar("optimizer/state_bytes", 1.0, 0)
+    assert main([str(tb), "--out", str(tb.parent / "c.png")]) == 0
+    captured = capsys.readouterr()
+    rows = [line.split()[0] for line in captured.out.splitlines() if line.startswith("2025")]
+    assert sorted(rows) == sorted([adamw.name, adam_mini.name])
+    assert f"left out run '{idle}'" in captured.err

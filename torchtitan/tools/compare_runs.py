@@ -119,12 +119,19 @@ def _run_names(run_dirs: list[Path], labels: Optional[str]) -> list[str]:
 
 def load_runs(paths: Sequence[str], labels: Optional[str] = None) -> list[Run]:
     run_dirs = find_run_dirs(paths)
-    runs = []
+    runs, empty = [], []
     for name, run_dir in zip(_run_names(run_dirs, labels), run_dirs):
         scalars = read_scalars(run_dir)
-        if LOSS not in scalars:
-            raise UserError(f"run '{run_dir}' has no '{LOSS}' scalars; it did not log a training step yet")
-        runs.append(Run(name, run_dir, scalars))
+        if LOSS in scalars:
+            runs.append(Run(name, run_dir, scalars))
+        else:
+            empty.append(run_dir)
+    # A run with no training step (e.g. a finished job started again: it resumed at its last step and trained
+    # nothing) has nothing to compare; it is left out when other runs remain, and named.
+    if empty and (not runs or labels is not None):
+        raise UserError(f"run '{empty[0]}' has no '{LOSS}' scalars; it did not log a training step yet")
+    for run_dir in empty:
+        print(f"note: left out run '{run_dir}': it logged no training step", file=sys.stderr)
     return runs
 
 

@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import UserError
+from torchtitan.guard import DIVERGENCE_EXIT_CODE
 from torchtitan.tools.compare_runs import (
-    EVENT_FILE_PREFIX, LOSS, MEMORY_TAGS, STATE_BYTES, TPS, Series, first_non_finite_step, read_scalars,
+    EVENT_FILE_PREFIX, GRAD_NORM, LOSS, MEMORY_TAGS, STATE_BYTES, TPS, Series, first_non_finite_step, read_scalars,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -52,8 +53,7 @@ SETTINGS_FILE = "sweep_settings.json"
 LOCK_FILE = "sweep.lock"
 LOG_FILE = "train.log"
 REPORT_NAME = "sweep"  # sweep.png, sweep.md, sweep.json
-# train.py's exit code when it stopped because the loss or the gradients became non-finite (2 is a user error).
-DIVERGED_EXIT_CODE = 3
+DIVERGED_EXIT_CODE = DIVERGENCE_EXIT_CODE  # train.py stopped: the loss or the gradients became non-finite
 USER_ERROR_EXIT_CODE = 2
 FINISHED, DIVERGED, FAILED = "finished", "diverged", "failed"
 # Options each run gets from the sweep itself; setting them in the shared options would make every run the same.
@@ -212,8 +212,16 @@ def run_scalars(run_dir: Path) -> dict[str, Series]:
 
 
 def diverged_at_step(scalars: dict[str, Series]) -> Optional[int]:
-    """The first step with a non-finite training or validation loss, or None."""
+    """The first step with a non-finite training or validation loss, or where the non-finite gradient norms that a
+    run ended with began (the divergence guard skipped its last updates: a saturated model can keep a finite loss
+    while its gradients are NaN); None for a run that did not diverge."""
     steps = [first_non_finite_step(scalars[tag]) for tag in (LOSS, VALIDATION_LOSS) if tag in scalars]
+    grad_norms = scalars.get(GRAD_NORM)
+    if grad_norms is not None and grad_norms.values and not math.isfinite(grad_norms.values[-1]):
+        start = len(grad_norms.values) - 1
+        while start > 0 and not math.isfinite(grad_norms.values[start - 1]):
+            start -= 1
+        steps.append(grad_norms.steps[start])
     return min((step for step in steps if step is not None), default=None)
 
 
