@@ -10,11 +10,21 @@ import pytest
 import torch
 
 from tests.parallel_helpers import default_dtype
-from tests.test_adam_mini import TINY, _meta_llama, adam_mini_for, max_difference, synthetic_grad
+from tests.test_adam_mini import (
+    TINY,
+    _meta_llama,
+    adam_mini_for,
+    max_difference,
+    synthetic_grad,
+)
 from torchtitan.errors import UserError
 from torchtitan.models.llama import Transformer
 from torchtitan.optim import AdamMini
-from torchtitan.optim.builder import _portable_quantized_state, initialise_state, tensor_bytes
+from torchtitan.optim.builder import (
+    _portable_quantized_state,
+    initialise_state,
+    tensor_bytes,
+)
 from torchtitan.optim.state_storage import is_quantized
 
 # Wide enough that some matrices reach torchao's 4096-entry threshold for quantized state.

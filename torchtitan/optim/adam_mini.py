@@ -35,7 +35,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from torchtitan.errors import UserError
-from torchtitan.optim.state_storage import BFLOAT16, FLOAT32, INT4, INT8, new_state, read_state
 from torchtitan.optim.partition import (
     KEY,
     PER_ELEMENT,
@@ -48,6 +47,14 @@ from torchtitan.optim.partition import (
     partition_summary,
     plan_blocks,
     unmatched_matrices,
+)
+from torchtitan.optim.state_storage import (
+    BFLOAT16,
+    FLOAT32,
+    INT4,
+    INT8,
+    new_state,
+    read_state,
 )
 
 logger = logging.getLogger(__name__)
