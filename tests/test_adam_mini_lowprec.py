@@ -210,3 +210,61 @@ def test_8b_state_bounds_relative_to_float32_adamw_on_meta():
               for storage in ("bfloat16", "int8", "int4")}
     print(f"8B optimizer state relative to float32 AdamW: {ratios}")
     assert ratios["bfloat16"] <= 0.2503 and ratios["int8"] <= 0.135 and ratios["int4"] < ratios["int8"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# AdamW and Adam with bfloat16 moments (our compiled step)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _adam_run(decoupled: bool, state_dtype: str, steps: int = STEPS, after_step=None) -> dict[str, torch.Tensor]:
+    from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
+
+    model = float32_model()
+    if state_dtype == "torch":
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        optimizer = cls(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    else:
+        optimizer = LowPrecisionAdam(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                                     decoupled=decoupled, state_dtype=state_dtype)
+    return _train(model, optimizer, steps, after_step=after_step)
+
+
+def _round_moments_to_bfloat16(optimizer) -> None:
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key].copy_(state[key].bfloat16())
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam"])
+def test_low_precision_adam_step_equals_torch_and_rounds_moments_to_nearest(decoupled):
+    torch_run = _adam_run(decoupled, "torch")
+    ours_float32 = _adam_run(decoupled, "float32")
+    relative = max(((ours_float32[n] - torch_run[n]).abs().max() / torch_run[n].abs().max()).item()
+                   for n in torch_run)
+    assert relative < 1e-6, relative  # the same algorithm as torch's kernels
+    rounded_reference = _adam_run(decoupled, "float32", after_step=_round_moments_to_bfloat16)
+    assert max_difference(_adam_run(decoupled, "bfloat16"), rounded_reference) == 0.0
+
+
+def test_adamw_bfloat16_state_from_the_config_is_half_and_resumes_exactly():
+    from tests.test_optim_builder import config
+    from torchtitan.optim import build_optimizers
+
+    job = config("--optimizer.name", "AdamW", "--optimizer.state_dtype", "bfloat16", "--optimizer.lr", "0.01")
+    plain = build_optimizers([float32_model()], config("--optimizer.name", "AdamW")).state_bytes()
+    optimizers = build_optimizers([float32_model()], job)
+    assert optimizers.state_bytes() <= 0.51 * plain
+    model = optimizers.model_parts[0]
+    _train(model, optimizers, STEPS)
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizers.state_dict().items()}
+    saved_weights = _params(model)
+    assert saved["state.layers.0.attention.wq.weight.exp_avg"].dtype == torch.bfloat16
+    uninterrupted = _train(model, optimizers, STEPS)  # the same gradients again, from the saved point
+
+    resumed = build_optimizers([float32_model(seed=3)], job)
+    resumed_model = resumed.model_parts[0]
+    resumed_model.load_state_dict(saved_weights)
+    resumed.load_state_dict(saved)
+    assert resumed.optimizers[0].state[resumed_model.output.weight]["exp_avg"].dtype == torch.bfloat16
+    assert max_difference(_train(resumed_model, resumed, STEPS), uninterrupted) == 0.0

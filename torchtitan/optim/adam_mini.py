@@ -53,6 +53,8 @@ from torchtitan.optim.state_storage import (
     FLOAT32,
     INT4,
     INT8,
+    is_quantized,
+    keep_bfloat16_on_load,
     new_state,
     read_state,
 )
@@ -347,15 +349,17 @@ def _fused_local_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list
                        decays: list[bool], *, decay: Union[float, Tensor], beta1: float) -> None:
     """Compiled local steps: one graph for all parameters of one dtype, device and state storage.
 
-    Shapes are static (the fastest code), so a model compiles once or twice (8-bit state leaves its smallest
-    tensors in float32) and never again: changing values (lr, hence the decay factor) enter as 0-D tensors. Meta
+    Shapes are static (the fastest code), so a model compiles once per storage (quantized state: once per
+    parameter shape) and never again: changing values (lr, hence the decay factor) enter as 0-D tensors. Meta
     and fake tensors (memory estimates) run the same function eagerly.
     """
     if not params:
         return
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, (p, m) in enumerate(zip(params, exp_avgs)):
-        groups[(p.dtype, p.device, type(m), m.dtype)].append(i)
+        # Quantizing code is large: one small graph per parameter shape (as torchao does) compiles far faster than
+        # one graph over all of them.
+        groups[(p.dtype, p.device, type(m), m.dtype) + ((i,) if is_quantized(m) else ())].append(i)
     dataless = any(p.is_meta or isinstance(p, FakeTensor) for p in params)
     run = _local_steps if dataless else _compiled_local_steps
     from torchtitan.optim.builder import separate_compile_cache
@@ -443,7 +447,7 @@ class AdamMini(torch.optim.Optimizer):
         self.partition: list[BlockPlan] = plans
         self.momentum_storage, self.block_size, self.implementation = momentum_storage, block_size, implementation
         if momentum_storage == BFLOAT16:
-            self.register_load_state_dict_post_hook(_store_momentum_as_bfloat16)
+            keep_bfloat16_on_load(self, ("m",))
         self._layouts: dict[Tensor, BlockLayout] = {p: layout_for(p, plan) for p, plan in zip(params, plans)}
         _log_partition(plans, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, verbose=verbose)
 
@@ -485,14 +489,6 @@ class AdamMini(torch.optim.Optimizer):
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
         state["m"] = new_state(p, self.momentum_storage, self.block_size)
         state["v"] = new_second_moment(p, layout)
-
-
-def _store_momentum_as_bfloat16(optimizer: "AdamMini") -> None:
-    # torch's load_state_dict casts state to the parameter's dtype; bfloat16 values widen and narrow back exactly.
-    for state in optimizer.state.values():
-        m = state.get("m")
-        if isinstance(m, Tensor) and m.dtype in (torch.float32, torch.float64):
-            state["m"] = m.to(torch.bfloat16)
 
 
 def _grad_like_param(p: Tensor) -> Tensor:

@@ -131,7 +131,23 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 # Optimizer factories (one per canonical name)
 
 
+def _low_precision_adam(model: nn.Module, hp: Hyperparameters, decoupled: bool) -> Optional[torch.optim.Optimizer]:
+    """AdamW/Adam with bfloat16 moments (our compiled step: torch's kernels need moments in the parameter's dtype)."""
+    if hp.state_dtype in (None, "float32"):
+        return None
+    if hp.implementation is not None:
+        raise UserError(f"optimizer.implementation chooses torch's kernels, which keep float32 state; remove it "
+                        f"to use optimizer.state_dtype = {hp.state_dtype} (a compiled step of its own)")
+    from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
+
+    return LowPrecisionAdam(trainable_parameters(model), lr=hp.lr, betas=hp.betas, eps=hp.eps,
+                            weight_decay=hp.weight_decay, decoupled=decoupled, state_dtype=hp.state_dtype)
+
+
 def _build_adamw(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
+    low_precision = _low_precision_adam(model, hp, decoupled=True)
+    if low_precision is not None:
+        return low_precision
     return torch.optim.AdamW(
         trainable_parameters(model), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
         **implementation_flags(hp.implementation),
@@ -139,6 +155,9 @@ def _build_adamw(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer
 
 
 def _build_adam(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
+    low_precision = _low_precision_adam(model, hp, decoupled=False)
+    if low_precision is not None:
+        return low_precision
     return torch.optim.Adam(
         trainable_parameters(model), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
         **implementation_flags(hp.implementation),
@@ -204,8 +223,8 @@ class OptimizerKind:
 OPTIMIZERS: dict[str, OptimizerKind] = {
     kind.name: kind
     for kind in (
-        OptimizerKind("AdamW", _build_adamw, frozenset({IMPLEMENTATION})),
-        OptimizerKind("Adam", _build_adam, frozenset({IMPLEMENTATION})),
+        OptimizerKind("AdamW", _build_adamw, frozenset({IMPLEMENTATION, STATE_DTYPE})),
+        OptimizerKind("Adam", _build_adam, frozenset({IMPLEMENTATION, STATE_DTYPE})),
         OptimizerKind("AdamMini", _adam_mini_factory(None), frozenset({VALUE_BLOCKS, IMPLEMENTATION, STATE_DTYPE})),
         OptimizerKind("AdamMini8bit", _adam_mini_factory("int8"), frozenset({VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE})),
         OptimizerKind("AdamMini4bit", _adam_mini_factory("int4"), frozenset({VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE})),

@@ -75,3 +75,20 @@ def dequantized(value: Tensor) -> Tensor:
     return DTensor.from_local(
         local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
     )
+
+
+def keep_bfloat16_on_load(optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> None:
+    """Keep ``keys`` of every parameter's state in bfloat16 across ``optimizer.load_state_dict``.
+
+    torch's ``load_state_dict`` casts floating-point state to the parameter's dtype; bfloat16 values widen and
+    narrow back exactly, so a resumed run continues bit for bit.
+    """
+
+    def narrow(optimizer: torch.optim.Optimizer) -> None:
+        for state in optimizer.state.values():
+            for key in keys:
+                value = state.get(key)
+                if isinstance(value, Tensor) and value.dtype in (torch.float32, torch.float64):
+                    state[key] = value.to(torch.bfloat16)
+
+    optimizer.register_load_state_dict_post_hook(narrow)
