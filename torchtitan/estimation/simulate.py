@@ -24,13 +24,23 @@ from torch import nn
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.errors import UserError
-from torchtitan.estimation.tracker import OPTIMIZER_STATE, PARAMS, TRANSIENT, LiveMemoryTracker
-from torchtitan.optim.builder import OPTIMIZERS, build_optimizers, resolve_optimizer_name, tensor_bytes
+from torchtitan.estimation.tracker import (
+    OPTIMIZER_STATE,
+    PARAMS,
+    TRANSIENT,
+    LiveMemoryTracker,
+)
+from torchtitan.optim.builder import (
+    OPTIMIZERS,
+    build_optimizers,
+    resolve_optimizer_name,
+    tensor_bytes,
+)
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 _CUDA_BLOCK_BYTES = 512
 
-_LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
+_LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamMini8bit", "AdamMini4bit")
 
 _LAYOUT_NAMES = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP"}
 
@@ -155,10 +165,9 @@ def fake_world(world_size: int) -> Iterator[None]:
     """A fake process group: rank 0 of ``world_size``, collectives return at once without data."""
     if dist.is_initialized():
         raise RuntimeError("memory estimation needs a process without a process group; run it on its own")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     # Fake implementations of the c10d collectives for fake tensors.
     import torch.distributed._tools.fake_collectives  # noqa: F401
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
