@@ -3,7 +3,9 @@ after 300 steps of m <- lerp(m, g, 1 - beta1), on 10^6 entries whose gradients a
 
     python benchmarks/bf16_momentum_rounding.py
 """
+
 import torch
+
 torch.manual_seed(0)
 n = 1_000_000
 mean = torch.randn(n) * 0.5  # a persistent gradient direction plus noise

@@ -89,13 +89,15 @@ def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
     ("AdamMini", "AdamMini"), ("adam_mini", "AdamMini"), ("Adam-mini", "AdamMini"), ("adammini", "AdamMini"),
     ("AdamW8bit", "AdamW8bit"), ("adamw_8bit", "AdamW8bit"), ("AdamW4bit", "AdamW4bit"),
     ("AdamWFp8", "AdamWFp8"), ("adamw-fp8", "AdamWFp8"),
+    ("AdamMini8bit", "AdamMini8bit"), ("adam_mini_8bit", "AdamMini8bit"), ("Adam-mini-4bit", "AdamMini4bit"),
 ])
 def test_every_name_and_alias_builds_its_optimizer(given, canonical):
     net = model()
     optimizers = build_optimizers([net], config("--optimizer.name", given))
     assert optimizers.name == canonical
     (optimizer,) = optimizers.optimizers
-    expected = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "AdamMini": AdamMini}.get(canonical)
+    expected = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "AdamMini": AdamMini, "AdamMini8bit": AdamMini,
+                "AdamMini4bit": AdamMini}.get(canonical)
     assert isinstance(optimizer, expected or getattr(torchao_optim, canonical))
     if canonical == "Adam":
         assert not isinstance(optimizer, torch.optim.AdamW)
@@ -403,8 +405,16 @@ def _fsdp_model(args: ModelArgs, dtype: torch.dtype, seed: int) -> Transformer:
     return net
 
 
+def _run_argv(label: str) -> list[str]:
+    """``"AdamMini:bfloat16"`` is AdamMini with state_dtype bfloat16; ``"AdamMini8bit:foreach"`` picks foreach."""
+    name, _, variant = label.partition(":")
+    option = {"": [], "bfloat16": ["--optimizer.state_dtype", "bfloat16"],
+              "foreach": ["--optimizer.implementation", "foreach"]}[variant]
+    return ["--optimizer.name", name, *option]
+
+
 def _fsdp_resume_worker(rank: int, world_size: int, name: str, args: ModelArgs, dtype: torch.dtype, path: str):
-    job = config("--optimizer.name", name, "--optimizer.lr", "0.01")
+    job = config(*_run_argv(name), "--optimizer.lr", "0.01")
     net = _fsdp_model(args, dtype, seed=0)
     optimizers = build_optimizers([net], job)
     state_bytes = optimizers.state_bytes()
@@ -441,12 +451,12 @@ def _from_numpy(result: dict) -> dict:
 def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) -> dict[str, torch.Tensor]:
     """The optimizer state of a two-rank checkpoint loaded into one unsharded process."""
     net = model(args, dtype, seed=7)
-    optimizers = build_optimizers([net], config("--optimizer.name", name, "--optimizer.lr", "0.01"))
+    optimizers = build_optimizers([net], config(*_run_argv(name), "--optimizer.lr", "0.01"))
     load_into(net, optimizers, path)
     return optimizers.state_dict()
 
 
-EXACT_NAMES = ("AdamW", "AdamMini")
+EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16")
 
 
 def _fsdp_resume_workers(rank: int, world_size: int, folder: str) -> dict[str, dict]:
@@ -468,7 +478,7 @@ def test_fsdp_two_ranks_resume_exactly_and_reshard_to_one(name, fsdp_exact_runs)
     ranks = [run[name] for run in runs]
     for result in ranks:
         assert max_difference(result["uninterrupted"], result["resumed"]) == 0.0
-    single = build_optimizers([model()], config("--optimizer.name", name)).state_bytes()
+    single = build_optimizers([model()], config(*_run_argv(name))).state_bytes()
     # Each rank holds about half the state (AdamMini keeps a few per-tensor numbers on every rank).
     assert all(0.45 * single <= r["state_bytes"] <= 0.55 * single for r in ranks)
     loaded = _single_process_state(name, TINY, torch.float64, os.path.join(folder, name))
@@ -478,8 +488,9 @@ def test_fsdp_two_ranks_resume_exactly_and_reshard_to_one(name, fsdp_exact_runs)
         assert torch.equal(torch.as_tensor(loaded[key]), value), key
 
 
-def test_fsdp_two_ranks_low_bit_resume_and_reshard(tmp_path):
-    ranks = run_workers(_fsdp_resume_worker, 2, args=("AdamW8bit", LOW_BIT, torch.float32, str(tmp_path)))
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamMini8bit:foreach"])
+def test_fsdp_two_ranks_low_bit_resume_and_reshard(name, tmp_path):
+    ranks = run_workers(_fsdp_resume_worker, 2, args=(name, LOW_BIT, torch.float32, str(tmp_path)))
     ranks = [_from_numpy(r) for r in ranks]
     for result in ranks:
         resumed_error = max_difference(result["uninterrupted"], result["resumed"])
@@ -488,9 +499,9 @@ def test_fsdp_two_ranks_low_bit_resume_and_reshard(tmp_path):
         assert sum(drift) / len(drift) < 0.01 * 0.01  # mean drift under a hundredth of one step (lr 0.01)
     single = build_optimizers([model(LOW_BIT, torch.float32)], config("--optimizer.name", "AdamW")).state_bytes()
     assert all(r["state_bytes"] < 0.2 * single for r in ranks)  # 8-bit and half the parameters
-    loaded = _single_process_state("AdamW8bit", LOW_BIT, torch.float32, tmp_path)
+    loaded = _single_process_state(name, LOW_BIT, torch.float32, tmp_path)
     for key, value in ranks[0]["saved"].items():
-        if key.endswith(("exp_avg", "exp_avg_sq")):
+        if key.endswith(("exp_avg", "exp_avg_sq", ".m")):  # quantized moments (AdamMini's v stays float32)
             scale = value.abs().max().clamp(min=1e-12)
             assert (loaded[key] - value).abs().max() <= 0.01 * scale, key
         else:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtitan.errors import UserError
 from torchtitan.optim.partition import (
@@ -361,7 +362,9 @@ def _fused_local_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list
         # one graph over all of them.
         groups[(p.dtype, p.device, type(m), m.dtype) + ((i,) if is_quantized(m) else ())].append(i)
     dataless = any(p.is_meta or isinstance(p, FakeTensor) for p in params)
-    run = _local_steps if dataless else _compiled_local_steps
+    # torch.compile cannot run under a user's dispatch mode (debugging, CommDebugMode): there the same function
+    # runs eagerly; it holds only local tensors, so what such a mode observes of collectives is unchanged.
+    run = _local_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_local_steps
     from torchtitan.optim.builder import separate_compile_cache
 
     with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache("AdamMini"):

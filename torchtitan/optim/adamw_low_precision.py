@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtitan.optim.state_storage import BFLOAT16, keep_bfloat16_on_load, new_state
 
@@ -82,7 +83,7 @@ class LowPrecisionAdam(torch.optim.Optimizer):
         decoupled = self.is_adamw
         decay = (1 - lr * group["weight_decay"] if decoupled else torch.ones((), dtype=torch.float64))
         dataless = any(t.is_meta or isinstance(t, FakeTensor) for t in local)
-        run = _local_adam_steps if dataless else _compiled_local_adam_steps
+        run = _local_adam_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_local_adam_steps
         from torchtitan.optim.builder import separate_compile_cache
 
         with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache("AdamW_bf16"):
