@@ -208,8 +208,15 @@ def test_8b_state_bounds_relative_to_float32_adamw_on_meta():
     adamw_bytes = 2 * 4 * sum(p.numel() for p in model.parameters()) + 4 * len(list(model.parameters()))
     ratios = {storage: _8b_state_bytes(momentum_storage=storage) / adamw_bytes
               for storage in ("bfloat16", "int8", "int4")}
+    from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
+
+    adamw_bf16 = LowPrecisionAdam(model.parameters(), lr=3e-4, weight_decay=0.1)
+    for p in model.parameters():  # the state its first step creates, without stepping
+        adamw_bf16._init_state(p, adamw_bf16.state[p])
+    ratios["AdamW bfloat16"] = sum(tensor_bytes(v) for s in adamw_bf16.state.values() for v in s.values()) / adamw_bytes
     print(f"8B optimizer state relative to float32 AdamW: {ratios}")
     assert ratios["bfloat16"] <= 0.2503 and ratios["int8"] <= 0.135 and ratios["int4"] < ratios["int8"]
+    assert ratios["AdamW bfloat16"] <= 0.5001
 
 
 # ------------------------------------------------------------------------------------------------------------

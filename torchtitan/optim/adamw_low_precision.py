@@ -62,13 +62,15 @@ class LowPrecisionAdam(torch.optim.Optimizer):
                 self._step_group(group, params)
         return loss
 
+    def _init_state(self, p: Tensor, state: dict) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
+        state["exp_avg"] = new_state(p, self.state_dtype)
+        state["exp_avg_sq"] = new_state(p, self.state_dtype)
+
     def _step_group(self, group: dict, params: list[Tensor]) -> None:
         for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
-                state["exp_avg"] = new_state(p, self.state_dtype)
-                state["exp_avg_sq"] = new_state(p, self.state_dtype)
+            if not self.state[p]:
+                self._init_state(p, self.state[p])
         states = [self.state[p] for p in params]
         steps = [state["step"] for state in states]
         torch._foreach_add_(steps, 1)
