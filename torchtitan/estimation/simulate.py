@@ -32,6 +32,7 @@ from torchtitan.estimation.tracker import (
 )
 from torchtitan.optim.builder import (
     OPTIMIZERS,
+    OPTIONAL_OPTIONS,
     build_optimizers,
     resolve_optimizer_name,
     tensor_bytes,
@@ -149,7 +150,7 @@ def job_for_optimizer(job_config: JobConfig, name: str, notes: list[str]) -> Job
     job = copy.deepcopy(job_config)
     job.optimizer.name = name
     kind = OPTIMIZERS[name]
-    for option in ("implementation", "value_blocks", "block_size", "bf16_stochastic_round"):
+    for option in OPTIONAL_OPTIONS:
         if getattr(job.optimizer, option) is not None and option not in kind.options:
             setattr(job.optimizer, option, None)
             notes.append(f"optimizer.{option} does not apply to {name}; estimated with {name}'s default")

@@ -46,6 +46,7 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE = (
     "implementation", "value_blocks", "block_size", "bf16_stochastic_round", "state_dtype"
 )
+OPTIONAL_OPTIONS = (IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE)
 _LOW_BIT_OPTIONS = frozenset({BLOCK_SIZE, BF16_STOCHASTIC_ROUND})
 
 
