@@ -1,8 +1,11 @@
-"""Time ``step()`` of AdamMini against AdamW (fused and foreach) and, when installed, the official adam-mini 1.1.1,
-on the parameters of a ~100M-parameter Llama in one process; also compare optimizer-state bytes.
+"""Time ``step()`` of every AdamMini variant (foreach, fused; float32, bf16, 8-bit, 4-bit momentum) and bf16-state
+AdamW against AdamW (fused and foreach) and, when installed, the official adam-mini 1.1.1, on the parameters of a
+Llama in one process; also count kernel launches (profiler) and compare optimizer-state bytes.
 
     python benchmarks/bench_optimizers.py                 # CUDA when available, else CPU
     python benchmarks/bench_optimizers.py --device cpu --steps 5
+    python benchmarks/bench_optimizers.py --shapes many_small     # ~450 small tensors
+    python benchmarks/bench_optimizers.py --shapes 1b             # ~1B parameters (GPU)
 
 Every optimizer steps the same parameters with the same (fixed) gradients; times are medians over the timed steps
 and ratios are against fused AdamW measured in the same run.
@@ -23,15 +26,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
 from torchtitan.optim import AdamMini  # noqa: E402
+from torchtitan.optim.adamw_low_precision import LowPrecisionAdam  # noqa: E402
+from torchtitan.optim.builder import tensor_bytes  # noqa: E402
 
 # ~106M parameters: Llama 3 shapes (GQA, SwiGLU) at GPT-2-small width with a 32k vocabulary.
 BENCH_ARGS = ModelArgs(dim=768, n_layers=8, n_heads=12, n_kv_heads=4, vocab_size=32000, multiple_of=256)
+SHAPES = {
+    "bench": BENCH_ARGS,
+    # Many small tensors: 48 layers x 9 tensors + 3 = 435 tensors of dim 128 (per-call overheads dominate).
+    "many_small": ModelArgs(dim=128, n_layers=48, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=128),
+    # ~1B parameters (Llama 3.2 1B-like), for GPUs.
+    "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256,
+                    ffn_dim_multiplier=1.5),
+}
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def build_model(device: torch.device, dtype: torch.dtype) -> Transformer:
+def build_model(device: torch.device, dtype: torch.dtype, args: ModelArgs = BENCH_ARGS) -> Transformer:
     with torch.device("meta"):
-        model = Transformer(BENCH_ARGS)
+        model = Transformer(args)
     model.to_empty(device=device)
     model.init_weights(seed=0)
     model.to(dtype)
@@ -43,11 +56,19 @@ def build_model(device: torch.device, dtype: torch.dtype) -> Transformer:
 
 def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimizer]]:
     args = model.args
+    def adam_mini(**options) -> Callable[[], torch.optim.Optimizer]:
+        return lambda: AdamMini(model.named_parameters(), **HYPER, dim=args.dim, n_heads=args.n_heads,
+                                n_kv_heads=args.n_kv_heads, param_roles=model.named_param_roles(), **options)
+
     candidates: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "AdamW (fused)": lambda: torch.optim.AdamW(model.parameters(), **HYPER, fused=True),
         "AdamW (foreach)": lambda: torch.optim.AdamW(model.parameters(), **HYPER, foreach=True),
-        "AdamMini": lambda: AdamMini(model.named_parameters(), **HYPER, dim=args.dim, n_heads=args.n_heads,
-                                     n_kv_heads=args.n_kv_heads, param_roles=model.named_param_roles()),
+        "AdamW bf16 state": lambda: LowPrecisionAdam(model.parameters(), **HYPER, decoupled=True),
+        "AdamMini (foreach)": adam_mini(implementation="foreach"),
+        "AdamMini (fused)": adam_mini(implementation="fused"),
+        "AdamMini bf16 m (fused)": adam_mini(implementation="fused", momentum_storage="bfloat16"),
+        "AdamMini8bit (fused)": adam_mini(implementation="fused", momentum_storage="int8"),
+        "AdamMini4bit (fused)": adam_mini(implementation="fused", momentum_storage="int4"),
     }
     official = _official_adam_mini(model)
     if official is not None:
@@ -76,8 +97,23 @@ def _official_adam_mini(model: Transformer) -> Optional[Callable[[], torch.optim
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(value.numel() * value.element_size() for state in optimizer.state.values()
-               for value in state.values() if isinstance(value, torch.Tensor))
+    return sum(tensor_bytes(value) for state in optimizer.state.values() for value in state.values())
+
+
+def kernel_launches(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """Kernels one step() launches: CUDA kernels on a GPU; on a CPU, the innermost operators the profiler records
+    (each runs one kernel; a compiled graph's generated C++ kernels run inside the graph's call and are not seen)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = prof.events()
+    if device.type == "cuda":
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in events if not e.cpu_children and not e.name.startswith(("Optimizer.", "ProfilerStep")))
 
 
 def time_steps(optimizer: torch.optim.Optimizer, device: torch.device, warmup: int, steps: int) -> float:
@@ -87,6 +123,10 @@ def time_steps(optimizer: torch.optim.Optimizer, device: torch.device, warmup: i
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    first = time.perf_counter()
+    optimizer.step()  # builds the state and, for compiled steps, compiles
+    sync()
+    time_steps.first_step = time.perf_counter() - first
     for _ in range(warmup):
         optimizer.step()
     times = []
@@ -105,29 +145,38 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 50 on CUDA, 5 on CPU)")
+    parser.add_argument("--shapes", default="bench", choices=tuple(SHAPES),
+                        help="bench: ~100M Llama; many_small: 48 layers of dim 128 (~450 tensors); "
+                             "1b: a ~1B Llama (for GPUs)")
+    parser.add_argument("--only", default=None, help="comma-separated substrings: time only matching optimizers")
     options = parser.parse_args(argv)
     device = torch.device(options.device)
     steps = options.steps or (50 if device.type == "cuda" else 5)
-    model = build_model(device, getattr(torch, options.dtype))
+    model = build_model(device, getattr(torch, options.dtype), SHAPES[options.shapes])
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.1f}M parameters in {len(list(model.parameters()))} tensors, {options.dtype}, "
           f"{device.type}{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
           f"torch {torch.__version__}, median of {steps} steps after {options.warmup} warm-up")
 
     results = {}
+    wanted = [w.strip() for w in options.only.split(",")] if options.only else None
     for name, build in optimizers(model).items():
+        if wanted and name != "AdamW (fused)" and not any(w in name for w in wanted):
+            continue
         optimizer = build()
         seconds = time_steps(optimizer, device, options.warmup, steps)
-        results[name] = (seconds, state_bytes(optimizer))
+        results[name] = (seconds, state_bytes(optimizer), kernel_launches(optimizer, device), time_steps.first_step)
         del optimizer
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    base_time, base_bytes = results["AdamW (fused)"]
-    print(f"{'optimizer':<28} {'ms/step':>9} {'vs fused AdamW':>15} {'state MiB':>10} {'vs AdamW state':>15}")
-    for name, (seconds, nbytes) in results.items():
-        print(f"{name:<28} {seconds * 1e3:>9.2f} {seconds / base_time:>14.2f}x {nbytes / 2**20:>10.1f} "
-              f"{nbytes / base_bytes:>15.4f}")
+    base_time, base_bytes, base_launches, _ = results["AdamW (fused)"]
+    print(f"{'optimizer':<28} {'ms/step':>9} {'vs fused AdamW':>15} {'kernels':>8} {'vs AdamW':>9} "
+          f"{'state MiB':>10} {'vs AdamW state':>15} {'first step s':>13}")
+    for name, (seconds, nbytes, launches, first) in results.items():
+        print(f"{name:<28} {seconds * 1e3:>9.2f} {seconds / base_time:>14.2f}x {launches:>8d} "
+              f"{launches / max(base_launches, 1):>8.2f}x {nbytes / 2**20:>10.1f} {nbytes / base_bytes:>15.4f} "
+              f"{first:>13.1f}")
 
 
 if __name__ == "__main__":

@@ -56,11 +56,11 @@ def adam_mini_for(model: Transformer, **options) -> AdamMini:
                     n_kv_heads=args.n_kv_heads, param_roles=model.named_param_roles())
 
 
-def run_single_process(steps: int, value_blocks: str = PER_ROW, grads_from_values: bool = False
+def run_single_process(steps: int, value_blocks: str = PER_ROW, grads_from_values: bool = False, **options
                        ) -> dict[str, torch.Tensor]:
     """Parameters of the tiny model after ``steps`` AdamMini steps on synthetic gradients."""
     model = tiny_model()
-    optimizer = adam_mini_for(model, value_blocks=value_blocks)
+    optimizer = adam_mini_for(model, value_blocks=value_blocks, **options)
     for step in range(steps):
         for name, p in model.named_parameters():
             p.grad = (grad_from_values(name, p, step) if grads_from_values

@@ -24,13 +24,28 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from tests.distributed import run_workers
-from tests.test_adam_mini import TINY, adam_mini_for, grad_from_values, max_difference, run_single_process, tiny_model
+from tests.test_adam_mini import (
+    TINY,
+    adam_mini_for,
+    grad_from_values,
+    max_difference,
+    run_single_process,
+    tiny_model,
+)
+from torchtitan.optim.adam_mini import FUSED
 from torchtitan.optim.partition import PER_ROW, PER_TENSOR
+from torchtitan.optim.state_storage import BFLOAT16
 
 STEPS = 5
+# The fused back end and bfloat16 momentum, each checked like the default (foreach, float64 momentum).
+VARIANTS = {"fused": ("implementation", FUSED), "bfloat16": ("momentum_storage", BFLOAT16)}
 SAVE_AT, RESUME_STEPS = 3, 3
 pytestmark = pytest.mark.timeout(600)
 
@@ -109,9 +124,10 @@ def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def _train(layout: str, world_size: int, steps: int, value_blocks: str = PER_ROW) -> dict[str, torch.Tensor]:
+def _train(layout: str, world_size: int, steps: int, value_blocks: str = PER_ROW, **options
+           ) -> dict[str, torch.Tensor]:
     model = _parallel_model(layout, world_size)
-    optimizer = adam_mini_for(model, value_blocks=value_blocks)
+    optimizer = adam_mini_for(model, value_blocks=value_blocks, **options)
     for step in range(steps):
         _set_grads(model, step)
         optimizer.step()
@@ -133,9 +149,9 @@ class _CollectiveSizes(CommDebugMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _collectives_of_one_step(layout: str, world_size: int) -> dict[str, Any]:
+def _collectives_of_one_step(layout: str, world_size: int, **options) -> dict[str, Any]:
     model = _parallel_model(layout, world_size)
-    optimizer = adam_mini_for(model)
+    optimizer = adam_mini_for(model, **options)
     _set_grads(model, 0)
     optimizer.step()  # builds the state
     _set_grads(model, 1)
@@ -185,14 +201,21 @@ def _world_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str
         runs["save"] = _attempt(_save_checkpoint, world_size, checkpoint_dir)
         runs["comm_fsdp"] = _attempt(_collectives_of_one_step, "fsdp", world_size)
         runs["comm_tp"] = _attempt(_collectives_of_one_step, "tp", world_size)
+        for option, value in VARIANTS.values():
+            runs[f"fsdp_{value}"] = _attempt(lambda: _train("fsdp", world_size, STEPS, **{option: value}))
+            runs[f"tp_{value}"] = _attempt(lambda: _train("tp", world_size, STEPS, **{option: value}))
+        runs["comm_fsdp_fused"] = _attempt(lambda: _collectives_of_one_step("fsdp", world_size, implementation=FUSED))
     if world_size == 3:
         runs["fsdp_per_tensor_values"] = _attempt(_train, "fsdp", world_size, STEPS, PER_TENSOR)
         runs["comm_fsdp"] = _attempt(_collectives_of_one_step, "fsdp", world_size)
         runs["resume"] = _attempt(lambda: _resume(_parallel_model("fsdp", world_size), resume_dir))
+        for option, value in VARIANTS.values():
+            runs[f"fsdp_{value}"] = _attempt(lambda: _train("fsdp", world_size, STEPS, **{option: value}))
     if world_size == 4:
         runs["fsdp_tp"] = _attempt(_train, "fsdp_tp", world_size, STEPS)
         runs["hsdp"] = _attempt(_train, "hsdp", world_size, STEPS)
         runs["comm_fsdp_tp"] = _attempt(_collectives_of_one_step, "fsdp_tp", world_size)
+        runs["fsdp_tp_fused"] = _attempt(lambda: _train("fsdp_tp", world_size, STEPS, implementation=FUSED))
     if world_size == 6:
         runs.pop("fsdp")
         runs["fsdp_tp"] = _attempt(_train, "fsdp_tp", world_size, STEPS)
@@ -252,7 +275,9 @@ def world6():
 def single_process():
     return {PER_ROW: run_single_process(STEPS, PER_ROW, grads_from_values=True),
             PER_TENSOR: run_single_process(STEPS, PER_TENSOR, grads_from_values=True),
-            "uninterrupted": run_single_process(SAVE_AT + RESUME_STEPS, grads_from_values=True)}
+            "uninterrupted": run_single_process(SAVE_AT + RESUME_STEPS, grads_from_values=True),
+            **{value: run_single_process(STEPS, grads_from_values=True, **{option: value})
+               for option, value in VARIANTS.values()}}
 
 
 @pytest.mark.parametrize("world_name, layout", [
@@ -307,3 +332,23 @@ def test_checkpoint_from_2_ranks_resumes_exactly_on_1_rank(world2, checkpoint_di
 
 def test_checkpoint_from_2_ranks_resumes_exactly_on_3_ranks(world3, single_process):
     assert max_difference(_result(world3, "resume"), single_process["uninterrupted"]) < 1e-10
+
+
+@pytest.mark.parametrize("world_name, layout", [
+    ("world2", "fsdp"), ("world3", "fsdp"), ("world2", "tp"),
+])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_and_bfloat16_momentum_parallel_runs_equal_single_process(request, single_process, world_name, layout,
+                                                                       variant):
+    params = _result(request.getfixturevalue(world_name), f"{layout}_{variant}")
+    assert max_difference(params, single_process[variant]) < 1e-10
+
+
+def test_fused_fsdp_tp_equals_single_process(world4, single_process):
+    assert max_difference(_result(world4, "fsdp_tp_fused"), single_process["fused"]) < 1e-10
+
+
+def test_fused_fsdp_step_still_sends_one_all_reduce_of_block_sums(world2):
+    comm = _result(world2, "comm_fsdp_fused")
+    assert comm["counts"] == {"all_reduce": 1}
+    assert comm["sizes"] == [("all_reduce", _block_sums_per_step())]

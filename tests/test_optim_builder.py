@@ -106,13 +106,16 @@ def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
     ("AdamMini", "AdamMini"), ("adam_mini", "AdamMini"), ("Adam-mini", "AdamMini"), ("adammini", "AdamMini"),
     low_bit("AdamW8bit", "AdamW8bit"), low_bit("adamw_8bit", "AdamW8bit"), low_bit("AdamW4bit", "AdamW4bit"),
     low_bit("AdamWFp8", "AdamWFp8"), low_bit("adamw-fp8", "AdamWFp8"),
+    low_bit("AdamMini8bit", "AdamMini8bit"), low_bit("adam_mini_8bit", "AdamMini8bit"),
+    low_bit("Adam-mini-4bit", "AdamMini4bit"),
 ])
 def test_every_name_and_alias_builds_its_optimizer(given, canonical):
     net = model()
     optimizers = build_optimizers([net], config("--optimizer.name", given))
     assert optimizers.name == canonical
     (optimizer,) = optimizers.optimizers
-    expected = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "AdamMini": AdamMini}.get(canonical)
+    expected = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "AdamMini": AdamMini, "AdamMini8bit": AdamMini,
+                "AdamMini4bit": AdamMini}.get(canonical)
     assert isinstance(optimizer, expected or getattr(torchao_optim, canonical))
     if canonical == "Adam":
         assert not isinstance(optimizer, torch.optim.AdamW)
@@ -200,7 +203,10 @@ def test_implementation_sets_torch_flags(name, implementation, flags):
     ("AdamW", ["--optimizer.value_blocks", "per_tensor"], "optimizer.value_blocks does not apply to AdamW"),
     ("Adam", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to Adam"),
     ("AdamMini", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to AdamMini"),
-    ("AdamMini", ["--optimizer.implementation", "foreach"], "optimizer.implementation does not apply to AdamMini"),
+    ("AdamMini", ["--optimizer.implementation", "for-loop"], "implementation for AdamMini is foreach or fused"),
+    ("AdamMini8bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamMini8bit"),
+    ("AdamW8bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamW8bit"),
+    ("AdamMini4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamMini4bit"),
     ("AdamW", ["--optimizer.bf16_stochastic_round", "true"], "bf16_stochastic_round does not apply to AdamW"),
     low_bit("AdamW8bit", ["--optimizer.implementation", "fused"], "optimizer.implementation does not apply to AdamW8bit"),
     low_bit("AdamWFp8", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to AdamWFp8"),
@@ -435,8 +441,16 @@ def _fsdp_model(args: ModelArgs, dtype: torch.dtype, seed: int) -> Transformer:
     return net
 
 
+def _run_argv(label: str) -> list[str]:
+    """``"AdamMini:bfloat16"`` is AdamMini with state_dtype bfloat16; ``"AdamMini8bit:foreach"`` picks foreach."""
+    name, _, variant = label.partition(":")
+    option = {"": [], "bfloat16": ["--optimizer.state_dtype", "bfloat16"],
+              "foreach": ["--optimizer.implementation", "foreach"]}[variant]
+    return ["--optimizer.name", name, *option]
+
+
 def _fsdp_resume_worker(rank: int, world_size: int, name: str, args: ModelArgs, dtype: torch.dtype, path: str):
-    job = config("--optimizer.name", name, "--optimizer.lr", "0.01")
+    job = config(*_run_argv(name), "--optimizer.lr", "0.01")
     net = _fsdp_model(args, dtype, seed=0)
     optimizers = build_optimizers([net], job)
     state_bytes = optimizers.state_bytes()
@@ -461,7 +475,9 @@ def _fsdp_resume_worker(rank: int, world_size: int, name: str, args: ModelArgs, 
     train(forgetful_net, forgetful, range(3, 5), rank=rank)
     result = {"saved": saved, "uninterrupted": uninterrupted, "resumed": resumed, "without_state": weights(forgetful_net)}
     # numpy, not tensors: results travel through a multiprocessing queue after this process has gone.
-    as_numpy = {part: {k: v.numpy().copy() for k, v in tensors.items()} for part, tensors in result.items()}
+    # (bfloat16 state widened to float32, exactly: numpy has no bfloat16.)
+    as_numpy = {part: {k: v.float().numpy().copy() if v.dtype == torch.bfloat16 else v.numpy().copy()
+                       for k, v in tensors.items()} for part, tensors in result.items()}
     return {"state_bytes": state_bytes, **as_numpy}
 
 
@@ -473,12 +489,12 @@ def _from_numpy(result: dict) -> dict:
 def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) -> dict[str, torch.Tensor]:
     """The optimizer state of a two-rank checkpoint loaded into one unsharded process."""
     net = model(args, dtype, seed=7)
-    optimizers = build_optimizers([net], config("--optimizer.name", name, "--optimizer.lr", "0.01"))
+    optimizers = build_optimizers([net], config(*_run_argv(name), "--optimizer.lr", "0.01"))
     load_into(net, optimizers, path)
     return optimizers.state_dict()
 
 
-EXACT_NAMES = ("AdamW", "AdamMini")
+EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16")
 
 
 def _fsdp_resume_workers(rank: int, world_size: int, folder: str) -> dict[str, dict]:
@@ -500,19 +516,20 @@ def test_fsdp_two_ranks_resume_exactly_and_reshard_to_one(name, fsdp_exact_runs)
     ranks = [run[name] for run in runs]
     for result in ranks:
         assert max_difference(result["uninterrupted"], result["resumed"]) == 0.0
-    single = build_optimizers([model()], config("--optimizer.name", name)).state_bytes()
+    single = build_optimizers([model()], config(*_run_argv(name))).state_bytes()
     # Each rank holds about half the state (AdamMini keeps a few per-tensor numbers on every rank).
     assert all(0.45 * single <= r["state_bytes"] <= 0.55 * single for r in ranks)
     loaded = _single_process_state(name, TINY, torch.float64, os.path.join(folder, name))
     saved = ranks[0]["saved"]
     assert saved.keys() <= loaded.keys()
     for key, value in saved.items():
-        assert torch.equal(torch.as_tensor(loaded[key]), value), key
+        assert torch.equal(torch.as_tensor(loaded[key]).to(value.dtype), value), key
 
 
 @needs_torchao
-def test_fsdp_two_ranks_low_bit_resume_and_reshard(tmp_path):
-    ranks = run_workers(_fsdp_resume_worker, 2, args=("AdamW8bit", LOW_BIT, torch.float32, str(tmp_path)))
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamMini8bit:foreach"])
+def test_fsdp_two_ranks_low_bit_resume_and_reshard(name, tmp_path):
+    ranks = run_workers(_fsdp_resume_worker, 2, args=(name, LOW_BIT, torch.float32, str(tmp_path)))
     ranks = [_from_numpy(r) for r in ranks]
     for result in ranks:
         resumed_error = max_difference(result["uninterrupted"], result["resumed"])
@@ -521,9 +538,9 @@ def test_fsdp_two_ranks_low_bit_resume_and_reshard(tmp_path):
         assert sum(drift) / len(drift) < 0.01 * 0.01  # mean drift under a hundredth of one step (lr 0.01)
     single = build_optimizers([model(LOW_BIT, torch.float32)], config("--optimizer.name", "AdamW")).state_bytes()
     assert all(r["state_bytes"] < 0.2 * single for r in ranks)  # 8-bit and half the parameters
-    loaded = _single_process_state("AdamW8bit", LOW_BIT, torch.float32, tmp_path)
+    loaded = _single_process_state(name, LOW_BIT, torch.float32, tmp_path)
     for key, value in ranks[0]["saved"].items():
-        if key.endswith(("exp_avg", "exp_avg_sq")):
+        if key.endswith(("exp_avg", "exp_avg_sq", ".m")):  # quantized moments (AdamMini's v stays float32)
             scale = value.abs().max().clamp(min=1e-12)
             assert (loaded[key] - value).abs().max() <= 0.01 * scale, key
         else:

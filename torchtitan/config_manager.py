@@ -53,15 +53,20 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "optimizer: AdamW, Adam, AdamMini, AdamW8bit, AdamW4bit, AdamWFp8 (case-insensitive)")
+    name: str = opt("AdamW", "optimizer: AdamW, Adam, AdamMini, AdamMini8bit, AdamMini4bit, AdamW8bit, AdamW4bit, "
+                             "AdamWFp8 (case-insensitive)")
     lr: float = opt(8e-4, "peak learning rate", gt=0.0)
     beta1: float = opt(0.9, "first-moment decay", ge=0.0, lt=1.0)
     beta2: float = opt(0.95, "second-moment decay", ge=0.0, lt=1.0)
     eps: float = opt(1e-8, "denominator epsilon", gt=0.0)
     weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms and biases by AdamMini)", ge=0.0)
     implementation: Optional[str] = opt(
-        None, "for-loop, foreach or fused where the optimizer has them; unset picks the optimizer's default",
-        choices=("for-loop", "foreach", "fused"),
+        None, "for-loop, foreach or fused where the optimizer has them (AdamMini: foreach or fused, the default); "
+        "unset picks the optimizer's default", choices=("for-loop", "foreach", "fused"),
+    )
+    state_dtype: Optional[str] = opt(
+        None, "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment (unset: float32)",
+        choices=("float32", "bfloat16"),
     )
     # AdamMini only.
     value_blocks: Optional[str] = opt(
@@ -69,7 +74,7 @@ class Optimizer:
         choices=("per_row", "per_tensor"),
     )
     # torchao low-bit optimizers only.
-    block_size: Optional[int] = opt(None, "low-bit AdamW: quantization block size", gt=0)
+    block_size: Optional[int] = opt(None, "low-bit AdamW and AdamMini: quantization block size", gt=0)
     bf16_stochastic_round: Optional[bool] = opt(None, "low-bit AdamW: stochastic rounding for bf16 parameters")
 
 

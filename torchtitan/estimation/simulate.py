@@ -24,13 +24,24 @@ from torch import nn
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.errors import UserError
-from torchtitan.estimation.tracker import OPTIMIZER_STATE, PARAMS, TRANSIENT, LiveMemoryTracker
-from torchtitan.optim.builder import OPTIMIZERS, build_optimizers, resolve_optimizer_name, tensor_bytes
+from torchtitan.estimation.tracker import (
+    OPTIMIZER_STATE,
+    PARAMS,
+    TRANSIENT,
+    LiveMemoryTracker,
+)
+from torchtitan.optim.builder import (
+    OPTIMIZERS,
+    OPTIONAL_OPTIONS,
+    build_optimizers,
+    resolve_optimizer_name,
+    tensor_bytes,
+)
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 _CUDA_BLOCK_BYTES = 512
 
-_LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
+_LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamMini8bit", "AdamMini4bit")
 
 _LAYOUT_NAMES = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP"}
 
@@ -139,7 +150,7 @@ def job_for_optimizer(job_config: JobConfig, name: str, notes: list[str]) -> Job
     job = copy.deepcopy(job_config)
     job.optimizer.name = name
     kind = OPTIMIZERS[name]
-    for option in ("implementation", "value_blocks", "block_size", "bf16_stochastic_round"):
+    for option in OPTIONAL_OPTIONS:
         if getattr(job.optimizer, option) is not None and option not in kind.options:
             setattr(job.optimizer, option, None)
             notes.append(f"optimizer.{option} does not apply to {name}; estimated with {name}'s default")
@@ -155,10 +166,9 @@ def fake_world(world_size: int) -> Iterator[None]:
     """A fake process group: rank 0 of ``world_size``, collectives return at once without data."""
     if dist.is_initialized():
         raise RuntimeError("memory estimation needs a process without a process group; run it on its own")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     # Fake implementations of the c10d collectives for fake tensors.
     import torch.distributed._tools.fake_collectives  # noqa: F401
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:

@@ -19,7 +19,10 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_leaves
 
 # Categories of storage. "gathered_params" are storages FSDP2 resizes (unsharded parameters); "transient" is every

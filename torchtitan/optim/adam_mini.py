@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtitan.errors import UserError
 from torchtitan.optim.partition import (
@@ -47,6 +48,16 @@ from torchtitan.optim.partition import (
     partition_summary,
     plan_blocks,
     unmatched_matrices,
+)
+from torchtitan.optim.state_storage import (
+    BFLOAT16,
+    FLOAT32,
+    INT4,
+    INT8,
+    is_quantized,
+    keep_bfloat16_on_load,
+    new_state,
+    read_state,
 )
 
 logger = logging.getLogger(__name__)
@@ -236,6 +247,11 @@ def _per_row(scale: Tensor, param: Tensor, layout: BlockLayout) -> Tensor:
     return scale.view((scale.shape[0],) + (1,) * (param.dim() - 1))
 
 
+FOREACH, FUSED = "foreach", "fused"
+IMPLEMENTATIONS = (FOREACH, FUSED)
+MOMENTUM_STORAGES = (FLOAT32, BFLOAT16, INT8, INT4)
+
+
 def adam_mini_update(
     params: list[Tensor],
     grads: list[Tensor],
@@ -249,11 +265,14 @@ def adam_mini_update(
     beta2: float,
     eps: float,
     weight_decay: float,
+    implementation: str = FOREACH,
 ) -> None:
     """One Adam-mini step, in place, for parameters (plain tensors or DTensors) and their state.
 
-    ``second_moments[i]`` is ``v`` as made by :func:`new_second_moment`; ``steps`` are 0-D float tensors. All
-    arithmetic runs on local shards with foreach kernels; only the per-block sums go through DTensor.
+    ``second_moments[i]`` is ``v`` as made by :func:`new_second_moment`; ``steps`` are 0-D float tensors;
+    ``exp_avgs`` may be stored in any of ``state_storage``'s forms (float32, bfloat16, 8-/4-bit). The step has two
+    parts: block statistics and ``v`` (small tensors, foreach kernels; the only part that goes through DTensor),
+    then a local elementwise part per parameter, run by foreach kernels or by compiled code (``implementation``).
     """
     params, grads = [_local(p) for p in params], [_local(g) for g in grads]
     exp_avgs, second_moments = [_local(m) for m in exp_avgs], [_local(v) for v in second_moments]
@@ -263,6 +282,7 @@ def adam_mini_update(
     elementwise = [i for i, layout in enumerate(layouts) if layout.plan.rule == PER_ELEMENT]
 
     torch._foreach_add_(steps, 1)
+    # Steps are CPU scalars: reading them costs no device synchronisation.
     step_counts = [step.item() for step in steps]
     bias_corrections1 = [1 - beta1**count for count in step_counts]
     bias_corrections2 = [1 - beta2**count for count in step_counts]
@@ -278,11 +298,6 @@ def adam_mini_update(
         torch._foreach_mul_(element_v, beta2)
         torch._foreach_addcmul_(element_v, element_g, element_g, value=1 - beta2)
 
-    decayed = [params[i] for i, layout in enumerate(layouts) if layout.plan.decay]
-    if weight_decay != 0 and decayed:
-        torch._foreach_mul_(decayed, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-
     # scale = lr / (bc1 * (sqrt(v / bc2) + eps)): tiny (blocks, 1) tensors except for biases.
     scales = list(torch._foreach_div(second_moments, bias_corrections2))
     torch._foreach_sqrt_(scales)
@@ -292,7 +307,72 @@ def adam_mini_update(
     torch._foreach_mul_(scales, lr)
     for i in blocked:
         scales[i] = _per_row(scales[i], params[i], layouts[i])
-    torch._foreach_addcmul_(params, exp_avgs, scales, value=-1.0)
+
+    decays = [weight_decay != 0 and layout.plan.decay for layout in layouts]
+    local_step = _fused_local_steps if implementation == FUSED else _foreach_local_steps
+    local_step(params, grads, exp_avgs, scales, decays, decay=1 - lr * weight_decay, beta1=beta1)
+
+
+# The local part: m <- lerp(m, g, 1 - beta1); p <- p * decay - scale * m, with m read from and written back to its
+# storage. The new m is used unrounded; the stored one is rounded by the storage (bf16: to nearest).
+
+
+def _foreach_local_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], scales: list[Tensor],
+                         decays: list[bool], *, decay: Union[float, Tensor], beta1: float) -> None:
+    decayed = [p for p, decays_p in zip(params, decays) if decays_p]
+    if decayed:
+        torch._foreach_mul_(decayed, decay)
+    momenta = [read_state(m, p.dtype) for m, p in zip(exp_avgs, params)]  # m itself when stored like p
+    torch._foreach_lerp_(momenta, grads, 1 - beta1)
+    for stored, momentum in zip(exp_avgs, momenta):
+        if momentum is not stored:
+            stored.copy_(momentum)
+    torch._foreach_addcmul_(params, momenta, scales, value=-1.0)
+
+
+def _local_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], scales: list[Tensor],
+                 decays: tuple[bool, ...], decay: Tensor, beta1_weight: float) -> None:
+    """The local part for a list of parameters with one dtype and one state storage: what ``torch.compile`` fuses.
+
+    ``m.to(dtype)`` of a quantized state is a view in the wanted dtype whose ``lerp`` dequantizes (torchao's
+    tensors), so one expression reads every storage; ``copy_`` writes it back (rounding or quantizing).
+    """
+    for p, g, m, scale, decays_p in zip(params, grads, exp_avgs, scales, decays):
+        momentum = m.to(p.dtype).lerp(g, beta1_weight)
+        m.copy_(momentum)
+        p.copy_((p * decay if decays_p else p) - scale * momentum)
+
+
+_compiled_local_steps = torch.compile(_local_steps, fullgraph=True, dynamic=False)
+
+
+def _fused_local_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], scales: list[Tensor],
+                       decays: list[bool], *, decay: Union[float, Tensor], beta1: float) -> None:
+    """Compiled local steps: one graph for all parameters of one dtype, device and state storage.
+
+    Shapes are static (the fastest code), so a model compiles once per storage (quantized state: once per
+    parameter shape) and never again: changing values (lr, hence the decay factor) enter as 0-D tensors. Meta
+    and fake tensors (memory estimates) run the same function eagerly.
+    """
+    if not params:
+        return
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, (p, m) in enumerate(zip(params, exp_avgs)):
+        # Quantizing code is large: one small graph per parameter shape (as torchao does) compiles far faster than
+        # one graph over all of them.
+        groups[(p.dtype, p.device, type(m), m.dtype) + ((i,) if is_quantized(m) else ())].append(i)
+    dataless = any(p.is_meta or isinstance(p, FakeTensor) for p in params)
+    # torch.compile cannot run under a user's dispatch mode (debugging, CommDebugMode): there the same function
+    # runs eagerly; it holds only local tensors, so what such a mode observes of collectives is unchanged.
+    run = _local_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_local_steps
+    from torchtitan.optim.builder import separate_compile_cache
+
+    with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache("AdamMini"):
+        for (dtype, device, *_), indices in groups.items():
+            factor = torch.as_tensor(decay, dtype=dtype).to(device)
+            # Detached: the compiled graph sees plain tensors sharing the parameters' memory.
+            run([params[i].detach() for i in indices], [grads[i] for i in indices], [exp_avgs[i] for i in indices],
+                [scales[i] for i in indices], tuple(decays[i] for i in indices), factor, 1 - beta1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -313,6 +393,12 @@ class AdamMini(torch.optim.Optimizer):
             advice for runs shorter than about 10k steps).
         param_roles: ``{name: role}`` from the model (our Llama's ``named_param_roles()``); roles are embedding,
             output, query, key, value, attn_out, mlp, norm and bias. Names it lacks fall back to name rules.
+        momentum_storage: how ``m`` is stored: ``"float32"`` (default: like the parameter), ``"bfloat16"``
+            (rounded to nearest at every step), ``"int8"`` or ``"int4"`` (torchao's block-quantized state, one
+            scale per ``block_size`` entries; tensors under 4096 entries stay float32). ``v`` is never rounded.
+        implementation: ``"fused"`` (compiled local update, one graph per group of same-shaped parameters) or
+            ``"foreach"``; unset picks fused, except for float64 parameters, which run foreach (the reference
+            precision of our tests, where compile time buys nothing).
         model_sharding, verbose: accepted for compatibility with the official constructor; sharding is always
             handled, and ``verbose`` also logs one line per parameter.
 
@@ -334,10 +420,23 @@ class AdamMini(torch.optim.Optimizer):
         head_dim: Optional[int] = None,
         value_blocks: str = PER_ROW,
         param_roles: Optional[Mapping[str, str]] = None,
+        momentum_storage: str = FLOAT32,
+        block_size: Optional[int] = None,
+        implementation: Optional[str] = None,
         model_sharding: Optional[bool] = None,
         verbose: bool = False,
     ):
         del model_sharding  # always handled
+        if momentum_storage not in MOMENTUM_STORAGES:
+            raise UserError(f"AdamMini momentum_storage must be one of {', '.join(MOMENTUM_STORAGES)}, "
+                            f"not {momentum_storage!r}")
+        if implementation not in (None,) + IMPLEMENTATIONS:
+            raise UserError(f"AdamMini implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
+                            f"not {implementation!r}")
+        if block_size is not None and (momentum_storage not in (INT8, INT4) or block_size <= 0
+                                       or (momentum_storage == INT4 and block_size % 2)):
+            raise UserError(f"AdamMini block_size must be a positive (for int4: even) number and applies to int8/int4 "
+                            f"momentum only; got {block_size} with {momentum_storage}")
         _check_hyperparameters(lr, betas, eps, weight_decay)
         head_dim, n_kv_heads = _check_heads(dim, n_heads, n_kv_heads, head_dim)
         if value_blocks not in VALUE_BLOCK_CHOICES:
@@ -349,6 +448,9 @@ class AdamMini(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps,
                                       weight_decay=weight_decay))
         self.partition: list[BlockPlan] = plans
+        self.momentum_storage, self.block_size, self.implementation = momentum_storage, block_size, implementation
+        if momentum_storage == BFLOAT16:
+            keep_bfloat16_on_load(self, ("m",))
         self._layouts: dict[Tensor, BlockLayout] = {p: layout_for(p, plan) for p, plan in zip(params, plans)}
         _log_partition(plans, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, verbose=verbose)
 
@@ -376,14 +478,19 @@ class AdamMini(torch.optim.Optimizer):
             if params:
                 beta1, beta2 = group["betas"]
                 adam_mini_update(params, grads, exp_avgs, second_moments, steps, layouts, lr=group["lr"],
-                                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+                                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                                 implementation=self._implementation_for(params))
         return loss
 
-    @staticmethod
-    def _init_state(p: Tensor, state: dict, layout: BlockLayout) -> None:
+    def _implementation_for(self, params: list[Tensor]) -> str:
+        if self.implementation is not None:
+            return self.implementation
+        return FOREACH if params[0].dtype == torch.float64 else FUSED
+
+    def _init_state(self, p: Tensor, state: dict, layout: BlockLayout) -> None:
         # A CPU scalar like AdamW's: its value stays readable on meta and fake parameters.
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
-        state["m"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["m"] = new_state(p, self.momentum_storage, self.block_size)
         state["v"] = new_second_moment(p, layout)
 
 

@@ -37,14 +37,16 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtitan.errors import UserError
+from torchtitan.optim.state_storage import dequantized, is_quantized
 
 # Flattened keys ("state.<param fqn>.exp_avg") let DCP match state to parameters by name, whatever the sharding.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 # [optimizer] options that only some optimizers take; the rest (lr, betas, eps, weight_decay) apply to all.
-IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND = (
-    "implementation", "value_blocks", "block_size", "bf16_stochastic_round"
+IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE = (
+    "implementation", "value_blocks", "block_size", "bf16_stochastic_round", "state_dtype"
 )
+OPTIONAL_OPTIONS = (IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE)
 _LOW_BIT_OPTIONS = frozenset({BLOCK_SIZE, BF16_STOCHASTIC_ROUND})
 
 
@@ -64,6 +66,7 @@ class Hyperparameters:
     value_blocks: Optional[str] = None
     block_size: Optional[int] = None
     bf16_stochastic_round: Optional[bool] = None
+    state_dtype: Optional[str] = None
 
     @classmethod
     def from_job_config(cls, job_config: Any) -> "Hyperparameters":
@@ -71,14 +74,14 @@ class Hyperparameters:
         return cls(
             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             implementation=o.implementation, value_blocks=o.value_blocks, block_size=o.block_size,
-            bf16_stochastic_round=o.bf16_stochastic_round,
+            bf16_stochastic_round=o.bf16_stochastic_round, state_dtype=o.state_dtype,
         )
 
     def options_set(self) -> set[str]:
         """The optional options the user set (left unset they are None)."""
         values = {
             IMPLEMENTATION: self.implementation, VALUE_BLOCKS: self.value_blocks, BLOCK_SIZE: self.block_size,
-            BF16_STOCHASTIC_ROUND: self.bf16_stochastic_round,
+            BF16_STOCHASTIC_ROUND: self.bf16_stochastic_round, STATE_DTYPE: self.state_dtype,
         }
         return {name for name, value in values.items() if value is not None}
 
@@ -102,8 +105,12 @@ def check_hyperparameters(kind: "OptimizerKind", hp: Hyperparameters) -> None:
         raise UserError(
             f"optimizer.{option} does not apply to {kind.name} (only to {', '.join(users)}); remove it from the config"
         )
-    if kind.name == "AdamW4bit" and hp.block_size is not None and hp.block_size % 2:
-        raise UserError(f"optimizer.block_size must be even for AdamW4bit (two 4-bit codes per byte); got {hp.block_size}")
+    if kind.name in ("AdamW4bit", "AdamMini4bit") and hp.block_size is not None and hp.block_size % 2:
+        raise UserError(
+            f"optimizer.block_size must be even for {kind.name} (two 4-bit codes per byte); got {hp.block_size}"
+        )
+    if kind.name == "AdamMini" and hp.implementation == "for-loop":
+        raise UserError("optimizer.implementation for AdamMini is foreach or fused (it has no for-loop version)")
 
 
 def implementation_flags(implementation: Optional[str]) -> dict[str, bool]:
@@ -125,7 +132,23 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 # Optimizer factories (one per canonical name)
 
 
+def _low_precision_adam(model: nn.Module, hp: Hyperparameters, decoupled: bool) -> Optional[torch.optim.Optimizer]:
+    """AdamW/Adam with bfloat16 moments (our compiled step: torch's kernels need moments in the parameter's dtype)."""
+    if hp.state_dtype in (None, "float32"):
+        return None
+    if hp.implementation is not None:
+        raise UserError(f"optimizer.implementation chooses torch's kernels, which keep float32 state; remove it "
+                        f"to use optimizer.state_dtype = {hp.state_dtype} (a compiled step of its own)")
+    from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
+
+    return LowPrecisionAdam(trainable_parameters(model), lr=hp.lr, betas=hp.betas, eps=hp.eps,
+                            weight_decay=hp.weight_decay, decoupled=decoupled, state_dtype=hp.state_dtype)
+
+
 def _build_adamw(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
+    low_precision = _low_precision_adam(model, hp, decoupled=True)
+    if low_precision is not None:
+        return low_precision
     return torch.optim.AdamW(
         trainable_parameters(model), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
         **implementation_flags(hp.implementation),
@@ -133,13 +156,30 @@ def _build_adamw(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer
 
 
 def _build_adam(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
+    low_precision = _low_precision_adam(model, hp, decoupled=False)
+    if low_precision is not None:
+        return low_precision
     return torch.optim.Adam(
         trainable_parameters(model), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
         **implementation_flags(hp.implementation),
     )
 
 
-def _build_adam_mini(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
+def _adam_mini_factory(quantized: Optional[str]) -> Callable[[nn.Module, Hyperparameters], torch.optim.Optimizer]:
+    """AdamMini with its momentum stored as ``state_dtype`` or, for AdamMini8bit/4bit, ``quantized``."""
+
+    def build(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
+        storage = quantized or hp.state_dtype or "float32"
+        optimizer = _build_adam_mini(model, hp, momentum_storage=storage, block_size=hp.block_size,
+                                     implementation=hp.implementation)
+        if quantized:
+            _portable_quantized_state(optimizer)
+        return optimizer
+
+    return build
+
+
+def _build_adam_mini(model: nn.Module, hp: Hyperparameters, **storage: Any) -> torch.optim.Optimizer:
     from torchtitan.optim.adam_mini import AdamMini
 
     args = getattr(model, "args", None)
@@ -153,7 +193,7 @@ def _build_adam_mini(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optim
         [(name, p) for name, p in model.named_parameters() if p.requires_grad],
         lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
         dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        param_roles=model.named_param_roles(), **extra,
+        param_roles=model.named_param_roles(), **extra, **storage,
     )
 
 
@@ -184,9 +224,11 @@ class OptimizerKind:
 OPTIMIZERS: dict[str, OptimizerKind] = {
     kind.name: kind
     for kind in (
-        OptimizerKind("AdamW", _build_adamw, frozenset({IMPLEMENTATION})),
-        OptimizerKind("Adam", _build_adam, frozenset({IMPLEMENTATION})),
-        OptimizerKind("AdamMini", _build_adam_mini, frozenset({VALUE_BLOCKS})),
+        OptimizerKind("AdamW", _build_adamw, frozenset({IMPLEMENTATION, STATE_DTYPE})),
+        OptimizerKind("Adam", _build_adam, frozenset({IMPLEMENTATION, STATE_DTYPE})),
+        OptimizerKind("AdamMini", _adam_mini_factory(None), frozenset({VALUE_BLOCKS, IMPLEMENTATION, STATE_DTYPE})),
+        OptimizerKind("AdamMini8bit", _adam_mini_factory("int8"), frozenset({VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE})),
+        OptimizerKind("AdamMini4bit", _adam_mini_factory("int4"), frozenset({VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE})),
         OptimizerKind("AdamW8bit", _low_bit_factory("AdamW8bit"), _LOW_BIT_OPTIONS),
         OptimizerKind("AdamW4bit", _low_bit_factory("AdamW4bit"), _LOW_BIT_OPTIONS),
         OptimizerKind("AdamWFp8", _low_bit_factory("AdamWFp8"), _LOW_BIT_OPTIONS),
@@ -417,22 +459,6 @@ def _default_inductor_cache_dir() -> str:
         return default_cache_dir()
     except ImportError:  # the helper moved; the same place by hand
         return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-
-
-def is_quantized(value: Any) -> bool:
-    """A torchao quantized state tensor (possibly a DTensor shard of one)."""
-    local = value.to_local() if isinstance(value, DTensor) else value
-    return is_traceable_wrapper_subclass(local) and callable(getattr(local, "dequantize", None))
-
-
-def dequantized(value: torch.Tensor) -> torch.Tensor:
-    """A plain float32 tensor (or DTensor with the same layout) holding a quantized state's values."""
-    if not isinstance(value, DTensor):
-        return value.dequantize(torch.float32)
-    local = value.to_local().dequantize(torch.float32)
-    return DTensor.from_local(
-        local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-    )
 
 
 def _portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:

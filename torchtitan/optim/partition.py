@@ -28,7 +28,6 @@ from typing import Iterable, Mapping, Optional
 
 from torchtitan.errors import UserError
 
-
 # Roles a weight can play (our Llama declares the first eight); BIAS and OTHER are assigned here.
 EMBEDDING, OUTPUT, QUERY, KEY, VALUE, ATTN_OUT, MLP, NORM = (
     "embedding", "output", "query", "key", "value", "attn_out", "mlp", "norm"

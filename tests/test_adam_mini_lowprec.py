@@ -1,0 +1,277 @@
+"""Adam-mini's momentum storage (bfloat16, 8-bit, 4-bit) and its fused back end, in one process: the one update
+path against float32 references rounded the same way, fused against foreach, no recompiles in steady state,
+portable state dicts, and the Llama 3 8B state bounds on meta tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.parallel_helpers import default_dtype
+from tests.test_adam_mini import (
+    TINY,
+    _meta_llama,
+    adam_mini_for,
+    max_difference,
+    synthetic_grad,
+)
+from torchtitan.errors import UserError
+from torchtitan.models.llama import Transformer
+from torchtitan.optim import AdamMini
+from torchtitan.optim.builder import (
+    _portable_quantized_state,
+    initialise_state,
+    tensor_bytes,
+)
+from torchtitan.optim.state_storage import is_quantized
+
+# Wide enough that some matrices reach torchao's 4096-entry threshold for quantized state.
+WIDE = dataclasses.replace(TINY, dim=64, vocab_size=96)
+STEPS = 4
+
+
+def float32_model(seed: int = 0) -> Transformer:
+    with default_dtype(torch.float32):
+        model = Transformer(WIDE)
+    model.init_weights(seed)
+    return model
+
+
+def _set_grads(model: torch.nn.Module, step: int) -> None:
+    for name, p in model.named_parameters():
+        p.grad = synthetic_grad(name, tuple(p.shape), step).to(p.dtype)
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _train(model, optimizer, steps: int, after_step=None, lrs=None) -> dict[str, torch.Tensor]:
+    for step in range(steps):
+        _set_grads(model, step)
+        if lrs is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lrs[step]
+        optimizer.step()
+        if after_step is not None:
+            after_step(optimizer)
+    return _params(model)
+
+
+def _round_momentum_to_bfloat16(optimizer: AdamMini) -> None:
+    for state in optimizer.state.values():
+        state["m"].copy_(state["m"].bfloat16())
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+def test_bfloat16_momentum_equals_float32_update_with_m_rounded_to_nearest_each_step(implementation):
+    model = float32_model()
+    optimizer = adam_mini_for(model, momentum_storage="bfloat16", implementation=implementation)
+    got = _train(model, optimizer, STEPS)
+    assert all(state["m"].dtype == torch.bfloat16 for state in optimizer.state.values())
+    assert all(state["v"].dtype == torch.float32 for state in optimizer.state.values())
+
+    reference = float32_model()
+    reference_optimizer = adam_mini_for(reference, implementation=implementation)
+    expected = _train(reference, reference_optimizer, STEPS, after_step=_round_momentum_to_bfloat16)
+    assert max_difference(got, expected) == 0.0
+    unrounded = _train(float32_model(), adam_mini_for(float32_model(), implementation=implementation), STEPS)
+    assert max_difference(got, unrounded) > 0.0  # the rounding really happened
+
+
+def _quantize_momentum_like(live: AdamMini):
+    """After each reference step, replace its float32 m by m quantized as the live optimizer stores it."""
+
+    def quantize(reference: AdamMini) -> None:
+        for (_, ref_state), (_, live_state) in zip(reference.state.items(), live.state.items()):
+            stored = live_state["m"]
+            if is_quantized(stored):
+                scratch = type(stored).zeros(stored.shape, signed=True, block_size=stored.block_size)
+                scratch.copy_(ref_state["m"])
+                ref_state["m"].copy_(scratch.dequantize(torch.float32))
+
+    return quantize
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_quantized_momentum_equals_float32_update_with_m_quantized_each_step(storage):
+    model = float32_model()
+    optimizer = adam_mini_for(model, momentum_storage=storage, implementation="foreach")
+    got = _train(model, optimizer, STEPS)
+    quantized = [name for name, p in model.named_parameters() if is_quantized(optimizer.state[p]["m"])]
+    assert "tok_embeddings.weight" in quantized and "norm.weight" not in quantized  # small tensors stay float32
+
+    reference = float32_model()
+    expected = _train(reference, adam_mini_for(reference, implementation="foreach"), STEPS,
+                      after_step=_quantize_momentum_like(optimizer))
+    assert max_difference(got, expected) < 1e-6
+    plain = _train(float32_model(), adam_mini_for(float32_model(), implementation="foreach"), STEPS)
+    assert max_difference(got, plain) > 1e-6  # the quantization really happened
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
+def test_fused_equals_foreach(storage):
+    results = {}
+    for implementation in ("foreach", "fused"):
+        model = float32_model()
+        results[implementation] = _train(model, adam_mini_for(model, momentum_storage=storage,
+                                                              implementation=implementation), STEPS)
+    relative = max(((results["fused"][n] - results["foreach"][n]).abs().max()
+                    / results["foreach"][n].abs().max()).item() for n in results["fused"])
+    # float32 agrees to rounding; rounded storage may round one entry of m differently, so it gets the storage's step.
+    assert relative < {"float32": 1e-6, "bfloat16": 1e-2, "int8": 1e-2}[storage], relative
+
+
+def test_fused_float64_equals_foreach_and_compiles_once():
+    from tests.test_adam_mini import tiny_model
+
+    foreach_model = tiny_model()
+    foreach = _train(foreach_model, adam_mini_for(foreach_model, implementation="foreach"), STEPS,
+                     lrs=[1e-2, 5e-3, 2e-3, 1e-3])
+    model = tiny_model()
+    optimizer = adam_mini_for(model, implementation="fused", lr=torch.tensor(1e-2, dtype=torch.float64))
+    torch._dynamo.utils.counters.clear()
+    counts = []
+    for step in range(STEPS):
+        _set_grads(model, step)
+        optimizer.param_groups[0]["lr"] = torch.tensor([1e-2, 5e-3, 2e-3, 1e-3][step], dtype=torch.float64)
+        optimizer.step()
+        counts.append(dict(torch._dynamo.utils.counters["stats"]).get("unique_graphs", 0))
+    assert counts[0] == 1 and counts[-1] == 1, counts  # one graph, no recompile when the lr changes
+    assert max_difference(_params(model), foreach) < 1e-14
+
+
+def test_bfloat16_state_dict_round_trip_continues_bit_exactly():
+    uninterrupted_model = float32_model()
+    uninterrupted = _train(uninterrupted_model, adam_mini_for(uninterrupted_model, momentum_storage="bfloat16",
+                                                              implementation="foreach"), 2 * STEPS)
+    model = float32_model()
+    optimizer = adam_mini_for(model, momentum_storage="bfloat16", implementation="foreach")
+    _train(model, optimizer, STEPS)
+    saved = optimizer.state_dict()
+    assert all(state["m"].dtype == torch.bfloat16 for state in saved["state"].values())
+
+    resumed = float32_model(seed=1)
+    resumed.load_state_dict(model.state_dict())
+    resumed_optimizer = adam_mini_for(resumed, momentum_storage="bfloat16", implementation="foreach")
+    resumed_optimizer.load_state_dict(saved)
+    assert all(state["m"].dtype == torch.bfloat16 for state in resumed_optimizer.state.values())
+    for step in range(STEPS, 2 * STEPS):
+        _set_grads(resumed, step)
+        resumed_optimizer.step()
+    assert max_difference(_params(resumed), uninterrupted) == 0.0
+
+
+def test_quantized_momentum_saves_plain_float32_and_reloads_quantized():
+    model = float32_model()
+    optimizer = adam_mini_for(model, momentum_storage="int8", implementation="foreach")
+    _portable_quantized_state(optimizer)
+    _train(model, optimizer, STEPS)
+    saved = optimizer.state_dict()
+    assert all(type(state["m"]) is torch.Tensor and state["m"].dtype == torch.float32
+               for state in saved["state"].values())
+    fresh = adam_mini_for(model, momentum_storage="int8", implementation="foreach")
+    _portable_quantized_state(fresh)
+    initialise_state(fresh)
+    fresh.load_state_dict(saved)
+    wq = model.layers["0"].attention.wq.weight
+    live, before = fresh.state[wq]["m"], optimizer.state[wq]["m"]
+    assert is_quantized(live)
+    assert torch.allclose(live.dequantize(), before.dequantize(), atol=before.dequantize().abs().max().item() / 50)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"momentum_storage": "float16"}, "momentum_storage must be one of"),
+    ({"implementation": "for-loop"}, "implementation must be one of"),
+    ({"momentum_storage": "bfloat16", "block_size": 128}, "block_size"),
+    ({"momentum_storage": "int4", "block_size": 33}, "block_size"),
+])
+def test_bad_storage_options_raise_user_errors(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        adam_mini_for(float32_model(), **kwargs)
+
+
+def _8b_state_bytes(**options) -> int:
+    model = _meta_llama("8B")
+    optimizer = AdamMini(model.named_parameters(), lr=3e-4, weight_decay=0.1, dim=model.args.dim,
+                         n_heads=model.args.n_heads, n_kv_heads=model.args.n_kv_heads,
+                         param_roles=model.named_param_roles(), **options)
+    for p, layout in optimizer._layouts.items():  # the state the first step creates, without stepping
+        optimizer._init_state(p, optimizer.state[p], layout)
+    return sum(tensor_bytes(value) for state in optimizer.state.values() for value in state.values())
+
+
+def test_8b_state_bounds_relative_to_float32_adamw_on_meta():
+    model = _meta_llama("8B")
+    adamw_bytes = 2 * 4 * sum(p.numel() for p in model.parameters()) + 4 * len(list(model.parameters()))
+    ratios = {storage: _8b_state_bytes(momentum_storage=storage) / adamw_bytes
+              for storage in ("bfloat16", "int8", "int4")}
+    from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
+
+    adamw_bf16 = LowPrecisionAdam(model.parameters(), lr=3e-4, weight_decay=0.1)
+    for p in model.parameters():  # the state its first step creates, without stepping
+        adamw_bf16._init_state(p, adamw_bf16.state[p])
+    ratios["AdamW bfloat16"] = sum(tensor_bytes(v) for s in adamw_bf16.state.values() for v in s.values()) / adamw_bytes
+    print(f"8B optimizer state relative to float32 AdamW: {ratios}")
+    assert ratios["bfloat16"] <= 0.2503 and ratios["int8"] <= 0.135 and ratios["int4"] < ratios["int8"]
+    assert ratios["AdamW bfloat16"] <= 0.5001
+
+
+# ------------------------------------------------------------------------------------------------------------
+# AdamW and Adam with bfloat16 moments (our compiled step)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _adam_run(decoupled: bool, state_dtype: str, steps: int = STEPS, after_step=None) -> dict[str, torch.Tensor]:
+    from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
+
+    model = float32_model()
+    if state_dtype == "torch":
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        optimizer = cls(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    else:
+        optimizer = LowPrecisionAdam(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                                     decoupled=decoupled, state_dtype=state_dtype)
+    return _train(model, optimizer, steps, after_step=after_step)
+
+
+def _round_moments_to_bfloat16(optimizer) -> None:
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key].copy_(state[key].bfloat16())
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam"])
+def test_low_precision_adam_step_equals_torch_and_rounds_moments_to_nearest(decoupled):
+    torch_run = _adam_run(decoupled, "torch")
+    ours_float32 = _adam_run(decoupled, "float32")
+    relative = max(((ours_float32[n] - torch_run[n]).abs().max() / torch_run[n].abs().max()).item()
+                   for n in torch_run)
+    assert relative < 1e-6, relative  # the same algorithm as torch's kernels
+    rounded_reference = _adam_run(decoupled, "float32", after_step=_round_moments_to_bfloat16)
+    assert max_difference(_adam_run(decoupled, "bfloat16"), rounded_reference) == 0.0
+
+
+def test_adamw_bfloat16_state_from_the_config_is_half_and_resumes_exactly():
+    from tests.test_optim_builder import config
+    from torchtitan.optim import build_optimizers
+
+    job = config("--optimizer.name", "AdamW", "--optimizer.state_dtype", "bfloat16", "--optimizer.lr", "0.01")
+    plain = build_optimizers([float32_model()], config("--optimizer.name", "AdamW")).state_bytes()
+    optimizers = build_optimizers([float32_model()], job)
+    assert optimizers.state_bytes() <= 0.51 * plain
+    model = optimizers.model_parts[0]
+    _train(model, optimizers, STEPS)
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizers.state_dict().items()}
+    saved_weights = _params(model)
+    assert saved["state.layers.0.attention.wq.weight.exp_avg"].dtype == torch.bfloat16
+    uninterrupted = _train(model, optimizers, STEPS)  # the same gradients again, from the saved point
+
+    resumed = build_optimizers([float32_model(seed=3)], job)
+    resumed_model = resumed.model_parts[0]
+    resumed_model.load_state_dict(saved_weights)
+    resumed.load_state_dict(saved)
+    assert resumed.optimizers[0].state[resumed_model.output.weight]["exp_avg"].dtype == torch.bfloat16
+    assert max_difference(_train(resumed_model, resumed, STEPS), uninterrupted) == 0.0
