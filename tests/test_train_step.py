@@ -73,7 +73,8 @@ def run_case(
     optimizers = SGDContainer(model) if optimizer == "SGD" else build_optimizers([model], config)
     dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
     batches = micro_batches(accumulation, dp_rank, dp_degree)
-    loss, grad_norm = train.train_step(model, optimizers, batches, dims, config, torch.device("cpu"))
+    loss, grad_norm, updated = train.train_step(model, optimizers, batches, dims, config, torch.device("cpu"))
+    assert updated
     assert next(batches, None) is None  # the step used all its micro-batches, no more
     loss = loss.detach().reshape(1).clone()
     if dims.dp_enabled:
