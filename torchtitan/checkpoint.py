@@ -646,7 +646,7 @@ class CheckpointManager:
         metadata = reader.read_metadata()
         saved = self._check_matches(path, metadata, state, [], model_only=True)
         with _single_process_quiet():
-            dcp.load(state, storage_reader=reader, process_group=self._group)
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
         for part, part_state in zip(self.model_parts, part_states):
             set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
         return saved
@@ -723,7 +723,8 @@ class CheckpointManager:
             return None
         blob = {JOB_FACTS: torch.empty(entry.size, dtype=torch.uint8)}
         with _single_process_quiet():
-            dcp.load(blob, storage_reader=SafeFileSystemReader(path), process_group=self._group)
+            dcp.load(blob, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     process_group=self._group)
         facts = decode_plain(blob[JOB_FACTS].numpy().tobytes())
         needed = {"optimizer", "model_flavor", "parameters", "model_digest"}
         return facts if isinstance(facts, dict) and needed <= set(facts) else None

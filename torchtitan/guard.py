@@ -34,12 +34,12 @@ class DivergenceError(Exception):
     """Training stopped because the loss, the gradients or the state became non-finite."""
 
 
-def any_rank(flag: bool, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
-    """True on every rank if ``flag`` is true on any rank of ``group`` (the world by default)."""
-    if not dist.is_initialized():
-        return flag
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+def any_rank(flag: bool | torch.Tensor, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """True on every rank if ``flag`` (a bool, or a 0-d bool tensor left on its device) is true on any rank of
+    ``group`` (the world by default); one host sync, after the all-reduce."""
+    value = torch.as_tensor(flag, device=device).reshape(1).to(torch.int32)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
 
 
@@ -104,7 +104,8 @@ class DivergenceGuard:
 
         Sets :attr:`stopped_at` once more than ``max_skipped_steps`` steps in a row were not finite.
         """
-        local_bad = not bool(torch.isfinite(loss).all()) or not bool(torch.isfinite(grad_norm).all())
+        # Kept on the device until the all-reduce: the decision costs one host sync per step.
+        local_bad = ~(torch.isfinite(loss).all() & torch.isfinite(grad_norm).all())
         if not any_rank(local_bad, self.device):
             self.consecutive = 0
             return True

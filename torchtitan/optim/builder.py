@@ -79,11 +79,7 @@ class Hyperparameters:
 
     def options_set(self) -> set[str]:
         """The optional options the user set (left unset they are None)."""
-        values = {
-            IMPLEMENTATION: self.implementation, VALUE_BLOCKS: self.value_blocks, BLOCK_SIZE: self.block_size,
-            BF16_STOCHASTIC_ROUND: self.bf16_stochastic_round, STATE_DTYPE: self.state_dtype,
-        }
-        return {name for name, value in values.items() if value is not None}
+        return {name for name in OPTIONAL_OPTIONS if getattr(self, name) is not None}
 
 
 def check_hyperparameters(kind: "OptimizerKind", hp: Hyperparameters) -> None:
