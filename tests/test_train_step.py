@@ -24,7 +24,7 @@ import torch.distributed as dist
 import train
 from tests.distributed import run_workers
 from tests.parallel_helpers import BATCH, SEQ_LEN, TINY, full, job_config, materialize, meta_model
-from torchtitan.models.llama.model import canonical_name
+from torchtitan.models.roles import canonical_name
 from torchtitan.optim import OptimizersContainer, build_optimizers
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
 

@@ -36,13 +36,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtitan.errors import UserError
+from torchtitan.models.roles import KEY, QUERY
 from torchtitan.optim.partition import (
-    KEY,
     PER_ELEMENT,
     PER_HEAD,
     PER_ROW,
     PER_TENSOR,
-    QUERY,
     VALUE_BLOCK_CHOICES,
     BlockPlan,
     partition_summary,
