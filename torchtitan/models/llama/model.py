@@ -16,8 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from torchtitan.models.roles import ATTN_OUT, EMBEDDING, KEY, MLP, NORM, OUTPUT, QUERY, VALUE, canonical_name
-
+from torchtitan.models.roles import (
+    ATTN_OUT,
+    EMBEDDING,
+    KEY,
+    MLP,
+    NORM,
+    OUTPUT,
+    QUERY,
+    VALUE,
+    canonical_name,
+)
 
 
 @dataclass
