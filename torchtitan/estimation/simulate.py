@@ -32,11 +32,11 @@ from torchtitan.estimation.tracker import (
 )
 from torchtitan.optim.builder import (
     OPTIMIZERS,
-    OPTIONAL_OPTIONS,
     build_optimizers,
     resolve_optimizer_name,
-    tensor_bytes,
 )
+from torchtitan.optim.container import tensor_bytes
+from torchtitan.optim.hyperparameters import OPTIONAL_OPTIONS
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 _CUDA_BLOCK_BYTES = 512
@@ -183,11 +183,11 @@ def precompute_quantization_maps() -> None:
     torchao builds them once from Python lists read out of tensors, which fake tensors (having no values) cannot
     give; once cached, the low-bit optimizers create their state on fake parameters with their own code.
     """
-    from torchtitan.optim.builder import _import_torchao_optim
+    from torchtitan.optim.torchao_adapter import import_torchao_optim
 
     for module_name in ("torchao.optim.subclass_4bit", "torchao.optim.subclass_8bit"):
         try:
-            _import_torchao_optim()
+            import_torchao_optim()
             module = importlib.import_module(module_name)
         except (ImportError, UserError):
             continue

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtitan.errors import UserError
 from torchtitan.models.roles import KEY, QUERY
+from torchtitan.optim.hyperparameters import check_adam_hyperparameters
 from torchtitan.optim.partition import (
     PER_ELEMENT,
     PER_HEAD,
@@ -364,7 +365,7 @@ def _fused_local_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list
     # torch.compile cannot run under a user's dispatch mode (debugging, CommDebugMode): there the same function
     # runs eagerly; it holds only local tensors, so what such a mode observes of collectives is unchanged.
     run = _local_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_local_steps
-    from torchtitan.optim.builder import separate_compile_cache
+    from torchtitan.optim.torchao_adapter import separate_compile_cache
 
     with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache("AdamMini"):
         for (dtype, device, *_), indices in groups.items():
@@ -515,15 +516,14 @@ def _named_trainable(named_parameters: Any) -> list[tuple[str, Tensor]]:
 
 
 def _check_hyperparameters(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
-    lr_value = _scalar_value(lr)
-    if lr_value is not None and not lr_value >= 0.0:
-        raise UserError(f"AdamMini learning rate must be >= 0, got {lr_value}")
-    if len(tuple(betas)) != 2 or not all(0.0 <= float(beta) < 1.0 for beta in betas):
-        raise UserError(f"AdamMini betas must be two numbers in [0, 1), got {tuple(betas)}")
-    if not eps >= 0.0:
-        raise UserError(f"AdamMini eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise UserError(f"AdamMini weight_decay must be >= 0, got {weight_decay}")
+    check_adam_hyperparameters(_scalar_value(lr), betas, eps, weight_decay, keys=_ARGUMENT_NAMES)
+
+
+# How AdamMini's errors name its constructor arguments.
+_ARGUMENT_NAMES = {
+    "lr": "AdamMini lr", "betas": "AdamMini betas", "beta1": "AdamMini betas[0]", "beta2": "AdamMini betas[1]",
+    "eps": "AdamMini eps", "weight_decay": "AdamMini weight_decay",
+}
 
 
 def _scalar_value(value: Any) -> Optional[float]:
