@@ -19,9 +19,9 @@ column-wise tensor parallelism), and the only communication is DTensor summing t
 over the mesh dimensions that split a block (heads cut by uneven FSDP shards, norms, row-wise TP): one all-reduce
 per step under FSDP2 (plus, at the first step, a gather of where each rank's query/key rows sit). The state holds
 ``m`` (the parameter's shape), ``v`` (``(blocks, 1)``, or the parameter's shape for biases) and ``step``: nothing
-that depends on the world size, so distributed checkpoints reshard exactly. The keys are the authors' names
-(``m``, ``v``, as Adam-mini 1.1.1 stores them), not torch's ``exp_avg``/``exp_avg_sq``: ``v`` is one entry per block,
-not a per-element second moment.
+that depends on the world size, so distributed checkpoints reshard exactly. The keys follow the authors' Adam-mini 1.1.1
+(``m``; ``v``, which it calls ``vmean`` when blocked), not torch's ``exp_avg``/``exp_avg_sq``: ``v`` holds one entry
+per block, not a per-element second moment.
 """
 
 from __future__ import annotations
