@@ -206,6 +206,8 @@ def test_implementation_sets_torch_flags(name, implementation, flags):
     ("AdamMini", ["--optimizer.implementation", "for-loop"], "implementation for AdamMini is foreach or fused"),
     ("AdamMini8bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamMini8bit"),
     ("AdamW8bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamW8bit"),
+    ("AdamW4bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamW4bit"),
+    ("AdamMini4bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamMini4bit"),
     ("AdamMini4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamMini4bit"),
     ("AdamW", ["--optimizer.bf16_stochastic_round", "true"], "bf16_stochastic_round does not apply to AdamW"),
     low_bit("AdamW8bit", ["--optimizer.implementation", "fused"], "optimizer.implementation does not apply to AdamW8bit"),

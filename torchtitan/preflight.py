@@ -36,6 +36,7 @@ def preflight(job_config: JobConfig, world_size: int):
     """
     # Imported here so that `--help` and config errors answer without importing torch.
     from torchtitan.datasets import build_tokenizer, check_hub_reachable, resolve_dataset
+    from torchtitan.optim.builder import Hyperparameters, check_hyperparameters, resolve_optimizer_name
     from torchtitan.parallelisms import ParallelDims, validate_model_for_parallelism
 
     t = job_config.training
@@ -43,6 +44,8 @@ def preflight(job_config: JobConfig, world_size: int):
         dp_replicate=t.data_parallel_replicate_degree, dp_shard=t.data_parallel_shard_degree,
         tp=t.tensor_parallel_degree, world_size=world_size, enable_loss_parallel=not t.disable_loss_parallel,
     )
+    # The optimizer's name and options (one that does not apply is an error), before any model is built.
+    check_hyperparameters(resolve_optimizer_name(job_config.optimizer.name), Hyperparameters.from_job_config(job_config))
     resolve_dataset(t.dataset, t.dataset_path)
     if job_config.validation.enable:
         from torchtitan.validate import validation_data
