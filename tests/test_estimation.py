@@ -167,9 +167,9 @@ def test_two_rank_estimate_matches_rank_0_of_a_real_two_process_step(overrides):
 
 def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     job = _job("--memory_estimation.world_size", "8", "--memory_estimation.optimizers",
-               "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini8bit,AdamMini4bit")
+               "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit")
     estimate = estimate_memory(job, train.train_step)
-    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_8bit, adam_mini_4bit = estimate.optimizers
+    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit = estimate.optimizers
     assert adam_mini_bf16.label == "AdamMini:state_dtype=bfloat16" and adam_mini_bf16.options == {
         "state_dtype": "bfloat16"}
 
@@ -189,7 +189,7 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     assert adamw_4bit.optimizer_state < 0.25 * adamw.optimizer_state
     # Adam-mini's momentum in bf16 halves its state again; quantized momentum (small tensors keep float32) lower.
     assert 0.49 < adam_mini_bf16.optimizer_state / adam_mini.optimizer_state < 0.52
-    assert adam_mini_4bit.optimizer_state < adam_mini_8bit.optimizer_state < adam_mini_bf16.optimizer_state
+    assert adam_mini_4bit.optimizer_state < 0.5 * adam_mini_bf16.optimizer_state
     # The rest of the step does not depend on the optimizer: peaks differ by the state (and step temporaries).
     assert adamw.gradients == adam_mini.gradients == adamw.params
     assert adamw.activations == adam_mini.activations == adamw_4bit.activations == adam_mini_4bit.activations
