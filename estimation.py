@@ -6,7 +6,8 @@
 
 Takes the same config file and overrides as ``train.py`` (plus the ``[memory_estimation]`` section). The job's
 model is built and parallelized by the trainer's own code on a fake process group of ``world_size`` ranks, with
-fake tensors, and one training step (the trainer's ``train_step``) is tracked for each optimizer.
+fake tensors, and one training step (``torchtitan.training.train_step``, the step ``train.py`` runs) is tracked for
+each optimizer.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         # The simulated step's gradient clipping on a 2-D mesh advises on its collectives; no use to a reader here.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         # Imported after the config is read, so that --help and config mistakes answer at once.
-        import train
         from torchtitan.estimation import estimate_memory, format_table, to_json
 
-        estimate = estimate_memory(job_config, train.train_step)
+        estimate = estimate_memory(job_config)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

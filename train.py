@@ -1,8 +1,9 @@
 """Pre-train Llama 3 from a TOML job config: ``torchrun ... train.py --job.config_file X.toml [--section.key value]``.
 
 Reads top to bottom like the training recipe: config, device mesh, tokenizer, model on meta, parallelize,
-initialise, optimizers, schedulers, data, checkpoint, loop. ``python train.py ...`` without torchrun runs as one
-process.
+initialise, optimizers, schedulers, data, checkpoint, loop. The model building and one training step (forward,
+loss, backward, clip, divergence guard, update) live in ``torchtitan/training.py``, shared with the memory estimator.
+``python train.py ...`` without torchrun runs as one process.
 """
 
 from __future__ import annotations
@@ -13,44 +14,24 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from torchtitan import training
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import build_hf_data_loader
 from torchtitan.errors import UserError
 from torchtitan.guard import DIVERGENCE_EXIT_CODE, DivergenceError, DivergenceGuard
 from torchtitan.logging import init_logger, logger
-from torchtitan.loss import cross_entropy
 from torchtitan.lr_scheduling import build_lr_schedulers
 from torchtitan.metrics import (
     build_metric_logger, flops_per_token, format_log_line, format_validation_line, memory_metrics, peak_flops,
     reset_peak_memory,
 )
-from torchtitan.models.llama import Transformer
 from torchtitan.optim import build_optimizers
-from torchtitan.parallelisms import loss_parallel_context, parallelize_llama
 from torchtitan.preflight import preflight
 from torchtitan.profiling import maybe_profile
-from torchtitan.utils import DTYPES, all_reduce_scalar, clip_grad_norm_, init_distributed, set_determinism
+from torchtitan.utils import all_reduce_scalar, init_distributed, set_determinism
 from torchtitan.validate import build_validator, training_split
-
-
-class TrainState:
-    """The loop's own position, saved with every checkpoint."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.tokens_seen = 0
-        self.skipped_steps = 0  # steps whose update the divergence guard skipped
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))  # absent from checkpoints of older versions
 
 
 def main(job_config: JobConfig) -> None:
@@ -67,17 +48,13 @@ def main(job_config: JobConfig) -> None:
     dp_rank, dp_degree = parallel_dims.dp_rank_and_degree(world_mesh)
     dp_group = parallel_dims.dp_mesh(world_mesh).get_group() if parallel_dims.dp_enabled else None
 
-    with torch.device("meta"):
-        model = Transformer(model_args).to(DTYPES[t.param_dtype])
+    model = training.build_model(job_config, model_args, parallel_dims, world_mesh)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         f"model: llama3 {job_config.model.flavor}, {num_params:,} parameters, vocab {model_args.vocab_size}, "
         f"{t.param_dtype} weights"
     )
-    parallelize_llama(model, world_mesh, parallel_dims, job_config)
-    model.to_empty(device=device)
-    model.init_weights(seed=t.seed)
-    model.train()
+    training.init_model(model, device, t.seed)
     model_parts = [model]
 
     optimizers = build_optimizers(model_parts, job_config)
@@ -87,7 +64,7 @@ def main(job_config: JobConfig) -> None:
         split=training_split(job_config),
     )
     validator = build_validator(job_config, tokenizer, parallel_dims, dp_rank, dp_degree, dp_group, device)
-    train_state = TrainState()
+    train_state = training.TrainState()
     checkpoint = CheckpointManager(
         data_loader=data_loader, model_parts=model_parts, optimizers=optimizers, lr_schedulers=lr_schedulers,
         states={"train_state": train_state}, job_config=job_config,
@@ -115,7 +92,7 @@ def main(job_config: JobConfig) -> None:
         while train_state.step < t.steps:
             train_state.step += 1
             lr = lr_schedulers.get_last_lr()
-            loss, grad_norm, updated = train_step(
+            loss, grad_norm, updated = training.train_step(
                 model, optimizers, batches, parallel_dims, job_config, device, guard, train_state.step
             )
             # A skipped step still consumes its batch and advances the schedule (see torchtitan/guard.py).
@@ -166,30 +143,6 @@ def main(job_config: JobConfig) -> None:
     checkpoint.close()
     metric_logger.close()
     logger.info("training done")
-
-
-def train_step(
-    model, optimizers, batches, parallel_dims, job_config, device, guard: DivergenceGuard | None = None, step: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns (local loss, grad norm,
-    whether the update was applied). With a ``guard``, a non-finite loss or grad norm skips the update of ``step``."""
-    t = job_config.training
-    optimizers.zero_grad()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(t.gradient_accumulation_steps):
-        inputs, labels = next(batches)
-        inputs, labels = inputs.to(device), labels.to(device)
-        with loss_parallel_context(parallel_dims):
-            loss = cross_entropy(model(inputs), labels) / t.gradient_accumulation_steps
-            loss.backward()
-        if isinstance(loss, DTensor):
-            loss = loss.full_tensor()
-        total += loss.detach().to(torch.float64)
-    grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
-    if guard is not None and not guard.should_update(total, grad_norm, step):
-        return total, grad_norm, False
-    optimizers.step()
-    return total, grad_norm, True
 
 
 def _world_group():

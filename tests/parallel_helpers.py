@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.models.llama import ModelArgs, Transformer
-from torchtitan.models.llama.model import canonical_name
+from torchtitan.models.roles import canonical_name
 
 SEED = 3
 BATCH, SEQ_LEN = 12, 8  # batch divisible by every data-parallel degree tested (2, 3, 4); SEQ_LEN by TP 2

@@ -20,12 +20,10 @@ from tests.test_adam_mini import (
 from torchtitan.errors import UserError
 from torchtitan.models.llama import Transformer
 from torchtitan.optim import AdamMini
-from torchtitan.optim.builder import (
-    _portable_quantized_state,
-    initialise_state,
-    tensor_bytes,
-)
+from torchtitan.optim.container import tensor_bytes
+from torchtitan.optim.state_init import initialise_state
 from torchtitan.optim.state_storage import is_quantized
+from torchtitan.optim.torchao_adapter import portable_quantized_state
 
 # Wide enough that some matrices reach torchao's 4096-entry threshold for quantized state.
 WIDE = dataclasses.replace(TINY, dim=64, vocab_size=96)
@@ -169,13 +167,13 @@ def test_bfloat16_state_dict_round_trip_continues_bit_exactly():
 def test_quantized_momentum_saves_plain_float32_and_reloads_quantized():
     model = float32_model()
     optimizer = adam_mini_for(model, momentum_storage="int8", implementation="foreach")
-    _portable_quantized_state(optimizer)
+    portable_quantized_state(optimizer)
     _train(model, optimizer, STEPS)
     saved = optimizer.state_dict()
     assert all(type(state["m"]) is torch.Tensor and state["m"].dtype == torch.float32
                for state in saved["state"].values())
     fresh = adam_mini_for(model, momentum_storage="int8", implementation="foreach")
-    _portable_quantized_state(fresh)
+    portable_quantized_state(fresh)
     initialise_state(fresh)
     fresh.load_state_dict(saved)
     wq = model.layers["0"].attention.wq.weight

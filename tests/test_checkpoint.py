@@ -377,7 +377,7 @@ def test_initial_load_path_model_only_or_everything(tmp_path):
 
 
 def test_default_folder_is_per_optimizer_and_names_older_shared_checkpoints(tmp_path, monkeypatch):
-    import torchtitan.checkpoint as checkpoint_module
+    import torchtitan.checkpoint.manager as checkpoint_module
 
     Trainer(job(str(tmp_path), steps=1, interval=1)).run(1)  # the explicit shared folder: checkpoint/step-1
     warnings_logged = []
@@ -501,7 +501,7 @@ _KILLED_SAVER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {repo!r})
     from tests import test_checkpoint as t
-    from torchtitan import checkpoint as ckpt
+    from torchtitan.checkpoint import manager as ckpt
 
     class SlowWriter(ckpt.FileSystemWriter):
         # Writes the data files of the save, then stalls before DCP writes the metadata: killed here.

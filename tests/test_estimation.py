@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import train
 from estimation import main as estimation_main
 from tests import processes
 from tests.distributed import run_workers
+from torchtitan import training
 from torchtitan.config_manager import JobConfig
 from torchtitan.estimation import LiveMemoryTracker, estimate_memory
 from torchtitan.estimation.tracker import GATHERED_PARAMS, PARAMS, storages_of
@@ -84,7 +84,7 @@ def _measure_real_steps(job: JobConfig, world_size: int, mesh, optimizer_names: 
     from torchtitan.preflight import model_args_for
 
     t = job.training
-    parallel_dims = ParallelDims(1, -1, t.tensor_parallel_degree, world_size)
+    parallel_dims = ParallelDims.from_job_config(job, world_size)
     with torch.device("meta"):
         model = Transformer(model_args_for(job, VOCAB))
     parallelize_llama(model, mesh, parallel_dims, job)
@@ -103,7 +103,7 @@ def _measure_real_steps(job: JobConfig, world_size: int, mesh, optimizer_names: 
         named = copy.deepcopy(job)
         named.optimizer.name = name
         optimizers = build_optimizers([model], named)
-        step = lambda: train.train_step(model, optimizers, data, parallel_dims, named, torch.device("cpu"))  # noqa
+        step = lambda: training.train_step(model, optimizers, data, parallel_dims, named, torch.device("cpu"))  # noqa
         step()  # warm-up: creates the optimizer state
         for p in model.parameters():
             p.grad = None
@@ -131,7 +131,7 @@ def _assert_close(estimate, measured: dict, what: str, tolerance: tuple[float, f
 
 def test_single_process_estimate_matches_a_real_cpu_step():
     job = _job("--memory_estimation.world_size", "1", "--memory_estimation.optimizers", "AdamW,AdamMini")
-    estimate = estimate_memory(job, train.train_step)
+    estimate = estimate_memory(job)
     measured = _measure_real_steps(job, 1, None, ["AdamW", "AdamMini"], seed=0)
     _assert_close(estimate, measured, "1 process", ONE_PROCESS_TOLERANCE)
 
@@ -140,7 +140,7 @@ def _real_rank(rank: int, world_size: int, overrides: list[str]) -> dict:
     from torchtitan.parallelisms import ParallelDims
 
     job = _job(*overrides)
-    mesh = ParallelDims(1, -1, job.training.tensor_parallel_degree, world_size).build_mesh("cpu")
+    mesh = ParallelDims.from_job_config(job, world_size).build_mesh("cpu")
     return _measure_real_steps(job, world_size, mesh, ["AdamW"], seed=rank)
 
 
@@ -156,7 +156,7 @@ def _real_rank(rank: int, world_size: int, overrides: list[str]) -> dict:
 )
 def test_two_rank_estimate_matches_rank_0_of_a_real_two_process_step(overrides):
     job = _job("--memory_estimation.world_size", "2", "--memory_estimation.optimizers", "AdamW", *overrides)
-    estimate = estimate_memory(job, train.train_step)
+    estimate = estimate_memory(job)
     measured_rank0 = run_workers(_real_rank, world_size=2, args=(overrides,))[0]
     _assert_close(estimate, measured_rank0, " ".join(overrides), GLOO_TOLERANCE)
 
@@ -167,7 +167,7 @@ def test_two_rank_estimate_matches_rank_0_of_a_real_two_process_step(overrides):
 
 def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     job = _job("--memory_estimation.world_size", "8", "--memory_estimation.optimizers", "AdamW,AdamMini,AdamW4bit")
-    estimate = estimate_memory(job, train.train_step)
+    estimate = estimate_memory(job)
     adamw, adam_mini, adamw_4bit = estimate.optimizers
 
     from torchtitan.models.llama import Transformer
@@ -193,7 +193,7 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
 def test_activations_follow_checkpointing_and_batch_size():
     def activations(*overrides):
         job = _job("--memory_estimation.world_size", "1", "--memory_estimation.optimizers", "AdamW", *overrides)
-        return estimate_memory(job, train.train_step).optimizers[0].activations
+        return estimate_memory(job).optimizers[0].activations
 
     full_batch = activations("--training.batch_size", "4")
     half_batch = activations("--training.batch_size", "2")

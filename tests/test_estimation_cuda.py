@@ -13,8 +13,8 @@ import gc
 import pytest
 import torch
 
-import train
 from tests.test_estimation import DEBUG_CONFIG
+from torchtitan import training
 from torchtitan.config_manager import JobConfig
 from torchtitan.estimation import estimate_memory
 
@@ -47,7 +47,7 @@ def _measured_peaks(job: JobConfig) -> dict[str, int]:
 
     device = torch.device("cuda", torch.cuda.current_device())
     t = job.training
-    dims = ParallelDims(1, -1, 1, 1)
+    dims = ParallelDims.from_job_config(job, 1)
     with torch.device("meta"):
         model = Transformer(model_args_for(job, VOCAB))
     parallelize_llama(model, None, dims, job)
@@ -66,13 +66,13 @@ def _measured_peaks(job: JobConfig) -> dict[str, int]:
         named = copy.deepcopy(job)
         named.optimizer.name = name
         optimizers = build_optimizers([model], named)
-        train.train_step(model, optimizers, data, dims, named, device)  # warm-up: creates the optimizer state
+        training.train_step(model, optimizers, data, dims, named, device)  # warm-up: creates the optimizer state
         for p in model.parameters():
             p.grad = None
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-        train.train_step(model, optimizers, data, dims, named, device)
+        training.train_step(model, optimizers, data, dims, named, device)
         torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated(device)
         del optimizers
@@ -85,7 +85,7 @@ def _measured_peaks(job: JobConfig) -> dict[str, int]:
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_cuda_estimate_matches_the_allocators_peak(param_dtype):
     job = _job("--training.param_dtype", param_dtype)
-    estimate = estimate_memory(job, train.train_step)
+    estimate = estimate_memory(job)
     measured = _measured_peaks(job)
     for o in estimate.optimizers:
         real = measured[o.optimizer]

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
-from torchtitan.models.llama.model import apply_rope, canonical_name, rope_table
+from torchtitan.models.llama.model import apply_rope, rope_table
+from torchtitan.models.roles import canonical_name
 
 
 def tiny_args(**overrides):

@@ -40,9 +40,9 @@ def steps_of(rows: list[dict]) -> list[int]:
 
 def loss_of_saved_weights(step_folder: Path) -> float:
     """The loss train.py computes at step 1 of a run (first batch of the data), with the checkpoint's weights."""
-    import train as train_module
     from torchtitan.config_manager import JobConfig
     from torchtitan.datasets import build_hf_data_loader
+    from torchtitan.loss import cross_entropy
     from torchtitan.models.llama import Transformer
     from torchtitan.preflight import preflight
 
@@ -61,7 +61,7 @@ def loss_of_saved_weights(step_folder: Path) -> float:
     torch.set_num_threads(1)  # as the run (OMP_NUM_THREADS=1): the same order of sums, so the same float64 bits
     try:
         with torch.no_grad():
-            return train_module.cross_entropy(model(inputs), labels).item()
+            return cross_entropy(model(inputs), labels).item()
     finally:
         torch.set_num_threads(threads)
 

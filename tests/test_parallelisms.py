@@ -128,6 +128,19 @@ def test_shard_degree_fills_the_world():
     assert not ParallelDims(1, -1, 1, 2).loss_parallel_enabled  # no TP: nothing to parallelize the loss over
 
 
+def test_degrees_and_loss_parallel_come_from_the_job_config():
+    config = job_config(training={"data_parallel_replicate_degree": 2, "tensor_parallel_degree": 3})
+    dims = ParallelDims.from_job_config(config, 12)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.world_size) == (2, 2, 3, 12)
+    assert dims.loss_parallel_enabled
+    config.training.data_parallel_shard_degree = 4
+    config.training.disable_loss_parallel = True
+    dims = ParallelDims.from_job_config(config, 24)
+    assert dims.degrees == {"dp_replicate": 2, "dp_shard": 4, "tp": 3} and not dims.loss_parallel_enabled
+    with pytest.raises(UserError, match="world size 12"):
+        ParallelDims.from_job_config(config, 12)
+
+
 @pytest.mark.parametrize(
     "degrees, world_size",
     [((2, 2, 1), 8), ((1, 3, 1), 4), ((1, -1, 3), 4), ((3, -1, 1), 4), ((1, -1, 1), 0)],

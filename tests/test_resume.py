@@ -121,7 +121,7 @@ _STALLING_TRAIN = textwrap.dedent(
     """
     import os, runpy, sys, time
     sys.path.insert(0, {repo!r})
-    import torchtitan.checkpoint as checkpoint
+    import torchtitan.checkpoint.manager as checkpoint
 
     class StallingWriter(checkpoint.FileSystemWriter):
         # Writes this rank's data files, then stalls before the metadata is written: the SIGKILL lands mid-save.

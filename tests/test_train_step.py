@@ -1,4 +1,4 @@
-"""train.py's ``train_step``: gradient accumulation and gradient clipping, in one process and on 2 ranks (FSDP2, TP).
+"""The training step (``torchtitan.training.train_step``, the one train.py runs): gradient accumulation and gradient clipping, in one process and on 2 ranks (FSDP2, TP).
 
 Everything runs in float64 on the tiny Llama of tests/parallel_helpers.py, so that results differ only by the order
 of floating-point sums. One global batch of 12 sequences is the reference; every run below sees exactly those 12
@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import train
 from tests.distributed import run_workers
 from tests.parallel_helpers import BATCH, SEQ_LEN, TINY, full, job_config, materialize, meta_model
-from torchtitan.models.llama.model import canonical_name
+from torchtitan import training
+from torchtitan.models.roles import canonical_name
 from torchtitan.optim import OptimizersContainer, build_optimizers
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
 
@@ -73,7 +73,7 @@ def run_case(
     optimizers = SGDContainer(model) if optimizer == "SGD" else build_optimizers([model], config)
     dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
     batches = micro_batches(accumulation, dp_rank, dp_degree)
-    loss, grad_norm, updated = train.train_step(model, optimizers, batches, dims, config, torch.device("cpu"))
+    loss, grad_norm, updated = training.train_step(model, optimizers, batches, dims, config, torch.device("cpu"))
     assert updated
     assert next(batches, None) is None  # the step used all its micro-batches, no more
     loss = loss.detach().reshape(1).clone()

@@ -2,7 +2,8 @@
 
 Every option lives in exactly one dataclass field below, with its default and a one-line help text in
 ``metadata``. Range checks are declared next to the field (``ge``, ``gt``, ``lt``, ``le``, ``choices``) so that the
-TOML loader, the command-line parser and ``--help`` all read the same facts. Mistakes raise
+TOML loader, the command-line parser and ``--help`` all read the same facts; the Adam hyperparameters are checked by
+``torchtitan.optim.hyperparameters``, as the optimizer builder and ``AdamMini`` check them. Mistakes raise
 :class:`torchtitan.errors.UserError` with one line naming the key and, for typos, the closest valid key.
 """
 
@@ -55,11 +56,12 @@ class Model:
 class Optimizer:
     name: str = opt("AdamW", "optimizer: AdamW, Adam, AdamMini, AdamMini8bit, AdamMini4bit, AdamW8bit, AdamW4bit, "
                              "AdamWFp8 (case-insensitive)")
-    lr: float = opt(8e-4, "peak learning rate", gt=0.0)
-    beta1: float = opt(0.9, "first-moment decay", ge=0.0, lt=1.0)
-    beta2: float = opt(0.95, "second-moment decay", ge=0.0, lt=1.0)
-    eps: float = opt(1e-8, "denominator epsilon", gt=0.0)
-    weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms and biases by AdamMini)", ge=0.0)
+    # lr, beta1, beta2, eps and weight_decay are checked by torchtitan.optim.hyperparameters (torch.optim's rules).
+    lr: float = opt(8e-4, "peak learning rate")
+    beta1: float = opt(0.9, "first-moment decay")
+    beta2: float = opt(0.95, "second-moment decay")
+    eps: float = opt(1e-8, "denominator epsilon")
+    weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms and biases by AdamMini)")
     implementation: Optional[str] = opt(
         None, "for-loop, foreach or fused where the optimizer has them (AdamMini: foreach or fused, the default); "
         "unset picks the optimizer's default", choices=("for-loop", "foreach", "fused"),
@@ -236,6 +238,9 @@ class JobConfig:
 
     def validate(self) -> None:
         """Checks that span several keys; per-key ranges are checked from the field metadata."""
+        from torchtitan.optim.hyperparameters import Hyperparameters  # torch-free, like this module
+
+        Hyperparameters.from_job_config(self).check()
         t = self.training
         if t.data_parallel_shard_degree == 0:
             raise UserError("training.data_parallel_shard_degree must be -1 (fill) or a positive integer")

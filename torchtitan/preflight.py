@@ -39,10 +39,7 @@ def preflight(job_config: JobConfig, world_size: int):
     from torchtitan.parallelisms import ParallelDims, validate_model_for_parallelism
 
     t = job_config.training
-    parallel_dims = ParallelDims(
-        dp_replicate=t.data_parallel_replicate_degree, dp_shard=t.data_parallel_shard_degree,
-        tp=t.tensor_parallel_degree, world_size=world_size, enable_loss_parallel=not t.disable_loss_parallel,
-    )
+    parallel_dims = ParallelDims.from_job_config(job_config, world_size)
     resolve_dataset(t.dataset, t.dataset_path)
     if job_config.validation.enable:
         from torchtitan.validate import validation_data

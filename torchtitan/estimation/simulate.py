@@ -1,10 +1,11 @@
 """Simulate one training step of a job on one rank of a fake world, without allocating its memory.
 
-The model is built and parallelized by the trainer's own code (``parallelize_llama`` on a mesh from
+The model is built and parallelized by the trainer's own code (``torchtitan.training.build_model`` on a mesh from
 ``ParallelDims.build_mesh``) over a fake process group of the simulated world size, with every tensor a fake tensor
 (``FakeTensorMode``: shapes, dtypes and devices, no data). Each optimizer is built by ``build_optimizers`` and its
-state created by the optimizer's own code; then the trainer's ``train_step`` (forward, loss, backward, clipping,
-optimizer step) runs under :class:`LiveMemoryTracker`, which counts live tensor bytes on the simulated rank.
+state created by the optimizer's own code; then the step ``train.py`` runs, ``torchtitan.training.train_step``
+(forward, loss, backward, clipping, optimizer step), runs under :class:`LiveMemoryTracker`, which counts live tensor
+bytes on the simulated rank.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import itertools
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan import training
 from torchtitan.config_manager import JobConfig
 from torchtitan.errors import UserError
 from torchtitan.estimation.tracker import (
@@ -32,11 +34,12 @@ from torchtitan.estimation.tracker import (
 )
 from torchtitan.optim.builder import (
     OPTIMIZERS,
-    OPTIONAL_OPTIONS,
     build_optimizers,
     resolve_optimizer_name,
-    tensor_bytes,
 )
+from torchtitan.optim.container import tensor_bytes
+from torchtitan.optim.hyperparameters import OPTIONAL_OPTIONS
+from torchtitan.optim.torchao_adapter import import_torchao_optim
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 _CUDA_BLOCK_BYTES = 512
@@ -44,10 +47,6 @@ _CUDA_BLOCK_BYTES = 512
 _LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamMini8bit", "AdamMini4bit")
 
 _LAYOUT_NAMES = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP"}
-
-# (model, optimizers, batches, parallel_dims, job_config, device) -> anything: the trainer's train_step.
-TrainStep = Callable[..., Any]
-
 
 @dataclass
 class OptimizerEstimate:
@@ -183,11 +182,9 @@ def precompute_quantization_maps() -> None:
     torchao builds them once from Python lists read out of tensors, which fake tensors (having no values) cannot
     give; once cached, the low-bit optimizers create their state on fake parameters with their own code.
     """
-    from torchtitan.optim.builder import _import_torchao_optim
-
     for module_name in ("torchao.optim.subclass_4bit", "torchao.optim.subclass_8bit"):
         try:
-            _import_torchao_optim()
+            import_torchao_optim()
             module = importlib.import_module(module_name)
         except (ImportError, UserError):
             continue
@@ -195,19 +192,6 @@ def precompute_quantization_maps() -> None:
             function = getattr(module, function_name, None)
             if function is not None:
                 function()
-
-
-def build_model(job_config: JobConfig, model_args, parallel_dims, world_mesh, device: str) -> nn.Module:
-    """The trainer's model construction, on the meta device: param dtype, then parallelized."""
-    from torchtitan.models.llama import Transformer
-    from torchtitan.parallelisms import parallelize_llama
-    from torchtitan.utils import DTYPES
-
-    with torch.device("meta"):
-        model = Transformer(model_args).to(DTYPES[job_config.training.param_dtype])
-    # The simulated mesh lives on the CPU (fake collectives need no GPU); a CUDA job's FSDP computes in bf16.
-    parallelize_llama(model, world_mesh, parallel_dims, job_config, compute_device_type=device)
-    return model
 
 
 def fake_batches(batch_size: int, seq_len: int, vocab: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -262,8 +246,7 @@ def _state_source(name: str) -> str:
 
 
 def estimate_optimizer(
-    model: nn.Module, job_config: JobConfig, train_step: TrainStep, parallel_dims, batches, round_to: int,
-    warm_up: bool = False,
+    model: nn.Module, job_config: JobConfig, parallel_dims, batches, round_to: int, warm_up: bool = False,
 ) -> OptimizerEstimate:
     """Build the job's optimizer on ``model``, create its state, and track one training step.
 
@@ -275,7 +258,7 @@ def estimate_optimizer(
     device = torch.device("cpu")
     if warm_up:
         with torch.compiler.set_stance("force_eager"):
-            train_step(model, optimizers, batches, parallel_dims, job_config, device)
+            training.train_step(model, optimizers, batches, parallel_dims, job_config, device)
     for p in model.parameters():
         p.grad = None
     gc.collect()
@@ -285,7 +268,7 @@ def estimate_optimizer(
     measured: dict[str, int] = {}
     # Fake tensors hold no data to compile kernels for: compiled optimizer steps (torchao) run eagerly.
     with _phase_hooks(tracker, model, optimizers, measured), torch.compiler.set_stance("force_eager"), tracker:
-        train_step(model, optimizers, batches, parallel_dims, job_config, device)
+        training.train_step(model, optimizers, batches, parallel_dims, job_config, device)
     gradients = sum(tensor_bytes(p.grad) for p in model.parameters())
     estimate = OptimizerEstimate(
         optimizer=optimizers.name,
@@ -309,7 +292,7 @@ def estimate_optimizer(
 # The whole estimate
 
 
-def estimate_memory(job_config: JobConfig, train_step: TrainStep) -> Estimate:
+def estimate_memory(job_config: JobConfig) -> Estimate:
     """Per-rank memory of ``job_config``'s training for each optimizer in ``[memory_estimation]``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -321,11 +304,7 @@ def estimate_memory(job_config: JobConfig, train_step: TrainStep) -> Estimate:
     notes: list[str] = []
     t = job_config.training
     try:
-        parallel_dims = ParallelDims(
-            dp_replicate=t.data_parallel_replicate_degree, dp_shard=t.data_parallel_shard_degree,
-            tp=t.tensor_parallel_degree, world_size=settings.world_size,
-            enable_loss_parallel=not t.disable_loss_parallel,
-        )
+        parallel_dims = ParallelDims.from_job_config(job_config, settings.world_size)
     except UserError as e:
         raise UserError(f"memory_estimation.world_size {settings.world_size}: {e}") from None
     vocab = vocab_size(job_config, notes)
@@ -345,7 +324,10 @@ def estimate_memory(job_config: JobConfig, train_step: TrainStep) -> Estimate:
         precompute_quantization_maps()
     with world:
         # Mesh and sharding plan are built for real (on the meta device); only tensors with data are fake.
-        model = build_model(job, model_args, parallel_dims, parallel_dims.build_mesh("cpu"), settings.device)
+        # The simulated mesh lives on the CPU (fake collectives need no GPU); a CUDA job's FSDP computes in bf16.
+        model = training.build_model(
+            job, model_args, parallel_dims, parallel_dims.build_mesh("cpu"), compute_device_type=settings.device
+        )
         estimate.num_params = sum(p.numel() for p in model.parameters())
         # Meta parameters become fake ones in to_empty, hence non-fake inputs are allowed.
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -356,7 +338,7 @@ def estimate_memory(job_config: JobConfig, train_step: TrainStep) -> Estimate:
             for index, name in enumerate(names):
                 optimizer_job = job_for_optimizer(job, name, notes)
                 estimate.optimizers.append(estimate_optimizer(
-                    model, optimizer_job, train_step, parallel_dims, batches, round_to, warm_up=index == 0
+                    model, optimizer_job, parallel_dims, batches, round_to, warm_up=index == 0
                 ))
     return estimate
 

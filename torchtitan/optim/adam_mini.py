@@ -19,7 +19,9 @@ column-wise tensor parallelism), and the only communication is DTensor summing t
 over the mesh dimensions that split a block (heads cut by uneven FSDP shards, norms, row-wise TP): one all-reduce
 per step under FSDP2 (plus, at the first step, a gather of where each rank's query/key rows sit). The state holds
 ``m`` (the parameter's shape), ``v`` (``(blocks, 1)``, or the parameter's shape for biases) and ``step``: nothing
-that depends on the world size, so distributed checkpoints reshard exactly.
+that depends on the world size, so distributed checkpoints reshard exactly. The keys follow the authors' Adam-mini 1.1.1
+(``m``; ``v``, which it calls ``vmean`` when blocked), not torch's ``exp_avg``/``exp_avg_sq``: ``v`` holds one entry
+per block, not a per-element second moment.
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtitan.errors import UserError
+from torchtitan.models.roles import KEY, QUERY
+from torchtitan.optim.hyperparameters import check_adam_hyperparameters
 from torchtitan.optim.partition import (
-    KEY,
     PER_ELEMENT,
     PER_HEAD,
     PER_ROW,
     PER_TENSOR,
-    QUERY,
     VALUE_BLOCK_CHOICES,
     BlockPlan,
     partition_summary,
@@ -436,7 +438,7 @@ def _fused_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
         groups[key + ((i,) if is_quantized(m) else ())].append(i)
     dataless = any(p.is_meta or isinstance(p, FakeTensor) for p in params)
     run = _fused_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_fused_steps
-    from torchtitan.optim.builder import separate_compile_cache
+    from torchtitan.optim.torchao_adapter import separate_compile_cache
 
     lr = hyper.lr
     with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache("AdamMini"):
@@ -597,15 +599,14 @@ def _named_trainable(named_parameters: Any) -> list[tuple[str, Tensor]]:
 
 
 def _check_hyperparameters(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
-    lr_value = _scalar_value(lr)
-    if lr_value is not None and not lr_value >= 0.0:
-        raise UserError(f"AdamMini learning rate must be >= 0, got {lr_value}")
-    if len(tuple(betas)) != 2 or not all(0.0 <= float(beta) < 1.0 for beta in betas):
-        raise UserError(f"AdamMini betas must be two numbers in [0, 1), got {tuple(betas)}")
-    if not eps >= 0.0:
-        raise UserError(f"AdamMini eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise UserError(f"AdamMini weight_decay must be >= 0, got {weight_decay}")
+    check_adam_hyperparameters(_scalar_value(lr), betas, eps, weight_decay, keys=_ARGUMENT_NAMES)
+
+
+# How AdamMini's errors name its constructor arguments.
+_ARGUMENT_NAMES = {
+    "lr": "AdamMini lr", "betas": "AdamMini betas", "beta1": "AdamMini betas[0]", "beta2": "AdamMini betas[1]",
+    "eps": "AdamMini eps", "weight_decay": "AdamMini weight_decay",
+}
 
 
 def _scalar_value(value: Any) -> Optional[float]:

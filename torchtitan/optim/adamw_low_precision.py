@@ -86,7 +86,7 @@ class LowPrecisionAdam(torch.optim.Optimizer):
         decay = (1 - lr * group["weight_decay"] if decoupled else torch.ones((), dtype=torch.float64))
         dataless = any(t.is_meta or isinstance(t, FakeTensor) for t in local)
         run = _local_adam_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_local_adam_steps
-        from torchtitan.optim.builder import separate_compile_cache
+        from torchtitan.optim.torchao_adapter import separate_compile_cache
 
         with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache("AdamW_bf16"):
             run([p.detach() for p in local], [_local(p.grad) for p in params],

@@ -27,13 +27,20 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
 from torchtitan.errors import UserError
-
-# Roles a weight can play (our Llama declares the first eight); BIAS and OTHER are assigned here.
-EMBEDDING, OUTPUT, QUERY, KEY, VALUE, ATTN_OUT, MLP, NORM = (
-    "embedding", "output", "query", "key", "value", "attn_out", "mlp", "norm"
+from torchtitan.models.roles import (
+    ATTN_OUT,
+    BIAS,
+    EMBEDDING,
+    KEY,
+    MLP,
+    NORM,
+    OTHER,
+    OUTPUT,
+    QUERY,
+    ROLES,
+    VALUE,
+    canonical_name,
 )
-BIAS, OTHER = "bias", "other"
-ROLES = (EMBEDDING, OUTPUT, QUERY, KEY, VALUE, ATTN_OUT, MLP, NORM, BIAS)
 
 # Block rules.
 PER_ROW, PER_HEAD, PER_TENSOR, PER_ELEMENT = "per_row", "per_head", "per_tensor", "per_element"
@@ -61,10 +68,6 @@ _WEIGHT_RULES: dict[tuple[str, ...], str] = {
     ("mlp", "down_proj"): MLP,
 }
 _LONGEST_RULE = max(len(path) for path in _WEIGHT_RULES)
-
-# Segments that activation checkpointing, torch.compile and FSDP1 insert into parameter names (DDP adds a leading
-# "module").
-_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
 
 @dataclass(frozen=True)
@@ -108,14 +111,6 @@ class BlockPlan:
         if self.rule == PER_TENSOR:
             return self.numel
         return self.rows_per_block * self.row_numel
-
-
-def canonical_name(name: str) -> str:
-    """``name`` without the segments that wrappers (checkpointing, compile, FSDP1, DDP) insert."""
-    parts = [part for part in name.split(".") if part not in _WRAPPER_SEGMENTS]
-    if len(parts) > 1 and parts[0] == "module":
-        parts = parts[1:]
-    return ".".join(parts)
 
 
 def role_from_name(name: str) -> str:

@@ -44,9 +44,9 @@ def new_state(param: Tensor, storage: str, block_size: int | None = None, signed
 def _quantized_zeros(local: Tensor, storage: str, block_size: int, signed: bool) -> Tensor:
     if local.numel() < MIN_QUANTIZED_NUMEL or local.numel() % block_size:
         return torch.zeros_like(local)
-    from torchtitan.optim.builder import _import_torchao_optim
+    from torchtitan.optim.torchao_adapter import import_torchao_optim
 
-    _import_torchao_optim()  # a clear error when torchao is missing
+    import_torchao_optim()  # a clear error when torchao is missing
     if storage == INT8:
         from torchao.optim.subclass_8bit import OptimState8bit as cls
     else:

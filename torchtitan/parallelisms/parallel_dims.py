@@ -14,6 +14,7 @@ from typing import Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchtitan.config_manager import JobConfig
 from torchtitan.errors import UserError
 
 # Mesh dimension names, outermost first; "dp" is the flattened (replicate, shard) dimension.
@@ -34,6 +35,15 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def from_job_config(cls, job_config: JobConfig, world_size: int) -> ParallelDims:
+        """The degrees and the loss-parallel choice of ``job_config``'s ``[training]`` over ``world_size`` ranks."""
+        t = job_config.training
+        return cls(
+            dp_replicate=t.data_parallel_replicate_degree, dp_shard=t.data_parallel_shard_degree,
+            tp=t.tensor_parallel_degree, world_size=world_size, enable_loss_parallel=not t.disable_loss_parallel,
+        )
 
     def validate(self) -> None:
         """Fill ``dp_shard = -1`` and check that the degrees multiply to the world size."""

@@ -144,7 +144,8 @@ def run_command(spec: RunSpec, run_dir: Path, train_args: Sequence[str], launche
 def preflight_jobs(specs: Sequence[RunSpec], config_file: str, nproc: int, train_args: Sequence[str]) -> None:
     """Check each optimizer's job as train.py will, so that a mistake stops the sweep before any run starts."""
     from torchtitan.config_manager import JobConfig
-    from torchtitan.optim.builder import Hyperparameters, check_hyperparameters, resolve_optimizer_name
+    from torchtitan.optim.builder import check_hyperparameters, resolve_optimizer_name
+    from torchtitan.optim.hyperparameters import Hyperparameters
     from torchtitan.preflight import preflight
 
     checked = set()

@@ -16,9 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-# Roles a weight can play; Adam-mini maps each role to a block rule.
-EMBEDDING, OUTPUT, QUERY, KEY, VALUE, ATTN_OUT, MLP, NORM = (
-    "embedding", "output", "query", "key", "value", "attn_out", "mlp", "norm"
+from torchtitan.models.roles import (
+    ATTN_OUT,
+    EMBEDDING,
+    KEY,
+    MLP,
+    NORM,
+    OUTPUT,
+    QUERY,
+    VALUE,
+    canonical_name,
 )
 
 
@@ -212,16 +219,6 @@ class Transformer(nn.Module):
                 roles[f"{module_name}.{suffix}" if module_name else suffix] = role
         names = {name for name, _ in self.named_parameters()}
         return {name: role for name, role in roles.items() if name in names}
-
-
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def canonical_name(name: str) -> str:
-    """A parameter name without the segments that activation checkpointing and compile insert."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
 
 
 def _normal(std: float):

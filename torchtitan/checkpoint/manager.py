@@ -1,64 +1,15 @@
-"""Checkpoints: save and resume model, optimizers, lr schedulers, data-loader position and train state.
+"""The checkpoint manager: what a training job saves and resumes, and the job facts that guard a load.
 
-Where: ``checkpoint.folder`` (relative to ``job.dump_folder`` unless absolute); unset, it is
-``checkpoint/<optimizer name>`` (the canonical name, e.g. ``checkpoint/AdamMini``), so runs that differ in the optimizer
-never share checkpoints, the way their TensorBoard run folders are apart. An explicit folder is used as given.
-
-Layout of the checkpoint folder::
-
-    step-10/               a complete checkpoint (torch.distributed.checkpoint format: .metadata + *.distcp)
-    step-20/
-    step-20-weights/       the final weights-only export (model_weights_only), in export_dtype
-    .step-30.tmp-1a2b3c/   a save in progress (or one killed mid-way): never loaded, removed at the next start
-
-Crash safety: every save writes into a hidden temporary folder; only after all ranks finished writing does rank 0
-rename it to ``step-N`` (atomic on one filesystem) and fsync the parent folder. A checkpoint that is visible is
-therefore complete, and the last good one is never written over. A save whose model or optimizer state holds a
-NaN or an infinity on any rank is refused (``DivergenceError``, nothing written), so every checkpoint is finite.
-``keep_latest_k`` removes older checkpoints only after the new one is published, and removes them by renaming first,
-so a crash mid-delete leaves a temporary folder, not a half-deleted ``step-N``.
-
-Resharding: model and optimizer tensors are DTensors that DCP reshards on load, so a checkpoint saved on N ranks
-loads on M. Everything else (schedulers, data-loader position, train state) is world-size independent plain data.
-
-No pickle of arbitrary objects on load:
-- plain-data state (schedulers, data loader, ``states``) is stored as JSON text in a uint8 tensor;
-- DCP's own non-tensor leaves (optimizer hyperparameters) are read with ``torch.load(weights_only=True)``;
-- DCP's ``.metadata`` file is read with an unpickler that only accepts DCP's metadata classes and a few torch and
-  builtin types.
-
-Async mode (``checkpoint.async_mode = "async"``): the state is copied to CPU memory on the calling thread, then
-written by a background thread over a dedicated gloo process group (so its collectives never interleave with the
-training loop's). A save waits for the previous one before starting; ``close()`` waits for the last one.
-
-Job facts: every checkpoint also holds a small plain record of the job that wrote it (optimizer, optional state dtype,
-model flavor, parameter count and a digest of the parameter names and shapes). A load compares it first, so a
-checkpoint of another optimizer or model is refused with one line saying what it holds and what the job expects.
-
-Warm start: ``checkpoint.initial_load_path`` names a checkpoint (a ``step-N`` folder, or a folder of them: the latest)
-to start from when the run's own folder holds none yet. With ``checkpoint.initial_load_model_only`` (the default)
-only the model weights are loaded, from a checkpoint of any optimizer; the optimizer state, lr schedule, data
-position and step start fresh. Otherwise everything is loaded, as a resume would, and must match the job.
-
-Weights export: when ``checkpoint.model_weights_only`` is set, ``save`` at the last training step (``training.steps``)
-also writes ``step-N-weights`` holding only the model's parameters in ``checkpoint.export_dtype``, keyed by their
-parameter names, loadable with ``dcp.load`` into a ``Transformer``'s ``state_dict()``. With checkpointing enabled the
-full checkpoint of that step is saved as usual, so the run stays resumable; the export also works with checkpointing
-off. ``export_weights(step)`` does the same on demand.
+See the package docstring (``torchtitan/checkpoint/__init__.py``) for the folder layout and the guarantees.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
-import io
 import json
 import os
-import pickle
-import re
 import secrets
-import shutil
 import time
 import warnings
 from typing import Any, Optional
@@ -67,162 +18,44 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
+from torchtitan.checkpoint.codec import decode_plain, encode_plain
+from torchtitan.checkpoint.folders import (
+    DEFAULT_FOLDER,
+    STEP_FOLDER,
+    clean_temporary,
+    complete_steps,
+    publish,
+    remove_folder,
+    resolve_folder,
+    step_folder,
+    temporary_name,
+    weights_folder,
+)
+from torchtitan.checkpoint.safe_reading import (
+    METADATA_FILE,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+)
 from torchtitan.errors import UserError
-from torchtitan.guard import DivergenceError, resume_hint, state_tensors, tensors_are_finite
+from torchtitan.guard import (
+    DivergenceError,
+    resume_hint,
+    state_tensors,
+    tensors_are_finite,
+)
 from torchtitan.logging import logger
 from torchtitan.optim.builder import resolve_optimizer_name
 from torchtitan.utils import DTYPES
 
-STEP_FOLDER = re.compile(r"^step-(\d+)$")
-TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights)?\.tmp-")
-METADATA_FILE = ".metadata"
-DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optimizer
-
 MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER = "model", "optimizer", "lr_schedulers", "dataloader"
 JOB_FACTS = "job_facts"
 RESERVED_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER, JOB_FACTS)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Plain data <-> JSON bytes, for state that is not tensors (schedulers, data-loader position, train state).
-# JSON alone would silently turn tuples into lists and int keys into strings, so those (and small tensors such as
-# a sampler's generator state) are written as tagged objects and restored exactly.
-
-_TAGS = ("__tuple__", "__items__", "__tensor__", "__bytes__")
-
-
-def encode_plain(value: Any) -> bytes:
-    """Plain Python data (dict, list, tuple, str, int, float, bool, None, bytes, small tensors) as JSON bytes."""
-    return json.dumps(_to_json(value, "state"), separators=(",", ":")).encode("utf-8")
-
-
-def decode_plain(data: bytes) -> Any:
-    """The inverse of :func:`encode_plain`."""
-    return _from_json(json.loads(data.decode("utf-8")))
-
-
-def _to_json(value: Any, path: str) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, list):
-        return [_to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, tuple):
-        return {"__tuple__": [_to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]}
-    if isinstance(value, dict):
-        looks_tagged = len(value) == 1 and next(iter(value)) in _TAGS
-        if all(isinstance(k, str) for k in value) and not looks_tagged:
-            return {k: _to_json(v, f"{path}.{k}") for k, v in value.items()}
-        return {"__items__": [[_to_json(k, f"{path}.<key>"), _to_json(v, f"{path}[{k!r}]")] for k, v in value.items()]}
-    if isinstance(value, (bytes, bytearray)):
-        return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
-    if isinstance(value, torch.Tensor) and not value.is_complex() and type(value) is torch.Tensor:
-        tensor = value.detach().cpu()
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        return {"__tensor__": {"dtype": dtype, "shape": list(tensor.shape), "values": tensor.flatten().tolist()}}
-    raise TypeError(
-        f"{path} is a {type(value).__name__}; checkpointed non-model state must be plain data "
-        "(dict, list, tuple, str, int, float, bool, None, bytes or a plain tensor)"
-    )
-
-
-def _from_json(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if len(value) == 1:
-        (tag, body), = value.items()
-        if tag == "__tuple__":
-            return tuple(_from_json(v) for v in body)
-        if tag == "__items__":
-            return {_from_json(k): _from_json(v) for k, v in body}
-        if tag == "__bytes__":
-            return base64.b64decode(body)
-        if tag == "__tensor__":
-            dtype = getattr(torch, body["dtype"], None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"unknown tensor dtype {body['dtype']!r} in checkpoint")
-            return torch.tensor(body["values"], dtype=dtype).reshape(body["shape"])
-    return {k: _from_json(v) for k, v in value.items()}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Reading DCP checkpoints without unpickling arbitrary objects.
-
-_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),  # rebuilds torch.strided & co. from their names
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Accepts DCP's metadata classes, torch.Size, dtypes, layouts and paths, and a few builtin containers only."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch.distributed.checkpoint.metadata":
-            found = super().find_class(module, name)
-            if isinstance(found, type):  # its dataclasses and enums; never a function
-                return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """A FileSystemReader whose ``.metadata`` is read with :class:`_MetadataUnpickler`."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        rank = kwargs.get("rank")
-        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        with open(os.path.join(os.fspath(self.path), name), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        # What FileSystemReader.read_metadata does after unpickling: tag the metadata with this load's id.
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, except that non-tensor entries (e.g. optimizer hyperparameters) are read with
-    ``torch.load(weights_only=True)``, which only builds tensors and plain containers, never arbitrary objects."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        safe_value = torch.load(value, weights_only=True)
-        # Hand the parent a re-serialisation of the already-vetted value, so that its (unrestricted) load only ever
-        # sees bytes we produced; this keeps us off DCP's private planner fields.
-        vetted = io.BytesIO()
-        torch.save(safe_value, vetted)
-        vetted.seek(0)
-        super().load_bytes(read_item, vetted)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Folder helpers.
-
-
-def resolve_folder(job_config: Any) -> str:
-    """``checkpoint.folder``, or unset ``checkpoint/<optimizer name>``, inside ``job.dump_folder`` unless absolute."""
-    folder = job_config.checkpoint.folder
-    if folder is None:
-        folder = os.path.join(DEFAULT_FOLDER, resolve_optimizer_name(job_config.optimizer.name).name)
-    return folder if os.path.isabs(folder) else os.path.join(job_config.job.dump_folder, folder)
 
 
 def job_facts(job_config: Any, model_state: dict[str, Any]) -> dict[str, Any]:
@@ -265,75 +98,6 @@ def facts_mismatch(saved: dict[str, Any], expected: dict[str, Any], model_only: 
     return None
 
 
-def complete_steps(folder: str) -> list[int]:
-    """Steps of the published checkpoints in ``folder``, oldest first (temporary folders never count)."""
-    if not os.path.isdir(folder):
-        return []
-    steps = []
-    for name in os.listdir(folder):
-        match = STEP_FOLDER.match(name)
-        if match and os.path.isfile(os.path.join(folder, name, METADATA_FILE)):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def step_folder(folder: str, step: int) -> str:
-    return os.path.join(folder, f"step-{step}")
-
-
-def weights_folder(folder: str, step: int) -> str:
-    return os.path.join(folder, f"step-{step}-weights")
-
-
-def temporary_name(final_path: str, token: str) -> str:
-    head, name = os.path.split(final_path)
-    return os.path.join(head, f".{name}.tmp-{token}")
-
-
-def fsync_folder(path: str) -> None:
-    """Make renames and new entries in ``path`` durable (a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def remove_folder(path: str) -> None:
-    """Delete a folder so that a crash mid-way never leaves a half-deleted checkpoint under a visible name."""
-    doomed = temporary_name(path, "deleting-" + secrets.token_hex(4))
-    os.rename(path, doomed)
-    fsync_folder(os.path.dirname(path))
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def publish(temporary: str, final: str) -> None:
-    """Atomically make a finished save visible under its final name, replacing an older one of the same name."""
-    fsync_folder(temporary)
-    if os.path.exists(final):
-        # A re-run over the same step (e.g. resumed from an earlier load_step): the new save wins. The old one is
-        # moved aside first because a folder cannot be renamed onto a non-empty folder.
-        logger.warning(f"checkpoint: replacing existing {final}")
-        remove_folder(final)
-    os.rename(temporary, final)
-    fsync_folder(os.path.dirname(final))
-
-
-def clean_temporary(folder: str) -> list[str]:
-    """Remove leftovers of interrupted saves and deletes; returns their names."""
-    if not os.path.isdir(folder):
-        return []
-    removed = sorted(name for name in os.listdir(folder) if TEMPORARY_FOLDER.match(name))
-    for name in removed:
-        shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-    return removed
-
-
 def flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
     """Keys of a nested dict as DCP flattens them ("a.b.c")."""
     keys = []
@@ -346,11 +110,8 @@ def flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
     return keys
 
 
-# ----------------------------------------------------------------------------------------------------------------
-
-
 class CheckpointManager:
-    """Saves and resumes a training job; see the module docstring for the folder layout and guarantees.
+    """Saves and resumes a training job; see the package docstring for the folder layout and guarantees.
 
     ``optimizers`` and ``lr_schedulers`` expose ``state_dict()`` / ``load_state_dict()``; ``data_loader`` is a StatefulDataLoader (or None), whose state is the same on every rank;
     ``states`` maps names to objects with ``state_dict()`` / ``load_state_dict()`` returning plain data.

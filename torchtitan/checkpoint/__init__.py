@@ -1,0 +1,58 @@
+"""Checkpoints: save and resume model, optimizers, lr schedulers, data-loader position and train state.
+
+Where: ``checkpoint.folder`` (relative to ``job.dump_folder`` unless absolute); unset, it is
+``checkpoint/<optimizer name>`` (the canonical name, e.g. ``checkpoint/AdamMini``), so runs that differ in the optimizer
+never share checkpoints, the way their TensorBoard run folders are apart. An explicit folder is used as given.
+
+Layout of the checkpoint folder::
+
+    step-10/               a complete checkpoint (torch.distributed.checkpoint format: .metadata + *.distcp)
+    step-20/
+    step-20-weights/       the final weights-only export (model_weights_only), in export_dtype
+    .step-30.tmp-1a2b3c/   a save in progress (or one killed mid-way): never loaded, removed at the next start
+
+Crash safety: every save writes into a hidden temporary folder; only after all ranks finished writing does rank 0
+rename it to ``step-N`` (atomic on one filesystem) and fsync the parent folder. A checkpoint that is visible is
+therefore complete, and the last good one is never written over. A save whose model or optimizer state holds a
+NaN or an infinity on any rank is refused (``DivergenceError``, nothing written), so every checkpoint is finite.
+``keep_latest_k`` removes older checkpoints only after the new one is published, and removes them by renaming first,
+so a crash mid-delete leaves a temporary folder, not a half-deleted ``step-N``.
+
+Resharding: model and optimizer tensors are DTensors that DCP reshards on load, so a checkpoint saved on N ranks
+loads on M. Everything else (schedulers, data-loader position, train state) is world-size independent plain data.
+
+No pickle of arbitrary objects on load:
+- plain-data state (schedulers, data loader, ``states``) is stored as JSON text in a uint8 tensor;
+- DCP's own non-tensor leaves (optimizer hyperparameters) are read with ``torch.load(weights_only=True)``;
+- DCP's ``.metadata`` file is read with an unpickler that only accepts DCP's metadata classes and a few torch and
+  builtin types.
+
+Async mode (``checkpoint.async_mode = "async"``): the state is copied to CPU memory on the calling thread, then
+written by a background thread over a dedicated gloo process group (so its collectives never interleave with the
+training loop's). A save waits for the previous one before starting; ``close()`` waits for the last one.
+
+Job facts: every checkpoint also holds a small plain record of the job that wrote it (optimizer, optional state dtype,
+model flavor, parameter count and a digest of the parameter names and shapes). A load compares it first, so a
+checkpoint of another optimizer or model is refused with one line saying what it holds and what the job expects.
+
+Warm start: ``checkpoint.initial_load_path`` names a checkpoint (a ``step-N`` folder, or a folder of them: the latest)
+to start from when the run's own folder holds none yet. With ``checkpoint.initial_load_model_only`` (the default)
+only the model weights are loaded, from a checkpoint of any optimizer; the optimizer state, lr schedule, data
+position and step start fresh. Otherwise everything is loaded, as a resume would, and must match the job.
+
+Weights export: when ``checkpoint.model_weights_only`` is set, ``save`` at the last training step (``training.steps``)
+also writes ``step-N-weights`` holding only the model's parameters in ``checkpoint.export_dtype``, keyed by their
+parameter names, loadable with ``dcp.load`` into a ``Transformer``'s ``state_dict()``. With checkpointing enabled the
+full checkpoint of that step is saved as usual, so the run stays resumable; the export also works with checkpointing
+off. ``export_weights(step)`` does the same on demand.
+
+Modules: ``codec`` (plain data as JSON bytes), ``safe_reading`` (the restricted readers every load goes through),
+``folders`` (step folders, temporary names, publish and clean) and ``manager`` (``CheckpointManager`` and the job
+facts).
+"""
+
+from torchtitan.checkpoint.codec import decode_plain, encode_plain
+from torchtitan.checkpoint.manager import CheckpointManager
+from torchtitan.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner
+
+__all__ = ["CheckpointManager", "SafeFileSystemReader", "SafeLoadPlanner", "decode_plain", "encode_plain"]

@@ -1,0 +1,89 @@
+"""The optimizers of all model parts as one: what the trainer, the LR schedulers and the checkpoint manager see.
+
+``step``/``zero_grad`` for the loop, ``optimizers`` (each a plain ``torch.optim.Optimizer`` with
+``param_groups[i]["lr"]``) for one scheduler per optimizer, a flattened DCP-ready ``state_dict`` that reshards
+across world sizes, and ``state_bytes`` for memory reporting.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from torchtitan.optim.state_init import initialise_state
+
+# Flattened keys ("state.<param fqn>.exp_avg") let DCP match state to parameters by name, whatever the sharding.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class OptimizersContainer:
+    """The optimizers of all model parts, stepped, zeroed, checkpointed and measured as one."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], name: str):
+        if len(model_parts) != len(optimizers):
+            raise ValueError("need exactly one optimizer per model part")
+        self.model_parts = model_parts
+        self.optimizers = optimizers
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.optimizers)
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter(self.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every optimizer's param groups, in order (the same dicts, so reading ``lr`` here sees the schedule)."""
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Flattened state of all parts, keyed by parameter name: DCP saves it and reshards it on load."""
+        state: dict[str, Any] = {}
+        for model, optimizer in zip(self.model_parts, self.optimizers):
+            initialise_state(optimizer)
+            state.update(get_optimizer_state_dict(model, optimizer, options=_FLAT))
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for model, optimizer in zip(self.model_parts, self.optimizers):
+            # A fresh optimizer has no state to load into yet; create it (as zeros) first.
+            initialise_state(optimizer)
+            set_optimizer_state_dict(model, optimizer, state_dict, options=_FLAT)
+
+    def state_bytes(self) -> int:
+        """This rank's bytes of optimizer state (local shards only; meta and fake tensors count their size).
+
+        State that optimizers create on their first step is created here (as a fresh optimizer would have it).
+        """
+        total = 0
+        for optimizer in self.optimizers:
+            initialise_state(optimizer)
+            total += sum(tensor_bytes(value) for state in optimizer.state.values() for value in state.values())
+        return total
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes a state value holds on this rank: a DTensor counts its local shard, a quantized subclass its parts."""
+    if not isinstance(value, torch.Tensor):
+        return 0
+    if is_traceable_wrapper_subclass(value):
+        inner_names, _ = value.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(value, inner)) for inner in inner_names)
+    return value.numel() * value.element_size()

@@ -1,0 +1,135 @@
+"""torchao's low-bit optimizers, adapted to the trainer: a quiet import, a compile cache per optimizer kind, and
+checkpoints of plain tensors.
+
+The low-bit AdamW variants come from torchao (the ``lowbit`` extra). Their quantized moments are written to
+checkpoints as plain float32 tensors shaped like the parameter and quantized again on load, so a low-bit checkpoint
+reshards across world sizes like an AdamW one and loads without torchao's tensor classes (saving briefly holds
+that float32 copy of the state). AdamMini8bit/4bit store their momentum in torchao's quantized classes too and use
+the same hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import logging
+import os
+import tempfile
+from typing import Any, Iterator
+
+import torch
+
+from torchtitan.errors import UserError
+from torchtitan.optim.state_storage import dequantized, is_quantized
+
+
+def import_torchao_optim():
+    """``torchao.optim``, imported without its unrelated warnings; UserError saying how to install it if missing."""
+    # torchao's import warns about things that do not concern its optimizers: CUDA kernels that a CPU-only machine
+    # cannot load, and a deprecated pytree registration. Keep those lines out of the user's log.
+    noisy = [logging.getLogger("torch.utils._pytree")]
+    if not torch.cuda.is_available():
+        noisy.append(logging.getLogger("torchao"))
+    levels = [log.level for log in noisy]
+    for log in noisy:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao.optim as torchao_optim
+    except ImportError as e:
+        raise UserError(
+            f"the low-bit optimizers need torchao, which is not importable ({e}); "
+            "install it with: pip install 'torchtitan[lowbit]' (or pip install torchao)"
+        ) from None
+    finally:
+        for log, level in zip(noisy, levels):
+            log.setLevel(level)
+    return torchao_optim
+
+
+_low_bit_classes: dict[str, type] = {}
+
+
+def low_bit_class(name: str) -> type:
+    """torchao's optimizer ``name`` whose step compiles into a cache folder of its own."""
+    if name not in _low_bit_classes:
+        base = getattr(import_torchao_optim(), name)
+
+        def step(self, closure=None):
+            with separate_compile_cache(name):
+                return base.step(self, closure)
+
+        _low_bit_classes[name] = type(name, (base,), {"step": step, "__module__": __name__})
+    return _low_bit_classes[name]
+
+
+@contextlib.contextmanager
+def separate_compile_cache(tag: str) -> Iterator[None]:
+    """Compile inside ``<inductor cache>/optim_<tag>`` while the block runs.
+
+    torchao compiles each low-bit step for its own quantized state classes; sharing one on-disk inductor cache
+    between optimizer kinds can hand one kind's cached graph to another. One folder per kind keeps them apart (and
+    keeps warm restarts warm).
+    """
+    original = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    base = original or _default_inductor_cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"optim_{tag}")
+    try:
+        yield
+    finally:
+        if original is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = original
+
+
+def _default_inductor_cache_dir() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return default_cache_dir()
+    except ImportError:  # the helper moved; the same place by hand
+        return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+
+
+def portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.state_dict()`` hold plain float tensors and ``load_state_dict`` quantize them again.
+
+    Plain tensors shaped like the parameter reshard through DCP like any AdamW state; the quantized classes do not
+    (their block scales follow the local shard) and need torchao's classes to unpickle. Quantizing the saved values
+    again is exact for the second moment and for FP8; a first-moment block whose largest value is negative comes back
+    with a slightly smaller scale (torchao's signed code tables end below -1: -0.993 for 8-bit, -0.8875 for 4-bit),
+    so a resumed run matches an uninterrupted one up to that quantization noise.
+    """
+    # Live quantized tensors, per parameter, between the pre- and the post-hook of one load_state_dict call.
+    live_quantized: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+
+    def quantize_into_live_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        # Copy now, from the incoming float32 values: torch is about to cast them to the parameter's dtype.
+        live_quantized.clear()
+        for saved_group, group in zip(state_dict["param_groups"], optimizer.param_groups):
+            for key, param in zip(saved_group["params"], group["params"]):
+                incoming = state_dict["state"].get(key, {})
+                live = {name: value for name, value in optimizer.state.get(param, {}).items()
+                        if is_quantized(value) and name in incoming}
+                for name, value in live.items():
+                    value.copy_(incoming[name])
+                if live:
+                    live_quantized[param] = live
+
+    def restore_quantized_state(optimizer: torch.optim.Optimizer) -> None:
+        for param, live in live_quantized.items():
+            optimizer.state[param].update(live)
+        live_quantized.clear()
+
+    optimizer.register_state_dict_post_hook(_dequantize_state_dict)
+    optimizer.register_load_state_dict_pre_hook(quantize_into_live_state)
+    optimizer.register_load_state_dict_post_hook(restore_quantized_state)
+
+
+def _dequantize_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    # The per-parameter dicts in state_dict are the optimizer's own: build new ones rather than edit them.
+    state_dict["state"] = {
+        index: {key: dequantized(v) if is_quantized(v) else v for key, v in param_state.items()}
+        for index, param_state in state_dict["state"].items()
+    }
+    return state_dict

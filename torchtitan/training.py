@@ -1,0 +1,100 @@
+"""Where a training step happens: the model a job trains, one optimizer step, and the loop's position.
+
+``train.py`` and the memory estimator (``torchtitan.estimation``) both use these, so an estimate traces the very
+step a run takes:
+
+* :func:`build_model`: the job's Llama 3 on the meta device, in the parameter dtype, parallelized (TP, activation
+  checkpointing, compile, FSDP2); no memory yet.
+* :func:`init_model`: memory on a device and the initial weights (the same for every layout and world size).
+* :func:`train_step`: forward, loss, backward over the accumulation micro-batches, gradient clipping, the
+  divergence guard's decision, the optimizer step.
+* :class:`TrainState`: the loop's position (step, tokens seen, skipped steps), saved with every checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config_manager import JobConfig
+from torchtitan.guard import DivergenceGuard
+from torchtitan.loss import cross_entropy
+from torchtitan.models.llama import ModelArgs, Transformer
+from torchtitan.parallelisms import ParallelDims, loss_parallel_context, parallelize_llama
+from torchtitan.utils import DTYPES, clip_grad_norm_
+
+
+class TrainState:
+    """The loop's own position, saved with every checkpoint."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped_steps = 0  # steps whose update the divergence guard skipped
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))  # absent from checkpoints of older versions
+
+
+def build_model(
+    job_config: JobConfig,
+    model_args: ModelArgs,
+    parallel_dims: ParallelDims,
+    world_mesh: Optional[DeviceMesh],
+    *,
+    compute_device_type: Optional[str] = None,
+) -> Transformer:
+    """The job's model on the meta device, in ``training.param_dtype``, parallelized over ``world_mesh``.
+
+    ``compute_device_type`` (default: the mesh's) picks FSDP's mixed-precision policy; see ``parallelize_llama``.
+    """
+    with torch.device("meta"):
+        model = Transformer(model_args).to(DTYPES[job_config.training.param_dtype])
+    return parallelize_llama(model, world_mesh, parallel_dims, job_config, compute_device_type=compute_device_type)
+
+
+def init_model(model: Transformer, device: torch.device, seed: int) -> Transformer:
+    """Give a meta-device model its memory on ``device`` and its initial weights from ``seed``; training mode."""
+    model.to_empty(device=device)
+    model.init_weights(seed=seed)
+    model.train()
+    return model
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizers,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    device: torch.device,
+    guard: DivergenceGuard | None = None,
+    step: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns (local loss, grad norm,
+    whether the update was applied). With a ``guard``, a non-finite loss or grad norm skips the update of ``step``."""
+    t = job_config.training
+    optimizers.zero_grad()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(t.gradient_accumulation_steps):
+        inputs, labels = next(batches)
+        inputs, labels = inputs.to(device), labels.to(device)
+        with loss_parallel_context(parallel_dims):
+            loss = cross_entropy(model(inputs), labels) / t.gradient_accumulation_steps
+            loss.backward()
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
+        total += loss.detach().to(torch.float64)
+    grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
+    if guard is not None and not guard.should_update(total, grad_norm, step):
+        return total, grad_norm, False
+    optimizers.step()
+    return total, grad_norm, True
