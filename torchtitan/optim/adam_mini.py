@@ -347,31 +347,32 @@ def _foreach_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Te
 
 @dataclass(frozen=True)
 class _FusedPlan:
-    """What the compiled step needs to know of one parameter, fixed for the run (so it never recompiles).
+    """What the compiled step needs to know of one parameter besides its tensors (a part of the graph's key).
 
-    The local parameter is viewed as a ``(blocks, width)`` matrix with one scale per row: its rows (per_row, or
-    per_head rows that pick their head's scale through an index), its heads, or one row for a whole tensor.
-    ``given_means``: the block means come from outside (partial statistics completed over the mesh); otherwise
-    the rows of the matrix are whole blocks and their means are taken in the same pass as the update.
+    The local parameter is viewed as a matrix with one scale per row: ``heads`` rows (per_head blocks whole on
+    this rank), one row (per_tensor) or its own rows (per_row, and per_head rows that pick their head's scale
+    through an index). ``given_means``: the block means come from outside (partial statistics completed over the
+    mesh); otherwise the rows of the matrix are whole blocks and their means are taken in the same graph.
     """
 
     rule: str
-    blocks: int
-    width: int
+    heads: int
     decays: bool
     given_means: bool
 
 
-def _fused_plan(param: Tensor, layout: BlockLayout, weight_decay: float) -> _FusedPlan:
+def _fused_plan(layout: BlockLayout, weight_decay: float) -> _FusedPlan:
     plan = layout.plan
-    decays = weight_decay != 0 and plan.decay
-    if plan.rule == PER_ELEMENT:
-        return _FusedPlan(plan.rule, 0, 0, decays, False)
-    rows = param.shape[0] if param.dim() else 1
-    indexed = plan.rule == PER_HEAD and layout.rows_split
-    blocks = {PER_ROW: rows, PER_HEAD: rows if indexed else plan.n_blocks, PER_TENSOR: 1}[plan.rule]
-    width = param.numel() // blocks if blocks else 0
-    return _FusedPlan(plan.rule, blocks, width, decays, bool(layout.sum_dims))
+    heads = plan.n_blocks if plan.rule == PER_HEAD and not layout.rows_split else 0
+    return _FusedPlan(plan.rule, heads, weight_decay != 0 and plan.decay, bool(layout.sum_dims))
+
+
+def _as_block_rows(t: Tensor, plan: _FusedPlan) -> Tensor:
+    if plan.rule == PER_TENSOR:
+        return t.reshape(1, -1)
+    if plan.heads:
+        return t.reshape(plan.heads, -1)
+    return t.reshape(t.shape[0], -1)
 
 
 def _fused_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], second_moments: list[Tensor],
@@ -394,10 +395,12 @@ def _fused_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
         if plan.rule == PER_ELEMENT:
             v.copy_(v * beta2 + (g * g) * (1 - beta2))
         else:
-            if not plan.given_means:
-                rows = g.reshape(plan.blocks, plan.width).to(_stat_dtype(g))
-                mean = (rows * rows).sum(dim=1, keepdim=True) / plan.width
+            if mean is None:
+                rows = _as_block_rows(g, plan).to(_stat_dtype(g))
+                mean = (rows * rows).sum(dim=1, keepdim=True) / rows.shape[1]
             v.copy_(v * beta2 + mean * (1 - beta2))
+        if p.numel() == 0:
+            continue  # an empty shard still keeps its (replicated) v in step with the other ranks
         scale = lr / (bias_correction1 * ((v / bias_correction2).sqrt() + eps))
         if index is not None:
             scale = scale.index_select(0, index)
@@ -407,8 +410,7 @@ def _fused_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
         if plan.rule == PER_ELEMENT:
             p.copy_(kept - scale * momentum)
         else:
-            step = (scale.to(p.dtype) * momentum.reshape(plan.blocks, plan.width)).reshape(p.shape)
-            p.copy_(kept - step)
+            p.copy_(kept - (scale.to(p.dtype) * _as_block_rows(momentum, plan)).reshape(p.shape))
 
 
 _compiled_fused_steps = torch.compile(_fused_steps, fullgraph=True, dynamic=False)
@@ -451,7 +453,7 @@ def _fused_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
                 scalars = torch.cat([lr_t, rest, 1 - lr_t * hyper.weight_decay])
             else:
                 scalars = torch.tensor([lr] + host + [1 - lr * hyper.weight_decay], dtype=scalar_dtype).to(device)
-            plans = tuple(_fused_plan(params[i], layouts[i], hyper.weight_decay) for i in members)
+            plans = tuple(_fused_plan(layouts[i], hyper.weight_decay) for i in members)
             # Detached: the compiled graph sees plain tensors sharing the parameters' memory.
             run([params[i].detach() for i in members], [grads[i] for i in members], [exp_avgs[i] for i in members],
                 [second_moments[i] for i in members], [means[i] for i in members], [indices[i] for i in members],
