@@ -418,11 +418,13 @@ _compiled_fused_steps = torch.compile(_fused_steps, fullgraph=True, dynamic=Fals
 
 def _fused_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], second_moments: list[Tensor],
                   step_counts: list[float], layouts: list[BlockLayout], hyper: _Hyper) -> None:
-    """Compiled local steps: one graph per group of parameters sharing dtype, device, step and state storage.
+    """Compiled local steps over parameters sharing dtype, device, step and momentum storage.
 
-    Shapes are static (the fastest code), so a model compiles once per storage (quantized state: once per
-    parameter shape) and never again. Meta and fake tensors (memory estimates) run the same function eagerly, as
-    does a step under a user's dispatch mode (debugging, CommDebugMode), which torch.compile cannot run under.
+    Shapes are static (the fastest code). Parameters are passed in slices that repeat (:func:`_repeating_slices`:
+    one of each weight of a transformer layer), so a model compiles one graph per distinct slice, a few layers'
+    worth however deep it is, and never again. Meta and fake tensors (memory estimates) run the same function
+    eagerly, as does a step under a user's dispatch mode (debugging, CommDebugMode), which torch.compile cannot run
+    under.
     """
     if not params:
         return
@@ -432,10 +434,10 @@ def _fused_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
         means[i] = mean
     indices = [layout.local_blocks(p) if layout.plan.rule == PER_HEAD and layout.rows_split else None
                for p, layout in zip(params, layouts)]
+    plans = [_fused_plan(layout, hyper.weight_decay) for layout in layouts]
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, (p, m) in enumerate(zip(params, exp_avgs)):
-        # Quantizing code is large: one small graph per parameter (as torchao does) compiles far faster than one
-        # graph over all of them.
+        # Quantizing code is large: one small graph per parameter (as torchao does) compiles far faster.
         key = (p.dtype, p.device, type(m), m.dtype, step_counts[i])
         groups[key + ((i,) if is_quantized(m) else ())].append(i)
     dataless = any(p.is_meta or isinstance(p, FakeTensor) for p in params)
@@ -453,11 +455,32 @@ def _fused_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
                 scalars = torch.cat([lr_t, rest, 1 - lr_t * hyper.weight_decay])
             else:
                 scalars = torch.tensor([lr] + host + [1 - lr * hyper.weight_decay], dtype=scalar_dtype).to(device)
-            plans = tuple(_fused_plan(layouts[i], hyper.weight_decay) for i in members)
-            # Detached: the compiled graph sees plain tensors sharing the parameters' memory.
-            run([params[i].detach() for i in members], [grads[i] for i in members], [exp_avgs[i] for i in members],
-                [second_moments[i] for i in members], [means[i] for i in members], [indices[i] for i in members],
-                plans, scalars, hyper.beta1, hyper.beta2, hyper.eps)
+            signatures = [_signature(params[i], second_moments[i], means[i], indices[i], plans[i]) for i in members]
+            for part in _repeating_slices(members, signatures):
+                # Detached: the compiled graph sees plain tensors sharing the parameters' memory.
+                run([params[i].detach() for i in part], [grads[i] for i in part], [exp_avgs[i] for i in part],
+                    [second_moments[i] for i in part], [means[i] for i in part], [indices[i] for i in part],
+                    tuple(plans[i] for i in part), scalars, hyper.beta1, hyper.beta2, hyper.eps)
+
+
+def _signature(p: Tensor, v: Tensor, mean: Optional[Tensor], index: Optional[Tensor], plan: _FusedPlan) -> tuple:
+    """What a compiled graph is specialised on for one parameter (besides dtypes, shared by a group)."""
+    return (tuple(p.shape), tuple(v.shape), None if mean is None else tuple(mean.shape),
+            None if index is None else tuple(index.shape), plan)
+
+
+def _repeating_slices(members: list[int], signatures: list[tuple]) -> list[list[int]]:
+    """``members`` cut into slices of which most have the same signatures in the same order.
+
+    Parameters with equal signatures (the same weight of every layer) are stacked in columns; slice ``j`` takes
+    the ``j``-th parameter of each column. A Llama of any depth gives a first slice (one of everything) and then
+    identical per-layer slices: the compiled graphs are those of a layer or two, reused for every other one.
+    """
+    columns: dict[tuple, list[int]] = defaultdict(list)
+    for member, signature in zip(members, signatures):
+        columns[signature].append(member)
+    depth = max(len(column) for column in columns.values())
+    return [[column[j] for column in columns.values() if j < len(column)] for j in range(depth)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
