@@ -1,5 +1,6 @@
 """Adam-mini across processes (gloo, float64): FSDP2 on 2, 3 and 4 ranks (uneven shards, KV heads not divisible by
-the rank count), tensor parallel, FSDP x TP and HSDP on 2 x 2 all equal the one-process run; an FSDP step sends
+the rank count), tensor parallel, FSDP x TP and HSDP on 2 x 2 all equal the one-process run (with bf16 momentum
+too, and with 8-bit momentum under HSDP and FSDP x TP, up to its blocks' rounding); an FSDP step sends
 only per-block sums (one all-reduce, no all-gather); a DCP checkpoint saved on 2 ranks resumes exactly on 1 and 3.
 
 Each world size is spawned once (module fixtures) and runs several layouts; a layout's failure is returned as its
@@ -39,14 +40,19 @@ from tests.test_adam_mini import (
     run_single_process,
     tiny_model,
 )
+from torchtitan.models.llama import ModelArgs
 from torchtitan.optim.adam_mini import FUSED
 from torchtitan.optim.partition import PER_ROW, PER_TENSOR
-from torchtitan.optim.state_storage import BFLOAT16
+from torchtitan.optim.state_storage import BFLOAT16, INT8
 
 STEPS = 5
 # The fused back end and bfloat16 momentum, each checked like the default (foreach, float64 momentum).
 VARIANTS = {"fused": ("implementation", FUSED), "bfloat16": ("momentum_storage", BFLOAT16)}
 SAVE_AT, RESUME_STEPS = 3, 3
+# For 8-bit momentum: every shard under HSDP 2 x 2 and FSDP x TP 2 x 2 is whole rows of a 256-entry block and at
+# least 4096 entries, so every matrix's momentum is quantized on every rank.
+WIDE = ModelArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=256,
+                 ffn_dim_multiplier=0.375, max_seq_len=16)
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -73,9 +79,11 @@ def _tensor_parallel(model: torch.nn.Module, tp_mesh, embedding_plan=None) -> No
         parallelize_module(layer, tp_mesh, plan)
 
 
-def _parallel_model(layout: str, world_size: int) -> torch.nn.Module:
-    model = tiny_model()
-    if layout == "fsdp":
+def _parallel_model(layout: str, world_size: int, args: ModelArgs = TINY) -> torch.nn.Module:
+    model = tiny_model(args)
+    if layout == "single":
+        pass
+    elif layout == "fsdp":
         _fsdp(model, init_device_mesh("cpu", (world_size,)))
     elif layout == "tp":
         _tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
@@ -124,9 +132,9 @@ def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def _train(layout: str, world_size: int, steps: int, value_blocks: str = PER_ROW, **options
-           ) -> dict[str, torch.Tensor]:
-    model = _parallel_model(layout, world_size)
+def _train(layout: str, world_size: int, steps: int, value_blocks: str = PER_ROW, args: ModelArgs = TINY,
+           **options) -> dict[str, torch.Tensor]:
+    model = _parallel_model(layout, world_size, args)
     optimizer = adam_mini_for(model, value_blocks=value_blocks, **options)
     for step in range(steps):
         _set_grads(model, step)
@@ -216,6 +224,11 @@ def _world_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str
         runs["hsdp"] = _attempt(_train, "hsdp", world_size, STEPS)
         runs["comm_fsdp_tp"] = _attempt(_collectives_of_one_step, "fsdp_tp", world_size)
         runs["fsdp_tp_fused"] = _attempt(lambda: _train("fsdp_tp", world_size, STEPS, implementation=FUSED))
+        for layout in ("hsdp", "fsdp_tp"):
+            runs[f"{layout}_{BFLOAT16}"] = _attempt(
+                lambda: _train(layout, world_size, STEPS, momentum_storage=BFLOAT16))
+            runs[f"{layout}_{INT8}"] = _attempt(
+                lambda: _train(layout, world_size, STEPS, args=WIDE, momentum_storage=INT8))
     if world_size == 6:
         runs.pop("fsdp")
         runs["fsdp_tp"] = _attempt(_train, "fsdp_tp", world_size, STEPS)
@@ -277,7 +290,9 @@ def single_process():
             PER_TENSOR: run_single_process(STEPS, PER_TENSOR, grads_from_values=True),
             "uninterrupted": run_single_process(SAVE_AT + RESUME_STEPS, grads_from_values=True),
             **{value: run_single_process(STEPS, grads_from_values=True, **{option: value})
-               for option, value in VARIANTS.values()}}
+               for option, value in VARIANTS.values()},
+            "wide": _train("single", 1, STEPS, args=WIDE),
+            f"wide_{INT8}": _train("single", 1, STEPS, args=WIDE, momentum_storage=INT8)}
 
 
 @pytest.mark.parametrize("world_name, layout", [
@@ -352,3 +367,29 @@ def test_fused_fsdp_step_still_sends_one_all_reduce_of_block_sums(world2):
     comm = _result(world2, "comm_fsdp_fused")
     assert comm["counts"] == {"all_reduce": 1}
     assert comm["sizes"] == [("all_reduce", _block_sums_per_step())]
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
+def test_bfloat16_momentum_hsdp_and_fsdp_tp_equal_single_process(world4, single_process, layout):
+    assert max_difference(_result(world4, f"{layout}_{BFLOAT16}"), single_process[BFLOAT16]) < 1e-10
+
+
+# Weights that the FSDP x TP layout splits by columns (row-wise wo and w2, the embedding): their 8-bit blocks are
+# other runs of entries than in one process.
+COLUMN_SPLIT = ("tok_embeddings.weight", "attention.wo.weight", "feed_forward.w2.weight")
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
+def test_8bit_momentum_hsdp_and_fsdp_tp_equal_single_process(world4, single_process, layout):
+    """Where every shard is whole rows, its quantization blocks are the one-process blocks: the same run to float64
+    rounding. Where TP splits a weight by columns the blocks differ, so its rounding differs: such a weight stays as
+    close to the unquantized run as the one-process 8-bit run is (and is quantized: not as close as unquantized m)."""
+    params = _result(world4, f"{layout}_{INT8}")
+    single, unquantized = single_process[f"wide_{INT8}"], single_process["wide"]
+    assert max_difference(single, unquantized) > 1e-4  # quantization changes the one-process run
+    for name, value in params.items():
+        if layout == "fsdp_tp" and name.endswith(COLUMN_SPLIT):
+            noise = (single[name] - unquantized[name]).abs().max().item()
+            assert 0.1 * noise < (value - unquantized[name]).abs().max().item() < 1.5 * noise, name
+        else:
+            assert (value - single[name]).abs().max().item() < 1e-10, name

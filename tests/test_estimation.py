@@ -166,9 +166,12 @@ def test_two_rank_estimate_matches_rank_0_of_a_real_two_process_step(overrides):
 
 
 def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
-    job = _job("--memory_estimation.world_size", "8", "--memory_estimation.optimizers", "AdamW,AdamMini,AdamW4bit")
+    job = _job("--memory_estimation.world_size", "8", "--memory_estimation.optimizers",
+               "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit")
     estimate = estimate_memory(job)
-    adamw, adam_mini, adamw_4bit = estimate.optimizers
+    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit = estimate.optimizers
+    assert adam_mini_bf16.label == "AdamMini:state_dtype=bfloat16" and adam_mini_bf16.options == {
+        "state_dtype": "bfloat16"}
 
     from torchtitan.models.llama import Transformer
     from torchtitan.preflight import model_args_for
@@ -184,9 +187,12 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     assert 0.49 < adam_mini.optimizer_state / adamw.optimizer_state < 0.52
     # 4-bit moments: an eighth of AdamW's, plus scales and the small tensors kept in float32.
     assert adamw_4bit.optimizer_state < 0.25 * adamw.optimizer_state
+    # Adam-mini's momentum in bf16 halves its state again; quantized momentum (small tensors keep float32) lower.
+    assert 0.49 < adam_mini_bf16.optimizer_state / adam_mini.optimizer_state < 0.52
+    assert adam_mini_4bit.optimizer_state < 0.5 * adam_mini_bf16.optimizer_state
     # The rest of the step does not depend on the optimizer: peaks differ by the state (and step temporaries).
     assert adamw.gradients == adam_mini.gradients == adamw.params
-    assert adamw.activations == adam_mini.activations == adamw_4bit.activations
+    assert adamw.activations == adam_mini.activations == adamw_4bit.activations == adam_mini_4bit.activations
     assert adamw_4bit.peak < adam_mini.peak < adamw.peak
 
 
@@ -247,17 +253,20 @@ def test_command_line_prints_a_table_and_writes_json(tmp_path):
     out = tmp_path / "estimate.json"
     result = processes.run(
         [sys.executable, "estimation.py", "--job.config_file", DEBUG_CONFIG, "--memory_estimation.world_size", "4",
-         "--training.tensor_parallel_degree", "2", "--memory_estimation.optimizers", "AdamW,adam_mini",
+         "--training.tensor_parallel_degree", "2", "--memory_estimation.optimizers",
+         "AdamW,adam_mini,adam_mini:state_dtype=bfloat16",
          "--memory_estimation.vocab_size", str(VOCAB), "--memory_estimation.json", str(out)],
         cwd=REPO, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     assert data["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
-    assert [o["optimizer"] for o in data["optimizers"]] == ["AdamW", "AdamMini"]
+    assert [o["optimizer"] for o in data["optimizers"]] == ["AdamW", "AdamMini", "AdamMini"]
+    assert [o["options"] for o in data["optimizers"]] == [{}, {}, {"state_dtype": "bfloat16"}]
+    assert data["optimizers"][2]["label"] == "AdamMini:state_dtype=bfloat16"
     for o in data["optimizers"]:
         assert o["peak"] >= o["params"] + o["optimizer_state"]
-        row = next(line for line in result.stdout.splitlines() if line.startswith(o["optimizer"] + " "))
+        row = next(line for line in result.stdout.splitlines() if line.startswith(o["label"] + " "))
         assert f"{o['peak'] / 2**20:.2f}" in row  # a small model is reported in MiB
     assert "FSDP 2 x TP 2" in result.stdout
     assert "not included:" in result.stdout and data["not_included"]
@@ -267,6 +276,10 @@ def test_command_line_prints_a_table_and_writes_json(tmp_path):
     "overrides, message",
     [
         (["--memory_estimation.optimizers", "AdamW,Adafactor"], "unknown optimizer 'Adafactor'"),
+        (["--memory_estimation.optimizers", "AdamMini8bit:state_dtype=bfloat16"],
+         "'AdamMini8bit:state_dtype=bfloat16': optimizer.state_dtype does not apply to AdamMini8bit"),
+        (["--memory_estimation.optimizers", "AdamMini:state_dtype=fp16"], "optimizer.state_dtype must be one of"),
+        (["--memory_estimation.optimizers", "AdamMini:bfloat16"], "options go as option=value"),
         (["--memory_estimation.world_size", "3", "--training.tensor_parallel_degree", "3"],
          "tensor_parallel_degree 3 does not divide the model n_heads 16"),
         (["--memory_estimation.world_size", "4", "--training.data_parallel_shard_degree", "8"],

@@ -122,6 +122,7 @@ BAD_INPUT = [
     (["--model.flavor", "9B"], "model.flavor '9B' is unknown"),
     (["--training.tensor_parallel_degree", "2"], "tensor_parallel"),
     (["--float8.enable_float8_linear"], "float8"),
+    (["--optimizer.name", "AdamW4bit", "--optimizer.state_dtype", "bfloat16"], "state_dtype does not apply to AdamW4bit"),
     (["--checkpoint.enable_checkpoint", "--checkpoint.load_step", "7"], "load_step"),
     (["--checkpoint.initial_load_path", "no/such/step-3"], "checkpoint.initial_load_path 'no/such/step-3' is not"),
     (["--checkpoint.initial_load_path", "assets"], "checkpoint.initial_load_path 'assets' holds no complete checkpoint"),
@@ -184,6 +185,17 @@ def test_preflight_rejects_layouts(nproc, args, message, capsys, monkeypatch):
     assert preflight_main(["--nproc", str(nproc), "--job.config_file", "train_configs/debug_model.toml", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamMini8bit", "AdamMini4bit"])
+def test_preflight_rejects_state_dtype_for_low_bit_optimizers(name, capsys, monkeypatch):
+    from torchtitan.preflight import main as preflight_main
+
+    monkeypatch.chdir(ROOT)
+    args = ["--optimizer.name", name, "--optimizer.state_dtype", "bfloat16"]
+    assert preflight_main(["--nproc", "2", "--job.config_file", "train_configs/debug_model.toml", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: optimizer.state_dtype does not apply to {name} "), err
 
 
 def test_preflight_accepts_a_good_layout(monkeypatch):

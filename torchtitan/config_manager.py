@@ -188,7 +188,11 @@ class MemoryEstimation:
     """Read by estimation.py only; train.py ignores this section."""
 
     world_size: int = opt(8, "estimation.py: number of ranks to simulate", gt=0)
-    optimizers: str = opt("AdamW,AdamMini,AdamW4bit", "estimation.py: comma-separated optimizers to estimate")
+    optimizers: str = opt(
+        "AdamW,AdamMini,AdamMini:state_dtype=bfloat16,AdamMini8bit,AdamMini4bit,AdamW4bit",
+        "estimation.py: comma-separated optimizers to estimate, each NAME or NAME:option=value[:option=value] "
+        "with [optimizer] options (AdamMini:state_dtype=bfloat16)",
+    )
     device: str = opt(
         "cuda", "estimation.py: training to simulate: cuda (FSDP bf16 mixed precision) or cpu (param_dtype throughout)",
         choices=("cuda", "cpu"),
@@ -407,6 +411,14 @@ def _split_command_line(cls: type, argv: list[str]) -> list[tuple[str, str]]:
         pairs.append((key, raw))
         i += 1
     return pairs
+
+
+def set_option(config: JobConfig, key: str, raw: str) -> None:
+    """Set ``section.key`` of ``config`` from a string, checked as a command-line value is (UserError if wrong)."""
+    _check_key(type(config), key)
+    section, name = key.split(".", 1)
+    setattr(getattr(config, section), name, _from_string(key, _field_type(type(config), key), raw))
+    _check_ranges(config)
 
 
 def _check_ranges(config: JobConfig) -> None:

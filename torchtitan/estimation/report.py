@@ -43,7 +43,7 @@ def _header(e: Estimate) -> list[str]:
 def format_table(e: Estimate) -> str:
     baseline = e.optimizers[0] if e.optimizers else None
     header = ("optimizer", "parameters", "gradients", "optimizer state", "activations", "peak",
-              f"state vs {baseline.optimizer if baseline else '-'}", "peak during")
+              f"state vs {baseline.label if baseline else '-'}", "peak during")
     unit, size = _unit(e)
 
     def amount(nbytes: int) -> str:
@@ -52,7 +52,7 @@ def format_table(e: Estimate) -> str:
     rows = []
     for o in e.optimizers:
         ratio = o.optimizer_state / baseline.optimizer_state if baseline and baseline.optimizer_state else float("nan")
-        rows.append((o.optimizer, amount(o.params), amount(o.gradients), amount(o.optimizer_state),
+        rows.append((o.label, amount(o.params), amount(o.gradients), amount(o.optimizer_state),
                      amount(o.activations), amount(o.peak), f"{ratio:.2f}x", o.peak_phase))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     aligned = [
@@ -74,6 +74,8 @@ def format_table(e: Estimate) -> str:
 def to_json(e: Estimate) -> dict[str, Any]:
     data = dataclasses.asdict(e)
     data["layout"] = e.layout
+    for entry, o in zip(data["optimizers"], e.optimizers):
+        entry["label"] = o.label
     data["units"] = "bytes per rank"
     data["not_included"] = list(NOT_INCLUDED)
     return data

@@ -17,14 +17,14 @@ import itertools
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from torchtitan import training
-from torchtitan.config_manager import JobConfig
+from torchtitan.config_manager import JobConfig, set_option
 from torchtitan.errors import UserError
 from torchtitan.estimation.tracker import (
     OPTIMIZER_STATE,
@@ -34,6 +34,7 @@ from torchtitan.estimation.tracker import (
 )
 from torchtitan.optim.builder import (
     OPTIMIZERS,
+    OptimizerKind,
     build_optimizers,
     resolve_optimizer_name,
 )
@@ -61,6 +62,12 @@ class OptimizerEstimate:
     peak_phase: str
     peak_breakdown: dict[str, int]
     state_source: str
+    options: dict[str, Any] = field(default_factory=dict)  # the optional [optimizer] options it was built with
+
+    @property
+    def label(self) -> str:
+        """The optimizer as ``memory_estimation.optimizers`` names it: ``AdamMini:state_dtype=bfloat16``."""
+        return "".join([self.optimizer, *(f":{key}={value}" for key, value in self.options.items())])
 
 
 @dataclass
@@ -89,22 +96,47 @@ class Estimate:
 # Inputs
 
 
-def optimizer_names(spec: str) -> list[str]:
-    """Canonical names for a comma-separated list; UserError for an unknown one."""
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    if not names:
+@dataclass(frozen=True)
+class OptimizerChoice:
+    """One entry of ``memory_estimation.optimizers``: a canonical optimizer name and ``[optimizer]`` options."""
+
+    name: str
+    options: tuple[tuple[str, str], ...] = ()
+
+
+def optimizer_choices(spec: str) -> list[OptimizerChoice]:
+    """Comma-separated ``NAME`` or ``NAME:option=value[:option=value]`` entries; UserError for a wrong one."""
+    entries = [e.strip() for e in spec.split(",") if e.strip()]
+    if not entries:
         raise UserError("memory_estimation.optimizers is empty; give comma-separated names such as AdamW,AdamMini")
-    canonical = []
-    for name in names:
+    choices: list[OptimizerChoice] = []
+    for entry in entries:
+        name, *settings = (part.strip() for part in entry.split(":"))
         try:
             kind = resolve_optimizer_name(name)
         except UserError:
             raise UserError(
                 f"memory_estimation.optimizers: unknown optimizer '{name}'; valid names: {', '.join(OPTIMIZERS)}"
             ) from None
-        if kind.name not in canonical:
-            canonical.append(kind.name)
-    return canonical
+        options = tuple(_option(entry, kind, setting) for setting in settings)
+        choice = OptimizerChoice(kind.name, options)
+        if choice not in choices:
+            choices.append(choice)
+    return choices
+
+
+def _option(entry: str, kind: OptimizerKind, setting: str) -> tuple[str, str]:
+    key, has_value, value = (part.strip() for part in setting.partition("="))
+    where = f"memory_estimation.optimizers '{entry}'"
+    if not has_value or key not in OPTIONAL_OPTIONS:
+        raise UserError(f"{where}: options go as option=value, option one of {', '.join(OPTIONAL_OPTIONS)}")
+    if key not in kind.options:
+        raise UserError(f"{where}: optimizer.{key} does not apply to {kind.name}; remove it")
+    try:
+        set_option(JobConfig(), f"optimizer.{key}", value)  # the value checked as --optimizer.key would be
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    return key, value
 
 
 def vocab_size(job_config: JobConfig, notes: list[str]) -> int:
@@ -144,15 +176,17 @@ def _job_for_simulation(job_config: JobConfig, notes: list[str]) -> JobConfig:
     return job
 
 
-def job_for_optimizer(job_config: JobConfig, name: str, notes: list[str]) -> JobConfig:
-    """The job with optimizer ``name``; options of the configured optimizer that ``name`` does not take are unset."""
+def job_for_optimizer(job_config: JobConfig, choice: OptimizerChoice, notes: list[str]) -> JobConfig:
+    """The job with ``choice``'s optimizer and options; configured options that it does not take are unset."""
     job = copy.deepcopy(job_config)
-    job.optimizer.name = name
+    name = job.optimizer.name = choice.name
     kind = OPTIMIZERS[name]
     for option in OPTIONAL_OPTIONS:
         if getattr(job.optimizer, option) is not None and option not in kind.options:
             setattr(job.optimizer, option, None)
             notes.append(f"optimizer.{option} does not apply to {name}; estimated with {name}'s default")
+    for key, value in choice.options:
+        set_option(job, f"optimizer.{key}", value)
     return job
 
 
@@ -280,6 +314,8 @@ def estimate_optimizer(
         peak_phase=tracker.peak_phase,
         peak_breakdown=dict(tracker.peak_breakdown),
         state_source=_state_source(optimizers.name),
+        options={key: getattr(job_config.optimizer, key) for key in OPTIONAL_OPTIONS
+                 if getattr(job_config.optimizer, key) is not None},
     )
     for p in model.parameters():
         p.grad = None
@@ -300,7 +336,7 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
     from torchtitan.preflight import model_args_for
 
     settings = job_config.memory_estimation
-    names = optimizer_names(settings.optimizers)
+    choices = optimizer_choices(settings.optimizers)
     notes: list[str] = []
     t = job_config.training
     try:
@@ -320,7 +356,7 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
     )
     round_to = _CUDA_BLOCK_BYTES if settings.device == "cuda" else 1
     world = fake_world(settings.world_size) if parallel_dims.any_parallelism else nullcontext()
-    if any(name in _LOW_BIT for name in names):
+    if any(choice.name in _LOW_BIT for choice in choices):
         precompute_quantization_maps()
     with world:
         # Mesh and sharding plan are built for real (on the meta device); only tensors with data are fake.
@@ -335,8 +371,8 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
             model.to_empty(device="cpu")
             model.train()
             batches = fake_batches(t.batch_size, t.seq_len, vocab)
-            for index, name in enumerate(names):
-                optimizer_job = job_for_optimizer(job, name, notes)
+            for index, choice in enumerate(choices):
+                optimizer_job = job_for_optimizer(job, choice, notes)
                 estimate.optimizers.append(estimate_optimizer(
                     model, optimizer_job, parallel_dims, batches, round_to, warm_up=index == 0
                 ))
