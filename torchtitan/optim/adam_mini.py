@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtitan.errors import UserError
+from torchtitan.optim.compiled_slices import repeating_slices
 from torchtitan.models.roles import KEY, QUERY
 from torchtitan.optim.hyperparameters import check_adam_hyperparameters
 from torchtitan.optim.partition import (
@@ -420,7 +421,7 @@ def _fused_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
                   step_counts: list[float], layouts: list[BlockLayout], hyper: _Hyper) -> None:
     """Compiled local steps over parameters sharing dtype, device, step and momentum storage.
 
-    Shapes are static (the fastest code). Parameters are passed in slices that repeat (:func:`_repeating_slices`:
+    Shapes are static (the fastest code). Parameters are passed in slices that repeat (``repeating_slices``:
     one of each weight of a transformer layer), so a model compiles one graph per distinct slice, a few layers'
     worth however deep it is, and never again. Meta and fake tensors (memory estimates) run the same function
     eagerly, as does a step under a user's dispatch mode (debugging, CommDebugMode), which torch.compile cannot run
@@ -456,7 +457,7 @@ def _fused_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
             else:
                 scalars = torch.tensor([lr] + host + [1 - lr * hyper.weight_decay], dtype=scalar_dtype).to(device)
             signatures = [_signature(params[i], second_moments[i], means[i], indices[i], plans[i]) for i in members]
-            for part in _repeating_slices(members, signatures):
+            for part in repeating_slices(members, signatures):
                 # Detached: the compiled graph sees plain tensors sharing the parameters' memory.
                 run([params[i].detach() for i in part], [grads[i] for i in part], [exp_avgs[i] for i in part],
                     [second_moments[i] for i in part], [means[i] for i in part], [indices[i] for i in part],
@@ -467,20 +468,6 @@ def _signature(p: Tensor, v: Tensor, mean: Optional[Tensor], index: Optional[Ten
     """What a compiled graph is specialised on for one parameter (besides dtypes, shared by a group)."""
     return (tuple(p.shape), tuple(v.shape), None if mean is None else tuple(mean.shape),
             None if index is None else tuple(index.shape), plan)
-
-
-def _repeating_slices(members: list[int], signatures: list[tuple]) -> list[list[int]]:
-    """``members`` cut into slices of which most have the same signatures in the same order.
-
-    Parameters with equal signatures (the same weight of every layer) are stacked in columns; slice ``j`` takes
-    the ``j``-th parameter of each column. A Llama of any depth gives a first slice (one of everything) and then
-    identical per-layer slices: the compiled graphs are those of a layer or two, reused for every other one.
-    """
-    columns: dict[tuple, list[int]] = defaultdict(list)
-    for member, signature in zip(members, signatures):
-        columns[signature].append(member)
-    depth = max(len(column) for column in columns.values())
-    return [[column[j] for column in columns.values() if j < len(column)] for j in range(depth)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
