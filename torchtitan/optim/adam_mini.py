@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtitan.errors import UserError
+from torchtitan.optim.compiled_slices import repeating_slices
 from torchtitan.models.roles import KEY, QUERY
 from torchtitan.optim.hyperparameters import check_adam_hyperparameters
 from torchtitan.optim.partition import (
@@ -224,6 +225,8 @@ def _sum_over_shards(sums: list[Tensor], layouts: Sequence[BlockLayout]) -> list
 
 def _block_means(grads: list[Tensor], layouts: Sequence[BlockLayout]) -> list[Tensor]:
     """mean(g**2) over every block of every (block-ruled) parameter, shaped like the local ``v``: (n, 1)."""
+    if not grads:
+        return []
     sums: list[Optional[Tensor]] = [None] * len(grads)
     whole = [i for i, layout in enumerate(layouts) if layout.plan.rule == PER_TENSOR]
     for i, tensor_sum in zip(whole, _local_tensor_sums([grads[i] for i in whole])):
@@ -272,20 +275,40 @@ def adam_mini_update(
     """One Adam-mini step, in place, for parameters (plain tensors or DTensors) and their state.
 
     ``second_moments[i]`` is ``v`` as made by :func:`new_second_moment`; ``steps`` are 0-D float tensors;
-    ``exp_avgs`` may be stored in any of ``state_storage``'s forms (float32, bfloat16, 8-/4-bit). The step has two
-    parts: block statistics and ``v`` (small tensors, foreach kernels; the only part that goes through DTensor),
-    then a local elementwise part per parameter, run by foreach kernels or by compiled code (``implementation``).
+    ``exp_avgs`` may be stored in any of ``state_storage``'s forms (float32, bfloat16, 8-/4-bit). Block statistics
+    that are partial on this rank (split blocks, see :class:`BlockLayout`) are completed first, in one batched
+    DTensor all-reduce; everything else is local and runs as foreach kernels or as compiled code
+    (``implementation``), where each gradient is read once: its block means and the update in one pass.
     """
     params, grads = [_local(p) for p in params], [_local(g) for g in grads]
     exp_avgs, second_moments = [_local(m) for m in exp_avgs], [_local(v) for v in second_moments]
     if isinstance(lr, Tensor) and params and lr.device != params[0].device:
         lr = lr.to(params[0].device)  # foreach kernels take a tensor factor only on the tensors' device
-    blocked = [i for i, layout in enumerate(layouts) if layout.plan.rule != PER_ELEMENT]
-    elementwise = [i for i, layout in enumerate(layouts) if layout.plan.rule == PER_ELEMENT]
-
     torch._foreach_add_(steps, 1)
     # Steps are CPU scalars: reading them costs no device synchronisation.
     step_counts = [step.item() for step in steps]
+    hyper = _Hyper(lr, beta1, beta2, eps, weight_decay)
+    if implementation == FUSED:
+        _fused_update(params, grads, exp_avgs, second_moments, step_counts, layouts, hyper)
+    else:
+        _foreach_update(params, grads, exp_avgs, second_moments, step_counts, layouts, hyper)
+
+
+@dataclass(frozen=True)
+class _Hyper:
+    lr: Union[float, Tensor]
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+def _foreach_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], second_moments: list[Tensor],
+                    step_counts: list[float], layouts: list[BlockLayout], hyper: _Hyper) -> None:
+    """The reference back end: foreach kernels over the lists, block statistics in their own pass."""
+    beta1, beta2, eps, lr = hyper.beta1, hyper.beta2, hyper.eps, hyper.lr
+    blocked = [i for i, layout in enumerate(layouts) if layout.plan.rule != PER_ELEMENT]
+    elementwise = [i for i, layout in enumerate(layouts) if layout.plan.rule == PER_ELEMENT]
     bias_corrections1 = [1 - beta1**count for count in step_counts]
     bias_corrections2 = [1 - beta2**count for count in step_counts]
 
@@ -310,20 +333,11 @@ def adam_mini_update(
     for i in blocked:
         scales[i] = _per_row(scales[i], params[i], layouts[i])
 
-    decays = [weight_decay != 0 and layout.plan.decay for layout in layouts]
-    local_step = _fused_local_steps if implementation == FUSED else _foreach_local_steps
-    local_step(params, grads, exp_avgs, scales, decays, decay=1 - lr * weight_decay, beta1=beta1)
-
-
-# The local part: m <- lerp(m, g, 1 - beta1); p <- p * decay - scale * m, with m read from and written back to its
-# storage. The new m is used unrounded; the stored one is rounded by the storage (bf16: to nearest).
-
-
-def _foreach_local_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], scales: list[Tensor],
-                         decays: list[bool], *, decay: Union[float, Tensor], beta1: float) -> None:
-    decayed = [p for p, decays_p in zip(params, decays) if decays_p]
+    # m <- lerp(m, g, 1 - beta1); p <- p * decay - scale * m, with m read from and written back to its storage.
+    # The new m is used unrounded; the stored one is rounded by the storage (bf16: to nearest).
+    decayed = [p for p, layout in zip(params, layouts) if hyper.weight_decay != 0 and layout.plan.decay]
     if decayed:
-        torch._foreach_mul_(decayed, decay)
+        torch._foreach_mul_(decayed, 1 - lr * hyper.weight_decay)
     momenta = [read_state(m, p.dtype) for m, p in zip(exp_avgs, params)]  # m itself when stored like p
     torch._foreach_lerp_(momenta, grads, 1 - beta1)
     for stored, momentum in zip(exp_avgs, momenta):
@@ -332,49 +346,128 @@ def _foreach_local_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: li
     torch._foreach_addcmul_(params, momenta, scales, value=-1.0)
 
 
-def _local_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], scales: list[Tensor],
-                 decays: tuple[bool, ...], decay: Tensor, beta1_weight: float) -> None:
-    """The local part for a list of parameters with one dtype and one state storage: what ``torch.compile`` fuses.
+@dataclass(frozen=True)
+class _FusedPlan:
+    """What the compiled step needs to know of one parameter besides its tensors (a part of the graph's key).
 
-    ``m.to(dtype)`` of a quantized state is a view in the wanted dtype whose ``lerp`` dequantizes (torchao's
-    tensors), so one expression reads every storage; ``copy_`` writes it back (rounding or quantizing).
+    The local parameter is viewed as a matrix with one scale per row: ``heads`` rows (per_head blocks whole on
+    this rank), one row (per_tensor) or its own rows (per_row, and per_head rows that pick their head's scale
+    through an index). ``given_means``: the block means come from outside (partial statistics completed over the
+    mesh); otherwise the rows of the matrix are whole blocks and their means are taken in the same graph.
     """
-    for p, g, m, scale, decays_p in zip(params, grads, exp_avgs, scales, decays):
-        momentum = m.to(p.dtype).lerp(g, beta1_weight)
+
+    rule: str
+    heads: int
+    decays: bool
+    given_means: bool
+
+
+def _fused_plan(layout: BlockLayout, weight_decay: float) -> _FusedPlan:
+    plan = layout.plan
+    heads = plan.n_blocks if plan.rule == PER_HEAD and not layout.rows_split else 0
+    return _FusedPlan(plan.rule, heads, weight_decay != 0 and plan.decay, bool(layout.sum_dims))
+
+
+def _as_block_rows(t: Tensor, plan: _FusedPlan) -> Tensor:
+    if plan.rule == PER_TENSOR:
+        return t.reshape(1, -1)
+    if plan.heads:
+        return t.reshape(plan.heads, -1)
+    return t.reshape(t.shape[0], -1)
+
+
+def _fused_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], second_moments: list[Tensor],
+                 means: list[Optional[Tensor]], indices: list[Optional[Tensor]], plans: tuple[_FusedPlan, ...],
+                 scalars: Tensor, beta1: float, beta2: float, eps: float) -> None:
+    """The whole local step for parameters of one dtype and momentum storage: what ``torch.compile`` fuses.
+
+    ``scalars`` holds lr, 1 - beta1**t, 1 - beta2**t and 1 - lr * weight_decay (values that change every step
+    enter as a tensor, so the graph is compiled once). Per parameter, the same math as the foreach back end::
+
+        mean  = mean(g**2) over each block (or given)      v = beta2 * v + (1 - beta2) * mean
+        scale = lr / (bc1 * (sqrt(v / bc2) + eps))        m = lerp(m, g, 1 - beta1)  (rounded into m's storage)
+        p     = p * decay - scale * m
+
+    ``m.to(p.dtype)`` of a quantized state dequantizes (torchao's tensors); ``copy_`` writes back, rounding or
+    quantizing, so every storage shares this one expression.
+    """
+    lr, bias_correction1, bias_correction2, decay = scalars.unbind()
+    for p, g, m, v, mean, index, plan in zip(params, grads, exp_avgs, second_moments, means, indices, plans):
+        if plan.rule == PER_ELEMENT:
+            v.copy_(v * beta2 + (g * g) * (1 - beta2))
+        else:
+            if mean is None:
+                rows = _as_block_rows(g, plan).to(_stat_dtype(g))
+                mean = (rows * rows).sum(dim=1, keepdim=True) / rows.shape[1]
+            v.copy_(v * beta2 + mean * (1 - beta2))
+        if p.numel() == 0:
+            continue  # an empty shard still keeps its (replicated) v in step with the other ranks
+        scale = lr / (bias_correction1 * ((v / bias_correction2).sqrt() + eps))
+        if index is not None:
+            scale = scale.index_select(0, index)
+        momentum = m.to(p.dtype).lerp(g, 1 - beta1)
         m.copy_(momentum)
-        p.copy_((p * decay if decays_p else p) - scale * momentum)
+        kept = p * decay if plan.decays else p
+        if plan.rule == PER_ELEMENT:
+            p.copy_(kept - scale * momentum)
+        else:
+            p.copy_(kept - (scale.to(p.dtype) * _as_block_rows(momentum, plan)).reshape(p.shape))
 
 
-_compiled_local_steps = torch.compile(_local_steps, fullgraph=True, dynamic=False)
+_compiled_fused_steps = torch.compile(_fused_steps, fullgraph=True, dynamic=False)
 
 
-def _fused_local_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], scales: list[Tensor],
-                       decays: list[bool], *, decay: Union[float, Tensor], beta1: float) -> None:
-    """Compiled local steps: one graph for all parameters of one dtype, device and state storage.
+def _fused_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], second_moments: list[Tensor],
+                  step_counts: list[float], layouts: list[BlockLayout], hyper: _Hyper) -> None:
+    """Compiled local steps over parameters sharing dtype, device, step and momentum storage.
 
-    Shapes are static (the fastest code), so a model compiles once per storage (quantized state: once per
-    parameter shape) and never again: changing values (lr, hence the decay factor) enter as 0-D tensors. Meta
-    and fake tensors (memory estimates) run the same function eagerly.
+    Shapes are static (the fastest code). Parameters are passed in slices that repeat (``repeating_slices``:
+    one of each weight of a transformer layer), so a model compiles one graph per distinct slice, a few layers'
+    worth however deep it is, and never again. Meta and fake tensors (memory estimates) run the same function
+    eagerly, as does a step under a user's dispatch mode (debugging, CommDebugMode), which torch.compile cannot run
+    under.
     """
     if not params:
         return
+    partial = [i for i, layout in enumerate(layouts) if layout.plan.rule != PER_ELEMENT and layout.sum_dims]
+    means: list[Optional[Tensor]] = [None] * len(params)
+    for i, mean in zip(partial, _block_means([grads[i] for i in partial], [layouts[i] for i in partial])):
+        means[i] = mean
+    indices = [layout.local_blocks(p) if layout.plan.rule == PER_HEAD and layout.rows_split else None
+               for p, layout in zip(params, layouts)]
+    plans = [_fused_plan(layout, hyper.weight_decay) for layout in layouts]
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, (p, m) in enumerate(zip(params, exp_avgs)):
-        # Quantizing code is large: one small graph per parameter shape (as torchao does) compiles far faster than
-        # one graph over all of them.
-        groups[(p.dtype, p.device, type(m), m.dtype) + ((i,) if is_quantized(m) else ())].append(i)
+        # Quantizing code is large: one small graph per parameter (as torchao does) compiles far faster.
+        key = (p.dtype, p.device, type(m), m.dtype, step_counts[i])
+        groups[key + ((i,) if is_quantized(m) else ())].append(i)
     dataless = any(p.is_meta or isinstance(p, FakeTensor) for p in params)
-    # torch.compile cannot run under a user's dispatch mode (debugging, CommDebugMode): there the same function
-    # runs eagerly; it holds only local tensors, so what such a mode observes of collectives is unchanged.
-    run = _local_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_local_steps
+    run = _fused_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_fused_steps
     from torchtitan.optim.torchao_adapter import separate_compile_cache
 
+    lr = hyper.lr
     with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache("AdamMini"):
-        for (dtype, device, *_), indices in groups.items():
-            factor = torch.as_tensor(decay, dtype=dtype).to(device)
-            # Detached: the compiled graph sees plain tensors sharing the parameters' memory.
-            run([params[i].detach() for i in indices], [grads[i] for i in indices], [exp_avgs[i] for i in indices],
-                [scales[i] for i in indices], tuple(decays[i] for i in indices), factor, 1 - beta1)
+        for (dtype, device, _, _, count, *_), members in groups.items():
+            scalar_dtype = torch.promote_types(dtype, torch.float32)
+            host = [1 - hyper.beta1**count, 1 - hyper.beta2**count]
+            if isinstance(lr, Tensor):
+                lr_t = lr.detach().to(device=device, dtype=scalar_dtype).reshape(1)
+                rest = torch.tensor(host, dtype=scalar_dtype).to(device)
+                scalars = torch.cat([lr_t, rest, 1 - lr_t * hyper.weight_decay])
+            else:
+                scalars = torch.tensor([lr] + host + [1 - lr * hyper.weight_decay], dtype=scalar_dtype).to(device)
+            signatures = [_signature(params[i], second_moments[i], means[i], indices[i], plans[i]) for i in members]
+            for part in repeating_slices(members, signatures):
+                # Detached: the compiled graph sees plain tensors sharing the parameters' memory.
+                run([params[i].detach() for i in part], [grads[i] for i in part], [exp_avgs[i] for i in part],
+                    [second_moments[i] for i in part], [means[i] for i in part], [indices[i] for i in part],
+                    tuple(plans[i] for i in part), scalars, hyper.beta1, hyper.beta2, hyper.eps)
+
+
+def _signature(p: Tensor, v: Tensor, mean: Optional[Tensor], index: Optional[Tensor], plan: _FusedPlan) -> tuple:
+    """What a compiled graph is specialised on for one parameter (besides dtypes, shared by a group)."""
+    return (tuple(p.shape), tuple(v.shape), None if mean is None else tuple(mean.shape),
+            None if index is None else tuple(index.shape), plan)
 
 
 # ----------------------------------------------------------------------------------------------------------------

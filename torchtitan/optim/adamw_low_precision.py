@@ -2,7 +2,7 @@
 
 torch's fused and foreach AdamW kernels require the moments to have the parameter's dtype (a float32 parameter
 with bfloat16 moments fails with "expected scalar type Float but found BFloat16" on torch 2.11-2.14), so this step
-is our own: one compiled elementwise graph over all parameters (torch.compile, like Adam-mini's fused back end),
+is our own: compiled elementwise graphs over slices of the parameters (torch.compile, like Adam-mini's fused back end),
 math in the parameter's dtype, moments read from and written back to their storage (round-to-nearest). The state
 has torch's keys (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints look like AdamW's, in bfloat16.
 """
@@ -17,12 +17,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from torchtitan.optim.compiled_slices import repeating_slices
 from torchtitan.optim.state_storage import BFLOAT16, keep_bfloat16_on_load, new_state
 
 
 def _local_adam_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-                      step_sizes: Tensor, bias_correction2_sqrts: Tensor, decay: Tensor, beta1: float, beta2: float,
-                      eps: float, l2: float) -> None:
+                      step_sizes: list[Tensor], bias_correction2_sqrts: list[Tensor], decay: Tensor, beta1: float,
+                      beta2: float, eps: float, l2: float) -> None:
     """Adam's elementwise update for a list of local tensors; ``step_sizes[i]`` is lr / (1 - beta1**t)."""
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         if l2:
@@ -88,11 +89,17 @@ class LowPrecisionAdam(torch.optim.Optimizer):
         run = _local_adam_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_local_adam_steps
         from torchtitan.optim.torchao_adapter import separate_compile_cache
 
+        grads = [_local(p.grad) for p in params]
+        exp_avgs, exp_avg_sqs = [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states]
+        step_sizes, bias_correction2_sqrts = step_sizes.unbind(), bias_correction2_sqrts.unbind()
+        decay = decay.to(dtype=dtype, device=device)
+        l2 = 0.0 if decoupled else group["weight_decay"]
+        signatures = [(tuple(t.shape), t.stride()) for t in local]
         with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache("AdamW_bf16"):
-            run([p.detach() for p in local], [_local(p.grad) for p in params],
-                [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
-                step_sizes, bias_correction2_sqrts, decay.to(dtype=dtype, device=device), beta1, beta2,
-                group["eps"], 0.0 if decoupled else group["weight_decay"])
+            for part in repeating_slices(range(len(local)), signatures):  # a layer's graph, reused by every layer
+                run([local[i].detach() for i in part], [grads[i] for i in part], [exp_avgs[i] for i in part],
+                    [exp_avg_sqs[i] for i in part], [step_sizes[i] for i in part],
+                    [bias_correction2_sqrts[i] for i in part], decay, beta1, beta2, group["eps"], l2)
 
 
 def _local(t: Tensor) -> Tensor:
