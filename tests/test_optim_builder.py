@@ -461,17 +461,23 @@ def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) 
 EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16")
 
 
-def _fsdp_resume_workers(rank: int, world_size: int, folder: str) -> dict[str, dict]:
-    return {name: _fsdp_resume_worker(rank, world_size, name, TINY, torch.float64, os.path.join(folder, name))
-            for name in EXACT_NAMES}
+def _fsdp_resume_workers(rank: int, world_size: int, folder: str, names: tuple[str, ...], args: ModelArgs,
+                         dtype: torch.dtype) -> dict[str, dict]:
+    return {name: _fsdp_resume_worker(rank, world_size, name, args, dtype, os.path.join(folder, name))
+            for name in names}
+
+
+def _fsdp_runs(tmp_path_factory, names: tuple[str, ...], args: ModelArgs, dtype: torch.dtype
+               ) -> tuple[str, list[dict[str, dict]]]:
+    """Two-rank runs of the optimizers ``names`` in one pair of processes (starting processes is the slow part)."""
+    folder = str(tmp_path_factory.mktemp("fsdp_checkpoints"))
+    ranks = run_workers(_fsdp_resume_workers, 2, args=(folder, names, args, dtype))
+    return folder, [{name: _from_numpy(result) for name, result in rank.items()} for rank in ranks]
 
 
 @pytest.fixture(scope="module")
 def fsdp_exact_runs(tmp_path_factory) -> tuple[str, list[dict[str, dict]]]:
-    """Two-rank runs of AdamW and AdamMini in one pair of processes (starting processes is the slow part)."""
-    folder = str(tmp_path_factory.mktemp("fsdp_checkpoints"))
-    ranks = run_workers(_fsdp_resume_workers, 2, args=(folder,))
-    return folder, [{name: _from_numpy(result) for name, result in rank.items()} for rank in ranks]
+    return _fsdp_runs(tmp_path_factory, EXACT_NAMES, TINY, torch.float64)
 
 
 @pytest.mark.parametrize("name", EXACT_NAMES)
@@ -490,11 +496,19 @@ def test_fsdp_two_ranks_resume_exactly_and_reshard_to_one(name, fsdp_exact_runs)
         assert torch.equal(torch.as_tensor(loaded[key]).to(value.dtype), value), key
 
 
+LOW_BIT_RESUME_NAMES = ("AdamW8bit", "AdamMini8bit:foreach")
+
+
+@pytest.fixture(scope="module")
+def fsdp_low_bit_runs(tmp_path_factory) -> tuple[str, list[dict[str, dict]]]:
+    return _fsdp_runs(tmp_path_factory, LOW_BIT_RESUME_NAMES, LOW_BIT, torch.float32)
+
+
 @needs_torchao
-@pytest.mark.parametrize("name", ["AdamW8bit", "AdamMini8bit:foreach"])
-def test_fsdp_two_ranks_low_bit_resume_and_reshard(name, tmp_path):
-    ranks = run_workers(_fsdp_resume_worker, 2, args=(name, LOW_BIT, torch.float32, str(tmp_path)))
-    ranks = [_from_numpy(r) for r in ranks]
+@pytest.mark.parametrize("name", LOW_BIT_RESUME_NAMES)
+def test_fsdp_two_ranks_low_bit_resume_and_reshard(name, fsdp_low_bit_runs):
+    folder, runs = fsdp_low_bit_runs
+    ranks = [run[name] for run in runs]
     for result in ranks:
         resumed_error = max_difference(result["uninterrupted"], result["resumed"])
         assert resumed_error < 0.1 * max_difference(result["uninterrupted"], result["without_state"])
@@ -503,7 +517,7 @@ def test_fsdp_two_ranks_low_bit_resume_and_reshard(name, tmp_path):
     single = build_optimizers([tiny_model(LOW_BIT, torch.float32)],
                               job_config("--optimizer.name", "AdamW")).state_bytes()
     assert all(r["state_bytes"] < 0.2 * single for r in ranks)  # 8-bit and half the parameters
-    loaded = _single_process_state(name, LOW_BIT, torch.float32, tmp_path)
+    loaded = _single_process_state(name, LOW_BIT, torch.float32, os.path.join(folder, name))
     for key, value in ranks[0]["saved"].items():
         if key.endswith(("exp_avg", "exp_avg_sq", ".m")):  # quantized moments (AdamMini's v stays float32)
             scale = value.abs().max().clamp(min=1e-12)

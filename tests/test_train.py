@@ -105,6 +105,8 @@ def test_bad_input_from_a_real_process(tmp_path, args, message):
     assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "tb").exists()
+    if args == BAD_INPUT[0][0]:  # a mistake in the options is the only thing said: nothing is logged before it
+        assert proc.stderr.strip() == message
 
 
 def test_unwritable_checkpoint_folder_is_reported_before_training(tmp_path, monkeypatch, capsys):
