@@ -4,75 +4,20 @@ from the formulas, state dicts, bad input, and meta/fake tensors (the 8B state-s
 from __future__ import annotations
 
 import logging
-import zlib
 
 import pytest
 import torch
 from torch import nn
 
-from tests.parallel_helpers import default_dtype
+from tests.helpers import (
+    HYPER, TINY, adam_mini_for, default_dtype, fsdp, max_difference, meta_model, run_single_process, state_bytes,
+    set_synthetic_grads, synthetic_grad, tiny_model,
+)
 from torchtitan.errors import UserError
-from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
+from torchtitan.models.llama import Transformer, llama3_configs
 from torchtitan.optim import AdamMini
 from torchtitan.optim.adam_mini import adam_mini_update, layout_for, new_second_moment
 from torchtitan.optim.partition import PER_ELEMENT, PER_HEAD, PER_ROW, PER_TENSOR, plan_blocks, role_from_name
-
-# A tiny GQA Llama whose sizes split unevenly over 2, 3 and 4 ranks (vocab 67, 2 KV heads of 8 rows).
-TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=67, multiple_of=16, max_seq_len=16)
-HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-def tiny_model(args: ModelArgs = TINY, seed: int = 0) -> Transformer:
-    """The float64 test model, initialised identically wherever it is built."""
-    with default_dtype(torch.float64):
-        model = Transformer(args)
-    model.init_weights(seed)
-    return model
-
-
-def synthetic_grad(name: str, shape: tuple[int, ...], step: int) -> torch.Tensor:
-    """A deterministic float64 gradient for (parameter name, step), with rows of very different scales."""
-    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()) * 100 + step)
-    grad = torch.randn(shape, generator=generator, dtype=torch.float64)
-    if grad.dim() >= 2:
-        grad *= torch.rand(shape[0], 1, generator=generator, dtype=torch.float64) * 3 + 0.1
-    return grad
-
-
-def grad_from_values(name: str, param: torch.Tensor, step: int) -> torch.Tensor:
-    """A deterministic gradient computed entry by entry from the parameter's current values.
-
-    Every shard of a sharded parameter computes its own part without knowing where it sits, so the gradients of
-    a distributed run do not depend on how DTensor maps shards to ranks.
-    """
-    values = param.detach()
-    salt = zlib.crc32(name.encode()) % 97
-    return torch.sin(values * 100 + (step + salt)) * (values.abs() * 10 + 1)
-
-
-def adam_mini_for(model: Transformer, **options) -> AdamMini:
-    args = model.args
-    return AdamMini(model.named_parameters(), **{**HYPER, **options}, dim=args.dim, n_heads=args.n_heads,
-                    n_kv_heads=args.n_kv_heads, param_roles=model.named_param_roles())
-
-
-def run_single_process(steps: int, value_blocks: str = PER_ROW, grads_from_values: bool = False, **options
-                       ) -> dict[str, torch.Tensor]:
-    """Parameters of the tiny model after ``steps`` AdamMini steps on synthetic gradients."""
-    model = tiny_model()
-    optimizer = adam_mini_for(model, value_blocks=value_blocks, **options)
-    for step in range(steps):
-        for name, p in model.named_parameters():
-            p.grad = (grad_from_values(name, p, step) if grads_from_values
-                      else synthetic_grad(name, tuple(p.shape), step))
-        optimizer.step()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[name] - b[name]).abs().max().item() for name in a)
-
 
 # ------------------------------------------------------------------------------------------------------------
 # A reference written from the formulas, one parameter at a time, blocks spelled out by hand.
@@ -143,8 +88,7 @@ def official_run(steps: int, value_blocks: str) -> dict[str, torch.Tensor]:
     if value_blocks == PER_TENSOR:
         optimizer.wv_names = set()  # the official switch: value weights fall through to one block per tensor
     for step in range(steps):
-        for name, p in model.named_parameters():
-            p.grad = synthetic_grad(name, tuple(p.shape), step)
+        set_synthetic_grads(model, step)
         optimizer.step()
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -224,8 +168,7 @@ def test_head_size_other_than_dim_over_heads_matches_reference():
     decay = {name: p.dim() >= 2 for name, p in model.named_parameters()}
     expected = reference_run(dict(model.named_parameters()), blocks, 6, **HYPER, decay=decay)
     for step in range(6):
-        for name, p in model.named_parameters():
-            p.grad = synthetic_grad(name, tuple(p.shape), step)
+        set_synthetic_grads(model, step)
         optimizer.step()
     assert max_difference({n: p.detach() for n, p in model.named_parameters()}, expected) < 1e-10
 
@@ -327,8 +270,7 @@ def test_plain_parameters_without_names_are_refused():
 def test_state_is_m_v_and_step_only():
     model = tiny_model()
     optimizer = adam_mini_for(model)
-    for name, p in model.named_parameters():
-        p.grad = synthetic_grad(name, tuple(p.shape), 0)
+    set_synthetic_grads(model, 0)
     optimizer.step()
     shapes = {name: {key: tuple(value.shape) for key, value in optimizer.state[p].items()}
               for name, p in model.named_parameters()}
@@ -343,8 +285,7 @@ def test_state_dict_round_trip_continues_identically():
     model = tiny_model()
     optimizer = adam_mini_for(model)
     for step in range(3):
-        for name, p in model.named_parameters():
-            p.grad = synthetic_grad(name, tuple(p.shape), step)
+        set_synthetic_grads(model, step)
         optimizer.step()
     saved_optimizer = optimizer.state_dict()
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
@@ -354,8 +295,7 @@ def test_state_dict_round_trip_continues_identically():
     resumed_optimizer = adam_mini_for(resumed)
     resumed_optimizer.load_state_dict(saved_optimizer)
     for step in range(3, 6):
-        for name, p in resumed.named_parameters():
-            p.grad = synthetic_grad(name, tuple(p.shape), step)
+        set_synthetic_grads(resumed, step)
         resumed_optimizer.step()
     assert max_difference({n: p.detach() for n, p in resumed.named_parameters()}, uninterrupted) == 0.0
 
@@ -366,8 +306,7 @@ def test_tensor_learning_rate_and_scheduler_match_float():
     optimizer = adam_mini_for(model, lr=torch.tensor(HYPER["lr"], dtype=torch.float64))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     for step in range(4):
-        for name, p in model.named_parameters():
-            p.grad = synthetic_grad(name, tuple(p.shape), step)
+        set_synthetic_grads(model, step)
         optimizer.step()
         scheduler.step()
     assert max_difference({n: p.detach() for n, p in model.named_parameters()}, with_float) < 1e-15
@@ -389,17 +328,6 @@ def test_parameters_without_gradients_are_left_alone():
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(value.numel() * value.element_size() for state in optimizer.state.values()
-               for value in state.values() if isinstance(value, torch.Tensor))
-
-
-def _meta_llama(flavor: str) -> Transformer:
-    args = ModelArgs(**{**vars(llama3_configs[flavor])})
-    with torch.device("meta"):
-        return Transformer(args)
-
-
 def _step_with_zero_grads(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -407,14 +335,14 @@ def _step_with_zero_grads(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def test_8b_state_is_at_most_half_of_adamw_on_meta():
-    model = _meta_llama("8B")
+    model = meta_model(llama3_configs["8B"], torch.float32)
     args = model.args
     adam_mini = AdamMini(model.named_parameters(), lr=3e-4, weight_decay=0.1, dim=args.dim, n_heads=args.n_heads,
                          n_kv_heads=args.n_kv_heads, param_roles=model.named_param_roles())
     _step_with_zero_grads(model, adam_mini)
     adamw = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
     _step_with_zero_grads(model, adamw)
-    ratio = _state_bytes(adam_mini) / _state_bytes(adamw)
+    ratio = state_bytes(adam_mini) / state_bytes(adamw)
     n_params = sum(p.numel() for p in model.parameters())
     assert n_params > 7.5e9 and all(p.device.type == "meta" for p in model.parameters())
     assert 0.5 <= ratio <= 0.5005, ratio
@@ -438,7 +366,6 @@ def _shapes_in_a_fake_world() -> list[dict[str, tuple]]:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=3)
@@ -446,10 +373,7 @@ def _shapes_in_a_fake_world() -> list[dict[str, tuple]]:
     shapes = []
     for context in (torch.device("meta"), FakeTensorMode()):
         with context:
-            model = Transformer(TINY)
-            for layer in model.layers.values():
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            model = fsdp(Transformer(TINY), mesh)
             optimizer = adam_mini_for(model)
             _step_with_zero_grads(model, optimizer)
         wk = optimizer.state[model.layers["0"].attention.wk.weight]

@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (
@@ -32,13 +31,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tests.distributed import run_workers
-from tests.test_adam_mini import (
-    TINY,
-    adam_mini_for,
-    grad_from_values,
-    max_difference,
-    run_single_process,
-    tiny_model,
+from tests.helpers import (
+    TINY, adam_mini_for, fsdp, grad_from_values, max_difference, run_single_process, tiny_model, weights,
 )
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim.adam_mini import FUSED
@@ -61,12 +55,6 @@ pytestmark = pytest.mark.timeout(600)
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _fsdp(model: torch.nn.Module, mesh) -> None:
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
 def _tensor_parallel(model: torch.nn.Module, tp_mesh, embedding_plan=None) -> None:
     # Column-wise Q/K/V/W1/W3 and output (Shard(0)), row-wise O/W2 (Shard(1)), vocabulary-parallel embedding
     # (Shard(0)) unless told otherwise; norms stay plain tensors beside the DTensors.
@@ -84,7 +72,7 @@ def _parallel_model(layout: str, world_size: int, args: ModelArgs = TINY) -> tor
     if layout == "single":
         pass
     elif layout == "fsdp":
-        _fsdp(model, init_device_mesh("cpu", (world_size,)))
+        fsdp(model, init_device_mesh("cpu", (world_size,)))
     elif layout == "tp":
         _tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
     elif layout == "fsdp_tp":
@@ -92,9 +80,9 @@ def _parallel_model(layout: str, world_size: int, args: ModelArgs = TINY) -> tor
         # for heads. The embedding is split by columns (Shard(1)): its per-row sums are partial over TP.
         mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
         _tensor_parallel(model, mesh["tp"], embedding_plan=ColwiseParallel())
-        _fsdp(model, mesh["dp"])
+        fsdp(model, mesh["dp"])
     elif layout == "hsdp":
-        _fsdp(model, init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard")))
+        fsdp(model, init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard")))
     else:
         raise ValueError(layout)
     return model
@@ -124,12 +112,7 @@ def _train_on_loss(model: torch.nn.Module, rank: int, world_size: int, steps: in
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return _full_params(model)
-
-
-def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in model.named_parameters()}
+    return weights(model)
 
 
 def _train(layout: str, world_size: int, steps: int, value_blocks: str = PER_ROW, args: ModelArgs = TINY,
@@ -139,7 +122,7 @@ def _train(layout: str, world_size: int, steps: int, value_blocks: str = PER_ROW
     for step in range(steps):
         _set_grads(model, step)
         optimizer.step()
-    return _full_params(model)
+    return weights(model)
 
 
 class _CollectiveSizes(CommDebugMode):
@@ -178,7 +161,7 @@ def _save_checkpoint(world_size: int, path: str) -> dict[str, torch.Tensor]:
         optimizer.step()
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
              checkpoint_id=path)
-    return _full_params(model)
+    return weights(model)
 
 
 def _resume(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
@@ -191,7 +174,7 @@ def _resume(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
     for step in range(SAVE_AT, SAVE_AT + RESUME_STEPS):
         _set_grads(model, step)
         optimizer.step()
-    return _full_params(model)
+    return weights(model)
 
 
 def _attempt(fn: Callable, *args) -> tuple[bool, Any]:

@@ -9,18 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from tests.parallel_helpers import default_dtype
-from tests.test_adam_mini import (
-    TINY,
-    _meta_llama,
-    adam_mini_for,
-    max_difference,
-    synthetic_grad,
+from tests.helpers import (
+    TINY, adam_mini_for, job_config, max_difference, meta_model, set_synthetic_grads, state_bytes, tiny_model, weights,
 )
 from torchtitan.errors import UserError
-from torchtitan.models.llama import Transformer
+from torchtitan.models.llama import Transformer, llama3_configs
 from torchtitan.optim import AdamMini
-from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.state_init import initialise_state
 from torchtitan.optim.state_storage import is_quantized
 from torchtitan.optim.torchao_adapter import portable_quantized_state
@@ -31,31 +25,19 @@ STEPS = 4
 
 
 def float32_model(seed: int = 0) -> Transformer:
-    with default_dtype(torch.float32):
-        model = Transformer(WIDE)
-    model.init_weights(seed)
-    return model
-
-
-def _set_grads(model: torch.nn.Module, step: int) -> None:
-    for name, p in model.named_parameters():
-        p.grad = synthetic_grad(name, tuple(p.shape), step).to(p.dtype)
-
-
-def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return tiny_model(WIDE, torch.float32, seed)
 
 
 def _train(model, optimizer, steps: int, after_step=None, lrs=None) -> dict[str, torch.Tensor]:
     for step in range(steps):
-        _set_grads(model, step)
+        set_synthetic_grads(model, step)
         if lrs is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lrs[step]
         optimizer.step()
         if after_step is not None:
             after_step(optimizer)
-    return _params(model)
+    return weights(model)
 
 
 def _round_momentum_to_bfloat16(optimizer: AdamMini) -> None:
@@ -123,8 +105,6 @@ def test_fused_equals_foreach(storage):
 
 
 def test_fused_float64_equals_foreach_and_compiles_once():
-    from tests.test_adam_mini import tiny_model
-
     foreach_model = tiny_model()
     foreach = _train(foreach_model, adam_mini_for(foreach_model, implementation="foreach"), STEPS,
                      lrs=[1e-2, 5e-3, 2e-3, 1e-3])
@@ -135,14 +115,14 @@ def test_fused_float64_equals_foreach_and_compiles_once():
     torch._dynamo.utils.counters.clear()
     counts = []
     for step in range(STEPS):
-        _set_grads(model, step)
+        set_synthetic_grads(model, step)
         optimizer.param_groups[0]["lr"] = torch.tensor([1e-2, 5e-3, 2e-3, 1e-3][step], dtype=torch.float64)
         optimizer.step()
         counts.append(dict(torch._dynamo.utils.counters["stats"]).get("unique_graphs", 0))
     # Compiled at the first step only (one graph per distinct slice of parameters: the first layer's, with the
     # embedding, output and final norm, and every other layer's); no recompile when the lr changes.
     assert 1 <= counts[0] <= 3 and counts[-1] == counts[0], counts
-    assert max_difference(_params(model), foreach) < 1e-14
+    assert max_difference(weights(model), foreach) < 1e-14
 
 
 def test_bfloat16_state_dict_round_trip_continues_bit_exactly():
@@ -161,9 +141,9 @@ def test_bfloat16_state_dict_round_trip_continues_bit_exactly():
     resumed_optimizer.load_state_dict(saved)
     assert all(state["m"].dtype == torch.bfloat16 for state in resumed_optimizer.state.values())
     for step in range(STEPS, 2 * STEPS):
-        _set_grads(resumed, step)
+        set_synthetic_grads(resumed, step)
         resumed_optimizer.step()
-    assert max_difference(_params(resumed), uninterrupted) == 0.0
+    assert max_difference(weights(resumed), uninterrupted) == 0.0
 
 
 def test_quantized_momentum_saves_plain_float32_and_reloads_quantized():
@@ -196,17 +176,17 @@ def test_bad_storage_options_raise_user_errors(kwargs, message):
 
 
 def _8b_state_bytes(**options) -> int:
-    model = _meta_llama("8B")
+    model = meta_model(llama3_configs["8B"], torch.float32)
     optimizer = AdamMini(model.named_parameters(), lr=3e-4, weight_decay=0.1, dim=model.args.dim,
                          n_heads=model.args.n_heads, n_kv_heads=model.args.n_kv_heads,
                          param_roles=model.named_param_roles(), **options)
     for p, layout in optimizer._layouts.items():  # the state the first step creates, without stepping
         optimizer._init_state(p, optimizer.state[p], layout)
-    return sum(tensor_bytes(value) for state in optimizer.state.values() for value in state.values())
+    return state_bytes(optimizer)
 
 
 def test_8b_state_bounds_relative_to_float32_adamw_on_meta():
-    model = _meta_llama("8B")
+    model = meta_model(llama3_configs["8B"], torch.float32)
     adamw_bytes = 2 * 4 * sum(p.numel() for p in model.parameters()) + 4 * len(list(model.parameters()))
     ratios = {storage: _8b_state_bytes(momentum_storage=storage) / adamw_bytes
               for storage in ("bfloat16", "int8", "int4")}
@@ -215,7 +195,7 @@ def test_8b_state_bounds_relative_to_float32_adamw_on_meta():
     adamw_bf16 = LowPrecisionAdam(model.parameters(), lr=3e-4, weight_decay=0.1)
     for p in model.parameters():  # the state its first step creates, without stepping
         adamw_bf16._init_state(p, adamw_bf16.state[p])
-    ratios["AdamW bfloat16"] = sum(tensor_bytes(v) for s in adamw_bf16.state.values() for v in s.values()) / adamw_bytes
+    ratios["AdamW bfloat16"] = state_bytes(adamw_bf16) / adamw_bytes
     print(f"8B optimizer state relative to float32 AdamW: {ratios}")
     assert ratios["bfloat16"] <= 0.2503 and ratios["int8"] <= 0.135 and ratios["int4"] < ratios["int8"]
     assert ratios["AdamW bfloat16"] <= 0.5001
@@ -257,17 +237,16 @@ def test_low_precision_adam_step_equals_torch_and_rounds_moments_to_nearest(deco
 
 
 def test_adamw_bfloat16_state_from_the_config_is_half_and_resumes_exactly():
-    from tests.test_optim_builder import config
     from torchtitan.optim import build_optimizers
 
-    job = config("--optimizer.name", "AdamW", "--optimizer.state_dtype", "bfloat16", "--optimizer.lr", "0.01")
-    plain = build_optimizers([float32_model()], config("--optimizer.name", "AdamW")).state_bytes()
+    job = job_config("--optimizer.name", "AdamW", "--optimizer.state_dtype", "bfloat16", "--optimizer.lr", "0.01")
+    plain = build_optimizers([float32_model()], job_config("--optimizer.name", "AdamW")).state_bytes()
     optimizers = build_optimizers([float32_model()], job)
     assert optimizers.state_bytes() <= 0.51 * plain
     model = optimizers.model_parts[0]
     _train(model, optimizers, STEPS)
     saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizers.state_dict().items()}
-    saved_weights = _params(model)
+    saved_weights = weights(model)
     assert saved["state.layers.0.attention.wq.weight.exp_avg"].dtype == torch.bfloat16
     uninterrupted = _train(model, optimizers, STEPS)  # the same gradients again, from the saved point
 

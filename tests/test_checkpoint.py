@@ -9,202 +9,28 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import IterableDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tests import processes
 from tests.distributed import run_workers
-from tests.parallel_helpers import meta_model
-from torchtitan.lr_scheduling import SchedulersContainer
+from tests.helpers import (
+    STALL_IN_SAVE, TINY, Trainer, assert_same_snapshot, checkpoint_job as job, meta_model, warmup,
+)
 from torchtitan.checkpoint import CheckpointManager, SafeFileSystemReader, SafeLoadPlanner, decode_plain, encode_plain
-from torchtitan.config_manager import JobConfig
 from torchtitan.errors import UserError
-from torchtitan.models.llama import ModelArgs, Transformer
+from torchtitan.models.llama import Transformer
 
 # DCP says it assumes one process whenever no process group exists; so do we.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized"),
     pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"),  # torchdata's own deprecation notice
 ]
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SEED = 5
-SEQ_LEN = 8
-GLOBAL_BATCH = 6  # divisible by the world sizes 1, 2, 3
-TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=SEQ_LEN)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# A small training setup: tiny float64 Llama (FSDP2 when distributed), AdamW behind the optimizer-container
-# interface, one LambdaLR, a stateful loader honouring the data order contract, and a step counter.
-
-
-class Windows(IterableDataset):
-    """Global window g is random tokens seeded by g; rank r of W takes windows k*W*B + r*B ... of global batch k.
-
-    Its state (batches consumed) is world-size independent, like the project's loaders.
-    """
-
-    def __init__(self, rank: int, world_size: int, local_batch: int):
-        self.rank, self.world_size, self.local_batch = rank, world_size, local_batch
-        self.batches = 0
-
-    def __iter__(self):
-        while True:
-            first = self.batches * self.world_size * self.local_batch + self.rank * self.local_batch
-            self.batches += 1  # counted as the batch starts: the loader reads our state between batches
-            for g in range(first, first + self.local_batch):
-                generator = torch.Generator().manual_seed(1000 + g)
-                yield torch.randint(0, TINY.vocab_size, (SEQ_LEN + 1,), generator=generator)
-
-    def state_dict(self):
-        return {"batches": self.batches}
-
-    def load_state_dict(self, state):
-        self.batches = state["batches"]
-
-
-class Optimizers:
-    """The optimizer container's checkpoint interface around one AdamW."""
-
-    def __init__(self, model):
-        self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        self.options = StateDictOptions(flatten_optimizer_state_dict=True)
-
-    def state_dict(self):
-        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
-
-    def load_state_dict(self, state):
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
-
-
-class TrainState:
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step, "history": (1, 2.5, "x")}
-
-    def load_state_dict(self, state):
-        assert state["history"] == (1, 2.5, "x")  # tuples survive the JSON encoding
-        self.step = state["step"]
-
-
-def warmup(step: int) -> float:
-    return min(1.0, (step + 1) / 3)
-
-
-def build_model(dtype=torch.float64) -> Transformer:
-    model = meta_model(TINY, dtype)
-    if dist.is_initialized():
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model.layers.values():
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=SEED)
-    return model
-
-
-def job(dump_folder: str, steps: int = 4, **checkpoint) -> JobConfig:
-    config = JobConfig()
-    config.job.dump_folder = dump_folder
-    config.training.steps = steps
-    config.checkpoint.enable_checkpoint = True
-    config.checkpoint.folder = "checkpoint"  # explicit: used as given, with no per-optimizer subfolder
-    for key, value in checkpoint.items():
-        setattr(config.checkpoint, key, value)
-    return config
-
-
-class Trainer:
-    def __init__(self, config: JobConfig):
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.model = build_model()
-        self.optimizers = Optimizers(self.model)
-        self.schedulers = SchedulersContainer([LambdaLR(self.optimizers.optimizer, warmup)])
-        self.loader = StatefulDataLoader(Windows(rank, world_size, GLOBAL_BATCH // world_size),
-                                         batch_size=GLOBAL_BATCH // world_size)
-        self.train_state = TrainState()
-        self.checkpoint = CheckpointManager(
-            data_loader=self.loader, model_parts=[self.model], optimizers=self.optimizers,
-            lr_schedulers=self.schedulers, states={"train_state": self.train_state}, job_config=config,
-        )
-        self.batches = None
-        self.last_step = config.training.steps
-
-    def step(self) -> float:
-        """One training step; the global mean loss."""
-        if self.batches is None:
-            self.batches = iter(self.loader)  # after a load, so that the restored position applies
-        tokens = next(self.batches)
-        loss = F.cross_entropy(self.model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        self.optimizers.optimizer.step()
-        self.schedulers.step()
-        self.optimizers.optimizer.zero_grad()
-        self.train_state.step += 1
-        total = loss.detach().clone()
-        if dist.is_initialized():
-            dist.all_reduce(total)
-            total /= dist.get_world_size()
-        self.checkpoint.save(self.train_state.step, force=self.train_state.step == self.last_step)
-        return total.item()
-
-    def run(self, until: int) -> list[float]:
-        return [self.step() for _ in range(self.train_state.step, until)]
-
-    def snapshot(self) -> dict:
-        """Full (unsharded) parameters and optimizer state as numpy, plus the plain state, on every rank."""
-        full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        params = get_model_state_dict(self.model, options=full)
-        optim = get_optimizer_state_dict(self.model, self.optimizers.optimizer, options=full)
-        arrays = {f"param/{k}": _numpy(v) for k, v in params.items()}
-        for name, state in optim["state"].items():
-            arrays.update({f"optim/{name}/{key}": _numpy(value) for key, value in state.items()})
-        return {
-            "arrays": arrays,
-            "lr": self.optimizers.optimizer.param_groups[0]["lr"],
-            "scheduler_epoch": self.schedulers.schedulers[0].last_epoch,
-            "loader": self.loader.state_dict()["dataset_state"],
-            "step": self.train_state.step,
-        }
-
-
-def _numpy(value) -> np.ndarray:
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    # numpy, not tensors: results travel through a multiprocessing queue.
-    return value.detach().cpu().numpy().copy()
-
-
-def assert_same_snapshot(actual: dict, expected: dict, exact: bool = True) -> None:
-    assert actual["arrays"].keys() == expected["arrays"].keys()
-    for key, value in expected["arrays"].items():
-        if exact:
-            np.testing.assert_array_equal(actual["arrays"][key], value, err_msg=key)
-        else:
-            np.testing.assert_allclose(actual["arrays"][key], value, rtol=1e-12, atol=1e-14, err_msg=key)
-    for key in ("lr", "scheduler_epoch", "loader", "step"):
-        assert actual[key] == expected[key], key
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -397,15 +223,18 @@ def test_checkpoint_of_another_model_is_one_short_line(tmp_path, monkeypatch):
     with pytest.raises(UserError) as caught:
         other.checkpoint.load()
     message = str(caught.value)  # from the checkpoint's job facts: what it holds, what the job expects
-    assert "holds model flavor debugmodel (28,832 parameters); this job uses model flavor debugmodel (41,184 " \
+    held, expected = (f"{sum(p.numel() for p in meta_model(args).parameters()):,}"
+                      for args in (TINY, replace(TINY, n_layers=3)))
+    assert f"holds model flavor debugmodel ({held} parameters); this job uses model flavor debugmodel ({expected} " \
         in message
     assert "\n" not in message and "model.layers" not in message
     assert len(message) - message.count(str(tmp_path)) * len(str(tmp_path)) < 300
     # Weights only (the optimizer may differ), but of another model: one line too.
     warm = Trainer(job(str(tmp_path), steps=1, folder="warm", initial_load_path=str(tmp_path / "checkpoint")))
     warm.checkpoint.model_parts = [Transformer(replace(TINY, n_layers=3))]
-    with pytest.raises(UserError, match=r"holds model flavor debugmodel \(28,832 parameters\); this job uses model "
-                                        r"flavor debugmodel \(41,184 parameters\); point checkpoint.initial_load_path"):
+    with pytest.raises(UserError, match=rf"holds model flavor debugmodel \({held} parameters\); this job uses "
+                                        rf"model flavor debugmodel \({expected} parameters\); point "
+                                        r"checkpoint.initial_load_path"):
         warm.checkpoint.load()
     # A checkpoint without job facts (written before they existed) is judged by its keys, summarised in one line.
     monkeypatch.setattr(CheckpointManager, "_read_facts", lambda self, path, entries: None)
@@ -496,38 +325,16 @@ def test_plain_state_is_stored_as_json(tmp_path):
 # ------------------------------------------------------------------------------------------------------------------
 # SIGKILL in the middle of a save
 
-_KILLED_SAVER = textwrap.dedent(
-    """
-    import sys, time
-    sys.path.insert(0, {repo!r})
-    from tests import test_checkpoint as t
-    from torchtitan.checkpoint import manager as ckpt
-
-    class SlowWriter(ckpt.FileSystemWriter):
-        # Writes the data files of the save, then stalls before DCP writes the metadata: killed here.
-        def write_data(self, plan, planner):
-            future = super().write_data(plan, planner)
-            future.wait()
-            print("WROTE_DATA", flush=True)
-            time.sleep(600)
-            return future
-
-    trainer = t.Trainer(t.job({folder!r}, steps=4, interval=2, async_mode={mode!r}))
-    trainer.run(2)
-    print("SAVED_2", flush=True)
-    ckpt.FileSystemWriter = SlowWriter
-    trainer.run(4)
-    """
-)
-
-
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, mode):
-    script = _KILLED_SAVER.format(repo=REPO, folder=str(tmp_path), mode=mode)
-    with processes.started([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) as child:
+    # The save at step 2 completes; the one at step 4 writes its data files and stalls before its metadata.
+    code = ("from tests.helpers import Trainer, checkpoint_job\n"
+            f"Trainer(checkpoint_job({str(tmp_path)!r}, steps=4, interval=2, async_mode={mode!r})).run(4)\n")
+    with processes.started([sys.executable, STALL_IN_SAVE, "-c", code], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "STALL_AT_SAVE": "2"}) as child:
         output = processes.LineReader(child.stdout)
-        output.wait_for(lambda lines: bool(lines) and lines[-1].startswith("WROTE_DATA"), timeout=300)
+        output.wait_for(lambda lines: any(line.startswith("STALLED") for line in lines), timeout=300)
         # With async saves the background thread is writing; a synchronous save blocks the loop. Leaving the
         # block SIGKILLs it.
     assert child.returncode == -signal.SIGKILL

@@ -18,6 +18,7 @@ import torch
 
 from tests import processes
 from tests.distributed import free_port
+from tests.helpers import DEBUG_RUN, train_command
 from torchtitan.datasets import build_hf_data_loader, build_tokenizer
 from torchtitan.datasets import hf_datasets
 from torchtitan.errors import UserError
@@ -333,11 +334,7 @@ def _hub_off_environment(tmp_path: Path, offline_switches: bool) -> dict[str, st
 
 @pytest.mark.parametrize("nproc, offline_switches", [(1, False), (2, True)], ids=["refused", "offline_torchrun"])
 def test_unreachable_hub_is_one_line_from_rank_0_and_exit_2(tmp_path, nproc, offline_switches):
-    from tests.test_train import TINY
-
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    command = [*launcher, "train.py", *TINY, "--job.dump_folder", str(tmp_path), "--training.dataset", "c4"]
+    command = train_command([*DEBUG_RUN, "--job.dump_folder", str(tmp_path), "--training.dataset", "c4"], nproc)
     proc = processes.run(command, cwd=REPO, env=_hub_off_environment(tmp_path, offline_switches), timeout=300)
     output = proc.stdout + proc.stderr
     errors = [line for line in output.splitlines() if line.startswith("error: ")]

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,13 +18,12 @@ import torch
 from estimation import main as estimation_main
 from tests import processes
 from tests.distributed import run_workers
+from tests.helpers import DEBUG_CONFIG, ROOT, debug_model, job_config, random_batches
 from torchtitan import training
 from torchtitan.config_manager import JobConfig
 from torchtitan.estimation import LiveMemoryTracker, estimate_memory
 from torchtitan.estimation.tracker import GATHERED_PARAMS, PARAMS, storages_of
 
-REPO = Path(__file__).resolve().parents[1]
-DEBUG_CONFIG = str(REPO / "train_configs" / "debug_model.toml")
 VOCAB = 512
 # Estimate vs the allocator's measured peak, as (lowest, highest) relative error. One process: the same allocations
 # as the real step, so the bound is the README's 0.2%. Two gloo ranks: the estimate leaves out gloo's temporary
@@ -36,10 +34,10 @@ GLOO_TOLERANCE = (-0.06, 0.0)
 
 
 def _job(*overrides: str) -> JobConfig:
-    return JobConfig.parse_args([
+    return job_config(
         "--job.config_file", DEBUG_CONFIG, "--memory_estimation.device", "cpu",
         "--memory_estimation.vocab_size", str(VOCAB), *overrides,
-    ])
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -78,26 +76,12 @@ def _measure_real_steps(job: JobConfig, world_size: int, mesh, optimizer_names: 
     """Peak bytes of a real step (after a warm-up step) per optimizer, built the way train.py builds it."""
     import copy
 
-    from torchtitan.models.llama import Transformer
     from torchtitan.optim import build_optimizers
-    from torchtitan.parallelisms import ParallelDims, parallelize_llama
-    from torchtitan.preflight import model_args_for
+    from torchtitan.parallelisms import ParallelDims
 
-    t = job.training
     parallel_dims = ParallelDims.from_job_config(job, world_size)
-    with torch.device("meta"):
-        model = Transformer(model_args_for(job, VOCAB))
-    parallelize_llama(model, mesh, parallel_dims, job)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    model.train()
-    generator = torch.Generator().manual_seed(seed)
-
-    def batches():
-        while True:
-            yield tuple(torch.randint(0, VOCAB, (t.batch_size, t.seq_len), generator=generator) for _ in range(2))
-
-    data = batches()
+    model = debug_model(job, VOCAB, mesh, parallel_dims, torch.device("cpu"))
+    data = random_batches(job, VOCAB, seed)
     measured = {}
     for name in optimizer_names:
         named = copy.deepcopy(job)
@@ -256,7 +240,7 @@ def test_command_line_prints_a_table_and_writes_json(tmp_path):
          "--training.tensor_parallel_degree", "2", "--memory_estimation.optimizers",
          "AdamW,adam_mini,adam_mini:state_dtype=bfloat16",
          "--memory_estimation.vocab_size", str(VOCAB), "--memory_estimation.json", str(out)],
-        cwd=REPO, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=ROOT, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())

@@ -13,7 +13,7 @@ import gc
 import pytest
 import torch
 
-from tests.test_estimation import DEBUG_CONFIG
+from tests.helpers import DEBUG_CONFIG, debug_model, job_config, random_batches
 from torchtitan import training
 from torchtitan.config_manager import JobConfig
 from torchtitan.estimation import estimate_memory
@@ -30,37 +30,23 @@ TOLERANCE = 0.01
 
 
 def _job(*overrides: str) -> JobConfig:
-    return JobConfig.parse_args([
+    return job_config(
         "--job.config_file", DEBUG_CONFIG, "--memory_estimation.device", "cuda",
         "--memory_estimation.world_size", "1", "--memory_estimation.vocab_size", str(VOCAB),
         "--memory_estimation.optimizers", ",".join(OPTIMIZERS),
         "--training.batch_size", "16", "--training.seq_len", "2048", *overrides,
-    ])
+    )
 
 
 def _measured_peaks(job: JobConfig) -> dict[str, int]:
     """Peak allocated bytes of a real step (after a warm-up step that creates the state), per optimizer."""
-    from torchtitan.models.llama import Transformer
     from torchtitan.optim import build_optimizers
-    from torchtitan.parallelisms import ParallelDims, parallelize_llama
-    from torchtitan.preflight import model_args_for
+    from torchtitan.parallelisms import ParallelDims
 
     device = torch.device("cuda", torch.cuda.current_device())
-    t = job.training
     dims = ParallelDims.from_job_config(job, 1)
-    with torch.device("meta"):
-        model = Transformer(model_args_for(job, VOCAB))
-    parallelize_llama(model, None, dims, job)
-    model.to_empty(device=device)
-    model.init_weights(seed=0)
-    model.train()
-    generator = torch.Generator().manual_seed(0)
-
-    def batches():
-        while True:
-            yield tuple(torch.randint(0, VOCAB, (t.batch_size, t.seq_len), generator=generator) for _ in range(2))
-
-    data = batches()
+    model = debug_model(job, VOCAB, None, dims, device)
+    data = random_batches(job, VOCAB, 0)
     peaks = {}
     for name in OPTIMIZERS:
         named = copy.deepcopy(job)

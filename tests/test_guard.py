@@ -3,7 +3,6 @@ before writing a broken checkpoint, and the last finite checkpoint survives ``ke
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -12,9 +11,8 @@ import pytest
 import torch
 
 import train as train_module
-from tests import processes
 from tests.distributed import run_workers
-from tests.test_train import ROOT, TINY, event_tags, run_dir
+from tests.helpers import DEBUG_RUN, ROOT, Trainer, checkpoint_job, event_tags, metric_rows, run_dir, train
 from torchtitan import training
 from torchtitan.guard import DivergenceError, DivergenceGuard, resume_hint, tensors_are_finite
 
@@ -66,13 +64,11 @@ def test_zero_allowed_skips_stops_at_the_first_and_says_when_there_is_no_checkpo
 
 
 def _two_ranks(rank, world_size, folder):
-    from tests.test_checkpoint import Trainer, job
-
     guard = DivergenceGuard(max_skipped_steps=1, device=CPU)
     local_loss = [1.0, NAN if rank == 1 else 1.0, 1.0, NAN if rank == 0 else 1.0, NAN if rank == 1 else 1.0]
     updates = decisions(guard, local_loss)
 
-    trainer = Trainer(job(folder, steps=4, interval=2, keep_latest_k=1))
+    trainer = Trainer(checkpoint_job(folder, steps=4, interval=2, keep_latest_k=1))
     trainer.run(2)  # saves step-2
     refusals = []
     param = next(trainer.model.parameters())
@@ -134,10 +130,10 @@ def in_process_run(tmp_path, monkeypatch, nan_at_step=None, *extra):
 
     monkeypatch.setattr(training, "train_step", observed_step)
     monkeypatch.setattr(training, "clip_grad_norm_", clip_with_injection)
-    monkeypatch.setattr(sys, "argv", ["train.py", *TINY, "--job.dump_folder", str(tmp_path), *extra])
+    monkeypatch.setattr(sys, "argv", ["train.py", *DEBUG_RUN, "--job.dump_folder", str(tmp_path), *extra])
     monkeypatch.chdir(ROOT)
     code = train_module.run()
-    rows = [json.loads(line) for line in open(run_dir(tmp_path) / "metrics.jsonl")]
+    rows = metric_rows(run_dir(tmp_path))
     return code, record, [r for r in rows if "loss_metrics/global_avg_loss" in r]
 
 
@@ -168,17 +164,14 @@ def test_one_transient_non_finite_gradient_skips_exactly_one_step(tmp_path, monk
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The command from the issue, as a user runs it
+# A diverging run, as a user starts it
 
 
 def test_the_diverging_run_stops_with_code_3_and_keeps_its_last_finite_checkpoint(tmp_path):
     # optimizer.lr 1e6 makes the loss NaN from step 3 on; a checkpoint every 2 steps keeping only the newest one
     # would, unguarded, let NaN checkpoints push out step-2.
-    command = [sys.executable, "train.py", "--job.config_file", "train_configs/debug_model.toml",
-               "--optimizer.lr", "1e6", "--training.max_norm", "1e9", "--checkpoint.enable_checkpoint",
-               "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1", "--metrics.log_freq", "1",
-               "--job.dump_folder", str(tmp_path)]
-    result = processes.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    result = train(tmp_path, "--optimizer.lr", "1e6", "--training.max_norm", "1e9", "--checkpoint.enable_checkpoint",
+                   "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1", check=False)
     assert result.returncode == 3, result.stderr[-4000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: training diverged: the loss or gradients became non-finite at step 3 and "
@@ -188,6 +181,6 @@ def test_the_diverging_run_stops_with_code_3_and_keeps_its_last_finite_checkpoin
     for step in (3, 4, 5):
         assert any(f"WARNING step {step}: loss or gradient norm is non-finite" in line for line in lines), step
     assert os.listdir(tmp_path / "checkpoint" / "AdamW") == ["step-2"]
-    rows = [json.loads(line) for line in open(run_dir(tmp_path) / "metrics.jsonl")]
+    rows = metric_rows(run_dir(tmp_path))
     assert [r["skipped_steps"] for r in rows if "skipped_steps" in r] == [0, 0, 1, 2, 3, 4]
     assert "skipped_steps" in event_tags(run_dir(tmp_path))

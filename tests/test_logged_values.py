@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.distributed import memory_tag
-from tests.test_train import TINY, run_dir, train
+from tests.helpers import DEBUG_RUN, metric_rows, run_dir, train
 from torchtitan.config_manager import JobConfig
 from torchtitan.lr_scheduling import lr_factor
 from torchtitan.tools.compare_runs import main as compare_main
@@ -38,14 +38,14 @@ def run(tmp_path_factory) -> dict:
     proc = train(dump, *EXTRA)
     wall_s = time.perf_counter() - start
     folder = run_dir(dump)
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(folder)
     events = EventAccumulator(str(folder))
     events.Reload()
     scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
     printed = {int(m["step"]): m for m in LOG_LINE.finditer(proc.stderr)}
     return {
         "dump": dump, "folder": folder, "rows": rows, "scalars": scalars, "printed": printed, "wall_s": wall_s,
-        "job": JobConfig.parse_args(TINY + EXTRA),
+        "job": JobConfig.parse_args(DEBUG_RUN + EXTRA),
     }
 
 

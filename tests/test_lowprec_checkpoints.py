@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from tests.distributed import run_workers
-from tests.parallel_helpers import full, job_config, meta_model
+from tests.helpers import full, job_config, meta_model
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers

@@ -3,14 +3,10 @@ import dataclasses
 import pytest
 import torch
 
+from tests.helpers import SEQ_LEN, TINY
 from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
 from torchtitan.models.llama.model import apply_rope, rope_table
 from torchtitan.models.roles import canonical_name
-
-
-def tiny_args(**overrides):
-    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32, max_seq_len=32)
-    return ModelArgs(**{**base, **overrides})
 
 
 def count(args):
@@ -42,7 +38,7 @@ def test_8b_shapes():
 
 
 def test_parameter_names_follow_torchtitan():
-    names = {n for n, _ in Transformer(tiny_args()).named_parameters()}
+    names = {n for n, _ in Transformer(TINY).named_parameters()}
     assert {"tok_embeddings.weight", "norm.weight", "output.weight", "layers.0.attention.wq.weight",
             "layers.1.attention.wk.weight", "layers.1.attention.wv.weight", "layers.0.attention.wo.weight",
             "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight", "layers.0.feed_forward.w3.weight",
@@ -50,16 +46,16 @@ def test_parameter_names_follow_torchtitan():
 
 
 def test_forward_shapes_and_gqa_weight_shapes():
-    args = tiny_args()
+    args = TINY
     model = Transformer(args)
     model.init_weights(seed=0)
     assert model.layers["0"].attention.wk.weight.shape == (args.kv_heads * args.head_dim, args.dim)
-    logits = model(torch.randint(0, args.vocab_size, (3, 16)))
-    assert logits.shape == (3, 16, args.vocab_size)
+    logits = model(torch.randint(0, args.vocab_size, (3, SEQ_LEN)))
+    assert logits.shape == (3, SEQ_LEN, args.vocab_size)
 
 
 def test_roles_cover_every_parameter():
-    model = Transformer(tiny_args())
+    model = Transformer(TINY)
     roles = model.named_param_roles()
     assert set(roles) == {n for n, _ in model.named_parameters()}
     assert roles["layers.1.attention.wq.weight"] == "query"
@@ -72,14 +68,14 @@ def test_roles_cover_every_parameter():
 
 
 def test_causal():
-    model = Transformer(tiny_args())
+    model = Transformer(TINY)
     model.init_weights(seed=1)
-    tokens = torch.randint(0, 97, (1, 12))
+    tokens = torch.randint(0, TINY.vocab_size, (1, SEQ_LEN))
     changed = tokens.clone()
-    changed[0, 8:] = (changed[0, 8:] + 1) % 97
+    changed[0, 5:] = (changed[0, 5:] + 1) % TINY.vocab_size
     a, b = model(tokens), model(changed)
-    torch.testing.assert_close(a[:, :8], b[:, :8])
-    assert not torch.allclose(a[:, 8:], b[:, 8:])
+    torch.testing.assert_close(a[:, :5], b[:, :5])
+    assert not torch.allclose(a[:, 5:], b[:, 5:])
 
 
 def test_rope_rotates_pairs_and_keeps_norm():
@@ -96,7 +92,7 @@ def test_rope_rotates_pairs_and_keeps_norm():
 
 
 def test_init_is_seeded_and_dtype_independent():
-    a, b, c = Transformer(tiny_args()), Transformer(tiny_args()), Transformer(tiny_args())
+    a, b, c = Transformer(TINY), Transformer(TINY), Transformer(TINY)
     a.init_weights(seed=3)
     b.init_weights(seed=3)
     c.init_weights(seed=4)
@@ -104,7 +100,7 @@ def test_init_is_seeded_and_dtype_independent():
         assert torch.equal(pa, pb), name
         if "norm" not in name:
             assert not torch.equal(pa, pc), name
-    d = Transformer(tiny_args()).to(torch.float64)
+    d = Transformer(TINY).to(torch.float64)
     d.init_weights(seed=3)
     for pa, pd in zip(a.parameters(), d.parameters()):
         assert torch.equal(pa.double(), pd)
@@ -113,9 +109,9 @@ def test_init_is_seeded_and_dtype_independent():
 
 def test_invalid_shapes_are_rejected():
     with pytest.raises(ValueError, match="not divisible by n_kv_heads"):
-        Transformer(tiny_args(n_kv_heads=3))
+        Transformer(dataclasses.replace(TINY, n_kv_heads=3))
     with pytest.raises(ValueError, match="vocab_size"):
-        Transformer(tiny_args(vocab_size=-1))
+        Transformer(dataclasses.replace(TINY, vocab_size=-1))
 
 
 def test_canonical_name():

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from tests.distributed import run_workers
-from tests.parallel_helpers import default_dtype, meta_model
-from torchtitan.config_manager import JobConfig
+from tests.helpers import (
+    SEQ_LEN, TINY, fsdp, full, job_config, materialize, max_difference, meta_model, tiny_model, to_numpy, weights,
+)
 from torchtitan.errors import UserError
 from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
 from torchtitan.optim import (
@@ -41,12 +41,10 @@ needs_torchao = pytest.mark.skipif(
     torchao_optim is None, reason="needs torchao for the low-bit optimizers: pip install 'torchtitan[lowbit]'"
 )
 
-SEQ_LEN = 8
-TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=SEQ_LEN)
-# Every matrix 128 x 128: one compiled shape, and each of two FSDP ranks holds 8192 values of it, above torchao's
-# threshold for quantizing a tensor (4096 values; smaller ones keep plain state).
-LOW_BIT = ModelArgs(dim=128, n_layers=1, n_heads=4, vocab_size=128, multiple_of=128, ffn_dim_multiplier=0.375,
-                    max_seq_len=SEQ_LEN)
+# Every matrix 128 x 128 (4 key/value heads of 32 rows): one compiled shape, and each of two FSDP ranks holds 8192
+# values of it, above torchao's threshold for quantizing a tensor (4096 values; smaller ones keep plain state).
+LOW_BIT = dataclasses.replace(TINY, dim=128, n_layers=1, n_kv_heads=None, vocab_size=128, multiple_of=128,
+                              ffn_dim_multiplier=0.375)
 LOW_BIT_NAMES = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
 
 
@@ -58,17 +56,6 @@ def low_bit(*values):
 def names_param(*names):
     """Optimizer names for parametrize; the low-bit ones skip without torchao."""
     return [low_bit(name) if name in LOW_BIT_NAMES else name for name in names]
-
-
-def config(*argv: str) -> JobConfig:
-    return JobConfig.parse_args(list(argv))
-
-
-def model(args: ModelArgs = TINY, dtype: torch.dtype = torch.float64, seed: int = 0) -> Transformer:
-    with default_dtype(dtype):
-        built = Transformer(args)
-    built.init_weights(seed)
-    return built
 
 
 def batch(step: int, vocab_size: int, rank: int = 0) -> torch.Tensor:
@@ -84,19 +71,6 @@ def train(net: Transformer, optimizers: OptimizersContainer, steps: range, sched
         for scheduler in schedulers:
             scheduler.step()
         optimizers.zero_grad()
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def weights(net: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: full(p).detach().clone() for name, p in net.named_parameters()}
-
-
-def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
@@ -116,8 +90,8 @@ def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
     low_bit("Adam-mini-4bit", "AdamMini4bit"),
 ])
 def test_every_name_and_alias_builds_its_optimizer(given, canonical):
-    net = model()
-    optimizers = build_optimizers([net], config("--optimizer.name", given))
+    net = tiny_model()
+    optimizers = build_optimizers([net], job_config("--optimizer.name", given))
     assert optimizers.name == canonical
     (optimizer,) = optimizers.optimizers
     expected = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "AdamMini": AdamMini, "AdamMini8bit": AdamMini,
@@ -130,8 +104,8 @@ def test_every_name_and_alias_builds_its_optimizer(given, canonical):
 
 
 def test_one_optimizer_per_model_part_stepped_together():
-    parts = [model(seed=0), model(seed=1)]
-    optimizers = build_optimizers(parts, config())
+    parts = [tiny_model(seed=0), tiny_model(seed=1)]
+    optimizers = build_optimizers(parts, job_config())
     assert len(optimizers.optimizers) == 2
     for part, optimizer in zip(parts, optimizers.optimizers):
         assert [p for p in optimizer.param_groups[0]["params"]] == list(part.parameters())
@@ -147,7 +121,7 @@ def test_one_optimizer_per_model_part_stepped_together():
 
 def test_unknown_name_is_one_line_listing_valid_names():
     with pytest.raises(UserError) as error:
-        build_optimizers([model()], config("--optimizer.name", "Lion"))
+        build_optimizers([tiny_model()], job_config("--optimizer.name", "Lion"))
     message = str(error.value)
     assert "\n" not in message and "'Lion'" in message
     for name in ("AdamW", "Adam", "AdamMini", "AdamW8bit", "AdamW4bit", "AdamWFp8"):
@@ -158,7 +132,7 @@ def test_unknown_name_is_one_line_listing_valid_names():
 def test_hyperparameters_reach_every_optimizer(name):
     argv = ["--optimizer.lr", "0.003", "--optimizer.beta1", "0.8", "--optimizer.beta2", "0.9",
             "--optimizer.eps", "1e-6", "--optimizer.weight_decay", "0.05"]
-    (optimizer,) = build_optimizers([model()], config("--optimizer.name", name, *argv)).optimizers
+    (optimizer,) = build_optimizers([tiny_model()], job_config("--optimizer.name", name, *argv)).optimizers
     group = optimizer.param_groups[0]
     assert float(group["lr"]) == pytest.approx(0.003), name
     assert tuple(group["betas"]) == (0.8, 0.9), name
@@ -167,17 +141,17 @@ def test_hyperparameters_reach_every_optimizer(name):
 
 @needs_torchao
 def test_low_bit_options_arrive():
-    (optimizer,) = build_optimizers([model()], config(
+    (optimizer,) = build_optimizers([tiny_model()], job_config(
         "--optimizer.name", "AdamW4bit", "--optimizer.block_size", "64", "--optimizer.bf16_stochastic_round", "true",
     )).optimizers
     assert (optimizer.block_size, optimizer.bf16_stochastic_round) == (64, True)
-    (default,) = build_optimizers([model()], config("--optimizer.name", "AdamW8bit")).optimizers
+    (default,) = build_optimizers([tiny_model()], job_config("--optimizer.name", "AdamW8bit")).optimizers
     assert (default.block_size, default.bf16_stochastic_round) == (256, False)  # torchao's own defaults
 
 
 @pytest.mark.parametrize("value_blocks, rule", [("per_row", "per_row"), ("per_tensor", "per_tensor")])
 def test_adam_mini_gets_value_blocks_and_the_models_shape(value_blocks, rule):
-    (optimizer,) = build_optimizers([model()], config(
+    (optimizer,) = build_optimizers([tiny_model()], job_config(
         "--optimizer.name", "AdamMini", "--optimizer.value_blocks", value_blocks)).optimizers
     plans = {plan.name: plan for plan in optimizer.partition}
     assert plans["layers.0.attention.wv.weight"].rule == rule
@@ -193,7 +167,7 @@ def test_adam_mini_gets_value_blocks_and_the_models_shape(value_blocks, rule):
 @pytest.mark.parametrize("name", ["AdamW", "Adam"])
 def test_implementation_sets_torch_flags(name, implementation, flags):
     argv = ["--optimizer.name", name] + (["--optimizer.implementation", implementation] if implementation else [])
-    optimizers = build_optimizers([model()], config(*argv))
+    optimizers = build_optimizers([tiny_model()], job_config(*argv))
     group = optimizers.optimizers[0].param_groups[0]
     if flags is None:
         assert (group["foreach"], group["fused"]) == (None, None)  # torch picks
@@ -222,7 +196,7 @@ def test_implementation_sets_torch_flags(name, implementation, flags):
 ])
 def test_options_that_do_not_apply_are_rejected(name, argv, fragment):
     with pytest.raises(UserError, match=fragment) as error:
-        build_optimizers([model()], config("--optimizer.name", name, *argv))
+        build_optimizers([tiny_model()], job_config("--optimizer.name", name, *argv))
     assert "\n" not in str(error.value)
 
 
@@ -235,16 +209,16 @@ def test_options_that_do_not_apply_are_rejected(name, argv, fragment):
 ])
 @pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit"))
 def test_invalid_values_are_user_errors(name, field, value, fragment):
-    job = config("--optimizer.name", name)
+    job = job_config("--optimizer.name", name)
     # Set after parsing: the builder must not rely on the config parser having checked (tools build configs too).
     setattr(job.optimizer, field, value)
     with pytest.raises(UserError, match=fragment):
-        build_optimizers([model()], job)
+        build_optimizers([tiny_model()], job)
 
 
 def test_config_parser_rejects_beta1_of_one_clearly():
     with pytest.raises(UserError, match="optimizer.beta1 must be in \\[0, 1\\)"):
-        config("--optimizer.beta1", "1.0")
+        job_config("--optimizer.beta1", "1.0")
 
 
 def test_missing_torchao_explains_how_to_install(monkeypatch):
@@ -252,14 +226,14 @@ def test_missing_torchao_explains_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.optim", None)
     monkeypatch.setattr(torchao_adapter, "_low_bit_classes", {})
     with pytest.raises(UserError, match=r"pip install 'torchtitan\[lowbit\]'") as error:
-        build_optimizers([model()], config("--optimizer.name", "AdamW4bit"))
+        build_optimizers([tiny_model()], job_config("--optimizer.name", "AdamW4bit"))
     assert "\n" not in str(error.value)
-    assert build_optimizers([model()], config("--optimizer.name", "AdamMini")).name == "AdamMini"
+    assert build_optimizers([tiny_model()], job_config("--optimizer.name", "AdamMini")).name == "AdamMini"
 
 
 def test_adam_mini_needs_a_model_that_knows_its_shape():
     with pytest.raises(UserError, match="AdamMini needs the model's shape"):
-        build_optimizers([torch.nn.Linear(4, 4)], config("--optimizer.name", "AdamMini"))
+        build_optimizers([torch.nn.Linear(4, 4)], job_config("--optimizer.name", "AdamMini"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -269,7 +243,8 @@ def test_adam_mini_needs_a_model_that_knows_its_shape():
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 @pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit"))
 def test_lambda_lr_drives_every_optimizer_including_tensor_lr(name):
-    optimizers = build_optimizers([model(), model(seed=1)], config("--optimizer.name", name, "--optimizer.lr", "0.2"))
+    optimizers = build_optimizers([tiny_model(), tiny_model(seed=1)],
+                                  job_config("--optimizer.name", name, "--optimizer.lr", "0.2"))
     schedulers = [halving_schedule(optimizer) for optimizer in optimizers.optimizers]
     lr_objects = [group["lr"] for group in optimizers.param_groups]
     seen = []
@@ -294,7 +269,7 @@ def meta_state_bytes(names) -> dict[str, int]:
     sizes = {}
     for name in names:
         net = meta_model(args, torch.float32)
-        sizes[name] = build_optimizers([net], config("--optimizer.name", name)).state_bytes()
+        sizes[name] = build_optimizers([net], job_config("--optimizer.name", name)).state_bytes()
         assert all(p.device.type == "meta" and p.grad is None for p in net.parameters())
     return sizes
 
@@ -333,8 +308,8 @@ def test_tensor_bytes_counts_quantized_parts():
 @pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini"])
 def test_creating_state_early_does_not_change_training(name):
     """state_dict()/state_bytes() before the first step create the state; training must not notice."""
-    job = config("--optimizer.name", name, "--optimizer.lr", "0.01", "--optimizer.weight_decay", "0.1")
-    plain_net, early_net = model(), model()
+    job = job_config("--optimizer.name", name, "--optimizer.lr", "0.01", "--optimizer.weight_decay", "0.1")
+    plain_net, early_net = tiny_model(), tiny_model()
     plain, early = build_optimizers([plain_net], job), build_optimizers([early_net], job)
     assert early.state_bytes() > 0 and early.state_dict()
     assert max_difference(weights(plain_net), weights(early_net)) == 0.0  # creating state moved nothing
@@ -356,8 +331,8 @@ def load_into(net: Transformer, optimizers: OptimizersContainer, path) -> None:
 
 def resume_run(name: str, args: ModelArgs, dtype: torch.dtype, path) -> tuple[dict, dict, dict, OptimizersContainer]:
     """(uninterrupted weights, resumed weights, weights resumed with a fresh optimizer, resumed container)."""
-    job = config("--optimizer.name", name, "--optimizer.lr", "0.01")
-    net = model(args, dtype)
+    job = job_config("--optimizer.name", name, "--optimizer.lr", "0.01")
+    net = tiny_model(args, dtype)
     optimizers = build_optimizers([net], job)
     schedulers = [halving_schedule(o) for o in optimizers.optimizers]
     train(net, optimizers, range(3), schedulers)
@@ -366,7 +341,7 @@ def resume_run(name: str, args: ModelArgs, dtype: torch.dtype, path) -> tuple[di
     train(net, optimizers, range(3, 6), schedulers)
 
     def resumed(load_optimizer: bool):
-        fresh_net = model(args, dtype, seed=7)  # different weights, so loading must overwrite them
+        fresh_net = tiny_model(args, dtype, seed=7)  # different weights, so loading must overwrite them
         fresh = build_optimizers([fresh_net], job)
         fresh_schedulers = [halving_schedule(o) for o in fresh.optimizers]
         if load_optimizer:
@@ -418,7 +393,7 @@ def test_low_bit_dcp_round_trip_and_resume(tmp_path):
 
     # Saved state reloads to the same values (quantizing a dequantized state again is lossless up to rounding).
     state = optimizers.state_dict()
-    again = build_optimizers([model(LOW_BIT, torch.float32)], config("--optimizer.name", "AdamW8bit"))
+    again = build_optimizers([tiny_model(LOW_BIT, torch.float32)], job_config("--optimizer.name", "AdamW8bit"))
     again.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
     reloaded = again.state_dict()
     for key in (k for k in state if k.endswith(("exp_avg", "exp_avg_sq"))):
@@ -426,7 +401,8 @@ def test_low_bit_dcp_round_trip_and_resume(tmp_path):
         assert (reloaded[key] - state[key]).abs().max() <= 0.01 * scale, key
 
     # Real (not meta) 8-bit state is about a quarter of AdamW's on the same model.
-    adamw = build_optimizers([model(LOW_BIT, torch.float32)], config("--optimizer.name", "AdamW")).state_bytes()
+    adamw = build_optimizers([tiny_model(LOW_BIT, torch.float32)],
+                             job_config("--optimizer.name", "AdamW")).state_bytes()
     assert optimizers.state_bytes() < 0.4 * adamw
 
 
@@ -436,16 +412,8 @@ def test_low_bit_dcp_round_trip_and_resume(tmp_path):
 
 def _fsdp_model(args: ModelArgs, dtype: torch.dtype, seed: int) -> Transformer:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    net = meta_model(args, dtype)
-    mesh = init_device_mesh("cpu", (2,))
-    for layer in net.layers.values():
-        fully_shard(layer, mesh=mesh)
-    fully_shard(net, mesh=mesh)
-    net.to_empty(device="cpu")
-    net.init_weights(seed)
-    return net
+    return materialize(fsdp(meta_model(args, dtype), init_device_mesh("cpu", (2,))), seed)
 
 
 def _run_argv(label: str) -> list[str]:
@@ -456,7 +424,7 @@ def _run_argv(label: str) -> list[str]:
 
 
 def _fsdp_resume_worker(rank: int, world_size: int, name: str, args: ModelArgs, dtype: torch.dtype, path: str):
-    job = config(*_run_argv(name), "--optimizer.lr", "0.01")
+    job = job_config(*_run_argv(name), "--optimizer.lr", "0.01")
     net = _fsdp_model(args, dtype, seed=0)
     optimizers = build_optimizers([net], job)
     state_bytes = optimizers.state_bytes()
@@ -480,11 +448,7 @@ def _fsdp_resume_worker(rank: int, world_size: int, name: str, args: ModelArgs, 
     dcp.load(model_only, checkpoint_id=path)
     train(forgetful_net, forgetful, range(3, 5), rank=rank)
     result = {"saved": saved, "uninterrupted": uninterrupted, "resumed": resumed, "without_state": weights(forgetful_net)}
-    # numpy, not tensors: results travel through a multiprocessing queue after this process has gone.
-    # (bfloat16 state widened to float32, exactly: numpy has no bfloat16.)
-    as_numpy = {part: {k: v.float().numpy().copy() if v.dtype == torch.bfloat16 else v.numpy().copy()
-                       for k, v in tensors.items()} for part, tensors in result.items()}
-    return {"state_bytes": state_bytes, **as_numpy}
+    return {"state_bytes": state_bytes, **to_numpy(result)}
 
 
 def _from_numpy(result: dict) -> dict:
@@ -494,8 +458,8 @@ def _from_numpy(result: dict) -> dict:
 
 def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) -> dict[str, torch.Tensor]:
     """The optimizer state of a two-rank checkpoint loaded into one unsharded process."""
-    net = model(args, dtype, seed=7)
-    optimizers = build_optimizers([net], config(*_run_argv(name), "--optimizer.lr", "0.01"))
+    net = tiny_model(args, dtype, seed=7)
+    optimizers = build_optimizers([net], job_config(*_run_argv(name), "--optimizer.lr", "0.01"))
     load_into(net, optimizers, path)
     return optimizers.state_dict()
 
@@ -503,17 +467,23 @@ def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) 
 EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16")
 
 
-def _fsdp_resume_workers(rank: int, world_size: int, folder: str) -> dict[str, dict]:
-    return {name: _fsdp_resume_worker(rank, world_size, name, TINY, torch.float64, os.path.join(folder, name))
-            for name in EXACT_NAMES}
+def _fsdp_resume_workers(rank: int, world_size: int, folder: str, names: tuple[str, ...], args: ModelArgs,
+                         dtype: torch.dtype) -> dict[str, dict]:
+    return {name: _fsdp_resume_worker(rank, world_size, name, args, dtype, os.path.join(folder, name))
+            for name in names}
+
+
+def _fsdp_runs(tmp_path_factory, names: tuple[str, ...], args: ModelArgs, dtype: torch.dtype
+               ) -> tuple[str, list[dict[str, dict]]]:
+    """Two-rank runs of the optimizers ``names`` in one pair of processes (starting processes is the slow part)."""
+    folder = str(tmp_path_factory.mktemp("fsdp_checkpoints"))
+    ranks = run_workers(_fsdp_resume_workers, 2, args=(folder, names, args, dtype))
+    return folder, [{name: _from_numpy(result) for name, result in rank.items()} for rank in ranks]
 
 
 @pytest.fixture(scope="module")
 def fsdp_exact_runs(tmp_path_factory) -> tuple[str, list[dict[str, dict]]]:
-    """Two-rank runs of AdamW and AdamMini in one pair of processes (starting processes is the slow part)."""
-    folder = str(tmp_path_factory.mktemp("fsdp_checkpoints"))
-    ranks = run_workers(_fsdp_resume_workers, 2, args=(folder,))
-    return folder, [{name: _from_numpy(result) for name, result in rank.items()} for rank in ranks]
+    return _fsdp_runs(tmp_path_factory, EXACT_NAMES, TINY, torch.float64)
 
 
 @pytest.mark.parametrize("name", EXACT_NAMES)
@@ -522,7 +492,7 @@ def test_fsdp_two_ranks_resume_exactly_and_reshard_to_one(name, fsdp_exact_runs)
     ranks = [run[name] for run in runs]
     for result in ranks:
         assert max_difference(result["uninterrupted"], result["resumed"]) == 0.0
-    single = build_optimizers([model()], config(*_run_argv(name))).state_bytes()
+    single = build_optimizers([tiny_model()], job_config(*_run_argv(name))).state_bytes()
     # Each rank holds about half the state (AdamMini keeps a few per-tensor numbers on every rank).
     assert all(0.45 * single <= r["state_bytes"] <= 0.55 * single for r in ranks)
     loaded = _single_process_state(name, TINY, torch.float64, os.path.join(folder, name))
@@ -532,19 +502,28 @@ def test_fsdp_two_ranks_resume_exactly_and_reshard_to_one(name, fsdp_exact_runs)
         assert torch.equal(torch.as_tensor(loaded[key]).to(value.dtype), value), key
 
 
+LOW_BIT_RESUME_NAMES = ("AdamW8bit",)  # AdamMini's quantized momentum: tests/test_lowprec_checkpoints.py
+
+
+@pytest.fixture(scope="module")
+def fsdp_low_bit_runs(tmp_path_factory) -> tuple[str, list[dict[str, dict]]]:
+    return _fsdp_runs(tmp_path_factory, LOW_BIT_RESUME_NAMES, LOW_BIT, torch.float32)
+
+
 @needs_torchao
-@pytest.mark.parametrize("name", ["AdamW8bit"])  # AdamMini's quantized momentum: tests/test_lowprec_checkpoints.py
-def test_fsdp_two_ranks_low_bit_resume_and_reshard(name, tmp_path):
-    ranks = run_workers(_fsdp_resume_worker, 2, args=(name, LOW_BIT, torch.float32, str(tmp_path)))
-    ranks = [_from_numpy(r) for r in ranks]
+@pytest.mark.parametrize("name", LOW_BIT_RESUME_NAMES)
+def test_fsdp_two_ranks_low_bit_resume_and_reshard(name, fsdp_low_bit_runs):
+    folder, runs = fsdp_low_bit_runs
+    ranks = [run[name] for run in runs]
     for result in ranks:
         resumed_error = max_difference(result["uninterrupted"], result["resumed"])
         assert resumed_error < 0.1 * max_difference(result["uninterrupted"], result["without_state"])
         drift = [(result["uninterrupted"][k] - result["resumed"][k]).abs().mean().item() for k in result["resumed"]]
         assert sum(drift) / len(drift) < 0.01 * 0.01  # mean drift under a hundredth of one step (lr 0.01)
-    single = build_optimizers([model(LOW_BIT, torch.float32)], config("--optimizer.name", "AdamW")).state_bytes()
+    single = build_optimizers([tiny_model(LOW_BIT, torch.float32)],
+                              job_config("--optimizer.name", "AdamW")).state_bytes()
     assert all(r["state_bytes"] < 0.2 * single for r in ranks)  # 8-bit and half the parameters
-    loaded = _single_process_state(name, LOW_BIT, torch.float32, tmp_path)
+    loaded = _single_process_state(name, LOW_BIT, torch.float32, os.path.join(folder, name))
     for key, value in ranks[0]["saved"].items():
         if key.endswith(("exp_avg", "exp_avg_sq")):  # the quantized moments
             scale = value.abs().max().clamp(min=1e-12)

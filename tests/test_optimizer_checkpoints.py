@@ -6,8 +6,6 @@ One AdamW run (4 steps, float64, checkpoints at steps 2 and 4) is shared by the 
 
 from __future__ import annotations
 
-import glob
-import json
 import sys
 from pathlib import Path
 
@@ -15,23 +13,20 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.test_resume import read_checkpoint
-from tests.test_train import ROOT, TINY, train
+from tests.helpers import DEBUG_RUN, LOSS, ROOT, metric_rows, read_checkpoint, run_dirs, train
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner, decode_plain
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 
 ARGS = [
-    *TINY, "--training.steps", "4", "--training.param_dtype", "float64", "--metrics.enable_tensorboard", "false",
+    *DEBUG_RUN, "--training.steps", "4", "--training.param_dtype", "float64", "--metrics.enable_tensorboard", "false",
     "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
 ]
-LOSS = "loss_metrics/global_avg_loss"
 
 
 def metrics(dump: Path, optimizer: str) -> list[list[dict]]:
     """Each run's metrics.jsonl rows, for the runs of ``optimizer`` in ``dump``, oldest run first."""
-    runs = sorted(glob.glob(str(dump / "tb" / f"*_{optimizer}*")))
-    return [[json.loads(line) for line in open(Path(run) / "metrics.jsonl")] for run in runs]
+    return [metric_rows(run) for run in run_dirs(dump, optimizer)]
 
 
 def steps_of(rows: list[dict]) -> list[int]:

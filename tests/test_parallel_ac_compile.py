@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.parallel_helpers import batch, job_config, materialize, meta_model, train_step
+from tests.helpers import adamw_step, batch, job_config, materialize, meta_model
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
 from torchtitan.parallelisms.activation_checkpoint import checkpointed_layer_indices
 
@@ -33,7 +33,7 @@ def _model(dtype=torch.float64, **sections):
 
 @functools.lru_cache(maxsize=None)
 def _plain_step(dtype=torch.float64) -> dict:
-    return train_step(_model(dtype), *batch())
+    return adamw_step(_model(dtype), *batch())
 
 
 def _assert_same_step(actual: dict, expected: dict, **tolerance) -> None:
@@ -45,7 +45,7 @@ def _assert_same_step(actual: dict, expected: dict, **tolerance) -> None:
 
 @pytest.mark.parametrize("mode", list(AC_MODES))
 def test_activation_checkpointing_keeps_loss_and_gradients(mode):
-    _assert_same_step(train_step(_model(activation_checkpoint=AC_MODES[mode]), *batch()), _plain_step())
+    _assert_same_step(adamw_step(_model(activation_checkpoint=AC_MODES[mode]), *batch()), _plain_step())
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_wrapped_blocks_keep_canonical_parameter_names():
     names = [name for name, _ in model.named_parameters()]
     assert "layers.1._checkpoint_wrapped_module.attention.wq.weight" in names
     assert "layers.0.attention.wq.weight" in names  # layer 0 is not wrapped with k = 2
-    assert set(train_step(model, *batch())["grads"]) == set(_plain_step()["grads"])
+    assert set(adamw_step(model, *batch())["grads"]) == set(_plain_step()["grads"])
 
 
 def _backward_flops(model) -> int:
@@ -85,4 +85,4 @@ def test_op_policy_recomputes_less_than_full_checkpointing():
 def test_compiled_blocks_compute_the_same_step():
     model = _model(torch.float32, training={"compile": True})
     assert all(type(block).__name__ == "OptimizedModule" for block in model.layers.values())
-    _assert_same_step(train_step(model, *batch()), _plain_step(torch.float32), rtol=1e-5, atol=1e-7)
+    _assert_same_step(adamw_step(model, *batch()), _plain_step(torch.float32), rtol=1e-5, atol=1e-7)

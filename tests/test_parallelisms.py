@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_workers
-from tests.parallel_helpers import TINY, batch, job_config, materialize, meta_model, reference_step, train_step
+from tests.helpers import TINY, adamw_step, batch, job_config, materialize, meta_model, reference_step, to_numpy
 from torchtitan.errors import UserError
 from torchtitan.parallelisms import (
     ParallelDims,
@@ -49,11 +49,6 @@ LAYOUTS = {
 }
 
 
-def _numpy(tensors: dict) -> dict:
-    # Not tensors: torch's queue would share their storage by file descriptor with a process that is exiting.
-    return {name: t.numpy() for name, t in tensors.items()}
-
-
 def _run_layout(world_size: int, degrees, sections) -> dict:
     config = job_config(**sections)
     dims = ParallelDims(*degrees, world_size, enable_loss_parallel=not config.training.disable_loss_parallel)
@@ -63,7 +58,7 @@ def _run_layout(world_size: int, degrees, sections) -> dict:
     inputs, labels = batch()
     share = len(inputs) // dp_degree
     rows = slice(dp_rank * share, (dp_rank + 1) * share)
-    result = train_step(model, inputs[rows], labels[rows], lambda: loss_parallel_context(dims, config))
+    result = adamw_step(model, inputs[rows], labels[rows], lambda: loss_parallel_context(dims, config))
     # The global loss is the mean over data-parallel ranks (equal shares); FSDP averages gradients the same way.
     loss = torch.tensor([result["loss"]], dtype=torch.float64)
     if dims.dp_enabled:
@@ -71,8 +66,8 @@ def _run_layout(world_size: int, degrees, sections) -> dict:
     return {
         "loss": loss.item() / dp_degree,
         "dp": (dp_rank, dp_degree),
-        "grads": _numpy(result["grads"]),
-        "weights": _numpy(result["weights"]),
+        "grads": to_numpy(result["grads"]),
+        "weights": to_numpy(result["weights"]),
     }
 
 

@@ -1,67 +1,21 @@
 """End-to-end runs of train.py on the debug model: one process, two FSDP processes, determinism and bad input."""
 
-import glob
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests import processes
-from tests.distributed import launch_env, memory_tag, uses_cuda
+from tests.distributed import memory_tag, uses_cuda
+from tests.helpers import DEBUG_RUN, ROOT, event_tags, losses, run_dir, train
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--job.config_file", "train_configs/debug_model.toml",
-    "--training.seq_len", "32", "--training.batch_size", "2", "--training.steps", "6",
-    "--training.warmup_steps", "2", "--metrics.log_freq", "1",
-]
 TAGS = {
     "loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr", "throughput/tps",
     "throughput/tokens_seen", "optimizer/state_bytes", "skipped_steps",
 }
 
 
-def train(tmp_path, *extra, nproc=1, check=True, cpu=False):
-    """Run train.py on the debug model; on CPU when ``cpu`` or when the machine has fewer GPUs than ``nproc``."""
-    base = [sys.executable, "train.py"]
-    if nproc > 1:
-        base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
-    cmd = base + TINY + ["--job.dump_folder", str(tmp_path)] + list(extra)
-    env = launch_env(nproc, cpu, PYTHONPATH=str(ROOT))
-    proc = processes.run(cmd, cwd=ROOT, env=env, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
-def run_dir(tmp_path):
-    dirs = glob.glob(str(tmp_path / "tb" / "*"))
-    assert len(dirs) == 1, dirs
-    return Path(dirs[0])
-
-
-def losses(tmp_path):
-    rows = [json.loads(line) for line in open(run_dir(tmp_path) / "metrics.jsonl")]
-    return [r["loss_metrics/global_avg_loss"] for r in rows if "loss_metrics/global_avg_loss" in r]
-
-
-def event_tags(path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(path))
-    acc.Reload()
-    return set(acc.Tags()["scalars"])
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    path = tmp_path_factory.mktemp("default")
-    return path, train(path)
-
-
-def test_one_process_trains_and_logs(one_process):
-    path, proc = one_process
+def test_one_process_trains_and_logs(debug_run):
+    path, proc = debug_run
     values = losses(path)
     assert len(values) == 6
     assert values[-1] < values[0]
@@ -71,10 +25,10 @@ def test_one_process_trains_and_logs(one_process):
     assert TAGS | {memory_tag()} <= event_tags(directory)
 
 
-def test_identical_runs_give_identical_losses_and_the_seed_matters(one_process, tmp_path):
+def test_identical_runs_give_identical_losses_and_the_seed_matters(debug_run, tmp_path):
     # On a GPU, bit-identical runs need the deterministic kernels (the documented switch); on CPU they are the default.
     extra = ["--training.deterministic"] if uses_cuda() else []
-    reference = one_process[0]
+    reference = debug_run[0]
     if extra:
         reference = tmp_path / "a"
         train(reference, *extra)
@@ -134,7 +88,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, monkeypatch, 
     # In-process for speed; the subprocess test below checks the same path end to end.
     import train as train_module
 
-    argv = ["train.py"] + TINY + ["--job.dump_folder", str(tmp_path)] + args
+    argv = ["train.py"] + DEBUG_RUN + ["--job.dump_folder", str(tmp_path)] + args
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.chdir(ROOT)
     assert train_module.run() == 2
@@ -152,6 +106,8 @@ def test_bad_input_from_a_real_process(tmp_path, args, message):
     assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "tb").exists()
+    if args == BAD_INPUT[0][0]:  # a mistake in the options is the only thing said: nothing is logged before it
+        assert proc.stderr.strip() == message
 
 
 def test_unwritable_checkpoint_folder_is_reported_before_training(tmp_path, monkeypatch, capsys):
@@ -159,7 +115,7 @@ def test_unwritable_checkpoint_folder_is_reported_before_training(tmp_path, monk
 
     blocker = tmp_path / "a_file"
     blocker.write_text("keep me")
-    argv = ["train.py"] + TINY + ["--job.dump_folder", str(tmp_path), "--checkpoint.enable_checkpoint",
+    argv = ["train.py"] + DEBUG_RUN + ["--job.dump_folder", str(tmp_path), "--checkpoint.enable_checkpoint",
                                   "--checkpoint.folder", str(blocker / "checkpoints")]
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.chdir(ROOT)
@@ -206,8 +162,7 @@ def test_preflight_accepts_a_good_layout(monkeypatch):
                            "--training.tensor_parallel_degree", "2"]) == 0
 
 
-def test_profiler_traces_are_written(tmp_path):
-    train(tmp_path, "--training.steps", "4", "--profiling.enable_profiling", "--profiling.profile_freq", "2")
-    traces = sorted((tmp_path / "profile_traces").glob("step*/rank0_trace.json"))
-    assert [t.parent.name for t in traces] == ["step2", "step4"]
+def test_profiler_traces_are_written(debug_run):
+    traces = sorted((debug_run[0] / "profile_traces").glob("step*/rank0_trace.json"))
+    assert [t.parent.name for t in traces] == ["step2", "step4", "step6"]
     assert json.loads(traces[0].read_text())["traceEvents"]

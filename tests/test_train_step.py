@@ -1,6 +1,6 @@
 """The training step (``torchtitan.training.train_step``, the one train.py runs): gradient accumulation and gradient clipping, in one process and on 2 ranks (FSDP2, TP).
 
-Everything runs in float64 on the tiny Llama of tests/parallel_helpers.py, so that results differ only by the order
+Everything runs in float64 on the tiny Llama of tests/helpers.py, so that results differ only by the order
 of floating-point sums. One global batch of 12 sequences is the reference; every run below sees exactly those 12
 sequences in one optimizer step, cut differently:
   * gradient accumulation: A micro-batches of 12/A (per data-parallel rank: 12/(A*W));
@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_workers
-from tests.parallel_helpers import BATCH, SEQ_LEN, TINY, full, job_config, materialize, meta_model
+from tests.helpers import BATCH, SEQ_LEN, TINY, grads, job_config, materialize, meta_model, to_numpy, weights
 from torchtitan import training
-from torchtitan.models.roles import canonical_name
 from torchtitan.optim import OptimizersContainer, build_optimizers
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
 
@@ -69,7 +68,7 @@ def run_case(
     dims = ParallelDims(*degrees, world_size, enable_loss_parallel=not gather_logits)
     mesh = dims.build_mesh("cpu")
     model = materialize(parallelize_llama(meta_model(), mesh, dims, config))
-    before = {canonical_name(n): full(p).detach().clone() for n, p in model.named_parameters()}
+    before = weights(model)
     optimizers = SGDContainer(model) if optimizer == "SGD" else build_optimizers([model], config)
     dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
     batches = micro_batches(accumulation, dp_rank, dp_degree)
@@ -79,18 +78,17 @@ def run_case(
     loss = loss.detach().reshape(1).clone()
     if dims.dp_enabled:
         dist.all_reduce(loss, group=dims.dp_mesh(mesh).get_group())
-    grads = {canonical_name(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
-    weights = {canonical_name(n): full(p).detach().clone() for n, p in model.named_parameters()}
+    gradients, after = grads(model), weights(model)
     # An independent global norm: every gradient gathered whole, then one plain sum of squares.
-    independent = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+    independent = math.sqrt(sum(float(g.double().square().sum()) for g in gradients.values()))
     return {
         "loss": loss.item() / dp_degree,
         "grad_norm": float(grad_norm),
         "grad_norm_is_plain": not hasattr(grad_norm, "placements"),
         "post_clip_norm": independent,
-        "grads": {k: v.numpy() for k, v in grads.items()},
-        "weights": {k: v.numpy() for k, v in weights.items()},
-        "update": {k: (weights[k] - before[k]).numpy() for k in weights},
+        "grads": to_numpy(gradients),
+        "weights": to_numpy(after),
+        "update": to_numpy({k: after[k] - before[k] for k in after}),
     }
 
 

@@ -14,9 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.distributed import run_workers
-from tests.parallel_helpers import SEQ_LEN, TINY, job_config, materialize, meta_model
-from tests.test_train import ROOT, event_tags, run_dir, train
-from tests.test_train import TINY as TINY_RUN
+from tests.helpers import (
+    DEBUG_RUN, ROOT, SEQ_LEN, TINY, by_step, event_tags, job_config, materialize, meta_model, metric_rows, run_dir,
+    train,
+)
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import DocumentSplit, build_hf_data_loader, build_tokenizer
 from torchtitan.datasets.hf_datasets import SAMPLE_DATA_DIR, is_held_out
@@ -231,17 +232,13 @@ def test_validation_loss_is_a_token_weighted_mean_without_a_process_group():
 
 
 def jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in open(run_dir(path) / "metrics.jsonl")]
-
-
-def by_step(rows: list[dict], tag: str) -> dict[int, float]:
-    return {row["step"]: row[tag] for row in rows if tag in row}
+    return metric_rows(run_dir(path))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Three 6-step runs of the debug model, checkpointing every 3 steps: without validation, with validation
-    every 4 steps, and the latter resumed from its step-3 checkpoint."""
+def runs(tmp_path_factory, debug_run):
+    """Three 6-step runs of the debug model: without validation (the suite's shared run), and, checkpointing every 3
+    steps, with validation every 4 steps and that run resumed from its step-3 checkpoint."""
     root = tmp_path_factory.mktemp("validation_runs")
 
     def run(name, *extra):
@@ -251,7 +248,7 @@ def runs(tmp_path_factory):
         return path, proc.stderr
 
     validation = ["--validation.enable", "--validation.freq", "4", "--validation.steps", "3"]
-    plain = run("plain")
+    plain = debug_run[0], debug_run[1].stderr
     validated = run("validated", *validation)
     (root / "resumed" / "ckpt").mkdir(parents=True)
     shutil.copytree(validated[0] / "ckpt" / "step-3", root / "resumed" / "ckpt" / "step-3")
@@ -304,8 +301,8 @@ def test_help_lists_the_validation_table(capsys):
 def test_train_py_reports_validation_mistakes_before_training(tmp_path, monkeypatch, capsys, args, message):
     import train as train_module
 
-    monkeypatch.setattr(sys, "argv", ["train.py", *TINY_RUN, "--job.dump_folder", str(tmp_path), "--validation.enable",
-                                      *args])
+    monkeypatch.setattr(sys, "argv", ["train.py", *DEBUG_RUN, "--job.dump_folder", str(tmp_path),
+                                      "--validation.enable", *args])
     monkeypatch.chdir(ROOT)
     assert train_module.run() == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("[titan]")]
