@@ -36,7 +36,8 @@ def _local_adam_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[
         p.copy_(p * decay - step_sizes[i] * m_new / denominator)
 
 
-_compiled_local_adam_steps = torch.compile(_local_adam_steps, fullgraph=True, dynamic=False)
+_compiled_local_adam_steps = torch.compile(_local_adam_steps, fullgraph=True, dynamic=False,
+                                           options={"size_asserts": False})  # static shapes: nothing to check
 
 
 class LowPrecisionAdam(torch.optim.Optimizer):
