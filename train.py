@@ -24,7 +24,12 @@ from torchtitan.guard import DIVERGENCE_EXIT_CODE, DivergenceError, DivergenceGu
 from torchtitan.logging import init_logger, logger
 from torchtitan.lr_scheduling import build_lr_schedulers
 from torchtitan.metrics import (
-    build_metric_logger, flops_per_token, format_log_line, format_validation_line, memory_metrics, peak_flops,
+    build_metric_logger,
+    flops_per_token,
+    format_log_line,
+    format_validation_line,
+    memory_metrics,
+    peak_flops,
     reset_peak_memory,
 )
 from torchtitan.optim import build_optimizers
@@ -60,14 +65,24 @@ def main(job_config: JobConfig) -> None:
     optimizers = build_optimizers(model_parts, job_config)
     lr_schedulers = build_lr_schedulers(optimizers, job_config)
     data_loader = build_hf_data_loader(
-        t.dataset, t.dataset_path, tokenizer, t.batch_size, t.seq_len, dp_rank, dp_degree,
+        t.dataset,
+        t.dataset_path,
+        tokenizer,
+        t.batch_size,
+        t.seq_len,
+        dp_rank,
+        dp_degree,
         split=training_split(job_config),
     )
     validator = build_validator(job_config, tokenizer, parallel_dims, dp_rank, dp_degree, dp_group, device)
     train_state = training.TrainState()
     checkpoint = CheckpointManager(
-        data_loader=data_loader, model_parts=model_parts, optimizers=optimizers, lr_schedulers=lr_schedulers,
-        states={"train_state": train_state}, job_config=job_config,
+        data_loader=data_loader,
+        model_parts=model_parts,
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        states={"train_state": train_state},
+        job_config=job_config,
     )
     checkpoint.load(step=job_config.checkpoint.load_step)
 

@@ -36,8 +36,9 @@ SHAPES = {
     # Many small tensors: 48 layers x 9 tensors + 3 = 435 tensors of dim 128 (per-call overheads dominate).
     "many_small": ModelArgs(dim=128, n_layers=48, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=128),
     # ~1B parameters (Llama 3.2 1B-like), for GPUs.
-    "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256,
-                    ffn_dim_multiplier=1.5),
+    "1b": ModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.5
+    ),
 }
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -56,9 +57,17 @@ def build_model(device: torch.device, dtype: torch.dtype, args: ModelArgs = BENC
 
 def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimizer]]:
     args = model.args
+
     def adam_mini(**options) -> Callable[[], torch.optim.Optimizer]:
-        return lambda: AdamMini(model.named_parameters(), **HYPER, dim=args.dim, n_heads=args.n_heads,
-                                n_kv_heads=args.n_kv_heads, param_roles=model.named_param_roles(), **options)
+        return lambda: AdamMini(
+            model.named_parameters(),
+            **HYPER,
+            dim=args.dim,
+            n_heads=args.n_heads,
+            n_kv_heads=args.n_kv_heads,
+            param_roles=model.named_param_roles(),
+            **options,
+        )
 
     candidates: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "AdamW (fused)": lambda: torch.optim.AdamW(model.parameters(), **HYPER, fused=True),
@@ -88,8 +97,14 @@ def _official_adam_mini(model: Transformer) -> Optional[Callable[[], torch.optim
         device_count = torch.cuda.device_count
         torch.cuda.device_count = lambda: min(device_count(), 1)
         try:
-            return Adam_mini(model.named_parameters(), **HYPER, dim=args.dim, n_heads=args.n_heads,
-                             n_kv_heads=args.n_kv_heads, verbose=False)
+            return Adam_mini(
+                model.named_parameters(),
+                **HYPER,
+                dim=args.dim,
+                n_heads=args.n_heads,
+                n_kv_heads=args.n_kv_heads,
+                verbose=False,
+            )
         finally:
             torch.cuda.device_count = device_count
 
@@ -145,18 +160,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 50 on CUDA, 5 on CPU)")
-    parser.add_argument("--shapes", default="bench", choices=tuple(SHAPES),
-                        help="bench: ~100M Llama; many_small: 48 layers of dim 128 (~450 tensors); "
-                             "1b: a ~1B Llama (for GPUs)")
+    parser.add_argument(
+        "--shapes",
+        default="bench",
+        choices=tuple(SHAPES),
+        help="bench: ~100M Llama; many_small: 48 layers of dim 128 (~450 tensors); 1b: a ~1B Llama (for GPUs)",
+    )
     parser.add_argument("--only", default=None, help="comma-separated substrings: time only matching optimizers")
     options = parser.parse_args(argv)
     device = torch.device(options.device)
     steps = options.steps or (50 if device.type == "cuda" else 5)
     model = build_model(device, getattr(torch, options.dtype), SHAPES[options.shapes])
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{n_params / 1e6:.1f}M parameters in {len(list(model.parameters()))} tensors, {options.dtype}, "
-          f"{device.type}{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
-          f"torch {torch.__version__}, median of {steps} steps after {options.warmup} warm-up")
+    print(
+        f"{n_params / 1e6:.1f}M parameters in {len(list(model.parameters()))} tensors, {options.dtype}, "
+        f"{device.type}{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
+        f"torch {torch.__version__}, median of {steps} steps after {options.warmup} warm-up"
+    )
 
     results = {}
     wanted = [w.strip() for w in options.only.split(",")] if options.only else None
@@ -171,12 +191,16 @@ def main(argv: Optional[list[str]] = None) -> None:
             torch.cuda.empty_cache()
 
     base_time, base_bytes, base_launches, _ = results["AdamW (fused)"]
-    print(f"{'optimizer':<28} {'ms/step':>9} {'vs fused AdamW':>15} {'kernels':>8} {'vs AdamW':>9} "
-          f"{'state MiB':>10} {'vs AdamW state':>15} {'first step s':>13}")
+    print(
+        f"{'optimizer':<28} {'ms/step':>9} {'vs fused AdamW':>15} {'kernels':>8} {'vs AdamW':>9} "
+        f"{'state MiB':>10} {'vs AdamW state':>15} {'first step s':>13}"
+    )
     for name, (seconds, nbytes, launches, first) in results.items():
-        print(f"{name:<28} {seconds * 1e3:>9.2f} {seconds / base_time:>14.2f}x {launches:>8d} "
-              f"{launches / max(base_launches, 1):>8.2f}x {nbytes / 2**20:>10.1f} {nbytes / base_bytes:>15.4f} "
-              f"{first:>13.1f}")
+        print(
+            f"{name:<28} {seconds * 1e3:>9.2f} {seconds / base_time:>14.2f}x {launches:>8d} "
+            f"{launches / max(base_launches, 1):>8.2f}x {nbytes / 2**20:>10.1f} {nbytes / base_bytes:>15.4f} "
+            f"{first:>13.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -30,9 +30,7 @@ CORPUS_BYTES = 2_000_000  # stop adding documents once the jsonl holds this many
 TIKTOKEN_RANKS = 2000  # 256 single bytes + 1744 merges
 SENTENCEPIECE_VOCAB = 2000
 # The Llama 3 pre-tokenizer pattern; the trainer must split text exactly as the tokenizer will.
-LLAMA3_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+LLAMA3_SPLIT_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501 - one regular expression
 
 SAMPLE_RELPATH = Path("data/sample/sample.jsonl")
 TIKTOKEN_RELPATH = Path("tokenizer/tiktoken_test.model")
@@ -78,83 +76,301 @@ class Rng:
 # Word lists. A small, fixed vocabulary keeps the text learnable; a few accented names keep the bytes honest.
 
 NAMES = {
-    "she": ["Anna", "Mira", "Clara", "Zoë", "Ines", "Lena", "Ruth", "Maya", "Sofia", "Ada", "Nora", "Ana María", "Hélène"],
+    "she": [
+        "Anna",
+        "Mira",
+        "Clara",
+        "Zoë",
+        "Ines",
+        "Lena",
+        "Ruth",
+        "Maya",
+        "Sofia",
+        "Ada",
+        "Nora",
+        "Ana María",
+        "Hélène",
+    ],
     "he": ["Tom", "Oskar", "Felix", "José", "Samuel", "Leo", "Hugo", "Pavel", "Jonas", "Søren", "Łukasz", "Arthur"],
 }
 PRONOUNS = {"she": ("she", "her", "her"), "he": ("he", "him", "his")}
 ADJECTIVES = [
-    "small", "old", "quiet", "bright", "heavy", "green", "narrow", "warm", "cold", "strange", "gentle", "broken",
-    "wooden", "silver", "tall", "patient", "busy", "empty", "golden", "dusty", "careful", "curious", "round", "soft",
+    "small",
+    "old",
+    "quiet",
+    "bright",
+    "heavy",
+    "green",
+    "narrow",
+    "warm",
+    "cold",
+    "strange",
+    "gentle",
+    "broken",
+    "wooden",
+    "silver",
+    "tall",
+    "patient",
+    "busy",
+    "empty",
+    "golden",
+    "dusty",
+    "careful",
+    "curious",
+    "round",
+    "soft",
 ]
 OBJECTS = [
-    "lamp", "key", "letter", "map", "basket", "clock", "book", "coin", "ribbon", "kettle", "compass", "bell",
-    "lantern", "box", "feather", "painting", "bottle", "rope", "stone", "whistle",
+    "lamp",
+    "key",
+    "letter",
+    "map",
+    "basket",
+    "clock",
+    "book",
+    "coin",
+    "ribbon",
+    "kettle",
+    "compass",
+    "bell",
+    "lantern",
+    "box",
+    "feather",
+    "painting",
+    "bottle",
+    "rope",
+    "stone",
+    "whistle",
 ]
 PLACES = [
-    "river", "market", "forest", "harbour", "library", "mill", "bridge", "garden", "station", "hill", "bakery",
-    "orchard", "lighthouse", "meadow", "square", "valley",
+    "river",
+    "market",
+    "forest",
+    "harbour",
+    "library",
+    "mill",
+    "bridge",
+    "garden",
+    "station",
+    "hill",
+    "bakery",
+    "orchard",
+    "lighthouse",
+    "meadow",
+    "square",
+    "valley",
 ]
 DWELLINGS = ["house", "cottage", "flat", "farmhouse", "cabin", "tower"]
 FURNITURE = ["table", "bed", "stairs", "window", "door", "bench", "shelf", "carpet"]
 PAST_VERBS = [
-    "carried", "opened", "cleaned", "painted", "repaired", "hid", "found", "counted", "wrapped", "measured",
-    "dropped", "lifted", "studied", "polished",
+    "carried",
+    "opened",
+    "cleaned",
+    "painted",
+    "repaired",
+    "hid",
+    "found",
+    "counted",
+    "wrapped",
+    "measured",
+    "dropped",
+    "lifted",
+    "studied",
+    "polished",
 ]
 ADVERBS = ["slowly", "quickly", "carefully", "quietly", "happily", "twice", "at once", "without a word"]
 PARTS_OF_DAY = ["morning", "afternoon", "evening", "night"]
 TIMES = ["morning", "evening", "afternoon", "night", "Sunday", "winter day", "summer evening", "rainy Tuesday"]
 FEELINGS = ["happy", "tired", "surprised", "worried", "proud", "hungry", "calm", "curious"]
 WEATHER = [
-    ("sunny", "the sun was warm"), ("rainy", "the rain did not stop"), ("windy", "the wind shook the trees"),
-    ("foggy", "the fog hid the road"), ("snowy", "snow covered the roofs"), ("cloudy", "grey clouds hung low"),
+    ("sunny", "the sun was warm"),
+    ("rainy", "the rain did not stop"),
+    ("windy", "the wind shook the trees"),
+    ("foggy", "the fog hid the road"),
+    ("snowy", "snow covered the roofs"),
+    ("cloudy", "grey clouds hung low"),
 ]
 SAYINGS = [
-    "We should go before it gets dark", "I have never seen anything like it", "Put it back where you found it",
-    "Tomorrow will be a better day", "Let us ask the old baker", "It is heavier than it looks",
-    "Nobody will believe us", "Can you hear the bell", "I knew you would come back", "Keep it safe for me",
+    "We should go before it gets dark",
+    "I have never seen anything like it",
+    "Put it back where you found it",
+    "Tomorrow will be a better day",
+    "Let us ask the old baker",
+    "It is heavier than it looks",
+    "Nobody will believe us",
+    "Can you hear the bell",
+    "I knew you would come back",
+    "Keep it safe for me",
 ]
 ANIMALS = [
-    "otter", "heron", "badger", "lynx", "tortoise", "beetle", "sparrow", "salamander", "fox", "hare", "owl",
-    "seal", "moth", "trout", "crane", "marten",
+    "otter",
+    "heron",
+    "badger",
+    "lynx",
+    "tortoise",
+    "beetle",
+    "sparrow",
+    "salamander",
+    "fox",
+    "hare",
+    "owl",
+    "seal",
+    "moth",
+    "trout",
+    "crane",
+    "marten",
 ]
 ANIMAL_CLASSES = {
-    "otter": "mammal", "heron": "bird", "badger": "mammal", "lynx": "mammal", "tortoise": "reptile",
-    "beetle": "insect", "sparrow": "bird", "salamander": "amphibian", "fox": "mammal", "hare": "mammal",
-    "owl": "bird", "seal": "mammal", "moth": "insect", "trout": "fish", "crane": "bird", "marten": "mammal",
+    "otter": "mammal",
+    "heron": "bird",
+    "badger": "mammal",
+    "lynx": "mammal",
+    "tortoise": "reptile",
+    "beetle": "insect",
+    "sparrow": "bird",
+    "salamander": "amphibian",
+    "fox": "mammal",
+    "hare": "mammal",
+    "owl": "bird",
+    "seal": "mammal",
+    "moth": "insect",
+    "trout": "fish",
+    "crane": "bird",
+    "marten": "mammal",
 }
 HABITATS = ["wetlands", "pine forests", "rocky coasts", "grasslands", "mountain streams", "old woodlands", "deserts"]
 FOODS = ["fish", "seeds", "insects", "berries", "roots", "small rodents", "leaves", "snails", "worms", "fruit"]
 COUNTRIES = [
-    "Veldria", "Osmark", "Talvana", "Brenholm", "Quessa", "Dunmore", "Arvelle", "Korrin", "Lusetta", "Marrow",
-    "Pellin", "Sundra", "Tiberon", "Ystad", "Norhaven", "Calloway",
+    "Veldria",
+    "Osmark",
+    "Talvana",
+    "Brenholm",
+    "Quessa",
+    "Dunmore",
+    "Arvelle",
+    "Korrin",
+    "Lusetta",
+    "Marrow",
+    "Pellin",
+    "Sundra",
+    "Tiberon",
+    "Ystad",
+    "Norhaven",
+    "Calloway",
 ]
 CITIES = [
-    "Aberlin", "Corvo", "Deshan", "Elmbrook", "Fennick", "Galdor", "Harrowgate", "Istra", "Jorvale", "Kesh",
-    "Lorin", "Mistral", "Nevan", "Orrin", "Pyrmont", "Quillon", "Rask", "Selby", "Torvik", "Ulmen",
+    "Aberlin",
+    "Corvo",
+    "Deshan",
+    "Elmbrook",
+    "Fennick",
+    "Galdor",
+    "Harrowgate",
+    "Istra",
+    "Jorvale",
+    "Kesh",
+    "Lorin",
+    "Mistral",
+    "Nevan",
+    "Orrin",
+    "Pyrmont",
+    "Quillon",
+    "Rask",
+    "Selby",
+    "Torvik",
+    "Ulmen",
 ]
 INGREDIENTS = [
-    ("flour", "cups"), ("sugar", "cups"), ("butter", "grams"), ("milk", "cups"), ("eggs", ""), ("salt", "pinches"),
-    ("honey", "spoons"), ("apples", ""), ("onions", ""), ("carrots", ""), ("rice", "cups"), ("water", "cups"),
-    ("cheese", "grams"), ("lemons", ""), ("oats", "cups"), ("tomatoes", ""),
+    ("flour", "cups"),
+    ("sugar", "cups"),
+    ("butter", "grams"),
+    ("milk", "cups"),
+    ("eggs", ""),
+    ("salt", "pinches"),
+    ("honey", "spoons"),
+    ("apples", ""),
+    ("onions", ""),
+    ("carrots", ""),
+    ("rice", "cups"),
+    ("water", "cups"),
+    ("cheese", "grams"),
+    ("lemons", ""),
+    ("oats", "cups"),
+    ("tomatoes", ""),
 ]
 DISHES = ["soup", "bread", "pie", "stew", "porridge", "cake", "salad", "pancakes"]
 COOKING_VERBS = ["Mix", "Stir", "Pour", "Chop", "Whisk", "Fold", "Slice", "Melt"]
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 SMALL_NUMBER_WORDS = [
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
-    "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen",
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
 ]
 TENS_WORDS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
 CLOSINGS = ["Yours sincerely", "With love", "Best wishes", "Warm regards", "See you soon"]
 
 
-ONSETS = ["b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "l", "m", "n", "p", "r", "s", "st", "t", "th", "v", "w", "z"]
+ONSETS = [
+    "b",
+    "br",
+    "c",
+    "d",
+    "dr",
+    "f",
+    "g",
+    "gr",
+    "h",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "st",
+    "t",
+    "th",
+    "v",
+    "w",
+    "z",
+]
 VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "y"]
 CODAS = ["", "", "n", "r", "l", "s", "th", "m", "nd", "rk"]
 TOWN_SUFFIXES = ["", "ton", "ford", "holm", "wick", "by", "mere", "dale", "stead", "ham"]
 PRODUCTS = [
-    "cheese", "wool", "glass", "clocks", "boats", "honey", "paper", "rope", "bells", "apples", "salt", "lace",
-    "pottery", "barley", "timber", "copper",
+    "cheese",
+    "wool",
+    "glass",
+    "clocks",
+    "boats",
+    "honey",
+    "paper",
+    "rope",
+    "bells",
+    "apples",
+    "salt",
+    "lace",
+    "pottery",
+    "barley",
+    "timber",
+    "copper",
 ]
 
 
@@ -217,7 +433,9 @@ def _story_sentence(rng: Rng, world: World, cast: list[tuple[str, str]]) -> str:
     thing, adj, place = rng.choice(OBJECTS), rng.choice(ADJECTIVES), rng.choice(PLACES)
     templates: list[Callable[[], str]] = [
         lambda: f"{name} {rng.choice(PAST_VERBS)} the {adj} {thing} {rng.choice(ADVERBS)}.",
-        lambda: f"One {rng.choice(TIMES)}, {name} found {article(adj)} {adj} {thing} under the {rng.choice(FURNITURE)}.",
+        lambda: (
+            f"One {rng.choice(TIMES)}, {name} found {article(adj)} {adj} {thing} under the {rng.choice(FURNITURE)}."
+        ),
         lambda: f"{capitalize(subject)} walked to the {place} with {possessive} {thing}.",
         lambda: f"\u201c{rng.choice(SAYINGS)},\u201d said {name}.",
         lambda: f"{other} looked at {obj} and felt {rng.choice(FEELINGS)}.",
@@ -326,7 +544,9 @@ def quiz(rng: Rng, world: World) -> str:
     for _ in range(rng.between(3, 7)):
         if rng.chance(0.6):
             country = rng.choice(COUNTRIES)
-            lines.append(f"Q: What is the capital of {country}?\nA: The capital of {country} is {world.capitals[country]}.")
+            lines.append(
+                f"Q: What is the capital of {country}?\nA: The capital of {country} is {world.capitals[country]}."
+            )
         else:
             animal = rng.choice(ANIMALS)
             food = world.animal_food[animal][0]
@@ -348,7 +568,13 @@ def gazetteer(rng: Rng, world: World) -> str:
 
 
 GENERATORS: list[tuple[Callable[[Rng, World], str], int]] = [
-    (story, 6), (encyclopedia, 3), (recipe, 2), (arithmetic, 2), (letter, 2), (weather_report, 1), (quiz, 2),
+    (story, 6),
+    (encyclopedia, 3),
+    (recipe, 2),
+    (arithmetic, 2),
+    (letter, 2),
+    (weather_report, 1),
+    (quiz, 2),
     (gazetteer, 3),
 ]
 
@@ -445,7 +671,10 @@ def train_bpe(word_counts: Counter[bytes], n_ranks: int) -> dict[bytes, int]:
 
 
 def tiktoken_file_bytes(ranks: dict[bytes, int]) -> bytes:
-    lines = [base64.b64encode(token) + b" " + str(rank).encode() for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    lines = [
+        base64.b64encode(token) + b" " + str(rank).encode()
+        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
     return b"\n".join(lines) + b"\n"
 
 

@@ -11,7 +11,6 @@ the PSF licence; it is generated on the user's machine, not shipped with this pr
 import json
 import sys
 from pathlib import Path
-
 from pydoc_data.topics import topics
 
 

@@ -39,7 +39,10 @@ def free_port() -> int:
 
 def _worker(rank: int, world_size: int, store_file: str, fn: Callable, args: Sequence[Any], queue) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)

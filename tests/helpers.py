@@ -21,7 +21,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -210,12 +213,19 @@ def grad_from_values(name: str, param: torch.Tensor, step: int) -> torch.Tensor:
 def adam_mini_for(model: Transformer, **options) -> AdamMini:
     """AdamMini with HYPER (and ``options``) on a Llama, its shape and roles taken from the model."""
     args = model.args
-    return AdamMini(model.named_parameters(), **{**HYPER, **options}, dim=args.dim, n_heads=args.n_heads,
-                    n_kv_heads=args.n_kv_heads, param_roles=model.named_param_roles())
+    return AdamMini(
+        model.named_parameters(),
+        **{**HYPER, **options},
+        dim=args.dim,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        param_roles=model.named_param_roles(),
+    )
 
 
-def run_single_process(steps: int, value_blocks: str = PER_ROW, grads_from_values: bool = False, **options
-                       ) -> dict[str, torch.Tensor]:
+def run_single_process(
+    steps: int, value_blocks: str = PER_ROW, grads_from_values: bool = False, **options
+) -> dict[str, torch.Tensor]:
     """Parameters of the tiny float64 model after ``steps`` AdamMini steps on synthetic gradients."""
     model = tiny_model()
     optimizer = adam_mini_for(model, value_blocks=value_blocks, **options)
@@ -255,9 +265,18 @@ def random_batches(job: JobConfig, vocab_size: int, seed: int):
 
 # A short debug-model run: 6 steps of 2 sequences of 32 tokens, every step logged. Later options override these.
 DEBUG_RUN = [
-    "--job.config_file", DEBUG_CONFIG,
-    "--training.seq_len", "32", "--training.batch_size", "2", "--training.steps", "6",
-    "--training.warmup_steps", "2", "--metrics.log_freq", "1",
+    "--job.config_file",
+    DEBUG_CONFIG,
+    "--training.seq_len",
+    "32",
+    "--training.batch_size",
+    "2",
+    "--training.steps",
+    "6",
+    "--training.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
 ]
 LOSS = "loss_metrics/global_avg_loss"
 # Saves stall in this script's processes (see tests/stall_in_save.py): a test SIGKILLs them mid-save.
@@ -325,7 +344,8 @@ def read_checkpoint(path) -> dict[str, torch.Tensor]:
     entries = reader.read_metadata().state_dict_metadata
     state = {
         name: torch.empty(entry.size, dtype=entry.properties.dtype)
-        for name, entry in entries.items() if isinstance(entry, TensorStorageMetadata)
+        for name, entry in entries.items()
+        if isinstance(entry, TensorStorageMetadata)
     }
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     return state
@@ -399,8 +419,11 @@ def warmup(step: int) -> float:
 def checkpoint_job(dump_folder: str, steps: int = 4, **checkpoint) -> JobConfig:
     """A job of ``steps`` steps saving into ``{dump_folder}/checkpoint``, with ``[checkpoint]`` options."""
     # An explicit folder is used as given, with no per-optimizer subfolder.
-    return job_config(job={"dump_folder": dump_folder}, training={"steps": steps},
-                      checkpoint={"enable_checkpoint": True, "folder": "checkpoint", **checkpoint})
+    return job_config(
+        job={"dump_folder": dump_folder},
+        training={"steps": steps},
+        checkpoint={"enable_checkpoint": True, "folder": "checkpoint", **checkpoint},
+    )
 
 
 class Trainer:
@@ -413,12 +436,17 @@ class Trainer:
         self.model = materialize(model, seed=CHECKPOINT_SEED)
         self.optimizers = Optimizers(self.model)
         self.schedulers = SchedulersContainer([LambdaLR(self.optimizers.optimizer, warmup)])
-        self.loader = StatefulDataLoader(Windows(rank, world_size, GLOBAL_BATCH // world_size),
-                                         batch_size=GLOBAL_BATCH // world_size)
+        self.loader = StatefulDataLoader(
+            Windows(rank, world_size, GLOBAL_BATCH // world_size), batch_size=GLOBAL_BATCH // world_size
+        )
         self.train_state = TrainState()
         self.checkpoint = CheckpointManager(
-            data_loader=self.loader, model_parts=[self.model], optimizers=self.optimizers,
-            lr_schedulers=self.schedulers, states={"train_state": self.train_state}, job_config=config,
+            data_loader=self.loader,
+            model_parts=[self.model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.schedulers,
+            states={"train_state": self.train_state},
+            job_config=config,
         )
         self.batches = None
         self.last_step = config.training.steps
@@ -468,4 +496,3 @@ def assert_same_snapshot(actual: dict, expected: dict) -> None:
         np.testing.assert_array_equal(actual["arrays"][key], value, err_msg=key)
     for key in ("lr", "scheduler_epoch", "loader", "step"):
         assert actual[key] == expected[key], key
-

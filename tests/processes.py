@@ -42,7 +42,7 @@ def _environ_mark(pid: int) -> Optional[str]:
     prefix = MARK.encode() + b"="
     for entry in entries:
         if entry.startswith(prefix):
-            return entry[len(prefix):].decode(errors="replace")
+            return entry[len(prefix) :].decode(errors="replace")
     return None
 
 

@@ -10,8 +10,18 @@ import torch
 from torch import nn
 
 from tests.helpers import (
-    HYPER, TINY, adam_mini_for, default_dtype, fsdp, max_difference, meta_model, run_single_process, state_bytes,
-    set_synthetic_grads, synthetic_grad, tiny_model,
+    HYPER,
+    TINY,
+    adam_mini_for,
+    default_dtype,
+    fsdp,
+    max_difference,
+    meta_model,
+    run_single_process,
+    set_synthetic_grads,
+    state_bytes,
+    synthetic_grad,
+    tiny_model,
 )
 from torchtitan.errors import UserError
 from torchtitan.models.llama import Transformer, llama3_configs
@@ -24,8 +34,17 @@ from torchtitan.optim.partition import PER_ELEMENT, PER_HEAD, PER_ROW, PER_TENSO
 # ------------------------------------------------------------------------------------------------------------
 
 
-def reference_run(params: dict[str, torch.Tensor], blocks: dict[str, tuple[str, int]], steps: int, *, lr, betas, eps,
-                  weight_decay, decay: dict[str, bool]) -> dict[str, torch.Tensor]:
+def reference_run(
+    params: dict[str, torch.Tensor],
+    blocks: dict[str, tuple[str, int]],
+    steps: int,
+    *,
+    lr,
+    betas,
+    eps,
+    weight_decay,
+    decay: dict[str, bool],
+) -> dict[str, torch.Tensor]:
     """``blocks[name]`` is (kind, rows per block) with kind 'row', 'head', 'tensor' or 'element'."""
     beta1, beta2 = betas
     params = {name: p.detach().clone() for name, p in params.items()}
@@ -81,8 +100,14 @@ def official_run(steps: int, value_blocks: str) -> dict[str, torch.Tensor]:
     original = torch.cuda.device_count
     torch.cuda.device_count = lambda: 0
     try:
-        optimizer = adam_mini.Adam_mini(model.named_parameters(), **HYPER, dim=TINY.dim, n_heads=TINY.n_heads,
-                                        n_kv_heads=TINY.n_kv_heads, verbose=False)
+        optimizer = adam_mini.Adam_mini(
+            model.named_parameters(),
+            **HYPER,
+            dim=TINY.dim,
+            n_heads=TINY.n_heads,
+            n_kv_heads=TINY.n_kv_heads,
+            verbose=False,
+        )
     finally:
         torch.cuda.device_count = original
     if value_blocks == PER_TENSOR:
@@ -115,8 +140,11 @@ def test_update_function_on_plain_tensors_matches_the_optimizer():
     model = tiny_model()
     names = [name for name, _ in model.named_parameters()]
     params = [p.detach().clone() for p in model.parameters()]
-    plans = plan_blocks(((n, tuple(p.shape)) for n, p in zip(names, params)), head_dim=TINY.head_dim,
-                        param_roles=model.named_param_roles())
+    plans = plan_blocks(
+        ((n, tuple(p.shape)) for n, p in zip(names, params)),
+        head_dim=TINY.head_dim,
+        param_roles=model.named_param_roles(),
+    )
     layouts = [layout_for(p, plan) for p, plan in zip(params, plans)]
     exp_avgs = [torch.zeros_like(p) for p in params]
     second_moments = [new_second_moment(p, layout) for p, layout in zip(params, layouts)]
@@ -180,8 +208,9 @@ def test_head_size_other_than_dim_over_heads_matches_reference():
 
 def test_model_roles_and_name_rules_agree_on_our_llama():
     model = tiny_model()
-    by_role = plan_blocks(((n, tuple(p.shape)) for n, p in model.named_parameters()), head_dim=8,
-                          param_roles=model.named_param_roles())
+    by_role = plan_blocks(
+        ((n, tuple(p.shape)) for n, p in model.named_parameters()), head_dim=8, param_roles=model.named_param_roles()
+    )
     by_name = plan_blocks(((n, tuple(p.shape)) for n, p in model.named_parameters()), head_dim=8)
     assert by_role == by_name
     rules = {plan.name: (plan.role, plan.rule, plan.n_blocks, plan.decay) for plan in by_role}
@@ -196,20 +225,23 @@ def test_model_roles_and_name_rules_agree_on_our_llama():
     assert rules["norm.weight"] == ("norm", PER_TENSOR, 1, False)
 
 
-@pytest.mark.parametrize("name, role", [
-    ("layers.3._checkpoint_wrapped_module.attention.wq.weight", "query"),
-    ("_orig_mod.layers.3.attention.wk.weight", "key"),
-    ("module.model.layers.0.self_attn.v_proj.weight", "value"),
-    ("model.layers.0.self_attn.o_proj.weight", "attn_out"),
-    ("model.layers.0.mlp.up_proj.weight", "mlp"),
-    ("model.embed_tokens.weight", "embedding"),
-    ("lm_head.weight", "output"),
-    ("model.layers.0.post_attention_layernorm.weight", "norm"),
-    ("model.norm.weight", "norm"),
-    ("layers.0.self_attn.q_proj.bias", "bias"),
-    ("encoder.output_projection.weight", "other"),  # "output" as a substring is not the output layer
-    ("blocks.0.mlp_fc.weight", "other"),
-])
+@pytest.mark.parametrize(
+    "name, role",
+    [
+        ("layers.3._checkpoint_wrapped_module.attention.wq.weight", "query"),
+        ("_orig_mod.layers.3.attention.wk.weight", "key"),
+        ("module.model.layers.0.self_attn.v_proj.weight", "value"),
+        ("model.layers.0.self_attn.o_proj.weight", "attn_out"),
+        ("model.layers.0.mlp.up_proj.weight", "mlp"),
+        ("model.embed_tokens.weight", "embedding"),
+        ("lm_head.weight", "output"),
+        ("model.layers.0.post_attention_layernorm.weight", "norm"),
+        ("model.norm.weight", "norm"),
+        ("layers.0.self_attn.q_proj.bias", "bias"),
+        ("encoder.output_projection.weight", "other"),  # "output" as a substring is not the output layer
+        ("blocks.0.mlp_fc.weight", "other"),
+    ],
+)
 def test_name_rules_are_exact(name, role):
     assert role_from_name(name) == role
 
@@ -237,19 +269,22 @@ def test_explicit_roles_override_names():
 # ------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(n_heads=4), "dim= and n_heads="),
-    (dict(dim=32), "dim= and n_heads="),
-    (dict(dim=32, n_heads=4, n_kv_heads=3), "not divisible by n_kv_heads"),
-    (dict(dim=30, n_heads=4), "not divisible by n_heads"),
-    (dict(dim=32, n_heads=4, head_dim=5), "does not divide"),
-    (dict(dim=32, n_heads=4, lr=-1e-3), "AdamMini lr must be at least 0"),
-    (dict(dim=32, n_heads=4, lr=torch.tensor(-1e-3)), "AdamMini lr must be at least 0"),
-    (dict(dim=32, n_heads=4, betas=(1.0, 0.9)), "betas"),
-    (dict(dim=32, n_heads=4, betas=(0.9, -0.1)), "betas"),
-    (dict(dim=32, n_heads=4, weight_decay=-0.1), "weight_decay"),
-    (dict(dim=32, n_heads=4, value_blocks="per_head"), "value_blocks"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(n_heads=4), "dim= and n_heads="),
+        (dict(dim=32), "dim= and n_heads="),
+        (dict(dim=32, n_heads=4, n_kv_heads=3), "not divisible by n_kv_heads"),
+        (dict(dim=30, n_heads=4), "not divisible by n_heads"),
+        (dict(dim=32, n_heads=4, head_dim=5), "does not divide"),
+        (dict(dim=32, n_heads=4, lr=-1e-3), "AdamMini lr must be at least 0"),
+        (dict(dim=32, n_heads=4, lr=torch.tensor(-1e-3)), "AdamMini lr must be at least 0"),
+        (dict(dim=32, n_heads=4, betas=(1.0, 0.9)), "betas"),
+        (dict(dim=32, n_heads=4, betas=(0.9, -0.1)), "betas"),
+        (dict(dim=32, n_heads=4, weight_decay=-0.1), "weight_decay"),
+        (dict(dim=32, n_heads=4, value_blocks="per_head"), "value_blocks"),
+    ],
+)
 def test_bad_input_raises_a_clear_value_error(kwargs, message):
     model = tiny_model()
     with pytest.raises(ValueError, match=message) as error:
@@ -272,8 +307,10 @@ def test_state_is_m_v_and_step_only():
     optimizer = adam_mini_for(model)
     set_synthetic_grads(model, 0)
     optimizer.step()
-    shapes = {name: {key: tuple(value.shape) for key, value in optimizer.state[p].items()}
-              for name, p in model.named_parameters()}
+    shapes = {
+        name: {key: tuple(value.shape) for key, value in optimizer.state[p].items()}
+        for name, p in model.named_parameters()
+    }
     assert shapes["layers.0.attention.wq.weight"] == {"step": (), "m": (32, 32), "v": (4, 1)}
     assert shapes["layers.0.attention.wk.weight"] == {"step": (), "m": (16, 32), "v": (2, 1)}
     assert shapes["tok_embeddings.weight"] == {"step": (), "m": (67, 32), "v": (67, 1)}
@@ -337,8 +374,15 @@ def _step_with_zero_grads(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 def test_8b_state_is_at_most_half_of_adamw_on_meta():
     model = meta_model(llama3_configs["8B"], torch.float32)
     args = model.args
-    adam_mini = AdamMini(model.named_parameters(), lr=3e-4, weight_decay=0.1, dim=args.dim, n_heads=args.n_heads,
-                         n_kv_heads=args.n_kv_heads, param_roles=model.named_param_roles())
+    adam_mini = AdamMini(
+        model.named_parameters(),
+        lr=3e-4,
+        weight_decay=0.1,
+        dim=args.dim,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        param_roles=model.named_param_roles(),
+    )
     _step_with_zero_grads(model, adam_mini)
     adamw = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
     _step_with_zero_grads(model, adamw)
@@ -378,9 +422,14 @@ def _shapes_in_a_fake_world() -> list[dict[str, tuple]]:
             _step_with_zero_grads(model, optimizer)
         wk = optimizer.state[model.layers["0"].attention.wk.weight]
         output = optimizer.state[model.output.weight]
-        shapes.append({"wk m": tuple(wk["m"].to_local().shape), "wk v": tuple(wk["v"].shape),
-                       "wk v local": tuple(wk["v"].to_local().shape),
-                       "output v local": tuple(output["v"].to_local().shape)})
+        shapes.append(
+            {
+                "wk m": tuple(wk["m"].to_local().shape),
+                "wk v": tuple(wk["v"].shape),
+                "wk v local": tuple(wk["v"].to_local().shape),
+                "output v local": tuple(output["v"].to_local().shape),
+            }
+        )
     dist.destroy_process_group()
     return shapes
 

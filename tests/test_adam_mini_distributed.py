@@ -8,6 +8,7 @@ traceback so that only that layout's test fails."""
 
 from __future__ import annotations
 
+import functools
 import io
 import traceback
 from typing import Any, Callable
@@ -32,7 +33,14 @@ from torch.distributed.tensor.parallel import (
 
 from tests.distributed import run_workers
 from tests.helpers import (
-    TINY, adam_mini_for, fsdp, grad_from_values, max_difference, run_single_process, tiny_model, weights,
+    TINY,
+    adam_mini_for,
+    fsdp,
+    grad_from_values,
+    max_difference,
+    run_single_process,
+    tiny_model,
+    weights,
 )
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim.adam_mini import FUSED
@@ -45,8 +53,16 @@ VARIANTS = {"fused": ("implementation", FUSED), "bfloat16": ("momentum_storage",
 SAVE_AT, RESUME_STEPS = 3, 3
 # For 8-bit momentum: every shard under HSDP 2 x 2 and FSDP x TP 2 x 2 is whole rows of a 256-entry block and at
 # least 4096 entries, so every matrix's momentum is quantized on every rank.
-WIDE = ModelArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=256,
-                 ffn_dim_multiplier=0.375, max_seq_len=16)
+WIDE = ModelArgs(
+    dim=256,
+    n_layers=1,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=128,
+    multiple_of=256,
+    ffn_dim_multiplier=0.375,
+    max_seq_len=16,
+)
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -58,11 +74,18 @@ pytestmark = pytest.mark.timeout(600)
 def _tensor_parallel(model: torch.nn.Module, tp_mesh, embedding_plan=None) -> None:
     # Column-wise Q/K/V/W1/W3 and output (Shard(0)), row-wise O/W2 (Shard(1)), vocabulary-parallel embedding
     # (Shard(0)) unless told otherwise; norms stay plain tensors beside the DTensors.
-    parallelize_module(model, tp_mesh, {"tok_embeddings": embedding_plan or RowwiseParallel(),
-                                        "output": ColwiseParallel()})
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(), "feed_forward.w3": ColwiseParallel()}
+    parallelize_module(
+        model, tp_mesh, {"tok_embeddings": embedding_plan or RowwiseParallel(), "output": ColwiseParallel()}
+    )
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, plan)
 
@@ -99,7 +122,7 @@ def _batch(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of a fixed global batch of 6 sequences (all of it in one process)."""
     tokens = torch.randint(0, TINY.vocab_size, (6, 9), generator=torch.Generator().manual_seed(5))
     share = tokens.shape[0] // world_size
-    tokens = tokens[rank * share:(rank + 1) * share]
+    tokens = tokens[rank * share : (rank + 1) * share]
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -115,8 +138,9 @@ def _train_on_loss(model: torch.nn.Module, rank: int, world_size: int, steps: in
     return weights(model)
 
 
-def _train(layout: str, world_size: int, steps: int, value_blocks: str = PER_ROW, args: ModelArgs = TINY,
-           **options) -> dict[str, torch.Tensor]:
+def _train(
+    layout: str, world_size: int, steps: int, value_blocks: str = PER_ROW, args: ModelArgs = TINY, **options
+) -> dict[str, torch.Tensor]:
     model = _parallel_model(layout, world_size, args)
     optimizer = adam_mini_for(model, value_blocks=value_blocks, **options)
     for step in range(steps):
@@ -149,8 +173,7 @@ def _collectives_of_one_step(layout: str, world_size: int, **options) -> dict[st
     with _CollectiveSizes() as comm:
         optimizer.step()
     counts = {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items() if n}
-    return {"counts": counts, "sizes": comm.sizes,
-            "smallest_param": min(p.numel() for p in model.parameters())}
+    return {"counts": counts, "sizes": comm.sizes, "smallest_param": min(p.numel() for p in model.parameters())}
 
 
 def _save_checkpoint(world_size: int, path: str) -> dict[str, torch.Tensor]:
@@ -159,8 +182,9 @@ def _save_checkpoint(world_size: int, path: str) -> dict[str, torch.Tensor]:
     for step in range(SAVE_AT):
         _set_grads(model, step)
         optimizer.step()
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
-             checkpoint_id=path)
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path
+    )
     return weights(model)
 
 
@@ -193,15 +217,15 @@ def _world_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str
         runs["comm_fsdp"] = _attempt(_collectives_of_one_step, "fsdp", world_size)
         runs["comm_tp"] = _attempt(_collectives_of_one_step, "tp", world_size)
         for option, value in VARIANTS.values():
-            runs[f"fsdp_{value}"] = _attempt(lambda: _train("fsdp", world_size, STEPS, **{option: value}))
-            runs[f"tp_{value}"] = _attempt(lambda: _train("tp", world_size, STEPS, **{option: value}))
+            runs[f"fsdp_{value}"] = _attempt(functools.partial(_train, "fsdp", world_size, STEPS, **{option: value}))
+            runs[f"tp_{value}"] = _attempt(functools.partial(_train, "tp", world_size, STEPS, **{option: value}))
         runs["comm_fsdp_fused"] = _attempt(lambda: _collectives_of_one_step("fsdp", world_size, implementation=FUSED))
     if world_size == 3:
         runs["fsdp_per_tensor_values"] = _attempt(_train, "fsdp", world_size, STEPS, PER_TENSOR)
         runs["comm_fsdp"] = _attempt(_collectives_of_one_step, "fsdp", world_size)
         runs["resume"] = _attempt(lambda: _resume(_parallel_model("fsdp", world_size), resume_dir))
         for option, value in VARIANTS.values():
-            runs[f"fsdp_{value}"] = _attempt(lambda: _train("fsdp", world_size, STEPS, **{option: value}))
+            runs[f"fsdp_{value}"] = _attempt(functools.partial(_train, "fsdp", world_size, STEPS, **{option: value}))
     if world_size == 4:
         runs["fsdp_tp"] = _attempt(_train, "fsdp_tp", world_size, STEPS)
         runs["hsdp"] = _attempt(_train, "hsdp", world_size, STEPS)
@@ -209,9 +233,11 @@ def _world_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str
         runs["fsdp_tp_fused"] = _attempt(lambda: _train("fsdp_tp", world_size, STEPS, implementation=FUSED))
         for layout in ("hsdp", "fsdp_tp"):
             runs[f"{layout}_{BFLOAT16}"] = _attempt(
-                lambda: _train(layout, world_size, STEPS, momentum_storage=BFLOAT16))
+                functools.partial(_train, layout, world_size, STEPS, momentum_storage=BFLOAT16)
+            )
             runs[f"{layout}_{INT8}"] = _attempt(
-                lambda: _train(layout, world_size, STEPS, args=WIDE, momentum_storage=INT8))
+                functools.partial(_train, layout, world_size, STEPS, args=WIDE, momentum_storage=INT8)
+            )
     if world_size == 6:
         runs.pop("fsdp")
         runs["fsdp_tp"] = _attempt(_train, "fsdp_tp", world_size, STEPS)
@@ -269,20 +295,31 @@ def world6():
 
 @pytest.fixture(scope="module")
 def single_process():
-    return {PER_ROW: run_single_process(STEPS, PER_ROW, grads_from_values=True),
-            PER_TENSOR: run_single_process(STEPS, PER_TENSOR, grads_from_values=True),
-            "uninterrupted": run_single_process(SAVE_AT + RESUME_STEPS, grads_from_values=True),
-            **{value: run_single_process(STEPS, grads_from_values=True, **{option: value})
-               for option, value in VARIANTS.values()},
-            "wide": _train("single", 1, STEPS, args=WIDE),
-            f"wide_{INT8}": _train("single", 1, STEPS, args=WIDE, momentum_storage=INT8)}
+    return {
+        PER_ROW: run_single_process(STEPS, PER_ROW, grads_from_values=True),
+        PER_TENSOR: run_single_process(STEPS, PER_TENSOR, grads_from_values=True),
+        "uninterrupted": run_single_process(SAVE_AT + RESUME_STEPS, grads_from_values=True),
+        **{
+            value: run_single_process(STEPS, grads_from_values=True, **{option: value})
+            for option, value in VARIANTS.values()
+        },
+        "wide": _train("single", 1, STEPS, args=WIDE),
+        f"wide_{INT8}": _train("single", 1, STEPS, args=WIDE, momentum_storage=INT8),
+    }
 
 
-@pytest.mark.parametrize("world_name, layout", [
-    ("world2", "fsdp"), ("world3", "fsdp"), ("world4", "fsdp"),  # 2 KV heads over 3 and 4 ranks
-    ("world2", "tp"), ("world4", "fsdp_tp"), ("world4", "hsdp"),
-    ("world6", "fsdp_tp"),  # 3 x 2: heads of the TP shards cut unevenly by FSDP
-])
+@pytest.mark.parametrize(
+    "world_name, layout",
+    [
+        ("world2", "fsdp"),
+        ("world3", "fsdp"),
+        ("world4", "fsdp"),  # 2 KV heads over 3 and 4 ranks
+        ("world2", "tp"),
+        ("world4", "fsdp_tp"),
+        ("world4", "hsdp"),
+        ("world6", "fsdp_tp"),  # 3 x 2: heads of the TP shards cut unevenly by FSDP
+    ],
+)
 def test_parallel_run_equals_single_process(request, single_process, world_name, layout):
     params = _result(request.getfixturevalue(world_name), layout)
     assert max_difference(params, single_process[PER_ROW]) < 1e-10
@@ -332,12 +369,18 @@ def test_checkpoint_from_2_ranks_resumes_exactly_on_3_ranks(world3, single_proce
     assert max_difference(_result(world3, "resume"), single_process["uninterrupted"]) < 1e-10
 
 
-@pytest.mark.parametrize("world_name, layout", [
-    ("world2", "fsdp"), ("world3", "fsdp"), ("world2", "tp"),
-])
+@pytest.mark.parametrize(
+    "world_name, layout",
+    [
+        ("world2", "fsdp"),
+        ("world3", "fsdp"),
+        ("world2", "tp"),
+    ],
+)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fused_and_bfloat16_momentum_parallel_runs_equal_single_process(request, single_process, world_name, layout,
-                                                                       variant):
+def test_fused_and_bfloat16_momentum_parallel_runs_equal_single_process(
+    request, single_process, world_name, layout, variant
+):
     params = _result(request.getfixturevalue(world_name), f"{layout}_{variant}")
     assert max_difference(params, single_process[variant]) < 1e-10
 

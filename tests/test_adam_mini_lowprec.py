@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from tests.helpers import (
-    TINY, adam_mini_for, job_config, max_difference, meta_model, set_synthetic_grads, state_bytes, tiny_model, weights,
+    TINY,
+    adam_mini_for,
+    job_config,
+    max_difference,
+    meta_model,
+    set_synthetic_grads,
+    state_bytes,
+    tiny_model,
+    weights,
 )
 from torchtitan.errors import UserError
 from torchtitan.models.llama import Transformer, llama3_configs
@@ -84,8 +92,12 @@ def test_quantized_momentum_equals_float32_update_with_m_quantized_each_step(sto
     assert "tok_embeddings.weight" in quantized and "norm.weight" not in quantized  # small tensors stay float32
 
     reference = float32_model()
-    expected = _train(reference, adam_mini_for(reference, implementation="foreach"), STEPS,
-                      after_step=_quantize_momentum_like(optimizer))
+    expected = _train(
+        reference,
+        adam_mini_for(reference, implementation="foreach"),
+        STEPS,
+        after_step=_quantize_momentum_like(optimizer),
+    )
     assert max_difference(got, expected) < 1e-6
     plain = _train(float32_model(), adam_mini_for(float32_model(), implementation="foreach"), STEPS)
     assert max_difference(got, plain) > 1e-6  # the quantization really happened
@@ -96,18 +108,22 @@ def test_fused_equals_foreach(storage):
     results = {}
     for implementation in ("foreach", "fused"):
         model = float32_model()
-        results[implementation] = _train(model, adam_mini_for(model, momentum_storage=storage,
-                                                              implementation=implementation), STEPS)
-    relative = max(((results["fused"][n] - results["foreach"][n]).abs().max()
-                    / results["foreach"][n].abs().max()).item() for n in results["fused"])
+        results[implementation] = _train(
+            model, adam_mini_for(model, momentum_storage=storage, implementation=implementation), STEPS
+        )
+    relative = max(
+        ((results["fused"][n] - results["foreach"][n]).abs().max() / results["foreach"][n].abs().max()).item()
+        for n in results["fused"]
+    )
     # float32 agrees to rounding; rounded storage may round one entry of m differently, so it gets the storage's step.
     assert relative < {"float32": 1e-6, "bfloat16": 1e-2, "int8": 1e-2}[storage], relative
 
 
 def test_fused_float64_equals_foreach_and_compiles_once():
     foreach_model = tiny_model()
-    foreach = _train(foreach_model, adam_mini_for(foreach_model, implementation="foreach"), STEPS,
-                     lrs=[1e-2, 5e-3, 2e-3, 1e-3])
+    foreach = _train(
+        foreach_model, adam_mini_for(foreach_model, implementation="foreach"), STEPS, lrs=[1e-2, 5e-3, 2e-3, 1e-3]
+    )
     model = tiny_model()
     optimizer = adam_mini_for(model, implementation="fused", lr=torch.tensor(1e-2, dtype=torch.float64))
     # Forget graphs that earlier tests of this process compiled for the same shapes, so this one is compiled here.
@@ -127,8 +143,11 @@ def test_fused_float64_equals_foreach_and_compiles_once():
 
 def test_bfloat16_state_dict_round_trip_continues_bit_exactly():
     uninterrupted_model = float32_model()
-    uninterrupted = _train(uninterrupted_model, adam_mini_for(uninterrupted_model, momentum_storage="bfloat16",
-                                                              implementation="foreach"), 2 * STEPS)
+    uninterrupted = _train(
+        uninterrupted_model,
+        adam_mini_for(uninterrupted_model, momentum_storage="bfloat16", implementation="foreach"),
+        2 * STEPS,
+    )
     model = float32_model()
     optimizer = adam_mini_for(model, momentum_storage="bfloat16", implementation="foreach")
     _train(model, optimizer, STEPS)
@@ -152,8 +171,9 @@ def test_quantized_momentum_saves_plain_float32_and_reloads_quantized():
     portable_quantized_state(optimizer)
     _train(model, optimizer, STEPS)
     saved = optimizer.state_dict()
-    assert all(type(state["m"]) is torch.Tensor and state["m"].dtype == torch.float32
-               for state in saved["state"].values())
+    assert all(
+        type(state["m"]) is torch.Tensor and state["m"].dtype == torch.float32 for state in saved["state"].values()
+    )
     fresh = adam_mini_for(model, momentum_storage="int8", implementation="foreach")
     portable_quantized_state(fresh)
     initialise_state(fresh)
@@ -164,12 +184,15 @@ def test_quantized_momentum_saves_plain_float32_and_reloads_quantized():
     assert torch.allclose(live.dequantize(), before.dequantize(), atol=before.dequantize().abs().max().item() / 50)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"momentum_storage": "float16"}, "momentum_storage must be one of"),
-    ({"implementation": "for-loop"}, "implementation must be one of"),
-    ({"momentum_storage": "bfloat16", "block_size": 128}, "block_size"),
-    ({"momentum_storage": "int4", "block_size": 33}, "block_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"momentum_storage": "float16"}, "momentum_storage must be one of"),
+        ({"implementation": "for-loop"}, "implementation must be one of"),
+        ({"momentum_storage": "bfloat16", "block_size": 128}, "block_size"),
+        ({"momentum_storage": "int4", "block_size": 33}, "block_size"),
+    ],
+)
 def test_bad_storage_options_raise_user_errors(kwargs, message):
     with pytest.raises(UserError, match=message):
         adam_mini_for(float32_model(), **kwargs)
@@ -177,9 +200,16 @@ def test_bad_storage_options_raise_user_errors(kwargs, message):
 
 def _8b_state_bytes(**options) -> int:
     model = meta_model(llama3_configs["8B"], torch.float32)
-    optimizer = AdamMini(model.named_parameters(), lr=3e-4, weight_decay=0.1, dim=model.args.dim,
-                         n_heads=model.args.n_heads, n_kv_heads=model.args.n_kv_heads,
-                         param_roles=model.named_param_roles(), **options)
+    optimizer = AdamMini(
+        model.named_parameters(),
+        lr=3e-4,
+        weight_decay=0.1,
+        dim=model.args.dim,
+        n_heads=model.args.n_heads,
+        n_kv_heads=model.args.n_kv_heads,
+        param_roles=model.named_param_roles(),
+        **options,
+    )
     for p, layout in optimizer._layouts.items():  # the state the first step creates, without stepping
         optimizer._init_state(p, optimizer.state[p], layout)
     return state_bytes(optimizer)
@@ -188,8 +218,9 @@ def _8b_state_bytes(**options) -> int:
 def test_8b_state_bounds_relative_to_float32_adamw_on_meta():
     model = meta_model(llama3_configs["8B"], torch.float32)
     adamw_bytes = 2 * 4 * sum(p.numel() for p in model.parameters()) + 4 * len(list(model.parameters()))
-    ratios = {storage: _8b_state_bytes(momentum_storage=storage) / adamw_bytes
-              for storage in ("bfloat16", "int8", "int4")}
+    ratios = {
+        storage: _8b_state_bytes(momentum_storage=storage) / adamw_bytes for storage in ("bfloat16", "int8", "int4")
+    }
     from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
 
     adamw_bf16 = LowPrecisionAdam(model.parameters(), lr=3e-4, weight_decay=0.1)
@@ -214,8 +245,14 @@ def _adam_run(decoupled: bool, state_dtype: str, steps: int = STEPS, after_step=
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         optimizer = cls(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
     else:
-        optimizer = LowPrecisionAdam(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
-                                     decoupled=decoupled, state_dtype=state_dtype)
+        optimizer = LowPrecisionAdam(
+            model.parameters(),
+            lr=1e-2,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            decoupled=decoupled,
+            state_dtype=state_dtype,
+        )
     return _train(model, optimizer, steps, after_step=after_step)
 
 
@@ -229,8 +266,7 @@ def _round_moments_to_bfloat16(optimizer) -> None:
 def test_low_precision_adam_step_equals_torch_and_rounds_moments_to_nearest(decoupled):
     torch_run = _adam_run(decoupled, "torch")
     ours_float32 = _adam_run(decoupled, "float32")
-    relative = max(((ours_float32[n] - torch_run[n]).abs().max() / torch_run[n].abs().max()).item()
-                   for n in torch_run)
+    relative = max(((ours_float32[n] - torch_run[n]).abs().max() / torch_run[n].abs().max()).item() for n in torch_run)
     assert relative < 1e-6, relative  # the same algorithm as torch's kernels
     rounded_reference = _adam_run(decoupled, "float32", after_step=_round_moments_to_bfloat16)
     assert max_difference(_adam_run(decoupled, "bfloat16"), rounded_reference) == 0.0

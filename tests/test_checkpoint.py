@@ -20,7 +20,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tests import processes
 from tests.distributed import run_workers
 from tests.helpers import (
-    STALL_IN_SAVE, TINY, Trainer, assert_same_snapshot, checkpoint_job as job, meta_model, warmup,
+    STALL_IN_SAVE,
+    TINY,
+    Trainer,
+    assert_same_snapshot,
+    meta_model,
+    warmup,
+)
+from tests.helpers import (
+    checkpoint_job as job,
 )
 from torchtitan.checkpoint import CheckpointManager, SafeFileSystemReader, SafeLoadPlanner, decode_plain, encode_plain
 from torchtitan.errors import UserError
@@ -39,10 +47,19 @@ pytestmark = [
 
 def test_plain_encoding_round_trips_exactly():
     value = {
-        "ints": [1, -2, 2**70], "float": 0.1, "neg_zero": -0.0, "inf": float("inf"), "none": None, "flag": True,
-        "tuple": (1, (2, "a")), "int_keys": {3: "three", (1, 2): "pair"}, "bytes": b"\x00\xff",
-        "looks_tagged": {"__tuple__": [1, 2]}, "nested": {"a": [{"b": ()}]},
-        "generator": torch.Generator().manual_seed(3).get_state(), "floats": torch.tensor([[0.1, -1e300]], dtype=torch.float64),
+        "ints": [1, -2, 2**70],
+        "float": 0.1,
+        "neg_zero": -0.0,
+        "inf": float("inf"),
+        "none": None,
+        "flag": True,
+        "tuple": (1, (2, "a")),
+        "int_keys": {3: "three", (1, 2): "pair"},
+        "bytes": b"\x00\xff",
+        "looks_tagged": {"__tuple__": [1, 2]},
+        "nested": {"a": [{"b": ()}]},
+        "generator": torch.Generator().manual_seed(3).get_state(),
+        "floats": torch.tensor([[0.1, -1e300]], dtype=torch.float64),
     }
     decoded = decode_plain(encode_plain(value))
     generator, floats = decoded.pop("generator"), decoded.pop("floats")
@@ -148,7 +165,10 @@ def unwritable(folder):
         finally:
             folder.chmod(0o755)
         return
-    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)], capture_output=True, check=False).returncode:
+    if (
+        shutil.which("chattr") is None
+        or subprocess.run(["chattr", "+i", str(folder)], capture_output=True, check=False).returncode
+    ):
         pytest.skip("as root a folder is made unwritable with chattr +i, which this file system or user cannot set")
     try:
         yield
@@ -191,7 +211,8 @@ def test_initial_load_path_model_only_or_everything(tmp_path):
         np.testing.assert_array_equal(warm["arrays"][key], expected["arrays"][key], err_msg=key)
     assert not np.array_equal(untouched["arrays"][params[0]], expected["arrays"][params[0]])
     assert {key: warm[key] for key in ("lr", "scheduler_epoch", "loader", "step")} == {
-        key: untouched[key] for key in ("lr", "scheduler_epoch", "loader", "step")}
+        key: untouched[key] for key in ("lr", "scheduler_epoch", "loader", "step")
+    }
     moments = [key for key in untouched["arrays"] if key.startswith("optim/")]
     assert moments and not np.array_equal(expected["arrays"][moments[0]], untouched["arrays"][moments[0]])
     for key in moments:  # the optimizer state as a fresh optimizer has it
@@ -223,23 +244,32 @@ def test_checkpoint_of_another_model_is_one_short_line(tmp_path, monkeypatch):
     with pytest.raises(UserError) as caught:
         other.checkpoint.load()
     message = str(caught.value)  # from the checkpoint's job facts: what it holds, what the job expects
-    held, expected = (f"{sum(p.numel() for p in meta_model(args).parameters()):,}"
-                      for args in (TINY, replace(TINY, n_layers=3)))
-    assert f"holds model flavor debugmodel ({held} parameters); this job uses model flavor debugmodel ({expected} " \
+    held, expected = (
+        f"{sum(p.numel() for p in meta_model(args).parameters()):,}" for args in (TINY, replace(TINY, n_layers=3))
+    )
+    assert (
+        f"holds model flavor debugmodel ({held} parameters); this job uses model flavor debugmodel ({expected} "
         in message
+    )
     assert "\n" not in message and "model.layers" not in message
     assert len(message) - message.count(str(tmp_path)) * len(str(tmp_path)) < 300
     # Weights only (the optimizer may differ), but of another model: one line too.
     warm = Trainer(job(str(tmp_path), steps=1, folder="warm", initial_load_path=str(tmp_path / "checkpoint")))
     warm.checkpoint.model_parts = [Transformer(replace(TINY, n_layers=3))]
-    with pytest.raises(UserError, match=rf"holds model flavor debugmodel \({held} parameters\); this job uses "
-                                        rf"model flavor debugmodel \({expected} parameters\); point "
-                                        r"checkpoint.initial_load_path"):
+    with pytest.raises(
+        UserError,
+        match=rf"holds model flavor debugmodel \({held} parameters\); this job uses "
+        rf"model flavor debugmodel \({expected} parameters\); point "
+        r"checkpoint.initial_load_path",
+    ):
         warm.checkpoint.load()
     # A checkpoint without job facts (written before they existed) is judged by its keys, summarised in one line.
     monkeypatch.setattr(CheckpointManager, "_read_facts", lambda self, path, entries: None)
-    with pytest.raises(UserError, match=r"does not match this job \(\d+ entries missing: model\.layers\.2\.\S+, "
-                                        r"model\.layers\.2\.\S+ and \d+ more\)") as caught:
+    with pytest.raises(
+        UserError,
+        match=r"does not match this job \(\d+ entries missing: model\.layers\.2\.\S+, "
+        r"model\.layers\.2\.\S+ and \d+ more\)",
+    ) as caught:
         other.checkpoint.load()
     message = str(caught.value)
     assert "\n" not in message and "resume with the model settings that wrote it" in message
@@ -325,14 +355,21 @@ def test_plain_state_is_stored_as_json(tmp_path):
 # ------------------------------------------------------------------------------------------------------------------
 # SIGKILL in the middle of a save
 
+
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, mode):
     # The save at step 2 completes; the one at step 4 writes its data files and stalls before its metadata.
-    code = ("from tests.helpers import Trainer, checkpoint_job\n"
-            f"Trainer(checkpoint_job({str(tmp_path)!r}, steps=4, interval=2, async_mode={mode!r})).run(4)\n")
-    with processes.started([sys.executable, STALL_IN_SAVE, "-c", code], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1", "STALL_AT_SAVE": "2"}) as child:
+    code = (
+        "from tests.helpers import Trainer, checkpoint_job\n"
+        f"Trainer(checkpoint_job({str(tmp_path)!r}, steps=4, interval=2, async_mode={mode!r})).run(4)\n"
+    )
+    with processes.started(
+        [sys.executable, STALL_IN_SAVE, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "STALL_AT_SAVE": "2"},
+    ) as child:
         output = processes.LineReader(child.stdout)
         output.wait_for(lambda lines: any(line.startswith("STALLED") for line in lines), timeout=300)
         # With async saves the background thread is writing; a synchronous save blocks the loop. Leaving the

@@ -25,8 +25,9 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
-def _write_run(folder: Path, steps: list[int], seed: int, *, memory_tag: str, tokens_per_step, state_bytes,
-               state_new_style: bool) -> dict:
+def _write_run(
+    folder: Path, steps: list[int], seed: int, *, memory_tag: str, tokens_per_step, state_bytes, state_new_style: bool
+) -> dict:
     """Write a short fake run with the trainer's tags; return what a reader should compute from it."""
     rng = random.Random(seed)
     losses, tps, memory = [], [], []
@@ -45,10 +46,21 @@ def _write_run(folder: Path, steps: list[int], seed: int, *, memory_tag: str, to
             if tokens_per_step is not None:
                 w.add_scalar("throughput/tokens_seen", step * tokens_per_step, step)
             if step == steps[0]:
-                w.add_scalar("optimizer/state_bytes", state_bytes, step,
-                             new_style=state_new_style, double_precision=state_new_style)
-    return {"losses": losses, "tps": tps, "memory": memory, "last_step": steps[-1], "state_bytes": state_bytes,
-            "tokens_seen": None if tokens_per_step is None else steps[-1] * tokens_per_step}
+                w.add_scalar(
+                    "optimizer/state_bytes",
+                    state_bytes,
+                    step,
+                    new_style=state_new_style,
+                    double_precision=state_new_style,
+                )
+    return {
+        "losses": losses,
+        "tps": tps,
+        "memory": memory,
+        "last_step": steps[-1],
+        "state_bytes": state_bytes,
+        "tokens_seen": None if tokens_per_step is None else steps[-1] * tokens_per_step,
+    }
 
 
 @pytest.fixture
@@ -59,11 +71,25 @@ def runs(tmp_path):
     expected = {
         # Every step logged, GPU-style peak memory, tokens logged; state bytes as a float64 tensor scalar that
         # float32 could not hold exactly.
-        adamw.name: _write_run(adamw, list(range(1, 31)), 0, memory_tag="memory/max_active(GiB)",
-                               tokens_per_step=4096, state_bytes=3_000_000_123, state_new_style=True),
+        adamw.name: _write_run(
+            adamw,
+            list(range(1, 31)),
+            0,
+            memory_tag="memory/max_active(GiB)",
+            tokens_per_step=4096,
+            state_bytes=3_000_000_123,
+            state_new_style=True,
+        ),
         # Every other step (log_freq 2), CPU-style RSS, no tokens_seen, classic float32 scalar.
-        adam_mini.name: _write_run(adam_mini, list(range(2, 25, 2)), 1, memory_tag="memory/rss(GiB)",
-                                   tokens_per_step=None, state_bytes=1_572_864, state_new_style=False),
+        adam_mini.name: _write_run(
+            adam_mini,
+            list(range(2, 25, 2)),
+            1,
+            memory_tag="memory/rss(GiB)",
+            tokens_per_step=None,
+            state_bytes=1_572_864,
+            state_new_style=False,
+        ),
     }
     return tb, adamw, adam_mini, expected
 
@@ -84,9 +110,21 @@ def test_command_line_writes_png_table_and_json(runs, tmp_path):
     out = tmp_path / "figs" / "compare.png"
     json_path = tmp_path / "summary.json"
     result = processes.run(
-        [sys.executable, "-m", "torchtitan.tools.compare_runs", str(tb), "--out", str(out), "--last-k", "5",
-         "--json", str(json_path)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torchtitan.tools.compare_runs",
+            str(tb),
+            "--out",
+            str(out),
+            "--last-k",
+            "5",
+            "--json",
+            str(json_path),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
 
@@ -118,8 +156,19 @@ def test_command_line_writes_png_table_and_json(runs, tmp_path):
 
 def test_labels_json_to_stdout_and_last_k_beyond_the_run(runs, tmp_path, capsys):
     _, adamw, adam_mini, expected = runs
-    code = main([str(adam_mini), str(adamw), "--out", str(tmp_path / "c.png"), "--labels", "mini, adamw",
-                 "--last-k", "100", "--json"])
+    code = main(
+        [
+            str(adam_mini),
+            str(adamw),
+            "--out",
+            str(tmp_path / "c.png"),
+            "--labels",
+            "mini, adamw",
+            "--last-k",
+            "100",
+            "--json",
+        ]
+    )
     assert code == 0
     summaries = json.loads(capsys.readouterr().out)  # only JSON on stdout
     assert [s["name"] for s in summaries] == ["mini", "adamw"]
@@ -152,9 +201,17 @@ def _error_line(capsys) -> str:
 
 def test_missing_directory_exits_2_with_one_line(tmp_path):
     result = processes.run(
-        [sys.executable, "-m", "torchtitan.tools.compare_runs", str(tmp_path / "nope"), "--out",
-         str(tmp_path / "c.png")],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torchtitan.tools.compare_runs",
+            str(tmp_path / "nope"),
+            "--out",
+            str(tmp_path / "c.png"),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]

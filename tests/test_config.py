@@ -71,7 +71,10 @@ def test_optional_values_accept_none():
         (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay must be at least 0; got -0.1"),
         (["--optimizer.implementation", "fusd"], "did you mean 'fused'?"),
         (["--training.data_parallel_shard_degree", "0"], "data_parallel_shard_degree must be -1"),
-        (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"], "'op' or a positive integer"),
+        (
+            ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
+            "'op' or a positive integer",
+        ),
         (["--job.config_file", "/no/such/file.toml"], "config file '/no/such/file.toml' not found"),
         (["--training.dataset_path", "/no/such/data"], "training.dataset_path '/no/such/data' does not exist"),
         (["steps=3"], "unexpected argument 'steps=3'"),
@@ -89,7 +92,7 @@ def test_bad_command_line(argv, message):
     [
         ("[trainig]\nsteps = 3\n", "unknown config section '[trainig]' (did you mean '[training]'?)"),
         ("[training]\nstpes = 3\n", "did you mean 'training.steps'?"),
-        ("[training]\nsteps = \"3\"\n", "training.steps expects int, got str '3'"),
+        ('[training]\nsteps = "3"\n', "training.steps expects int, got str '3'"),
         ("[training]\ncompile = 1\n", "training.compile expects bool"),
         ("[training]\nsteps = 2.5\n", "training.steps expects int"),
         ("[training]\nsteps = true\n", "training.steps expects int"),
@@ -110,7 +113,7 @@ def test_help_lists_every_option_with_default_and_description():
     config = JobConfig()
     for section, values in config.to_dict().items():
         for key, default in values.items():
-            line = next(l for l in text.splitlines() if l.strip().startswith(f"--{section}.{key} "))
+            line = next(row for row in text.splitlines() if row.strip().startswith(f"--{section}.{key} "))
             assert f"(default: {default})" in line
     assert "peak learning rate" in text
 

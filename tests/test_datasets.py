@@ -19,8 +19,7 @@ import torch
 from tests import processes
 from tests.distributed import free_port
 from tests.helpers import DEBUG_RUN, train_command
-from torchtitan.datasets import build_hf_data_loader, build_tokenizer
-from torchtitan.datasets import hf_datasets
+from torchtitan.datasets import build_hf_data_loader, build_tokenizer, hf_datasets
 from torchtitan.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,7 +92,7 @@ def test_data_order_does_not_depend_on_the_seed(tokenizer, sample_stream):
     assert torch.equal(runs[0], runs[1])
     window = seq_len + 1
     for row, inputs in enumerate(runs[1]):
-        assert inputs.tolist() == sample_stream[row * window:row * window + seq_len]
+        assert inputs.tolist() == sample_stream[row * window : row * window + seq_len]
 
 
 def test_sentencepiece_tokenizer_packs_the_same_way():
@@ -269,8 +268,11 @@ def test_local_folder_is_read_recursively_in_name_order(tmp_path):
 def test_local_c4_copy_reads_english_train_files_only(tmp_path):
     (tmp_path / "en").mkdir()
     (tmp_path / "realnewslike").mkdir()
-    for name, text in [("c4-train.00001-of-00002", "train two"), ("c4-train.00000-of-00002", "train one"),
-                       ("c4-validation.00000-of-00001", "validation")]:
+    for name, text in [
+        ("c4-train.00001-of-00002", "train two"),
+        ("c4-train.00000-of-00002", "train one"),
+        ("c4-validation.00000-of-00001", "validation"),
+    ]:
         (tmp_path / "en" / f"{name}.json.gz").write_bytes(gzip.compress(json.dumps({"text": text}).encode()))
     (tmp_path / "realnewslike" / "c4-train.00000-of-00001.json.gz").write_bytes(
         gzip.compress(json.dumps({"text": "news"}).encode())
@@ -323,10 +325,17 @@ def test_dataset_user_errors(tokenizer, tmp_path):
 
 def _hub_off_environment(tmp_path: Path, offline_switches: bool) -> dict[str, str]:
     """The hub made unreachable: its endpoint a local port nobody listens on, optionally the offline switches."""
-    env = {key: value for key, value in os.environ.items()
-           if key.upper() not in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_ENDPOINT=f"http://127.0.0.1:{free_port()}",
-               HF_HOME=str(tmp_path / "hf_home"))
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key.upper() not in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+        HF_ENDPOINT=f"http://127.0.0.1:{free_port()}",
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
     if offline_switches:
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     return env
@@ -362,12 +371,14 @@ def test_hub_failing_while_loading_is_a_user_error(tmp_path):
             print("USER ERROR:", e)
         """
     )
-    proc = processes.run([sys.executable, "-c", script], cwd=REPO, env=_hub_off_environment(tmp_path, True),
-                         timeout=300)
+    proc = processes.run(
+        [sys.executable, "-c", script], cwd=REPO, env=_hub_off_environment(tmp_path, True), timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("USER ERROR:")]
     assert len(lines) == 1 and "Couldn't reach 'allenai/c4'" in lines[0] and "training.dataset_path" in lines[0], (
-        proc.stdout + proc.stderr[-3000:])
+        proc.stdout + proc.stderr[-3000:]
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -35,8 +35,13 @@ GLOO_TOLERANCE = (-0.06, 0.0)
 
 def _job(*overrides: str) -> JobConfig:
     return job_config(
-        "--job.config_file", DEBUG_CONFIG, "--memory_estimation.device", "cpu",
-        "--memory_estimation.vocab_size", str(VOCAB), *overrides,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--memory_estimation.device",
+        "cpu",
+        "--memory_estimation.vocab_size",
+        str(VOCAB),
+        *overrides,
     )
 
 
@@ -106,8 +111,10 @@ def _assert_close(estimate, measured: dict, what: str, tolerance: tuple[float, f
     for o in estimate.optimizers:
         real = measured[o.optimizer]
         error = (o.peak - real["peak"]) / real["peak"]
-        print(f"{what} {o.optimizer}: estimated peak {o.peak / 2**20:.2f} MiB, measured {real['peak'] / 2**20:.2f} "
-              f"MiB ({100 * error:+.2f}%)")
+        print(
+            f"{what} {o.optimizer}: estimated peak {o.peak / 2**20:.2f} MiB, measured {real['peak'] / 2**20:.2f} "
+            f"MiB ({100 * error:+.2f}%)"
+        )
         low, high = tolerance
         assert low <= error <= high, f"{o.optimizer}: estimate {o.peak} vs measured {real['peak']} ({error:+.4f})"
         assert o.optimizer_state == real["state"]
@@ -150,12 +157,17 @@ def test_two_rank_estimate_matches_rank_0_of_a_real_two_process_step(overrides):
 
 
 def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
-    job = _job("--memory_estimation.world_size", "8", "--memory_estimation.optimizers",
-               "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit")
+    job = _job(
+        "--memory_estimation.world_size",
+        "8",
+        "--memory_estimation.optimizers",
+        "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit",
+    )
     estimate = estimate_memory(job)
     adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit = estimate.optimizers
     assert adam_mini_bf16.label == "AdamMini:state_dtype=bfloat16" and adam_mini_bf16.options == {
-        "state_dtype": "bfloat16"}
+        "state_dtype": "bfloat16"
+    }
 
     from torchtitan.models.llama import Transformer
     from torchtitan.preflight import model_args_for
@@ -236,11 +248,25 @@ def test_tracker_follows_resized_storages_and_rounds_to_blocks():
 def test_command_line_prints_a_table_and_writes_json(tmp_path):
     out = tmp_path / "estimate.json"
     result = processes.run(
-        [sys.executable, "estimation.py", "--job.config_file", DEBUG_CONFIG, "--memory_estimation.world_size", "4",
-         "--training.tensor_parallel_degree", "2", "--memory_estimation.optimizers",
-         "AdamW,adam_mini,adam_mini:state_dtype=bfloat16",
-         "--memory_estimation.vocab_size", str(VOCAB), "--memory_estimation.json", str(out)],
-        cwd=ROOT, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [
+            sys.executable,
+            "estimation.py",
+            "--job.config_file",
+            DEBUG_CONFIG,
+            "--memory_estimation.world_size",
+            "4",
+            "--training.tensor_parallel_degree",
+            "2",
+            "--memory_estimation.optimizers",
+            "AdamW,adam_mini,adam_mini:state_dtype=bfloat16",
+            "--memory_estimation.vocab_size",
+            str(VOCAB),
+            "--memory_estimation.json",
+            str(out),
+        ],
+        cwd=ROOT,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
@@ -260,20 +286,27 @@ def test_command_line_prints_a_table_and_writes_json(tmp_path):
     "overrides, message",
     [
         (["--memory_estimation.optimizers", "AdamW,Adafactor"], "unknown optimizer 'Adafactor'"),
-        (["--memory_estimation.optimizers", "AdamMini8bit:state_dtype=bfloat16"],
-         "'AdamMini8bit:state_dtype=bfloat16': optimizer.state_dtype does not apply to AdamMini8bit"),
+        (
+            ["--memory_estimation.optimizers", "AdamMini8bit:state_dtype=bfloat16"],
+            "'AdamMini8bit:state_dtype=bfloat16': optimizer.state_dtype does not apply to AdamMini8bit",
+        ),
         (["--memory_estimation.optimizers", "AdamMini:state_dtype=fp16"], "optimizer.state_dtype must be one of"),
         (["--memory_estimation.optimizers", "AdamMini:bfloat16"], "options go as option=value"),
-        (["--memory_estimation.world_size", "3", "--training.tensor_parallel_degree", "3"],
-         "tensor_parallel_degree 3 does not divide the model n_heads 16"),
-        (["--memory_estimation.world_size", "4", "--training.data_parallel_shard_degree", "8"],
-         "memory_estimation.world_size 4: parallel degrees"),
+        (
+            ["--memory_estimation.world_size", "3", "--training.tensor_parallel_degree", "3"],
+            "tensor_parallel_degree 3 does not divide the model n_heads 16",
+        ),
+        (
+            ["--memory_estimation.world_size", "4", "--training.data_parallel_shard_degree", "8"],
+            "memory_estimation.world_size 4: parallel degrees",
+        ),
         (["--memory_estimation.device", "tpu"], "memory_estimation.device must be one of"),
     ],
 )
 def test_bad_input_is_one_line_user_error(overrides, message, capsys):
-    code = estimation_main(["--job.config_file", DEBUG_CONFIG, "--memory_estimation.vocab_size", str(VOCAB),
-                            *overrides])
+    code = estimation_main(
+        ["--job.config_file", DEBUG_CONFIG, "--memory_estimation.vocab_size", str(VOCAB), *overrides]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err

@@ -31,10 +31,21 @@ TOLERANCE = 0.01
 
 def _job(*overrides: str) -> JobConfig:
     return job_config(
-        "--job.config_file", DEBUG_CONFIG, "--memory_estimation.device", "cuda",
-        "--memory_estimation.world_size", "1", "--memory_estimation.vocab_size", str(VOCAB),
-        "--memory_estimation.optimizers", ",".join(OPTIMIZERS),
-        "--training.batch_size", "16", "--training.seq_len", "2048", *overrides,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--memory_estimation.device",
+        "cuda",
+        "--memory_estimation.world_size",
+        "1",
+        "--memory_estimation.vocab_size",
+        str(VOCAB),
+        "--memory_estimation.optimizers",
+        ",".join(OPTIMIZERS),
+        "--training.batch_size",
+        "16",
+        "--training.seq_len",
+        "2048",
+        *overrides,
     )
 
 
@@ -76,7 +87,9 @@ def test_cuda_estimate_matches_the_allocators_peak(param_dtype):
     for o in estimate.optimizers:
         real = measured[o.optimizer]
         error = (o.peak - real) / real
-        print(f"cuda {param_dtype} {o.optimizer}: estimated peak {o.peak / 2**30:.3f} GiB, measured "
-              f"{real / 2**30:.3f} GiB ({100 * error:+.2f}%)")
+        print(
+            f"cuda {param_dtype} {o.optimizer}: estimated peak {o.peak / 2**30:.3f} GiB, measured "
+            f"{real / 2**30:.3f} GiB ({100 * error:+.2f}%)"
+        )
         assert real > 2**30  # big enough that fixed buffers cannot dominate the comparison
         assert abs(error) <= TOLERANCE, f"{o.optimizer}: estimate {o.peak} vs measured {real} ({error:+.4f})"

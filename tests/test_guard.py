@@ -148,11 +148,23 @@ def test_one_transient_non_finite_gradient_skips_exactly_one_step(tmp_path, monk
     every_step = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
     code, record, rows = in_process_run(tmp_path / "nan", monkeypatch, 3, *every_step)
     assert code == 0
-    assert record == {1: (True, False), 2: (True, False), 3: (False, True), 4: (True, False), 5: (True, False),
-                      6: (True, False)}
+    assert record == {
+        1: (True, False),
+        2: (True, False),
+        3: (False, True),
+        4: (True, False),
+        5: (True, False),
+        6: (True, False),
+    }
     assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1, 1]
     assert math.isnan(rows[2]["grad_norm"]) and all(math.isfinite(r["grad_norm"]) for i, r in enumerate(rows) if i != 2)
-    assert sorted(os.listdir(tmp_path / "nan" / "checkpoint" / "AdamW")) == ["step-1", "step-2", "step-4", "step-5", "step-6"]
+    assert sorted(os.listdir(tmp_path / "nan" / "checkpoint" / "AdamW")) == [
+        "step-1",
+        "step-2",
+        "step-4",
+        "step-5",
+        "step-6",
+    ]
 
     _, _, clean = in_process_run(tmp_path / "clean", monkeypatch)
     # The skipped step consumed its batch and advanced the schedule: the same lr at every step, the same loss up
@@ -170,12 +182,24 @@ def test_one_transient_non_finite_gradient_skips_exactly_one_step(tmp_path, monk
 def test_the_diverging_run_stops_with_code_3_and_keeps_its_last_finite_checkpoint(tmp_path):
     # optimizer.lr 1e6 makes the loss NaN from step 3 on; a checkpoint every 2 steps keeping only the newest one
     # would, unguarded, let NaN checkpoints push out step-2.
-    result = train(tmp_path, "--optimizer.lr", "1e6", "--training.max_norm", "1e9", "--checkpoint.enable_checkpoint",
-                   "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1", check=False)
+    result = train(
+        tmp_path,
+        "--optimizer.lr",
+        "1e6",
+        "--training.max_norm",
+        "1e9",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "1",
+        check=False,
+    )
     assert result.returncode == 3, result.stderr[-4000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith("error: training diverged: the loss or gradients became non-finite at step 3 and "
-                                "stayed so through step 6"), lines[-1]
+    assert lines[-1].startswith(
+        "error: training diverged: the loss or gradients became non-finite at step 3 and stayed so through step 6"
+    ), lines[-1]
     assert "step-2 in " in lines[-1] and "--checkpoint.load_step 2" in lines[-1]
     assert sum(line.startswith("error:") for line in lines) == 1 and "Traceback" not in result.stderr
     for step in (3, 4, 5):

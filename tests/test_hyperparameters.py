@@ -25,13 +25,25 @@ def tiny_model() -> Transformer:
 
 
 def torch_adam(values: dict) -> torch.optim.Optimizer:
-    return torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=values["lr"], eps=values["eps"],
-                            betas=(values["beta1"], values["beta2"]), weight_decay=values["weight_decay"])
+    return torch.optim.Adam(
+        [torch.nn.Parameter(torch.zeros(2))],
+        lr=values["lr"],
+        eps=values["eps"],
+        betas=(values["beta1"], values["beta2"]),
+        weight_decay=values["weight_decay"],
+    )
 
 
 def adam_mini(values: dict) -> AdamMini:
-    return AdamMini(tiny_model().named_parameters(), dim=TINY.dim, n_heads=TINY.n_heads, lr=values["lr"],
-                    betas=(values["beta1"], values["beta2"]), eps=values["eps"], weight_decay=values["weight_decay"])
+    return AdamMini(
+        tiny_model().named_parameters(),
+        dim=TINY.dim,
+        n_heads=TINY.n_heads,
+        lr=values["lr"],
+        betas=(values["beta1"], values["beta2"]),
+        eps=values["eps"],
+        weight_decay=values["weight_decay"],
+    )
 
 
 def job_with(field: str, value: float, name: str) -> JobConfig:
@@ -40,15 +52,18 @@ def job_with(field: str, value: float, name: str) -> JobConfig:
     return job
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("lr", -1e-3, "lr must be at least 0"),
-    ("lr", math.nan, "lr must be at least 0"),
-    ("eps", -1e-8, "eps must be at least 0"),
-    ("beta1", -0.1, "must be in [0, 1)"),
-    ("beta1", 1.0, "must be in [0, 1)"),
-    ("beta2", 1.0, "must be in [0, 1)"),
-    ("weight_decay", -0.1, "weight_decay must be at least 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("lr", -1e-3, "lr must be at least 0"),
+        ("lr", math.nan, "lr must be at least 0"),
+        ("eps", -1e-8, "eps must be at least 0"),
+        ("beta1", -0.1, "must be in [0, 1)"),
+        ("beta1", 1.0, "must be in [0, 1)"),
+        ("beta2", 1.0, "must be in [0, 1)"),
+        ("weight_decay", -0.1, "weight_decay must be at least 0"),
+    ],
+)
 def test_every_entry_point_refuses_what_torch_refuses(field, value, message):
     values = {**DEFAULTS, field: value}
     with pytest.raises(ValueError):
@@ -67,8 +82,9 @@ def test_every_entry_point_refuses_what_torch_refuses(field, value, message):
         assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("field, value", [("lr", 0.0), ("eps", 0.0), ("beta1", 0.0), ("beta2", 0.0),
-                                          ("weight_decay", 0.0)])
+@pytest.mark.parametrize(
+    "field, value", [("lr", 0.0), ("eps", 0.0), ("beta1", 0.0), ("beta2", 0.0), ("weight_decay", 0.0)]
+)
 def test_every_entry_point_accepts_the_edge_values_torch_accepts(field, value):
     values = {**DEFAULTS, field: value}
     torch_adam(values)

@@ -25,8 +25,14 @@ LOGGED_STEPS = [2, 4, 5]  # every log_freq steps, and the last step
 LOG_LINE = re.compile(
     r"step:\s+(?P<step>\d+)\s+loss: (?P<loss>\S+)\s+grad_norm: (?P<grad_norm>\S+)\s+lr: (?P<lr>\S+)\s+tps: (?P<tps>\S+)"
 )
-PER_STEP_TAGS = ["loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr",
-                 "throughput/tps", "throughput/tokens_seen"]
+PER_STEP_TAGS = [
+    "loss_metrics/global_avg_loss",
+    "loss_metrics/global_max_loss",
+    "grad_norm",
+    "lr",
+    "throughput/tps",
+    "throughput/tokens_seen",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,12 @@ def run(tmp_path_factory) -> dict:
     scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
     printed = {int(m["step"]): m for m in LOG_LINE.finditer(proc.stderr)}
     return {
-        "dump": dump, "folder": folder, "rows": rows, "scalars": scalars, "printed": printed, "wall_s": wall_s,
+        "dump": dump,
+        "folder": folder,
+        "rows": rows,
+        "scalars": scalars,
+        "printed": printed,
+        "wall_s": wall_s,
         "job": JobConfig.parse_args(DEBUG_RUN + EXTRA),
     }
 

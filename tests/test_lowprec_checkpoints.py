@@ -35,8 +35,9 @@ torchao_optim = pytest.importorskip("torchao.optim", reason="needs torchao for q
 SEQ_LEN, GLOBAL_BATCH = 8, 6  # 6 sequences split evenly over 1, 2 and 3 ranks
 # Every matrix 256 columns wide (128 or 256 rows): each shard on 2 and 3 ranks is at least 4096 entries and whole
 # rows of 256, a whole number of 8-bit (256) and 4-bit (128) blocks, so every matrix's momentum is quantized.
-ARGS = ModelArgs(dim=256, n_layers=1, n_heads=4, vocab_size=128, multiple_of=256, ffn_dim_multiplier=0.375,
-                 max_seq_len=SEQ_LEN)
+ARGS = ModelArgs(
+    dim=256, n_layers=1, n_heads=4, vocab_size=128, multiple_of=256, ffn_dim_multiplier=0.375, max_seq_len=SEQ_LEN
+)
 SAVE_AT, MORE_STEPS, LR = 3, 2, 0.01
 # label -> (optimizer options, parameter dtype). bf16 momentum trains float64 weights, so that the sums that FSDP
 # orders differently on 2 and 3 ranks cannot flip a bf16 rounding; quantized momentum is torchao's, over float32.
@@ -74,8 +75,9 @@ def _train(net, optimizers, steps: range, rank: int, world_size: int) -> None:
     """Each step: this rank's share of one global batch (the same data for any world size)."""
     share = GLOBAL_BATCH // world_size
     for step in steps:
-        tokens = torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1),
-                               generator=torch.Generator().manual_seed(step))[rank * share:(rank + 1) * share]
+        tokens = torch.randint(
+            0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(step)
+        )[rank * share : (rank + 1) * share]
         logits = net(tokens[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
         optimizers.step()
@@ -95,8 +97,12 @@ def _load(net, optimizers, path: str, model_only: bool = False) -> None:
     state = {"model": net.state_dict()}
     if not model_only:
         state["optimizer"] = optimizers.state_dict()
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-             no_dist=not torch.distributed.is_initialized())
+    dcp.load(
+        state,
+        storage_reader=SafeFileSystemReader(path),
+        planner=SafeLoadPlanner(),
+        no_dist=not torch.distributed.is_initialized(),
+    )
     net.load_state_dict(state["model"])
     if not model_only:
         optimizers.load_state_dict(state["optimizer"])
@@ -115,8 +121,9 @@ def _save_on_two_ranks(rank: int, world_size: int, folder: str) -> bytes:
         net = _model(label, world_size, seed=0)
         optimizers = build_optimizers([net], _job(label))
         _train(net, optimizers, range(SAVE_AT), rank, world_size)
-        dcp.save({"model": net.state_dict(), "optimizer": optimizers.state_dict()},
-                 checkpoint_id=os.path.join(folder, label))
+        dcp.save(
+            {"model": net.state_dict(), "optimizer": optimizers.state_dict()}, checkpoint_id=os.path.join(folder, label)
+        )
         saved = _full_state(optimizers)
         _train(net, optimizers, range(SAVE_AT, SAVE_AT + MORE_STEPS), rank, world_size)
         results[label] = {"saved": saved, "uninterrupted": _weights(net), "state_bytes": optimizers.state_bytes()}
@@ -131,8 +138,9 @@ def _load_and_continue(rank: int, world_size: int, folder: str) -> bytes:
         optimizers = build_optimizers([net], _job(label))
         _load(net, optimizers, path)
         loaded = _full_state(optimizers)
-        live_quantized = [is_quantized(state["m"]) for p, state in optimizers.optimizers[0].state.items()
-                          if p.dim() == 2]
+        live_quantized = [
+            is_quantized(state["m"]) for p, state in optimizers.optimizers[0].state.items() if p.dim() == 2
+        ]
         _train(net, optimizers, range(SAVE_AT, SAVE_AT + MORE_STEPS), rank, world_size)
         resumed = _weights(net)
         # The same resume without the optimizer state: how far off a lost state puts the run.
@@ -140,8 +148,12 @@ def _load_and_continue(rank: int, world_size: int, folder: str) -> bytes:
         forgetful = build_optimizers([forgetful_net], _job(label))
         _load(forgetful_net, forgetful, path, model_only=True)
         _train(forgetful_net, forgetful, range(SAVE_AT, SAVE_AT + MORE_STEPS), rank, world_size)
-        results[label] = {"loaded": loaded, "resumed": resumed, "without_state": _weights(forgetful_net),
-                          "live_quantized": live_quantized}
+        results[label] = {
+            "loaded": loaded,
+            "resumed": resumed,
+            "without_state": _weights(forgetful_net),
+            "live_quantized": live_quantized,
+        }
     return _pack(results)
 
 

@@ -20,9 +20,7 @@ def expected_count(a: ModelArgs) -> int:
     return 2 * a.vocab_size * a.dim + a.n_layers * (attn + ffn + 2 * a.dim) + a.dim
 
 
-@pytest.mark.parametrize(
-    "flavor, published", [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9)]
-)
+@pytest.mark.parametrize("flavor, published", [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9)])
 def test_flavor_parameter_counts_on_meta(flavor, published):
     args = llama3_configs[flavor]
     n = count(args)
@@ -39,10 +37,20 @@ def test_8b_shapes():
 
 def test_parameter_names_follow_torchtitan():
     names = {n for n, _ in Transformer(TINY).named_parameters()}
-    assert {"tok_embeddings.weight", "norm.weight", "output.weight", "layers.0.attention.wq.weight",
-            "layers.1.attention.wk.weight", "layers.1.attention.wv.weight", "layers.0.attention.wo.weight",
-            "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight", "layers.0.feed_forward.w3.weight",
-            "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight"} <= names
+    assert {
+        "tok_embeddings.weight",
+        "norm.weight",
+        "output.weight",
+        "layers.0.attention.wq.weight",
+        "layers.1.attention.wk.weight",
+        "layers.1.attention.wv.weight",
+        "layers.0.attention.wo.weight",
+        "layers.0.feed_forward.w1.weight",
+        "layers.0.feed_forward.w2.weight",
+        "layers.0.feed_forward.w3.weight",
+        "layers.0.attention_norm.weight",
+        "layers.0.ffn_norm.weight",
+    } <= names
 
 
 def test_forward_shapes_and_gqa_weight_shapes():
@@ -86,8 +94,10 @@ def test_rope_rotates_pairs_and_keeps_norm():
     torch.testing.assert_close(y[:, 0], x[:, 0])  # position 0 is not rotated
     # Relative-position property: <R_m q, R_n k> depends only on m - n.
     q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+
     def rot(v, pos):
         return apply_rope(v.expand(1, 16, 1, 8).clone(), table)[0, pos, 0]
+
     torch.testing.assert_close(rot(q, 5) @ rot(k, 3), rot(q, 9) @ rot(k, 7))
 
 
@@ -115,8 +125,10 @@ def test_invalid_shapes_are_rejected():
 
 
 def test_canonical_name():
-    assert canonical_name("layers.0._checkpoint_wrapped_module._orig_mod.attention.wq.weight") == \
-        "layers.0.attention.wq.weight"
+    assert (
+        canonical_name("layers.0._checkpoint_wrapped_module._orig_mod.attention.wq.weight")
+        == "layers.0.attention.wq.weight"
+    )
 
 
 def test_debug_flavor_is_small():

@@ -19,7 +19,17 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from tests.distributed import run_workers
 from tests.helpers import (
-    SEQ_LEN, TINY, fsdp, full, job_config, materialize, max_difference, meta_model, tiny_model, to_numpy, weights,
+    SEQ_LEN,
+    TINY,
+    fsdp,
+    full,
+    job_config,
+    materialize,
+    max_difference,
+    meta_model,
+    tiny_model,
+    to_numpy,
+    weights,
 )
 from torchtitan.errors import UserError
 from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
@@ -43,8 +53,9 @@ needs_torchao = pytest.mark.skipif(
 
 # Every matrix 128 x 128 (4 key/value heads of 32 rows): one compiled shape, and each of two FSDP ranks holds 8192
 # values of it, above torchao's threshold for quantizing a tensor (4096 values; smaller ones keep plain state).
-LOW_BIT = dataclasses.replace(TINY, dim=128, n_layers=1, n_kv_heads=None, vocab_size=128, multiple_of=128,
-                              ffn_dim_multiplier=0.375)
+LOW_BIT = dataclasses.replace(
+    TINY, dim=128, n_layers=1, n_kv_heads=None, vocab_size=128, multiple_of=128, ffn_dim_multiplier=0.375
+)
 LOW_BIT_NAMES = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
 
 
@@ -81,21 +92,40 @@ def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
 # Names and options
 
 
-@pytest.mark.parametrize("given, canonical", [
-    ("AdamW", "AdamW"), ("adamw", "AdamW"), ("ADAMW", "AdamW"), ("Adam", "Adam"), ("adam", "Adam"),
-    ("AdamMini", "AdamMini"), ("adam_mini", "AdamMini"), ("Adam-mini", "AdamMini"), ("adammini", "AdamMini"),
-    low_bit("AdamW8bit", "AdamW8bit"), low_bit("adamw_8bit", "AdamW8bit"), low_bit("AdamW4bit", "AdamW4bit"),
-    low_bit("AdamWFp8", "AdamWFp8"), low_bit("adamw-fp8", "AdamWFp8"),
-    low_bit("AdamMini8bit", "AdamMini8bit"), low_bit("adam_mini_8bit", "AdamMini8bit"),
-    low_bit("Adam-mini-4bit", "AdamMini4bit"),
-])
+@pytest.mark.parametrize(
+    "given, canonical",
+    [
+        ("AdamW", "AdamW"),
+        ("adamw", "AdamW"),
+        ("ADAMW", "AdamW"),
+        ("Adam", "Adam"),
+        ("adam", "Adam"),
+        ("AdamMini", "AdamMini"),
+        ("adam_mini", "AdamMini"),
+        ("Adam-mini", "AdamMini"),
+        ("adammini", "AdamMini"),
+        low_bit("AdamW8bit", "AdamW8bit"),
+        low_bit("adamw_8bit", "AdamW8bit"),
+        low_bit("AdamW4bit", "AdamW4bit"),
+        low_bit("AdamWFp8", "AdamWFp8"),
+        low_bit("adamw-fp8", "AdamWFp8"),
+        low_bit("AdamMini8bit", "AdamMini8bit"),
+        low_bit("adam_mini_8bit", "AdamMini8bit"),
+        low_bit("Adam-mini-4bit", "AdamMini4bit"),
+    ],
+)
 def test_every_name_and_alias_builds_its_optimizer(given, canonical):
     net = tiny_model()
     optimizers = build_optimizers([net], job_config("--optimizer.name", given))
     assert optimizers.name == canonical
     (optimizer,) = optimizers.optimizers
-    expected = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "AdamMini": AdamMini, "AdamMini8bit": AdamMini,
-                "AdamMini4bit": AdamMini}.get(canonical)
+    expected = {
+        "AdamW": torch.optim.AdamW,
+        "Adam": torch.optim.Adam,
+        "AdamMini": AdamMini,
+        "AdamMini8bit": AdamMini,
+        "AdamMini4bit": AdamMini,
+    }.get(canonical)
     assert isinstance(optimizer, expected or getattr(torchao_optim, canonical))
     if canonical == "Adam":
         assert not isinstance(optimizer, torch.optim.AdamW)
@@ -130,8 +160,18 @@ def test_unknown_name_is_one_line_listing_valid_names():
 
 @pytest.mark.parametrize("name", names_param("AdamW", "Adam", "AdamMini", *LOW_BIT_NAMES))
 def test_hyperparameters_reach_every_optimizer(name):
-    argv = ["--optimizer.lr", "0.003", "--optimizer.beta1", "0.8", "--optimizer.beta2", "0.9",
-            "--optimizer.eps", "1e-6", "--optimizer.weight_decay", "0.05"]
+    argv = [
+        "--optimizer.lr",
+        "0.003",
+        "--optimizer.beta1",
+        "0.8",
+        "--optimizer.beta2",
+        "0.9",
+        "--optimizer.eps",
+        "1e-6",
+        "--optimizer.weight_decay",
+        "0.05",
+    ]
     (optimizer,) = build_optimizers([tiny_model()], job_config("--optimizer.name", name, *argv)).optimizers
     group = optimizer.param_groups[0]
     assert float(group["lr"]) == pytest.approx(0.003), name
@@ -141,9 +181,17 @@ def test_hyperparameters_reach_every_optimizer(name):
 
 @needs_torchao
 def test_low_bit_options_arrive():
-    (optimizer,) = build_optimizers([tiny_model()], job_config(
-        "--optimizer.name", "AdamW4bit", "--optimizer.block_size", "64", "--optimizer.bf16_stochastic_round", "true",
-    )).optimizers
+    (optimizer,) = build_optimizers(
+        [tiny_model()],
+        job_config(
+            "--optimizer.name",
+            "AdamW4bit",
+            "--optimizer.block_size",
+            "64",
+            "--optimizer.bf16_stochastic_round",
+            "true",
+        ),
+    ).optimizers
     assert (optimizer.block_size, optimizer.bf16_stochastic_round) == (64, True)
     (default,) = build_optimizers([tiny_model()], job_config("--optimizer.name", "AdamW8bit")).optimizers
     assert (default.block_size, default.bf16_stochastic_round) == (256, False)  # torchao's own defaults
@@ -151,8 +199,9 @@ def test_low_bit_options_arrive():
 
 @pytest.mark.parametrize("value_blocks, rule", [("per_row", "per_row"), ("per_tensor", "per_tensor")])
 def test_adam_mini_gets_value_blocks_and_the_models_shape(value_blocks, rule):
-    (optimizer,) = build_optimizers([tiny_model()], job_config(
-        "--optimizer.name", "AdamMini", "--optimizer.value_blocks", value_blocks)).optimizers
+    (optimizer,) = build_optimizers(
+        [tiny_model()], job_config("--optimizer.name", "AdamMini", "--optimizer.value_blocks", value_blocks)
+    ).optimizers
     plans = {plan.name: plan for plan in optimizer.partition}
     assert plans["layers.0.attention.wv.weight"].rule == rule
     # Heads come from the model's own arguments: 4 query heads and 2 key/value heads of head_dim 8.
@@ -161,9 +210,15 @@ def test_adam_mini_gets_value_blocks_and_the_models_shape(value_blocks, rule):
     assert plans["layers.0.attention.wk.weight"].rows_per_block == TINY.head_dim
 
 
-@pytest.mark.parametrize("implementation, flags", [
-    (None, None), ("for-loop", (False, False)), ("foreach", (True, False)), ("fused", (False, True)),
-])
+@pytest.mark.parametrize(
+    "implementation, flags",
+    [
+        (None, None),
+        ("for-loop", (False, False)),
+        ("foreach", (True, False)),
+        ("fused", (False, True)),
+    ],
+)
 @pytest.mark.parametrize("name", ["AdamW", "Adam"])
 def test_implementation_sets_torch_flags(name, implementation, flags):
     argv = ["--optimizer.name", name] + (["--optimizer.implementation", implementation] if implementation else [])
@@ -179,34 +234,52 @@ def test_implementation_sets_torch_flags(name, implementation, flags):
     optimizers.step()
 
 
-@pytest.mark.parametrize("name, argv, fragment", [
-    ("AdamW", ["--optimizer.value_blocks", "per_tensor"], "optimizer.value_blocks does not apply to AdamW"),
-    ("Adam", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to Adam"),
-    ("AdamMini", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to AdamMini"),
-    ("AdamMini", ["--optimizer.implementation", "for-loop"], "implementation for AdamMini is foreach or fused"),
-    ("AdamMini8bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamMini8bit"),
-    ("AdamW8bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamW8bit"),
-    ("AdamW4bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamW4bit"),
-    ("AdamMini4bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamMini4bit"),
-    ("AdamMini4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamMini4bit"),
-    ("AdamW", ["--optimizer.bf16_stochastic_round", "true"], "bf16_stochastic_round does not apply to AdamW"),
-    low_bit("AdamW8bit", ["--optimizer.implementation", "fused"], "optimizer.implementation does not apply to AdamW8bit"),
-    low_bit("AdamWFp8", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to AdamWFp8"),
-    low_bit("AdamW4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamW4bit"),
-])
+@pytest.mark.parametrize(
+    "name, argv, fragment",
+    [
+        ("AdamW", ["--optimizer.value_blocks", "per_tensor"], "optimizer.value_blocks does not apply to AdamW"),
+        ("Adam", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to Adam"),
+        ("AdamMini", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to AdamMini"),
+        ("AdamMini", ["--optimizer.implementation", "for-loop"], "implementation for AdamMini is foreach or fused"),
+        (
+            "AdamMini8bit",
+            ["--optimizer.state_dtype", "bfloat16"],
+            "optimizer.state_dtype does not apply to AdamMini8bit",
+        ),
+        ("AdamW8bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamW8bit"),
+        ("AdamW4bit", ["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype does not apply to AdamW4bit"),
+        (
+            "AdamMini4bit",
+            ["--optimizer.state_dtype", "bfloat16"],
+            "optimizer.state_dtype does not apply to AdamMini4bit",
+        ),
+        ("AdamMini4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamMini4bit"),
+        ("AdamW", ["--optimizer.bf16_stochastic_round", "true"], "bf16_stochastic_round does not apply to AdamW"),
+        low_bit(
+            "AdamW8bit", ["--optimizer.implementation", "fused"], "optimizer.implementation does not apply to AdamW8bit"
+        ),
+        low_bit(
+            "AdamWFp8", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to AdamWFp8"
+        ),
+        low_bit("AdamW4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamW4bit"),
+    ],
+)
 def test_options_that_do_not_apply_are_rejected(name, argv, fragment):
     with pytest.raises(UserError, match=fragment) as error:
         build_optimizers([tiny_model()], job_config("--optimizer.name", name, *argv))
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("field, value, fragment", [
-    ("beta1", 1.0, "optimizer.beta1 must be in \\[0, 1\\)"),
-    ("beta2", 1.5, "optimizer.beta2 must be in \\[0, 1\\)"),
-    ("lr", -1e-3, "optimizer.lr must be at least 0"),
-    ("eps", -1e-8, "optimizer.eps must be at least 0"),
-    ("weight_decay", -0.1, "optimizer.weight_decay must be at least 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("beta1", 1.0, "optimizer.beta1 must be in \\[0, 1\\)"),
+        ("beta2", 1.5, "optimizer.beta2 must be in \\[0, 1\\)"),
+        ("lr", -1e-3, "optimizer.lr must be at least 0"),
+        ("eps", -1e-8, "optimizer.eps must be at least 0"),
+        ("weight_decay", -0.1, "optimizer.weight_decay must be at least 0"),
+    ],
+)
 @pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit"))
 def test_invalid_values_are_user_errors(name, field, value, fragment):
     job = job_config("--optimizer.name", name)
@@ -243,8 +316,9 @@ def test_adam_mini_needs_a_model_that_knows_its_shape():
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 @pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit"))
 def test_lambda_lr_drives_every_optimizer_including_tensor_lr(name):
-    optimizers = build_optimizers([tiny_model(), tiny_model(seed=1)],
-                                  job_config("--optimizer.name", name, "--optimizer.lr", "0.2"))
+    optimizers = build_optimizers(
+        [tiny_model(), tiny_model(seed=1)], job_config("--optimizer.name", name, "--optimizer.lr", "0.2")
+    )
     schedulers = [halving_schedule(optimizer) for optimizer in optimizers.optimizers]
     lr_objects = [group["lr"] for group in optimizers.param_groups]
     seen = []
@@ -401,8 +475,9 @@ def test_low_bit_dcp_round_trip_and_resume(tmp_path):
         assert (reloaded[key] - state[key]).abs().max() <= 0.01 * scale, key
 
     # Real (not meta) 8-bit state is about a quarter of AdamW's on the same model.
-    adamw = build_optimizers([tiny_model(LOW_BIT, torch.float32)],
-                             job_config("--optimizer.name", "AdamW")).state_bytes()
+    adamw = build_optimizers(
+        [tiny_model(LOW_BIT, torch.float32)], job_config("--optimizer.name", "AdamW")
+    ).state_bytes()
     assert optimizers.state_bytes() < 0.4 * adamw
 
 
@@ -447,13 +522,20 @@ def _fsdp_resume_worker(rank: int, world_size: int, name: str, args: ModelArgs, 
     model_only = {"model": forgetful_net.state_dict()}
     dcp.load(model_only, checkpoint_id=path)
     train(forgetful_net, forgetful, range(3, 5), rank=rank)
-    result = {"saved": saved, "uninterrupted": uninterrupted, "resumed": resumed, "without_state": weights(forgetful_net)}
+    result = {
+        "saved": saved,
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "without_state": weights(forgetful_net),
+    }
     return {"state_bytes": state_bytes, **to_numpy(result)}
 
 
 def _from_numpy(result: dict) -> dict:
-    return {part: {k: torch.from_numpy(v) for k, v in arrays.items()} if isinstance(arrays, dict) else arrays
-            for part, arrays in result.items()}
+    return {
+        part: {k: torch.from_numpy(v) for k, v in arrays.items()} if isinstance(arrays, dict) else arrays
+        for part, arrays in result.items()
+    }
 
 
 def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) -> dict[str, torch.Tensor]:
@@ -467,14 +549,17 @@ def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) 
 EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16")
 
 
-def _fsdp_resume_workers(rank: int, world_size: int, folder: str, names: tuple[str, ...], args: ModelArgs,
-                         dtype: torch.dtype) -> dict[str, dict]:
-    return {name: _fsdp_resume_worker(rank, world_size, name, args, dtype, os.path.join(folder, name))
-            for name in names}
+def _fsdp_resume_workers(
+    rank: int, world_size: int, folder: str, names: tuple[str, ...], args: ModelArgs, dtype: torch.dtype
+) -> dict[str, dict]:
+    return {
+        name: _fsdp_resume_worker(rank, world_size, name, args, dtype, os.path.join(folder, name)) for name in names
+    }
 
 
-def _fsdp_runs(tmp_path_factory, names: tuple[str, ...], args: ModelArgs, dtype: torch.dtype
-               ) -> tuple[str, list[dict[str, dict]]]:
+def _fsdp_runs(
+    tmp_path_factory, names: tuple[str, ...], args: ModelArgs, dtype: torch.dtype
+) -> tuple[str, list[dict[str, dict]]]:
     """Two-rank runs of the optimizers ``names`` in one pair of processes (starting processes is the slow part)."""
     folder = str(tmp_path_factory.mktemp("fsdp_checkpoints"))
     ranks = run_workers(_fsdp_resume_workers, 2, args=(folder, names, args, dtype))
@@ -520,8 +605,9 @@ def test_fsdp_two_ranks_low_bit_resume_and_reshard(name, fsdp_low_bit_runs):
         assert resumed_error < 0.1 * max_difference(result["uninterrupted"], result["without_state"])
         drift = [(result["uninterrupted"][k] - result["resumed"][k]).abs().mean().item() for k in result["resumed"]]
         assert sum(drift) / len(drift) < 0.01 * 0.01  # mean drift under a hundredth of one step (lr 0.01)
-    single = build_optimizers([tiny_model(LOW_BIT, torch.float32)],
-                              job_config("--optimizer.name", "AdamW")).state_bytes()
+    single = build_optimizers(
+        [tiny_model(LOW_BIT, torch.float32)], job_config("--optimizer.name", "AdamW")
+    ).state_bytes()
     assert all(r["state_bytes"] < 0.2 * single for r in ranks)  # 8-bit and half the parameters
     loaded = _single_process_state(name, LOW_BIT, torch.float32, os.path.join(folder, name))
     for key, value in ranks[0]["saved"].items():

@@ -19,8 +19,16 @@ from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner, decode_
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 
 ARGS = [
-    *DEBUG_RUN, "--training.steps", "4", "--training.param_dtype", "float64", "--metrics.enable_tensorboard", "false",
-    "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
+    *DEBUG_RUN,
+    "--training.steps",
+    "4",
+    "--training.param_dtype",
+    "float64",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--checkpoint.enable_checkpoint",
+    "--checkpoint.interval",
+    "2",
 ]
 
 
@@ -51,7 +59,9 @@ def loss_of_saved_weights(step_folder: Path) -> float:
     state = {f"model.{name}": value for name, value in model.state_dict().items()}
     dcp.load(state, storage_reader=SafeFileSystemReader(str(step_folder)), planner=SafeLoadPlanner())
     model.load_state_dict({name.removeprefix("model."): value for name, value in state.items()})
-    inputs, labels = next(iter(build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.batch_size, t.seq_len, 0, 1)))
+    inputs, labels = next(
+        iter(build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.batch_size, t.seq_len, 0, 1))
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the run (OMP_NUM_THREADS=1): the same order of sums, so the same float64 bits
     try:
@@ -101,8 +111,16 @@ def test_resume_from_another_optimizers_checkpoint_is_one_line(adamw_dump, monke
     before = sorted(p.name for p in (dump / "checkpoint" / "AdamW").iterdir())
     runs_before = len(metrics(dump, "AdamMini"))
     # An explicit folder keeps its meaning: here it is AdamW's.
-    argv = ["train.py", *ARGS, "--job.dump_folder", str(dump), "--optimizer.name", "AdamMini",
-            "--checkpoint.folder", "checkpoint/AdamW"]
+    argv = [
+        "train.py",
+        *ARGS,
+        "--job.dump_folder",
+        str(dump),
+        "--optimizer.name",
+        "AdamMini",
+        "--checkpoint.folder",
+        "checkpoint/AdamW",
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.chdir(ROOT)
     assert train_module.run() == 2

@@ -38,7 +38,9 @@ LAYOUTS = {
     "tp2": (2, (1, 1, 2), {}),
     "tp2_gathered_logits": (2, (1, 1, 2), {"training": {"disable_loss_parallel": True}}),
     "tp2_selective_op_ac": (
-        2, (1, 1, 2), {"activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"}}
+        2,
+        (1, 1, 2),
+        {"activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"}},
     ),
     "fsdp2_full_ac": (2, (1, 2, 1), {"activation_checkpoint": {"mode": "full"}}),
     "replicate2": (2, (2, 1, 1), {}),  # HSDP with shard degree 1: plain replication

@@ -53,8 +53,11 @@ def test_leftovers_of_a_session_that_died_are_found():
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_suite = f"{ended.stdout.strip()}-test"
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                              env={**os.environ, MARK: f"{dead_suite}.1"}, start_new_session=True)
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={**os.environ, MARK: f"{dead_suite}.1"},
+        start_new_session=True,
+    )
     try:
         assert orphan.pid in left_by_ended_suites()
     finally:

@@ -19,7 +19,15 @@ import torch
 from tests import processes
 from tests.distributed import launch_env
 from tests.helpers import (
-    DEBUG_RUN, ROOT, STALL_IN_SAVE, by_step, metric_rows, read_checkpoint, run_dirs, train, train_command,
+    DEBUG_RUN,
+    ROOT,
+    STALL_IN_SAVE,
+    by_step,
+    metric_rows,
+    read_checkpoint,
+    run_dirs,
+    train,
+    train_command,
 )
 from torchtitan.checkpoint import decode_plain
 
@@ -35,13 +43,19 @@ KILLED_AT = 8  # a save of the killed run (interval 4, resumed from MIDDLE)
 def resume_args(world_size: int, *extra: str) -> list[str]:
     return [
         *DEBUG_RUN,
-        "--training.batch_size", str(GLOBAL_BATCH // world_size),
-        "--training.steps", str(STEPS),
-        "--training.param_dtype", "float64",
-        "--metrics.enable_tensorboard", "false",
+        "--training.batch_size",
+        str(GLOBAL_BATCH // world_size),
+        "--training.steps",
+        str(STEPS),
+        "--training.param_dtype",
+        "float64",
+        "--metrics.enable_tensorboard",
+        "false",
         "--checkpoint.enable_checkpoint",
-        "--checkpoint.interval", str(MIDDLE),
-        "--checkpoint.keep_latest_k", "0",
+        "--checkpoint.interval",
+        str(MIDDLE),
+        "--checkpoint.keep_latest_k",
+        "0",
         *extra,
     ]
 
@@ -86,8 +100,14 @@ def train_until_killed_mid_save(dump_folder: str) -> str:
     args = [*resume_args(2, "--checkpoint.interval", str(KILLED_AT - MIDDLE + 1)), "--job.dump_folder", dump_folder]
     command = train_command([str(ROOT / "train.py"), *args], 2, script=STALL_IN_SAVE)
     # Leaving the block SIGKILLs torchrun and both ranks (each in a session of its own), with no chance to clean up.
-    with processes.started(command, cwd=ROOT, env=launch_env(cpu=True, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True) as child:
+    with processes.started(
+        command,
+        cwd=ROOT,
+        env=launch_env(cpu=True, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as child:
         output = processes.LineReader(child.stdout)
         output.wait_for(lambda lines: sum(line.startswith("STALLED") for line in lines) == 2, timeout=600)
     return output.text()

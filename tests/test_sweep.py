@@ -30,8 +30,13 @@ LOSS = "loss_metrics/global_avg_loss"
 
 def env(**extra) -> dict:
     bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": f"{bin_dir}:{os.environ['PATH']}",
-            **extra}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        **extra,
+    }
 
 
 def logged(run_dir: Path, tag: str) -> list[tuple[int, float]]:
@@ -52,8 +57,9 @@ def attempts(run_dir: Path) -> int:
 
 
 def snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, p.stat().st_size)
-            for p in run_dir.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.rglob("*") if p.is_file()
+    }
 
 
 def check_png(path: Path) -> None:
@@ -76,8 +82,18 @@ def test_tiny_sweep_end_to_end_resumes_and_shows_divergence(tmp_path):
     dump = tmp_path / "sweep"
     command = [
         str(ROOT / "scripts" / "compare_optimizers.sh"),
-        "--training.seq_len", "32", "--training.batch_size", "2", "--training.steps", "4",
-        "--training.warmup_steps", "1", "--metrics.log_freq", "1", "--training.max_norm", "0",
+        "--training.seq_len",
+        "32",
+        "--training.batch_size",
+        "2",
+        "--training.steps",
+        "4",
+        "--training.warmup_steps",
+        "1",
+        "--metrics.log_freq",
+        "1",
+        "--training.max_norm",
+        "0",
     ]
     sweep_env = env(OPTIMIZERS="AdamW AdamMini", LRS="1e-3 1e6", NGPU="1", LAST_K="2", DUMP_FOLDER=str(dump))
 
@@ -110,12 +126,15 @@ def test_tiny_sweep_end_to_end_resumes_and_shows_divergence(tmp_path):
         assert f"| {optimizer} | 1e-3 | {expected:.4f} |" in markdown_row(md, optimizer, 0)
         # lr 1e6 without clipping: the logged loss or gradient norm becomes NaN (a saturated model can keep a finite
         # loss while the guard skips its NaN-gradient steps); the run is diverged, not a crash of the tool.
-        first_nan = min(step for tag in (LOSS, "grad_norm") for step, value in logged(runs / bad["name"], tag)
-                        if math.isnan(value))
+        first_nan = min(
+            step for tag in (LOSS, "grad_norm") for step, value in logged(runs / bad["name"], tag) if math.isnan(value)
+        )
         assert bad["outcome"] == "diverged" and bad["diverged_at_step"] == first_nan and bad["train_loss"] is None
         assert f"diverged (step {first_nan})" in markdown_row(md, optimizer, 1)
-    assert by_name["AdamMini_lr1e-3_seed0"]["optimizer_state_bytes"] < by_name["AdamW_lr1e-3_seed0"][
-        "optimizer_state_bytes"]
+    assert (
+        by_name["AdamMini_lr1e-3_seed0"]["optimizer_state_bytes"]
+        < by_name["AdamW_lr1e-3_seed0"]["optimizer_state_bytes"]
+    )
 
     # Interrupted before its marker was written: that run trains again, the others are left untouched.
     before = {name: snapshot(runs / name) for name in names}
@@ -188,7 +207,11 @@ def test_seeds_divergence_by_exit_code_and_failures_retried(tmp_path, capsys):
     # Extending the sweep with another lr trains only the new runs.
     assert fake_sweep(dump, *grid[:2], "--lrs", "1e-4 1e-3 1e-2 3e-3", *grid[4:]) == 0
     assert sorted(p.name for p in runs.iterdir() if attempts(p) == 1 and "3e-3" in p.name) == [
-        "AdamMini_lr3e-3_seed0", "AdamMini_lr3e-3_seed1", "AdamW_lr3e-3_seed0", "AdamW_lr3e-3_seed1"]
+        "AdamMini_lr3e-3_seed0",
+        "AdamMini_lr3e-3_seed1",
+        "AdamW_lr3e-3_seed0",
+        "AdamW_lr3e-3_seed1",
+    ]
 
     # --report-only rewrites the report from the folder alone.
     (dump / "sweep.json").unlink()
@@ -233,7 +256,7 @@ def one_error_line(capsys) -> str:
 )
 def test_bad_input_is_one_line_and_runs_nothing(tmp_path, capsys, args, message):
     dump = tmp_path / "sweep"
-    tail = args[args.index("--"):] if "--" in args else []
+    tail = args[args.index("--") :] if "--" in args else []
     head = args[: len(args) - len(tail)]
     base = ["--optimizers", "AdamW,AdamMini", "--lrs", "1e-3"]
     assert fake_sweep(dump, *base, *head, *tail) == 2
@@ -257,8 +280,12 @@ def test_other_options_a_second_sweep_and_a_user_error_in_a_run_stop_the_sweep(t
         assert "another sweep is running in" in one_error_line(capsys)
 
     # A run that exits 2 (a mistake in the options) stops the sweep there: the next runs would fail the same way.
-    assert fake_sweep(tmp_path / "b", "--optimizers", "AdamW", "--lrs", "1e-3 1e-2",
-                      outcomes={"AdamW_lr1e-3_seed0": "exit2"}) == 2
+    assert (
+        fake_sweep(
+            tmp_path / "b", "--optimizers", "AdamW", "--lrs", "1e-3 1e-2", outcomes={"AdamW_lr1e-3_seed0": "exit2"}
+        )
+        == 2
+    )
     captured = capsys.readouterr()
     assert "error: AdamW_lr1e-3_seed0 stopped on a mistake in its options: error: training.steps" in captured.err
     assert not (tmp_path / "b" / "runs" / "AdamW_lr1e-2_seed0").exists()
@@ -267,10 +294,26 @@ def test_other_options_a_second_sweep_and_a_user_error_in_a_run_stop_the_sweep(t
 def test_interrupted_sweep_ends_its_run_and_leaves_it_unfinished(tmp_path):
     dump = tmp_path / "sweep"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torchtitan.tools.sweep", "--dump-folder", str(dump), "--launcher", FAKE,
-         "--nproc", "1", "--optimizers", "AdamW", "--lrs", "1e-3"],
-        cwd=ROOT, env=env(FAKE_OUTCOMES=json.dumps({"AdamW_lr1e-3_seed0": "hang"})), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "torchtitan.tools.sweep",
+            "--dump-folder",
+            str(dump),
+            "--launcher",
+            FAKE,
+            "--nproc",
+            "1",
+            "--optimizers",
+            "AdamW",
+            "--lrs",
+            "1e-3",
+        ],
+        cwd=ROOT,
+        env=env(FAKE_OUTCOMES=json.dumps({"AdamW_lr1e-3_seed0": "hang"})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     pid_file = dump / "runs" / "AdamW_lr1e-3_seed0" / "fake.pid"
     trainer = None

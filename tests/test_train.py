@@ -9,8 +9,14 @@ from tests.distributed import memory_tag, uses_cuda
 from tests.helpers import DEBUG_RUN, ROOT, event_tags, losses, run_dir, train
 
 TAGS = {
-    "loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr", "throughput/tps",
-    "throughput/tokens_seen", "optimizer/state_bytes", "skipped_steps",
+    "loss_metrics/global_avg_loss",
+    "loss_metrics/global_max_loss",
+    "grad_norm",
+    "lr",
+    "throughput/tps",
+    "throughput/tokens_seen",
+    "optimizer/state_bytes",
+    "skipped_steps",
 }
 
 
@@ -76,10 +82,16 @@ BAD_INPUT = [
     (["--model.flavor", "9B"], "model.flavor '9B' is unknown"),
     (["--training.tensor_parallel_degree", "2"], "tensor_parallel"),
     (["--float8.enable_float8_linear"], "float8"),
-    (["--optimizer.name", "AdamW4bit", "--optimizer.state_dtype", "bfloat16"], "state_dtype does not apply to AdamW4bit"),
+    (
+        ["--optimizer.name", "AdamW4bit", "--optimizer.state_dtype", "bfloat16"],
+        "state_dtype does not apply to AdamW4bit",
+    ),
     (["--checkpoint.enable_checkpoint", "--checkpoint.load_step", "7"], "load_step"),
     (["--checkpoint.initial_load_path", "no/such/step-3"], "checkpoint.initial_load_path 'no/such/step-3' is not"),
-    (["--checkpoint.initial_load_path", "assets"], "checkpoint.initial_load_path 'assets' holds no complete checkpoint"),
+    (
+        ["--checkpoint.initial_load_path", "assets"],
+        "checkpoint.initial_load_path 'assets' holds no complete checkpoint",
+    ),
 ]
 
 
@@ -115,12 +127,21 @@ def test_unwritable_checkpoint_folder_is_reported_before_training(tmp_path, monk
 
     blocker = tmp_path / "a_file"
     blocker.write_text("keep me")
-    argv = ["train.py"] + DEBUG_RUN + ["--job.dump_folder", str(tmp_path), "--checkpoint.enable_checkpoint",
-                                  "--checkpoint.folder", str(blocker / "checkpoints")]
+    argv = (
+        ["train.py"]
+        + DEBUG_RUN
+        + [
+            "--job.dump_folder",
+            str(tmp_path),
+            "--checkpoint.enable_checkpoint",
+            "--checkpoint.folder",
+            str(blocker / "checkpoints"),
+        ]
+    )
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.chdir(ROOT)
     assert train_module.run() == 2
-    err = [l for l in capsys.readouterr().err.splitlines() if l.strip() and not l.startswith("[titan]")]
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("[titan]")]
     assert len(err) == 1 and err[0].startswith("error: ") and "checkpoint" in err[0]
     assert blocker.read_text() == "keep me"
     assert not (tmp_path / "tb").exists()
@@ -158,8 +179,19 @@ def test_preflight_accepts_a_good_layout(monkeypatch):
     from torchtitan.preflight import main as preflight_main
 
     monkeypatch.chdir(ROOT)
-    assert preflight_main(["--nproc", "4", "--job.config_file", "train_configs/debug_model.toml",
-                           "--training.tensor_parallel_degree", "2"]) == 0
+    assert (
+        preflight_main(
+            [
+                "--nproc",
+                "4",
+                "--job.config_file",
+                "train_configs/debug_model.toml",
+                "--training.tensor_parallel_degree",
+                "2",
+            ]
+        )
+        == 0
+    )
 
 
 def test_profiler_traces_are_written(debug_run):

@@ -64,8 +64,16 @@ def test_two_fsdp_processes(tmp_path, name):
     # against one process, in float64, is tests/test_train.py's fsdp2 layout.)
     train(tmp_path / "two", "--optimizer.name", name, "--training.steps", "4", nproc=2)
     on_gpus = uses_cuda(2)
-    train(tmp_path / "one", "--optimizer.name", name, "--training.steps", "4", "--training.batch_size", "4",
-          cpu=not on_gpus)
+    train(
+        tmp_path / "one",
+        "--optimizer.name",
+        name,
+        "--training.steps",
+        "4",
+        "--training.batch_size",
+        "4",
+        cpu=not on_gpus,
+    )
     values = losses(tmp_path / "two")
     assert len(values) == 4 and values[-1] < values[0]
     assert values == pytest.approx(losses(tmp_path / "one"), rel=2e-2 if on_gpus else 1e-5)
@@ -74,8 +82,16 @@ def test_two_fsdp_processes(tmp_path, name):
 
 def resume_args(name):
     """8 steps with a checkpoint every 4; on a GPU with deterministic kernels, so that runs can agree bit for bit."""
-    return ["--optimizer.name", name, "--training.steps", "8", "--checkpoint.enable_checkpoint",
-            "--checkpoint.interval", "4", *(["--training.deterministic"] if uses_cuda() else [])]
+    return [
+        "--optimizer.name",
+        name,
+        "--training.steps",
+        "8",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "4",
+        *(["--training.deterministic"] if uses_cuda() else []),
+    ]
 
 
 def resumed_vs_straight(tmp_path, name):
@@ -99,8 +115,10 @@ def without_optimizer_moments(source, target):
     zeroed: a resume from it keeps weights, data position and schedule but starts the optimizer afresh."""
     reader = SafeFileSystemReader(str(source))
     entries = reader.read_metadata().state_dict_metadata
-    state = {key: torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-             for key, m in entries.items()}
+    state = {
+        key: torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+        for key, m in entries.items()
+    }
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     zeroed = [key for key, value in state.items() if key.startswith("optimizer.state.") and torch.is_tensor(value)]
     assert any(key.endswith(".exp_avg") for key in zeroed), sorted(entries)

@@ -1,4 +1,5 @@
-"""The training step (``torchtitan.training.train_step``, the one train.py runs): gradient accumulation and gradient clipping, in one process and on 2 ranks (FSDP2, TP).
+"""The training step (``torchtitan.training.train_step``, the one train.py runs): gradient accumulation and
+gradient clipping, in one process and on 2 ranks (FSDP2, TP).
 
 Everything runs in float64 on the tiny Llama of tests/helpers.py, so that results differ only by the order
 of floating-point sums. One global batch of 12 sequences is the reference; every run below sees exactly those 12
@@ -47,7 +48,7 @@ def micro_batches(accumulation: int, dp_rank: int, dp_degree: int):
     rows = BATCH // (accumulation * dp_degree)
     for m in range(accumulation):
         start = (m * dp_degree + dp_rank) * rows
-        yield inputs[start:start + rows], labels[start:start + rows]
+        yield inputs[start : start + rows], labels[start : start + rows]
 
 
 class SGDContainer(OptimizersContainer):
@@ -56,13 +57,20 @@ class SGDContainer(OptimizersContainer):
 
 
 def run_case(
-    degrees: tuple[int, int, int], world_size: int, accumulation: int, optimizer: str, max_norm: float,
+    degrees: tuple[int, int, int],
+    world_size: int,
+    accumulation: int,
+    optimizer: str,
+    max_norm: float,
     gather_logits: bool = False,
 ) -> dict:
     """One train_step of a fresh model; loss (global mean), logged grad norm, full gradients and weights."""
     config = job_config(
-        training={"gradient_accumulation_steps": accumulation, "max_norm": max_norm,
-                  "disable_loss_parallel": gather_logits},
+        training={
+            "gradient_accumulation_steps": accumulation,
+            "max_norm": max_norm,
+            "disable_loss_parallel": gather_logits,
+        },
         optimizer={"name": "AdamW", "lr": LR},
     )
     dims = ParallelDims(*degrees, world_size, enable_loss_parallel=not gather_logits)

@@ -15,7 +15,17 @@ import torch.nn.functional as F
 
 from tests.distributed import run_workers
 from tests.helpers import (
-    DEBUG_RUN, ROOT, SEQ_LEN, TINY, by_step, event_tags, job_config, materialize, meta_model, metric_rows, run_dir,
+    DEBUG_RUN,
+    ROOT,
+    SEQ_LEN,
+    TINY,
+    by_step,
+    event_tags,
+    job_config,
+    materialize,
+    meta_model,
+    metric_rows,
+    run_dir,
     train,
 )
 from torchtitan.config_manager import JobConfig
@@ -64,10 +74,12 @@ def test_held_out_split_of_the_sample_never_overlaps_the_training_stream(tokeniz
 
     # One whole pass of each stream: exactly the kept (held-out) documents in order, minus the dropped last batch.
     batch_size, seq_len = 16, 255
-    training = build_hf_data_loader("sample", None, tokenizer, batch_size, seq_len, 0, 1, infinite=False,
-                                    split=training_part)
-    held_out = build_hf_data_loader("sample", None, tokenizer, batch_size, seq_len, 0, 1, infinite=False,
-                                    split=held_out_part)
+    training = build_hf_data_loader(
+        "sample", None, tokenizer, batch_size, seq_len, 0, 1, infinite=False, split=training_part
+    )
+    held_out = build_hf_data_loader(
+        "sample", None, tokenizer, batch_size, seq_len, 0, 1, infinite=False, split=held_out_part
+    )
     for loader, texts_in_order in ((training, kept), (held_out, held)):
         expected = encoded(tokenizer, texts_in_order)
         got = stream_of(loader)
@@ -89,7 +101,9 @@ def test_split_streams_resume_and_loop_like_the_whole_stream(tokenizer, tmp_path
     # Two and a half epochs of the training stream are the kept documents, over and over.
     steps = 5 * len(encoded(tokenizer, kept)) // (2 * 2 * 10)
     straight = list(itertools.islice(loader(), steps))
-    flat = [t for inputs, labels in straight for row in range(2) for t in inputs[row].tolist() + labels[row, -1:].tolist()]
+    flat = [
+        t for inputs, labels in straight for row in range(2) for t in inputs[row].tolist() + labels[row, -1:].tolist()
+    ]
     assert flat == (encoded(tokenizer, kept) * 3)[: len(flat)]
     # Resumed from a state in the middle of the second epoch: the same batches.
     first = loader()
@@ -97,7 +111,7 @@ def test_split_streams_resume_and_loop_like_the_whole_stream(tokenizer, tmp_path
     resumed = loader()
     resumed.load_state_dict(first.state_dict())
     assert resumed.state_dict()["dataset_state"]["epoch"] == 1
-    for got, want in zip(itertools.islice(resumed, steps - steps // 2), straight[steps // 2:], strict=True):
+    for got, want in zip(itertools.islice(resumed, steps - steps // 2), straight[steps // 2 :], strict=True):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -107,27 +121,39 @@ def test_validation_data_and_its_user_errors(tokenizer, tmp_path):
 
     assert validation_data(config()) == ("sample", None, DocumentSplit(20, held_out=True))
     assert validation_data(config("--validation.dataset_path", str(SAMPLE_DATA_DIR))) == (
-        "sample", str(SAMPLE_DATA_DIR), DocumentSplit(20, held_out=True)  # the same files as training
+        "sample",
+        str(SAMPLE_DATA_DIR),
+        DocumentSplit(20, held_out=True),  # the same files as training
     )
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"text": "held-out text"}) + "\n")
     assert validation_data(config("--validation.dataset", "text", "--validation.dataset_path", str(other))) == (
-        "text", str(other), DocumentSplit()  # other data is read whole
+        "text",
+        str(other),
+        DocumentSplit(),  # other data is read whole
     )
     held = next(f"text {i}" for i in range(100) if is_held_out(f"text {i}", 2))
     only_held_out = tmp_path / "held.jsonl"
     only_held_out.write_text(json.dumps({"text": held}) + "\n")
     cases = [
-        (lambda: next(iter(build_hf_data_loader("text", str(only_held_out), tokenizer, 1, 4, 0, 1,
-                                                split=DocumentSplit(2)))), "no document outside the held-out split"),
+        (
+            lambda: next(
+                iter(build_hf_data_loader("text", str(only_held_out), tokenizer, 1, 4, 0, 1, split=DocumentSplit(2)))
+            ),
+            "no document outside the held-out split",
+        ),
         (lambda: config("--validation.held_out_every", "1"), "validation.held_out_every"),
         (lambda: config("--validation.seq_len", "4096"), "validation.seq_len"),
         (lambda: config("--validation.dataset_path", str(tmp_path / "nope")), "validation.dataset_path"),
         (lambda: validation_data(config("--validation.held_out_every", "0")), "validation.held_out_every is 0"),
         (lambda: validation_data(config("--validation.dataset", "wiki")), "validation.dataset 'wiki'"),
         (lambda: validation_data(config("--validation.dataset", "text")), "validation.dataset_path"),
-        (lambda: load_validation_batches(config("--validation.dataset", "text", "--validation.dataset_path",
-                                                str(other)), tokenizer, 0, 1), "less than one global batch"),
+        (
+            lambda: load_validation_batches(
+                config("--validation.dataset", "text", "--validation.dataset_path", str(other)), tokenizer, 0, 1
+            ),
+            "less than one global batch",
+        ),
     ]
     for call, words in cases:
         with pytest.raises(UserError, match=words) as info:
@@ -160,8 +186,12 @@ LAYOUTS = {
     "one_process": (1, (1, 1, 1), [12], {}),
     "fsdp2_uneven": (2, (1, 2, 1), [8, 4], {}),
     "tp2": (2, (1, 1, 2), [12], {}),
-    "tp2_selective_op_ac": (2, (1, 1, 2), [12], {"activation_checkpoint": {"mode": "selective",
-                                                                          "selective_ac_option": "op"}}),
+    "tp2_selective_op_ac": (
+        2,
+        (1, 1, 2),
+        [12],
+        {"activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"}},
+    ),
     "fsdp2_full_ac": (2, (1, 2, 1), [4, 8], {"activation_checkpoint": {"mode": "full"}}),
     "fsdp2_x_tp2": (4, (1, 2, 2), [8, 4], {}),
     "hsdp2x2": (4, (2, 2, 1), [5, 3, 2, 2], {}),
@@ -175,12 +205,14 @@ def _validate_layout(world_size: int, name: str) -> dict:
     model = materialize(parallelize_llama(meta_model(), mesh, dims, job_config(**sections)))
     dp_rank, _ = dims.dp_rank_and_degree(mesh)
     start = sum(shares[:dp_rank])
-    mine = [(x[start: start + shares[dp_rank]], y[start: start + shares[dp_rank]]) for x, y in validation_batches()]
+    mine = [(x[start : start + shares[dp_rank]], y[start : start + shares[dp_rank]]) for x, y in validation_batches()]
     dp_group = dims.dp_mesh(mesh).get_group() if dims.dp_enabled else None
     rng_before = torch.get_rng_state()
     loss, tokens = validation_loss(model, mine, dims, dp_group, torch.device("cpu"))
     return {
-        "loss": loss, "tokens": tokens, "training_mode": model.training,
+        "loss": loss,
+        "tokens": tokens,
+        "training_mode": model.training,
         "no_grads": all(p.grad is None for p in model.parameters()),
         "rng_untouched": torch.equal(torch.get_rng_state(), rng_before),
     }
@@ -243,8 +275,15 @@ def runs(tmp_path_factory, debug_run):
 
     def run(name, *extra):
         path = root / name
-        proc = train(path, "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3",
-                     "--checkpoint.folder", str(path / "ckpt"), *extra)
+        proc = train(
+            path,
+            "--checkpoint.enable_checkpoint",
+            "--checkpoint.interval",
+            "3",
+            "--checkpoint.folder",
+            str(path / "ckpt"),
+            *extra,
+        )
         return path, proc.stderr
 
     validation = ["--validation.enable", "--validation.freq", "4", "--validation.steps", "3"]
@@ -293,16 +332,20 @@ def test_help_lists_the_validation_table(capsys):
     assert "[validation]" in out and "--validation.held_out_every" in out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--validation.held_out_every", "0"], "validation.held_out_every is 0"),
-    # 64 x 513 tokens: more than the whole held-out split of the sample (about 23,000 tokens)
-    (["--validation.batch_size", "64", "--training.seq_len", "512"], "less than one global batch"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--validation.held_out_every", "0"], "validation.held_out_every is 0"),
+        # 64 x 513 tokens: more than the whole held-out split of the sample (about 23,000 tokens)
+        (["--validation.batch_size", "64", "--training.seq_len", "512"], "less than one global batch"),
+    ],
+)
 def test_train_py_reports_validation_mistakes_before_training(tmp_path, monkeypatch, capsys, args, message):
     import train as train_module
 
-    monkeypatch.setattr(sys, "argv", ["train.py", *DEBUG_RUN, "--job.dump_folder", str(tmp_path),
-                                      "--validation.enable", *args])
+    monkeypatch.setattr(
+        sys, "argv", ["train.py", *DEBUG_RUN, "--job.dump_folder", str(tmp_path), "--validation.enable", *args]
+    )
     monkeypatch.chdir(ROOT)
     assert train_module.run() == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("[titan]")]

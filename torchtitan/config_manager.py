@@ -45,17 +45,23 @@ class Job:
 class Model:
     name: str = opt("llama3", "model family", choices=("llama3",))
     flavor: str = opt("debugmodel", "model size from llama3_configs (debugmodel, 8B, 70B, 405B, ...)")
-    tokenizer_path: str = opt("./assets/tokenizer/tiktoken_test.model", "tokenizer file (tiktoken BPE or sentencepiece)")
+    tokenizer_path: str = opt(
+        "./assets/tokenizer/tiktoken_test.model", "tokenizer file (tiktoken BPE or sentencepiece)"
+    )
     tokenizer_type: str = opt(
-        "auto", "tokenizer format; auto picks sentencepiece for a *.model file that is one",
+        "auto",
+        "tokenizer format; auto picks sentencepiece for a *.model file that is one",
         choices=("auto", "tiktoken", "sentencepiece"),
     )
 
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "optimizer: AdamW, Adam, AdamMini, AdamMini8bit, AdamMini4bit, AdamW8bit, AdamW4bit, "
-                             "AdamWFp8 (case-insensitive)")
+    name: str = opt(
+        "AdamW",
+        "optimizer: AdamW, Adam, AdamMini, AdamMini8bit, AdamMini4bit, AdamW8bit, AdamW4bit, "
+        "AdamWFp8 (case-insensitive)",
+    )
     # lr, beta1, beta2, eps and weight_decay are checked by torchtitan.optim.hyperparameters (torch.optim's rules).
     lr: float = opt(8e-4, "peak learning rate")
     beta1: float = opt(0.9, "first-moment decay")
@@ -63,16 +69,20 @@ class Optimizer:
     eps: float = opt(1e-8, "denominator epsilon")
     weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms and biases by AdamMini)")
     implementation: Optional[str] = opt(
-        None, "for-loop, foreach or fused where the optimizer has them (AdamMini: foreach or fused, the default); "
-        "unset picks the optimizer's default", choices=("for-loop", "foreach", "fused"),
+        None,
+        "for-loop, foreach or fused where the optimizer has them (AdamMini: foreach or fused, the default); "
+        "unset picks the optimizer's default",
+        choices=("for-loop", "foreach", "fused"),
     )
     state_dtype: Optional[str] = opt(
-        None, "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment (unset: float32)",
+        None,
+        "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment (unset: float32)",
         choices=("float32", "bfloat16"),
     )
     # AdamMini only.
     value_blocks: Optional[str] = opt(
-        None, "AdamMini: second moment of value weights per output row (per_row) or per tensor (per_tensor)",
+        None,
+        "AdamMini: second moment of value weights per output row (per_row) or per tensor (per_tensor)",
         choices=("per_row", "per_tensor"),
     )
     # torchao low-bit optimizers only.
@@ -93,8 +103,10 @@ class Training:
     lr_min: float = opt(0.0, "lr floor as a fraction of the peak lr", ge=0.0, le=1.0)
     max_norm: float = opt(1.0, "gradient clipping by global norm; 0 disables clipping", ge=0.0)
     max_skipped_steps: int = opt(
-        3, "consecutive steps with a non-finite loss or grad norm whose update is skipped before the run stops "
-        "(exit code 3); 0 stops at the first", ge=0,
+        3,
+        "consecutive steps with a non-finite loss or grad norm whose update is skipped before the run stops "
+        "(exit code 3); 0 stops at the first",
+        ge=0,
     )
     data_parallel_replicate_degree: int = opt(1, "HSDP replicas (1 = plain FSDP)", gt=0)
     data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 fills the world size", ge=-1)
@@ -119,11 +131,15 @@ class Validation:
         None, "validation data: sample, c4 or text; unset (or the training data): its held-out split"
     )
     dataset_path: Optional[str] = opt(None, "local file or folder of validation data (like training.dataset_path)")
-    batch_size: Optional[int] = opt(None, "sequences per data-parallel rank per batch; unset: training.batch_size", gt=0)
+    batch_size: Optional[int] = opt(
+        None, "sequences per data-parallel rank per batch; unset: training.batch_size", gt=0
+    )
     seq_len: Optional[int] = opt(None, "tokens per sequence, at most training.seq_len; unset: training.seq_len", gt=0)
     held_out_every: int = opt(
-        20, "about 1 in N documents of the training data (by a hash of the text) is held out: never trained on, "
-        "even with validation off; 0 trains on every document", ge=0,
+        20,
+        "about 1 in N documents of the training data (by a hash of the text) is held out: never trained on, "
+        "even with validation off; 0 trains on every document",
+        ge=0,
     )
 
 
@@ -138,8 +154,9 @@ class Metrics:
 class Checkpoint:
     enable_checkpoint: bool = opt(False, "save and resume checkpoints")
     folder: Optional[str] = opt(
-        None, "checkpoint folder, relative to job.dump_folder unless absolute; unset: checkpoint/<optimizer name>, "
-        "so runs with different optimizers never share checkpoints"
+        None,
+        "checkpoint folder, relative to job.dump_folder unless absolute; unset: checkpoint/<optimizer name>, "
+        "so runs with different optimizers never share checkpoints",
     )
     interval: int = opt(500, "save every N steps (and at the last step)", gt=0)
     keep_latest_k: int = opt(0, "keep only the newest k checkpoints; 0 keeps all", ge=0)
@@ -150,8 +167,9 @@ class Checkpoint:
     )
     model_weights_only: bool = opt(False, "at the end, export model weights only (in export_dtype)")
     initial_load_path: Optional[str] = opt(
-        None, "when checkpoint.folder holds no checkpoint yet, start from this one (a step-N folder, or a folder of "
-        "them: the latest), e.g. another optimizer's run"
+        None,
+        "when checkpoint.folder holds no checkpoint yet, start from this one (a step-N folder, or a folder of "
+        "them: the latest), e.g. another optimizer's run",
     )
     initial_load_model_only: bool = opt(
         True, "from initial_load_path load the model weights only: optimizer, lr schedule, data and step start fresh"
@@ -194,14 +212,18 @@ class MemoryEstimation:
         "with [optimizer] options (AdamMini:state_dtype=bfloat16)",
     )
     device: str = opt(
-        "cuda", "estimation.py: training to simulate: cuda (FSDP bf16 mixed precision) or cpu (param_dtype throughout)",
+        "cuda",
+        "estimation.py: training to simulate: cuda (FSDP bf16 mixed precision) or cpu (param_dtype throughout)",
         choices=("cuda", "cpu"),
     )
     vocab_size: int = opt(
-        0, "estimation.py: vocabulary size; 0 takes the tokenizer's, or the flavor's when the tokenizer file is absent",
+        0,
+        "estimation.py: vocabulary size; 0 takes the tokenizer's, or the flavor's when the tokenizer file is absent",
         ge=0,
     )
-    json: Optional[str] = opt(None, "estimation.py: also write the estimate as JSON to this file ('-': JSON only, to stdout)")
+    json: Optional[str] = opt(
+        None, "estimation.py: also write the estimate as JSON to this file ('-': JSON only, to stdout)"
+    )
 
 
 @dataclass

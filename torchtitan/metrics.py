@@ -115,7 +115,9 @@ def format_log_line(step: int, m: dict[str, float]) -> str:
         f"tps: {m['throughput/tps']:,.0f}",
     ]
     if "memory/max_active(GiB)" in m:
-        parts.append(f"memory: {m['memory/max_active(GiB)']:.2f}GiB active {m['memory/max_reserved(GiB)']:.2f}GiB reserved")
+        parts.append(
+            f"memory: {m['memory/max_active(GiB)']:.2f}GiB active {m['memory/max_reserved(GiB)']:.2f}GiB reserved"
+        )
     else:
         parts.append(f"memory: {m['memory/rss(GiB)']:.2f}GiB rss")
     if "mfu(%)" in m:

@@ -57,15 +57,21 @@ def _files(name: str, path: Optional[str], section: str) -> Optional[tuple[str, 
     return None if local is None else local[:2]
 
 
-def load_validation_batches(
-    job_config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int
-) -> list[Batch]:
+def load_validation_batches(job_config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> list[Batch]:
     """This rank's share of the first ``validation.steps`` global batches of the validation data."""
     t, v = job_config.training, job_config.validation
     name, path, split = validation_data(job_config)
     batch_size, seq_len = v.batch_size or t.batch_size, v.seq_len or t.seq_len
     loader = build_hf_data_loader(
-        name, path, tokenizer, batch_size, seq_len, dp_rank, dp_degree, infinite=False, split=split,
+        name,
+        path,
+        tokenizer,
+        batch_size,
+        seq_len,
+        dp_rank,
+        dp_degree,
+        infinite=False,
+        split=split,
         section="validation",
     )
     batches = list(itertools.islice(loader, v.steps))
@@ -147,8 +153,15 @@ class Validator:
         return {"validation/loss": loss, "validation/perplexity": perplexity}, tokens
 
 
-def build_validator(job_config: JobConfig, tokenizer: Tokenizer, parallel_dims: ParallelDims, dp_rank: int,
-                    dp_degree: int, dp_group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[Validator]:
+def build_validator(
+    job_config: JobConfig,
+    tokenizer: Tokenizer,
+    parallel_dims: ParallelDims,
+    dp_rank: int,
+    dp_degree: int,
+    dp_group: Optional[dist.ProcessGroup],
+    device: torch.device,
+) -> Optional[Validator]:
     """A Validator when ``validation.enable``, else None."""
     if not job_config.validation.enable:
         return None

@@ -57,7 +57,7 @@ def _from_json(value: Any) -> Any:
     if not isinstance(value, dict):
         return value
     if len(value) == 1:
-        (tag, body), = value.items()
+        ((tag, body),) = value.items()
         if tag == "__tuple__":
             return tuple(_from_json(v) for v in body)
         if tag == "__items__":

@@ -113,7 +113,8 @@ def flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
 class CheckpointManager:
     """Saves and resumes a training job; see the package docstring for the folder layout and guarantees.
 
-    ``optimizers`` and ``lr_schedulers`` expose ``state_dict()`` / ``load_state_dict()``; ``data_loader`` is a StatefulDataLoader (or None), whose state is the same on every rank;
+    ``optimizers`` and ``lr_schedulers`` expose ``state_dict()`` / ``load_state_dict()``; ``data_loader`` is a
+    StatefulDataLoader (or None), whose state is the same on every rank;
     ``states`` maps names to objects with ``state_dict()`` / ``load_state_dict()`` returning plain data.
     """
 
@@ -167,7 +168,8 @@ class CheckpointManager:
         mode = "async (background thread, dedicated gloo group)" if self.async_enabled else "synchronous"
         logger.info(
             f"checkpoint: folder {self.folder}, every {self.interval} steps, {mode}, keep "
-            f"{self.keep_latest_k or 'all'}" + (f", export weights as {config.export_dtype}" if self.export_enabled else "")
+            f"{self.keep_latest_k or 'all'}"
+            + (f", export weights as {config.export_dtype}" if self.export_enabled else "")
         )
 
     # -- public API ------------------------------------------------------------------------------------------------
@@ -455,8 +457,11 @@ class CheckpointManager:
                 kind, words = mismatch
                 raise UserError(f"checkpoint '{path}' {words}; {self._how_to_proceed(path, model_only, kind)}")
         missing = [k for k in flat_keys(state) if k not in entries and not any(s.startswith(k + ".") for s in entries)]
-        missing += [k for k in plain_names if getattr(entries.get(k), "properties", None) is None
-                    or entries[k].properties.dtype != torch.uint8]
+        missing += [
+            k
+            for k in plain_names
+            if getattr(entries.get(k), "properties", None) is None or entries[k].properties.dtype != torch.uint8
+        ]
         if missing:
             shown = ", ".join(missing[:2]) + (f" and {len(missing) - 2} more" if len(missing) > 2 else "")
             kind = "model" if missing[0].startswith(MODEL + ".") else "other"
@@ -484,8 +489,9 @@ class CheckpointManager:
             return None
         blob = {JOB_FACTS: torch.empty(entry.size, dtype=torch.uint8)}
         with _single_process_quiet():
-            dcp.load(blob, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-                     process_group=self._group)
+            dcp.load(
+                blob, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=self._group
+            )
         facts = decode_plain(blob[JOB_FACTS].numpy().tobytes())
         needed = {"optimizer", "model_flavor", "parameters", "model_digest"}
         return facts if isinstance(facts, dict) and needed <= set(facts) else None

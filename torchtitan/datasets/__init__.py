@@ -4,5 +4,10 @@ from torchtitan.datasets.hf_datasets import DocumentSplit, build_hf_data_loader,
 from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
-    "DocumentSplit", "Tokenizer", "build_hf_data_loader", "build_tokenizer", "check_hub_reachable", "resolve_dataset",
+    "DocumentSplit",
+    "Tokenizer",
+    "build_hf_data_loader",
+    "build_tokenizer",
+    "check_hub_reachable",
+    "resolve_dataset",
 ]

@@ -57,8 +57,12 @@ _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "A
 
 # File name endings -> the Hugging Face packaged builder that reads them.
 _BUILDER_BY_SUFFIX = {
-    ".txt": "text", ".txt.gz": "text",
-    ".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json",
+    ".txt": "text",
+    ".txt.gz": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".json.gz": "json",
+    ".jsonl.gz": "json",
     ".parquet": "parquet",
 }
 
@@ -274,7 +278,11 @@ class TokenStream:
     """
 
     def __init__(
-        self, source: DocumentSource, tokenizer: Tokenizer, position: dict[str, Any], infinite: bool,
+        self,
+        source: DocumentSource,
+        tokenizer: Tokenizer,
+        position: dict[str, Any],
+        infinite: bool,
         split: DocumentSplit = DocumentSplit(),
     ):
         self.position = dict(position)
@@ -434,8 +442,14 @@ def build_hf_data_loader(
     """
     source = load_documents(dataset_name, dataset_path, section)
     dataset = PackedTextDataset(
-        source, tokenizer, batch_size=batch_size, seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size,
-        infinite=infinite, split=split,
+        source,
+        tokenizer,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        infinite=infinite,
+        split=split,
     )
     # batch_size=None: each item already is a batch, so a state snapshot always falls between global batches.
     # Its own generator keeps the loader from drawing on the global torch RNG.

@@ -17,9 +17,7 @@ from typing import Iterable, Iterator
 
 from torchtitan.errors import UserError
 
-LLAMA3_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+LLAMA3_SPLIT_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501 - one regular expression
 NUM_SPECIAL_TOKENS = 256
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -51,7 +49,11 @@ class Tokenizer(ABC):
 def llama3_special_tokens() -> list[str]:
     """Llama 3's special tokens in id order (their ids follow the BPE ranks)."""
     named = {
-        0: BOS_TOKEN, 1: EOS_TOKEN, 6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "<|eot_id|>",
+        0: BOS_TOKEN,
+        1: EOS_TOKEN,
+        6: "<|start_header_id|>",
+        7: "<|end_header_id|>",
+        9: "<|eot_id|>",
     }
     tokens, reserved = [], 0
     for index in range(NUM_SPECIAL_TOKENS):

@@ -33,7 +33,8 @@ def _header(e: Estimate) -> list[str]:
     else:
         simulated = f"CPU training, {e.param_dtype} throughout"
     return [
-        f"Memory estimate per rank: llama3 {e.flavor} ({e.num_params / 1e9:.2f}B parameters, vocabulary {e.vocab_size})",
+        f"Memory estimate per rank: llama3 {e.flavor} ({e.num_params / 1e9:.2f}B parameters, "
+        f"vocabulary {e.vocab_size})",
         f"  layout: {e.world_size} simulated rank(s), {e.layout}; figures are for rank 0",
         f"  batch {e.batch_size} x sequence {e.seq_len} per rank, activation checkpointing: {e.activation_checkpoint}",
         f"  simulated: {simulated}",
@@ -42,8 +43,16 @@ def _header(e: Estimate) -> list[str]:
 
 def format_table(e: Estimate) -> str:
     baseline = e.optimizers[0] if e.optimizers else None
-    header = ("optimizer", "parameters", "gradients", "optimizer state", "activations", "peak",
-              f"state vs {baseline.label if baseline else '-'}", "peak during")
+    header = (
+        "optimizer",
+        "parameters",
+        "gradients",
+        "optimizer state",
+        "activations",
+        "peak",
+        f"state vs {baseline.label if baseline else '-'}",
+        "peak during",
+    )
     unit, size = _unit(e)
 
     def amount(nbytes: int) -> str:
@@ -52,12 +61,23 @@ def format_table(e: Estimate) -> str:
     rows = []
     for o in e.optimizers:
         ratio = o.optimizer_state / baseline.optimizer_state if baseline and baseline.optimizer_state else float("nan")
-        rows.append((o.label, amount(o.params), amount(o.gradients), amount(o.optimizer_state),
-                     amount(o.activations), amount(o.peak), f"{ratio:.2f}x", o.peak_phase))
+        rows.append(
+            (
+                o.label,
+                amount(o.params),
+                amount(o.gradients),
+                amount(o.optimizer_state),
+                amount(o.activations),
+                amount(o.peak),
+                f"{ratio:.2f}x",
+                o.peak_phase,
+            )
+        )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     aligned = [
-        "  ".join(c.ljust(w) if i in (0, len(header) - 1) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-        .rstrip()
+        "  ".join(
+            c.ljust(w) if i in (0, len(header) - 1) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ).rstrip()
         for r in [header, *rows]
     ]
     lines = _header(e) + ["", f"{unit} per rank", *aligned, ""]

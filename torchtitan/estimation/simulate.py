@@ -49,6 +49,7 @@ _LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamMini8bit", "AdamMini4bit"
 
 _LAYOUT_NAMES = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP"}
 
+
 @dataclass
 class OptimizerEstimate:
     """Bytes on the simulated rank for one optimizer."""
@@ -238,8 +239,13 @@ def fake_batches(batch_size: int, seq_len: int, vocab: int) -> Iterator[tuple[to
 
 
 def _optimizer_state_tensors(optimizers) -> list[torch.Tensor]:
-    return [v for opt in optimizers.optimizers for state in opt.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor)]
+    return [
+        v
+        for opt in optimizers.optimizers
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 @contextmanager
@@ -280,7 +286,12 @@ def _state_source(name: str) -> str:
 
 
 def estimate_optimizer(
-    model: nn.Module, job_config: JobConfig, parallel_dims, batches, round_to: int, warm_up: bool = False,
+    model: nn.Module,
+    job_config: JobConfig,
+    parallel_dims,
+    batches,
+    round_to: int,
+    warm_up: bool = False,
 ) -> OptimizerEstimate:
     """Build the job's optimizer on ``model``, create its state, and track one training step.
 
@@ -314,8 +325,11 @@ def estimate_optimizer(
         peak_phase=tracker.peak_phase,
         peak_breakdown=dict(tracker.peak_breakdown),
         state_source=_state_source(optimizers.name),
-        options={key: getattr(job_config.optimizer, key) for key in OPTIONAL_OPTIONS
-                 if getattr(job_config.optimizer, key) is not None},
+        options={
+            key: getattr(job_config.optimizer, key)
+            for key in OPTIONAL_OPTIONS
+            if getattr(job_config.optimizer, key) is not None
+        },
     )
     for p in model.parameters():
         p.grad = None
@@ -349,10 +363,18 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
     job = _job_for_simulation(job_config, notes)
     on_cuda_with_fsdp = settings.device == "cuda" and parallel_dims.dp_enabled
     estimate = Estimate(
-        flavor=job_config.model.flavor, num_params=0, vocab_size=vocab, world_size=settings.world_size,
-        degrees=dict(parallel_dims.degrees), batch_size=t.batch_size, seq_len=t.seq_len,
-        activation_checkpoint=_ac_description(job_config), device=settings.device, param_dtype=t.param_dtype,
-        compute_dtype=t.mixed_precision_param if on_cuda_with_fsdp else t.param_dtype, notes=notes,
+        flavor=job_config.model.flavor,
+        num_params=0,
+        vocab_size=vocab,
+        world_size=settings.world_size,
+        degrees=dict(parallel_dims.degrees),
+        batch_size=t.batch_size,
+        seq_len=t.seq_len,
+        activation_checkpoint=_ac_description(job_config),
+        device=settings.device,
+        param_dtype=t.param_dtype,
+        compute_dtype=t.mixed_precision_param if on_cuda_with_fsdp else t.param_dtype,
+        notes=notes,
     )
     round_to = _CUDA_BLOCK_BYTES if settings.device == "cuda" else 1
     world = fake_world(settings.world_size) if parallel_dims.any_parallelism else nullcontext()
@@ -373,9 +395,9 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
             batches = fake_batches(t.batch_size, t.seq_len, vocab)
             for index, choice in enumerate(choices):
                 optimizer_job = job_for_optimizer(job, choice, notes)
-                estimate.optimizers.append(estimate_optimizer(
-                    model, optimizer_job, parallel_dims, batches, round_to, warm_up=index == 0
-                ))
+                estimate.optimizers.append(
+                    estimate_optimizer(model, optimizer_job, parallel_dims, batches, round_to, warm_up=index == 0)
+                )
     return estimate
 
 

@@ -8,7 +8,14 @@ model is wrapped. This module imports nothing, so that models and optimizers can
 
 # Roles a model declares (our Llama declares the first eight); BIAS and OTHER are also given by Adam-mini's name rules.
 EMBEDDING, OUTPUT, QUERY, KEY, VALUE, ATTN_OUT, MLP, NORM = (
-    "embedding", "output", "query", "key", "value", "attn_out", "mlp", "norm"
+    "embedding",
+    "output",
+    "query",
+    "key",
+    "value",
+    "attn_out",
+    "mlp",
+    "norm",
 )
 BIAS, OTHER = "bias", "other"
 # The roles a model may declare (OTHER means "no role" and is never declared).

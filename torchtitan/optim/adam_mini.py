@@ -38,8 +38,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtitan.errors import UserError
-from torchtitan.optim.compiled_slices import repeating_slices
 from torchtitan.models.roles import KEY, QUERY
+from torchtitan.optim.compiled_slices import repeating_slices
 from torchtitan.optim.hyperparameters import check_adam_hyperparameters
 from torchtitan.optim.partition import (
     PER_ELEMENT,
@@ -121,8 +121,9 @@ class BlockLayout:
         for size, coordinate in zip(self.mesh.shape, self.mesh.get_coordinate()):
             tag = tag * size + coordinate
         tags = torch.full((n_local,), tag, dtype=torch.int64, device=local.device)
-        everyone = DTensor.from_local(tags, self.mesh, self.row_placements, run_check=False,
-                                      shape=(self.plan.rows,), stride=(1,)).full_tensor()
+        everyone = DTensor.from_local(
+            tags, self.mesh, self.row_placements, run_check=False, shape=(self.plan.rows,), stride=(1,)
+        ).full_tensor()
         rows = (everyone == tag).nonzero().flatten()
         if rows.numel() != n_local:
             raise RuntimeError(f"{self.plan.name}: found {rows.numel()} of this rank's {n_local} rows")
@@ -303,8 +304,15 @@ class _Hyper:
     weight_decay: float
 
 
-def _foreach_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], second_moments: list[Tensor],
-                    step_counts: list[float], layouts: list[BlockLayout], hyper: _Hyper) -> None:
+def _foreach_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    second_moments: list[Tensor],
+    step_counts: list[float],
+    layouts: list[BlockLayout],
+    hyper: _Hyper,
+) -> None:
     """The reference back end: foreach kernels over the lists, block statistics in their own pass."""
     beta1, beta2, eps, lr = hyper.beta1, hyper.beta2, hyper.eps, hyper.lr
     blocked = [i for i, layout in enumerate(layouts) if layout.plan.rule != PER_ELEMENT]
@@ -316,8 +324,9 @@ def _foreach_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Te
     if blocked:
         blocked_v = [second_moments[i] for i in blocked]
         torch._foreach_mul_(blocked_v, beta2)
-        torch._foreach_add_(blocked_v, _block_means([grads[i] for i in blocked], [layouts[i] for i in blocked]),
-                            alpha=1 - beta2)
+        torch._foreach_add_(
+            blocked_v, _block_means([grads[i] for i in blocked], [layouts[i] for i in blocked]), alpha=1 - beta2
+        )
     if elementwise:
         element_v, element_g = [second_moments[i] for i in elementwise], [grads[i] for i in elementwise]
         torch._foreach_mul_(element_v, beta2)
@@ -376,9 +385,19 @@ def _as_block_rows(t: Tensor, plan: _FusedPlan) -> Tensor:
     return t.reshape(t.shape[0], -1)
 
 
-def _fused_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], second_moments: list[Tensor],
-                 means: list[Optional[Tensor]], indices: list[Optional[Tensor]], plans: tuple[_FusedPlan, ...],
-                 scalars: Tensor, beta1: float, beta2: float, eps: float) -> None:
+def _fused_steps(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    second_moments: list[Tensor],
+    means: list[Optional[Tensor]],
+    indices: list[Optional[Tensor]],
+    plans: tuple[_FusedPlan, ...],
+    scalars: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
     """The whole local step for parameters of one dtype and momentum storage: what ``torch.compile`` fuses.
 
     ``scalars`` holds lr, 1 - beta1**t, 1 - beta2**t and 1 - lr * weight_decay (values that change every step
@@ -417,12 +436,20 @@ def _fused_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
 # Inductor would recompute each row's scale (a sqrt and two divisions) for every entry of the row unless told to
 # store results of more than a few operations; and the shapes are static, so the inputs' sizes need no checking.
 # Measured on a 2-core CPU (benchmarks/bench_optimizers.py): 1.15x -> 0.99x fused AdamW at 99.5M parameters.
-_compiled_fused_steps = torch.compile(_fused_steps, fullgraph=True, dynamic=False,
-                                      options={"realize_opcount_threshold": 4, "size_asserts": False})
+_compiled_fused_steps = torch.compile(
+    _fused_steps, fullgraph=True, dynamic=False, options={"realize_opcount_threshold": 4, "size_asserts": False}
+)
 
 
-def _fused_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], second_moments: list[Tensor],
-                  step_counts: list[float], layouts: list[BlockLayout], hyper: _Hyper) -> None:
+def _fused_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    second_moments: list[Tensor],
+    step_counts: list[float],
+    layouts: list[BlockLayout],
+    hyper: _Hyper,
+) -> None:
     """Compiled local steps over parameters sharing dtype, device, step and momentum storage.
 
     Shapes are static (the fastest code). Parameters are passed in slices that repeat (``repeating_slices``:
@@ -437,8 +464,10 @@ def _fused_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
     means: list[Optional[Tensor]] = [None] * len(params)
     for i, mean in zip(partial, _block_means([grads[i] for i in partial], [layouts[i] for i in partial])):
         means[i] = mean
-    indices = [layout.local_blocks(p) if layout.plan.rule == PER_HEAD and layout.rows_split else None
-               for p, layout in zip(params, layouts)]
+    indices = [
+        layout.local_blocks(p) if layout.plan.rule == PER_HEAD and layout.rows_split else None
+        for p, layout in zip(params, layouts)
+    ]
     plans = [_fused_plan(layout, hyper.weight_decay) for layout in layouts]
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, (p, m) in enumerate(zip(params, exp_avgs)):
@@ -463,15 +492,30 @@ def _fused_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
             signatures = [_signature(params[i], second_moments[i], means[i], indices[i], plans[i]) for i in members]
             for part in repeating_slices(members, signatures):
                 # Detached: the compiled graph sees plain tensors sharing the parameters' memory.
-                run([params[i].detach() for i in part], [grads[i] for i in part], [exp_avgs[i] for i in part],
-                    [second_moments[i] for i in part], [means[i] for i in part], [indices[i] for i in part],
-                    tuple(plans[i] for i in part), scalars, hyper.beta1, hyper.beta2, hyper.eps)
+                run(
+                    [params[i].detach() for i in part],
+                    [grads[i] for i in part],
+                    [exp_avgs[i] for i in part],
+                    [second_moments[i] for i in part],
+                    [means[i] for i in part],
+                    [indices[i] for i in part],
+                    tuple(plans[i] for i in part),
+                    scalars,
+                    hyper.beta1,
+                    hyper.beta2,
+                    hyper.eps,
+                )
 
 
 def _signature(p: Tensor, v: Tensor, mean: Optional[Tensor], index: Optional[Tensor], plan: _FusedPlan) -> tuple:
     """What a compiled graph is specialised on for one parameter (besides dtypes, shared by a group)."""
-    return (tuple(p.shape), tuple(v.shape), None if mean is None else tuple(mean.shape),
-            None if index is None else tuple(index.shape), plan)
+    return (
+        tuple(p.shape),
+        tuple(v.shape),
+        None if mean is None else tuple(mean.shape),
+        None if index is None else tuple(index.shape),
+        plan,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -527,25 +571,35 @@ class AdamMini(torch.optim.Optimizer):
     ):
         del model_sharding  # always handled
         if momentum_storage not in MOMENTUM_STORAGES:
-            raise UserError(f"AdamMini momentum_storage must be one of {', '.join(MOMENTUM_STORAGES)}, "
-                            f"not {momentum_storage!r}")
+            raise UserError(
+                f"AdamMini momentum_storage must be one of {', '.join(MOMENTUM_STORAGES)}, not {momentum_storage!r}"
+            )
         if implementation not in (None,) + IMPLEMENTATIONS:
-            raise UserError(f"AdamMini implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
-                            f"not {implementation!r}")
-        if block_size is not None and (momentum_storage not in (INT8, INT4) or block_size <= 0
-                                       or (momentum_storage == INT4 and block_size % 2)):
-            raise UserError(f"AdamMini block_size must be a positive (for int4: even) number and applies to int8/int4 "
-                            f"momentum only; got {block_size} with {momentum_storage}")
+            raise UserError(
+                f"AdamMini implementation must be one of {', '.join(IMPLEMENTATIONS)}, not {implementation!r}"
+            )
+        if block_size is not None and (
+            momentum_storage not in (INT8, INT4) or block_size <= 0 or (momentum_storage == INT4 and block_size % 2)
+        ):
+            raise UserError(
+                f"AdamMini block_size must be a positive (for int4: even) number and applies to int8/int4 "
+                f"momentum only; got {block_size} with {momentum_storage}"
+            )
         _check_hyperparameters(lr, betas, eps, weight_decay)
         head_dim, n_kv_heads = _check_heads(dim, n_heads, n_kv_heads, head_dim)
         if value_blocks not in VALUE_BLOCK_CHOICES:
             raise UserError(f"value_blocks must be one of {', '.join(VALUE_BLOCK_CHOICES)}, not {value_blocks!r}")
         named = _named_trainable(named_parameters)
-        plans = plan_blocks(((name, tuple(p.shape)) for name, p in named), head_dim=head_dim,
-                            value_blocks=value_blocks, param_roles=param_roles)
+        plans = plan_blocks(
+            ((name, tuple(p.shape)) for name, p in named),
+            head_dim=head_dim,
+            value_blocks=value_blocks,
+            param_roles=param_roles,
+        )
         params = [p for _, p in named]
-        super().__init__(params, dict(lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps,
-                                      weight_decay=weight_decay))
+        super().__init__(
+            params, dict(lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps, weight_decay=weight_decay)
+        )
         self.partition: list[BlockPlan] = plans
         self.momentum_storage, self.block_size, self.implementation = momentum_storage, block_size, implementation
         if momentum_storage == BFLOAT16:
@@ -576,9 +630,20 @@ class AdamMini(torch.optim.Optimizer):
                 layouts.append(layout)
             if params:
                 beta1, beta2 = group["betas"]
-                adam_mini_update(params, grads, exp_avgs, second_moments, steps, layouts, lr=group["lr"],
-                                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                                 implementation=self._implementation_for(params))
+                adam_mini_update(
+                    params,
+                    grads,
+                    exp_avgs,
+                    second_moments,
+                    steps,
+                    layouts,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    implementation=self._implementation_for(params),
+                )
         return loss
 
     def _implementation_for(self, params: list[Tensor]) -> str:
@@ -605,8 +670,9 @@ def _grad_like_param(p: Tensor) -> Tensor:
 def _named_trainable(named_parameters: Any) -> list[tuple[str, Tensor]]:
     items = list(named_parameters.items() if isinstance(named_parameters, Mapping) else named_parameters)
     for item in items:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], Tensor)):
+        if not (
+            isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Tensor)
+        ):
             raise UserError("AdamMini takes (name, parameter) pairs: pass model.named_parameters()")
     named = [(name, p) for name, p in items if p.requires_grad]
     if not named:
@@ -620,8 +686,12 @@ def _check_hyperparameters(lr: Any, betas: Any, eps: float, weight_decay: float)
 
 # How AdamMini's errors name its constructor arguments.
 _ARGUMENT_NAMES = {
-    "lr": "AdamMini lr", "betas": "AdamMini betas", "beta1": "AdamMini betas[0]", "beta2": "AdamMini betas[1]",
-    "eps": "AdamMini eps", "weight_decay": "AdamMini weight_decay",
+    "lr": "AdamMini lr",
+    "betas": "AdamMini betas",
+    "beta1": "AdamMini betas[0]",
+    "beta2": "AdamMini betas[1]",
+    "eps": "AdamMini eps",
+    "weight_decay": "AdamMini weight_decay",
 }
 
 
@@ -663,10 +733,17 @@ def _log_partition(plans: list[BlockPlan], *, n_heads: int, n_kv_heads: int, hea
     if unmatched:
         logger.warning(
             "AdamMini: no role for %d matrices (%s); they get one block per row. Pass param_roles={name: role} "
-            "to choose.", len(unmatched), ", ".join(unmatched[:5]) + (" ..." if len(unmatched) > 5 else ""),
+            "to choose.",
+            len(unmatched),
+            ", ".join(unmatched[:5]) + (" ..." if len(unmatched) > 5 else ""),
         )
     expected = {QUERY: n_heads * head_dim, KEY: n_kv_heads * head_dim}
     for plan in plans:
         if plan.role in expected and plan.rows != expected[plan.role]:
-            logger.warning("AdamMini: %s has %d rows, not %d heads x %d; check n_heads/n_kv_heads/head_dim",
-                           plan.name, plan.rows, expected[plan.role] // head_dim, head_dim)
+            logger.warning(
+                "AdamMini: %s has %d rows, not %d heads x %d; check n_heads/n_kv_heads/head_dim",
+                plan.name,
+                plan.rows,
+                expected[plan.role] // head_dim,
+                head_dim,
+            )

@@ -21,9 +21,19 @@ from torchtitan.optim.compiled_slices import repeating_slices
 from torchtitan.optim.state_storage import BFLOAT16, keep_bfloat16_on_load, new_state
 
 
-def _local_adam_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-                      step_sizes: list[Tensor], bias_correction2_sqrts: list[Tensor], decay: Tensor, beta1: float,
-                      beta2: float, eps: float, l2: float) -> None:
+def _local_adam_steps(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    step_sizes: list[Tensor],
+    bias_correction2_sqrts: list[Tensor],
+    decay: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    l2: float,
+) -> None:
     """Adam's elementwise update for a list of local tensors; ``step_sizes[i]`` is lr / (1 - beta1**t)."""
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         if l2:
@@ -36,18 +46,28 @@ def _local_adam_steps(params: list[Tensor], grads: list[Tensor], exp_avgs: list[
         p.copy_(p * decay - step_sizes[i] * m_new / denominator)
 
 
-_compiled_local_adam_steps = torch.compile(_local_adam_steps, fullgraph=True, dynamic=False,
-                                           options={"size_asserts": False})  # static shapes: nothing to check
+_compiled_local_adam_steps = torch.compile(
+    _local_adam_steps, fullgraph=True, dynamic=False, options={"size_asserts": False}
+)  # static shapes: nothing to check
 
 
 class LowPrecisionAdam(torch.optim.Optimizer):
     """Adam (``decoupled=False``, L2 weight decay) or AdamW (``decoupled=True``) with bfloat16 moments."""
 
-    def __init__(self, params: Iterable[Tensor], lr: Union[float, Tensor] = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *,
-                 decoupled: bool = True, state_dtype: str = BFLOAT16):
-        super().__init__(params, dict(lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps,
-                                      weight_decay=weight_decay))
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        lr: Union[float, Tensor] = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        decoupled: bool = True,
+        state_dtype: str = BFLOAT16,
+    ):
+        super().__init__(
+            params, dict(lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps, weight_decay=weight_decay)
+        )
         self.is_adamw = decoupled  # read by the builder's state initialisation
         self.state_dtype = state_dtype
         keep_bfloat16_on_load(self, ("exp_avg", "exp_avg_sq"))
@@ -85,7 +105,7 @@ class LowPrecisionAdam(torch.optim.Optimizer):
         step_sizes = (lr / (1 - beta1**counts)).to(dtype=dtype, device=device)
         bias_correction2_sqrts = (1 - beta2**counts).sqrt().to(dtype=dtype, device=device)
         decoupled = self.is_adamw
-        decay = (1 - lr * group["weight_decay"] if decoupled else torch.ones((), dtype=torch.float64))
+        decay = 1 - lr * group["weight_decay"] if decoupled else torch.ones((), dtype=torch.float64)
         dataless = any(t.is_meta or isinstance(t, FakeTensor) for t in local)
         run = _local_adam_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_local_adam_steps
         from torchtitan.optim.torchao_adapter import separate_compile_cache
@@ -98,9 +118,19 @@ class LowPrecisionAdam(torch.optim.Optimizer):
         signatures = [(tuple(t.shape), t.stride()) for t in local]
         with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache("AdamW_bf16"):
             for part in repeating_slices(range(len(local)), signatures):  # a layer's graph, reused by every layer
-                run([local[i].detach() for i in part], [grads[i] for i in part], [exp_avgs[i] for i in part],
-                    [exp_avg_sqs[i] for i in part], [step_sizes[i] for i in part],
-                    [bias_correction2_sqrts[i] for i in part], decay, beta1, beta2, group["eps"], l2)
+                run(
+                    [local[i].detach() for i in part],
+                    [grads[i] for i in part],
+                    [exp_avgs[i] for i in part],
+                    [exp_avg_sqs[i] for i in part],
+                    [step_sizes[i] for i in part],
+                    [bias_correction2_sqrts[i] for i in part],
+                    decay,
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    l2,
+                )
 
 
 def _local(t: Tensor) -> Tensor:

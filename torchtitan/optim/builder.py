@@ -70,12 +70,21 @@ def _low_precision_adam(model: nn.Module, hp: Hyperparameters, decoupled: bool) 
     if hp.state_dtype in (None, "float32"):
         return None
     if hp.implementation is not None:
-        raise UserError(f"optimizer.implementation chooses torch's kernels, which keep float32 state; remove it "
-                        f"to use optimizer.state_dtype = {hp.state_dtype} (a compiled step of its own)")
+        raise UserError(
+            f"optimizer.implementation chooses torch's kernels, which keep float32 state; remove it "
+            f"to use optimizer.state_dtype = {hp.state_dtype} (a compiled step of its own)"
+        )
     from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
 
-    return LowPrecisionAdam(trainable_parameters(model), lr=hp.lr, betas=hp.betas, eps=hp.eps,
-                            weight_decay=hp.weight_decay, decoupled=decoupled, state_dtype=hp.state_dtype)
+    return LowPrecisionAdam(
+        trainable_parameters(model),
+        lr=hp.lr,
+        betas=hp.betas,
+        eps=hp.eps,
+        weight_decay=hp.weight_decay,
+        decoupled=decoupled,
+        state_dtype=hp.state_dtype,
+    )
 
 
 def _build_adamw(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
@@ -83,7 +92,11 @@ def _build_adamw(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer
     if low_precision is not None:
         return low_precision
     return torch.optim.AdamW(
-        trainable_parameters(model), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+        trainable_parameters(model),
+        lr=hp.lr,
+        betas=hp.betas,
+        eps=hp.eps,
+        weight_decay=hp.weight_decay,
         **implementation_flags(hp.implementation),
     )
 
@@ -93,7 +106,11 @@ def _build_adam(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
     if low_precision is not None:
         return low_precision
     return torch.optim.Adam(
-        trainable_parameters(model), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+        trainable_parameters(model),
+        lr=hp.lr,
+        betas=hp.betas,
+        eps=hp.eps,
+        weight_decay=hp.weight_decay,
         **implementation_flags(hp.implementation),
     )
 
@@ -103,8 +120,9 @@ def _adam_mini_factory(quantized: Optional[str]) -> Callable[[nn.Module, Hyperpa
 
     def build(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
         storage = quantized or hp.state_dtype or "float32"
-        optimizer = _build_adam_mini(model, hp, momentum_storage=storage, block_size=hp.block_size,
-                                     implementation=hp.implementation)
+        optimizer = _build_adam_mini(
+            model, hp, momentum_storage=storage, block_size=hp.block_size, implementation=hp.implementation
+        )
         if quantized:
             portable_quantized_state(optimizer)
         return optimizer
@@ -124,9 +142,17 @@ def _build_adam_mini(model: nn.Module, hp: Hyperparameters, **storage: Any) -> t
     extra = {} if hp.value_blocks is None else {"value_blocks": hp.value_blocks}
     return AdamMini(
         [(name, p) for name, p in model.named_parameters() if p.requires_grad],
-        lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
-        dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        param_roles=model.named_param_roles(), **extra, **storage,
+        lr=hp.lr,
+        betas=hp.betas,
+        eps=hp.eps,
+        weight_decay=hp.weight_decay,
+        dim=args.dim,
+        n_heads=args.n_heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        param_roles=model.named_param_roles(),
+        **extra,
+        **storage,
     )
 
 
@@ -139,7 +165,11 @@ def _low_bit_factory(name: str) -> Callable[[nn.Module, Hyperparameters], torch.
         if hp.bf16_stochastic_round is not None:
             extra["bf16_stochastic_round"] = hp.bf16_stochastic_round
         optimizer = cls(
-            trainable_parameters(model), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+            trainable_parameters(model),
+            lr=hp.lr,
+            betas=hp.betas,
+            eps=hp.eps,
+            weight_decay=hp.weight_decay,
             **extra,
         )
         portable_quantized_state(optimizer)
@@ -154,14 +184,19 @@ class OptimizerKind:
     build: Callable[[nn.Module, Hyperparameters], torch.optim.Optimizer]
     options: frozenset[str] = frozenset()  # optional [optimizer] options it takes
 
+
 OPTIMIZERS: dict[str, OptimizerKind] = {
     kind.name: kind
     for kind in (
         OptimizerKind("AdamW", _build_adamw, frozenset({IMPLEMENTATION, STATE_DTYPE})),
         OptimizerKind("Adam", _build_adam, frozenset({IMPLEMENTATION, STATE_DTYPE})),
         OptimizerKind("AdamMini", _adam_mini_factory(None), frozenset({VALUE_BLOCKS, IMPLEMENTATION, STATE_DTYPE})),
-        OptimizerKind("AdamMini8bit", _adam_mini_factory("int8"), frozenset({VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE})),
-        OptimizerKind("AdamMini4bit", _adam_mini_factory("int4"), frozenset({VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE})),
+        OptimizerKind(
+            "AdamMini8bit", _adam_mini_factory("int8"), frozenset({VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE})
+        ),
+        OptimizerKind(
+            "AdamMini4bit", _adam_mini_factory("int4"), frozenset({VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE})
+        ),
         OptimizerKind("AdamW8bit", _low_bit_factory("AdamW8bit"), _LOW_BIT_OPTIONS),
         OptimizerKind("AdamW4bit", _low_bit_factory("AdamW4bit"), _LOW_BIT_OPTIONS),
         OptimizerKind("AdamWFp8", _low_bit_factory("AdamWFp8"), _LOW_BIT_OPTIONS),

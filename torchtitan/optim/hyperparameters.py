@@ -15,14 +15,22 @@ from torchtitan.errors import UserError
 
 # [optimizer] options that only some optimizers take; the rest (lr, betas, eps, weight_decay) apply to all.
 IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE = (
-    "implementation", "value_blocks", "block_size", "bf16_stochastic_round", "state_dtype"
+    "implementation",
+    "value_blocks",
+    "block_size",
+    "bf16_stochastic_round",
+    "state_dtype",
 )
 OPTIONAL_OPTIONS = (IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE)
 
 # How messages name the checked values: the job config's keys by default.
 CONFIG_KEYS = {
-    "lr": "optimizer.lr", "betas": "optimizer.beta1 and optimizer.beta2", "beta1": "optimizer.beta1",
-    "beta2": "optimizer.beta2", "eps": "optimizer.eps", "weight_decay": "optimizer.weight_decay",
+    "lr": "optimizer.lr",
+    "betas": "optimizer.beta1 and optimizer.beta2",
+    "beta1": "optimizer.beta1",
+    "beta2": "optimizer.beta2",
+    "eps": "optimizer.eps",
+    "weight_decay": "optimizer.weight_decay",
 }
 
 
@@ -67,9 +75,15 @@ class Hyperparameters:
     def from_job_config(cls, job_config: Any) -> "Hyperparameters":
         o = job_config.optimizer
         return cls(
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-            implementation=o.implementation, value_blocks=o.value_blocks, block_size=o.block_size,
-            bf16_stochastic_round=o.bf16_stochastic_round, state_dtype=o.state_dtype,
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            implementation=o.implementation,
+            value_blocks=o.value_blocks,
+            block_size=o.block_size,
+            bf16_stochastic_round=o.bf16_stochastic_round,
+            state_dtype=o.state_dtype,
         )
 
     def options_set(self) -> set[str]:

@@ -194,8 +194,10 @@ def partition_summary(plans: list[BlockPlan]) -> str:
         entry[2] += plan.n_blocks
     total_params = sum(plan.numel for plan in plans)
     total_blocks = sum(plan.n_blocks for plan in plans)
-    lines = [f"Adam-mini partition: {len(plans)} tensors, {total_params:,} parameters, "
-             f"{total_blocks:,} second-moment entries ({total_blocks / max(total_params, 1):.4%} of Adam's)"]
+    lines = [
+        f"Adam-mini partition: {len(plans)} tensors, {total_params:,} parameters, "
+        f"{total_blocks:,} second-moment entries ({total_blocks / max(total_params, 1):.4%} of Adam's)"
+    ]
     lines.append(f"  {'role':<10} {'rule':<12} {'tensors':>7} {'parameters':>15} {'v entries':>12}")
     for (role, rule), (count, numel, blocks) in sorted(rows.items()):
         lines.append(f"  {role:<10} {rule:<12} {count:>7} {numel:>15,} {blocks:>12,}")

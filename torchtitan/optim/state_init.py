@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 @torch.no_grad()
 def initialise_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create ``optimizer``'s state as a fresh optimizer would have it, changing no parameter; a no-op once it exists."""
+    """Create ``optimizer``'s state as a fresh optimizer would have it, changing no parameter (no-op once it exists)."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if optimizer.state or not params:
         return

@@ -37,8 +37,9 @@ def new_state(param: Tensor, storage: str, block_size: int | None = None, signed
     if not isinstance(param, DTensor):
         return out
     # Local shards may differ in shape between ranks (uneven first dimension): give the global shape explicitly.
-    return DTensor.from_local(out, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    return DTensor.from_local(
+        out, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def _quantized_zeros(local: Tensor, storage: str, block_size: int, signed: bool) -> Tensor:

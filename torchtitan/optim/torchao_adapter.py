@@ -109,8 +109,11 @@ def portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:
         for saved_group, group in zip(state_dict["param_groups"], optimizer.param_groups):
             for key, param in zip(saved_group["params"], group["params"]):
                 incoming = state_dict["state"].get(key, {})
-                live = {name: value for name, value in optimizer.state.get(param, {}).items()
-                        if is_quantized(value) and name in incoming}
+                live = {
+                    name: value
+                    for name, value in optimizer.state.get(param, {}).items()
+                    if is_quantized(value) and name in incoming
+                }
                 for name, value in live.items():
                     value.copy_(incoming[name])
                 if live:

@@ -41,8 +41,11 @@ class ParallelDims:
         """The degrees and the loss-parallel choice of ``job_config``'s ``[training]`` over ``world_size`` ranks."""
         t = job_config.training
         return cls(
-            dp_replicate=t.data_parallel_replicate_degree, dp_shard=t.data_parallel_shard_degree,
-            tp=t.tensor_parallel_degree, world_size=world_size, enable_loss_parallel=not t.disable_loss_parallel,
+            dp_replicate=t.data_parallel_replicate_degree,
+            dp_shard=t.data_parallel_shard_degree,
+            tp=t.tensor_parallel_degree,
+            world_size=world_size,
+            enable_loss_parallel=not t.disable_loss_parallel,
         )
 
     def validate(self) -> None:

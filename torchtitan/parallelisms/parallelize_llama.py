@@ -58,7 +58,8 @@ def parallelize_llama(
         convert_to_float8(model)
     if parallel_dims.tp_enabled:
         apply_tensor_parallel(
-            model, world_mesh["tp"],
+            model,
+            world_mesh["tp"],
             loss_parallel=_loss_parallel_on(parallel_dims, job_config),
             float8=job_config.float8.enable_float8_linear,
         )

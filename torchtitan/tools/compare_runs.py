@@ -190,13 +190,21 @@ def format_table(summaries: list[dict], last_k: int) -> str:
         loss = _fmt(s["final_loss"], ".4f")
         if s["diverged_at_step"] is not None:
             loss = f"diverged at step {s['diverged_at_step']}"
-        rows.append((
-            s["name"], str(s["last_step"]), loss, _fmt(s["mean_tps"], ".1f"), memory,
-            _fmt(None if state is None else state / 2**30, ".3f"),
-        ))
+        rows.append(
+            (
+                s["name"],
+                str(s["last_step"]),
+                loss,
+                _fmt(s["mean_tps"], ".1f"),
+                memory,
+                _fmt(None if state is None else state / 2**30, ".3f"),
+            )
+        )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
-             for r in [header, *rows]]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+        for r in [header, *rows]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -264,7 +272,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--last-k", type=int, default=20, help="final loss = mean of the last k logged steps (default 20)")
     p.add_argument("--labels", default=None, help="comma-separated run names, one per run, in run order")
     p.add_argument(
-        "--json", nargs="?", const="-", default=None, metavar="PATH",
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
         help="also write the numbers as JSON to PATH; without PATH, print JSON instead of the table",
     )
     return p

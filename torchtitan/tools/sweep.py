@@ -41,7 +41,15 @@ from typing import Optional, Sequence
 from torchtitan.errors import UserError
 from torchtitan.guard import DIVERGENCE_EXIT_CODE
 from torchtitan.tools.compare_runs import (
-    EVENT_FILE_PREFIX, GRAD_NORM, LOSS, MEMORY_TAGS, STATE_BYTES, TPS, Series, first_non_finite_step, read_scalars,
+    EVENT_FILE_PREFIX,
+    GRAD_NORM,
+    LOSS,
+    MEMORY_TAGS,
+    STATE_BYTES,
+    TPS,
+    Series,
+    first_non_finite_step,
+    read_scalars,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +66,9 @@ USER_ERROR_EXIT_CODE = 2
 FINISHED, DIVERGED, FAILED = "finished", "diverged", "failed"
 # Options each run gets from the sweep itself; setting them in the shared options would make every run the same.
 SWEEP_OPTIONS = {
-    "optimizer.name": "--optimizers", "optimizer.lr": "--lrs", "training.seed": "--seeds",
+    "optimizer.name": "--optimizers",
+    "optimizer.lr": "--lrs",
+    "training.seed": "--seeds",
     "job.dump_folder": "--dump-folder",
 }
 
@@ -136,8 +146,18 @@ def check_train_options(train_args: Sequence[str]) -> None:
 
 def run_command(spec: RunSpec, run_dir: Path, train_args: Sequence[str], launcher: Sequence[str]) -> list[str]:
     return [
-        *launcher, *train_args, "--metrics.enable_tensorboard", "true", "--optimizer.name", spec.optimizer,
-        "--optimizer.lr", repr(spec.lr), "--training.seed", str(spec.seed), "--job.dump_folder", str(run_dir),
+        *launcher,
+        *train_args,
+        "--metrics.enable_tensorboard",
+        "true",
+        "--optimizer.name",
+        spec.optimizer,
+        "--optimizer.lr",
+        repr(spec.lr),
+        "--training.seed",
+        str(spec.seed),
+        "--job.dump_folder",
+        str(run_dir),
     ]
 
 
@@ -154,8 +174,17 @@ def preflight_jobs(specs: Sequence[RunSpec], config_file: str, nproc: int, train
             continue
         checked.add(spec.optimizer)
         config = JobConfig.parse_args(
-            ["--job.config_file", config_file, *train_args, "--optimizer.name", spec.optimizer,
-             "--optimizer.lr", repr(spec.lr), "--training.seed", str(spec.seed)]
+            [
+                "--job.config_file",
+                config_file,
+                *train_args,
+                "--optimizer.name",
+                spec.optimizer,
+                "--optimizer.lr",
+                repr(spec.lr),
+                "--training.seed",
+                str(spec.seed),
+            ]
         )
         check_hyperparameters(resolve_optimizer_name(spec.optimizer), Hyperparameters.from_job_config(config))
         preflight(config, nproc)
@@ -184,7 +213,9 @@ def lock_sweep(dump: Path):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        raise UserError(f"another sweep is running in '{dump}'; wait for it to end, or use another dump folder")
+        raise UserError(
+            f"another sweep is running in '{dump}'; wait for it to end, or use another dump folder"
+        ) from None
     return lock
 
 
@@ -271,9 +302,14 @@ def train_one(spec: RunSpec, run_dir: Path, command: list[str], env: dict) -> di
             raise
     scalars = run_scalars(run_dir)
     status = {
-        "optimizer": spec.optimizer, "lr": spec.lr, "seed": spec.seed,
-        "outcome": outcome(exit_code, scalars), "exit_code": exit_code,
-        "command": shlex.join(command), "seconds": round(time.time() - started, 1), "ended": time.time(),
+        "optimizer": spec.optimizer,
+        "lr": spec.lr,
+        "seed": spec.seed,
+        "outcome": outcome(exit_code, scalars),
+        "exit_code": exit_code,
+        "command": shlex.join(command),
+        "seconds": round(time.time() - started, 1),
+        "ended": time.time(),
     }
     if status["outcome"] == DIVERGED and exit_code == 0:
         status["message"] = f"non-finite loss logged at step {diverged_at_step(scalars)}"
@@ -289,8 +325,14 @@ def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run_sweep(specs: Sequence[RunSpec], dump: Path, config_file: str, nproc: int, train_args: Sequence[str],
-              launcher: Sequence[str]) -> list[dict]:
+def run_sweep(
+    specs: Sequence[RunSpec],
+    dump: Path,
+    config_file: str,
+    nproc: int,
+    train_args: Sequence[str],
+    launcher: Sequence[str],
+) -> list[dict]:
     """Run every spec not yet finished or diverged; returns the status of each spec, in order."""
     env = {**os.environ, "NGPU": str(nproc), "CONFIG_FILE": config_file}
     statuses = []
@@ -307,8 +349,10 @@ def run_sweep(specs: Sequence[RunSpec], dump: Path, config_file: str, nproc: int
             print(f"{head} training (log: {run_dir / LOG_FILE})", flush=True)
             status = train_one(spec, run_dir, run_command(spec, run_dir, train_args, launcher), env)
             message = f" ({status['message']})" if "message" in status else ""
-            print(f"{head} {status['outcome']}, exit {status['exit_code']}, {status['seconds']:.0f} s{message}",
-                  flush=True)
+            print(
+                f"{head} {status['outcome']}, exit {status['exit_code']}, {status['seconds']:.0f} s{message}",
+                flush=True,
+            )
             statuses.append(status)
             if status["exit_code"] == USER_ERROR_EXIT_CODE:
                 raise UserError(f"{spec.name} stopped on a mistake in its options: {status['message']}")
@@ -356,11 +400,18 @@ def run_summary(result: RunResult, last_k: int, by_validation: bool) -> dict:
     loss = s.get(LOSS)
     memory_tag = next((t for t in MEMORY_TAGS if t in s), None)
     summary = {
-        "name": result.spec.name, "optimizer": result.spec.optimizer, "lr": result.spec.lr, "seed": result.spec.seed,
-        "outcome": status["outcome"], "exit_code": status["exit_code"], "message": status.get("message"),
+        "name": result.spec.name,
+        "optimizer": result.spec.optimizer,
+        "lr": result.spec.lr,
+        "seed": result.spec.seed,
+        "outcome": status["outcome"],
+        "exit_code": status["exit_code"],
+        "message": status.get("message"),
         "last_step": loss.steps[-1] if loss else None,
         "diverged_at_step": diverged_at_step(s),
-        "train_loss": None, "validation_loss": None, "rank_loss": None,
+        "train_loss": None,
+        "validation_loss": None,
+        "rank_loss": None,
         "mean_tps": _mean_std(s[TPS].values)[0] if TPS in s else None,
         "peak_memory_gib": max(s[memory_tag].values) if memory_tag else None,
         "peak_memory_tag": memory_tag,
@@ -389,11 +440,18 @@ def summarize_sweep(results: Sequence[RunResult], last_k: int) -> dict:
             outcomes = [r["outcome"] for r in group]
             outcome_ = DIVERGED if DIVERGED in outcomes else FAILED if FAILED in outcomes else FINISHED
             mean, std = _mean_std([r["rank_loss"] for r in group if r["outcome"] == FINISHED])
-            cells.append({
-                "optimizer": optimizer, "lr": lr, "seeds": sorted(r["seed"] for r in group), "outcome": outcome_,
-                "runs_diverged": outcomes.count(DIVERGED), "runs_failed": outcomes.count(FAILED),
-                "loss_mean": mean if outcome_ == FINISHED else None, "loss_std": std if outcome_ == FINISHED else None,
-            })
+            cells.append(
+                {
+                    "optimizer": optimizer,
+                    "lr": lr,
+                    "seeds": sorted(r["seed"] for r in group),
+                    "outcome": outcome_,
+                    "runs_diverged": outcomes.count(DIVERGED),
+                    "runs_failed": outcomes.count(FAILED),
+                    "loss_mean": mean if outcome_ == FINISHED else None,
+                    "loss_std": std if outcome_ == FINISHED else None,
+                }
+            )
         grid.extend(cells)
         candidates = [c for c in cells if c["outcome"] == FINISHED and c["loss_mean"] is not None]
         winner = min(candidates, key=lambda c: c["loss_mean"], default=None)
@@ -407,16 +465,22 @@ def summarize_sweep(results: Sequence[RunResult], last_k: int) -> dict:
             "loss_std": winner["loss_std"] if winner else None,
             "seeds": winner["seeds"] if winner else [],
             # Throughput and memory do not depend on the lr: taken over all the optimizer's finished runs.
-            "mean_tps": _mean_std(tps)[0], "min_tps": min(tps, default=None), "max_tps": max(tps, default=None),
+            "mean_tps": _mean_std(tps)[0],
+            "min_tps": min(tps, default=None),
+            "max_tps": max(tps, default=None),
             "peak_memory_gib": max(memory, default=None),
             "peak_memory_tag": next((r["peak_memory_tag"] for r in mine if r["peak_memory_tag"]), None),
             "optimizer_state_bytes": max(state, default=None),
         }
-    ranked_by = (
-        f"last {VALIDATION_LOSS}" if by_validation else f"mean of the last {last_k} logged training losses"
-    )
-    return {"ranked_by": ranked_by, "by_validation": by_validation, "last_k": last_k, "runs": runs, "grid": grid,
-            "best": best}
+    ranked_by = f"last {VALIDATION_LOSS}" if by_validation else f"mean of the last {last_k} logged training losses"
+    return {
+        "ranked_by": ranked_by,
+        "by_validation": by_validation,
+        "last_k": last_k,
+        "runs": runs,
+        "grid": grid,
+        "best": best,
+    }
 
 
 def _loss_text(mean: Optional[float], std: Optional[float], n: int) -> str:
@@ -428,8 +492,11 @@ def _loss_text(mean: Optional[float], std: Optional[float], n: int) -> str:
 def _cell_text(cell: dict, runs: Sequence[dict]) -> str:
     if cell["outcome"] == FINISHED:
         return _loss_text(cell["loss_mean"], cell["loss_std"], len(cell["seeds"]))
-    bad = [r for r in runs if r["optimizer"] == cell["optimizer"] and r["lr"] == cell["lr"]
-           and r["outcome"] == cell["outcome"]]
+    bad = [
+        r
+        for r in runs
+        if r["optimizer"] == cell["optimizer"] and r["lr"] == cell["lr"] and r["outcome"] == cell["outcome"]
+    ]
     count = f" {len(bad)}/{len(cell['seeds'])} seeds" if len(cell["seeds"]) > 1 else ""
     if cell["outcome"] == DIVERGED:
         steps = sorted(r["diverged_at_step"] for r in bad if r["diverged_at_step"] is not None)
@@ -442,7 +509,8 @@ def format_markdown(report: dict) -> str:
     rss = any(b["peak_memory_tag"] == "memory/rss(GiB)" for b in best.values())
     lines = [
         f"Ranked by the {report['ranked_by']}; best lr = lowest mean over seeds among lrs where no seed diverged "
-        "or failed.", "",
+        "or failed.",
+        "",
         f"| optimizer | best lr | loss | tokens/s per process | peak memory{' (RSS)' if rss else ''} | "
         "optimizer state |",
         "|---|---|---|---|---|---|",
@@ -452,11 +520,12 @@ def format_markdown(report: dict) -> str:
         state = "n/a" if b["optimizer_state_bytes"] is None else f"{b['optimizer_state_bytes'] / 2**30:.3f} GiB"
         tps = "n/a" if b["mean_tps"] is None else f"{b['mean_tps']:.1f}"
         lr = "none (every lr diverged or failed)" if b["lr"] is None else lr_label(b["lr"])
-        lines.append(f"| {optimizer} | {lr} | {_loss_text(b['loss_mean'], b['loss_std'], len(b['seeds']))} | "
-                     f"{tps} | {memory} | {state} |")
+        lines.append(
+            f"| {optimizer} | {lr} | {_loss_text(b['loss_mean'], b['loss_std'], len(b['seeds']))} | "
+            f"{tps} | {memory} | {state} |"
+        )
     lrs = sorted({c["lr"] for c in grid})
-    lines += ["", "| optimizer | " + " | ".join(f"lr {lr_label(lr)}" for lr in lrs) + " |",
-              "|---|" + "---|" * len(lrs)]
+    lines += ["", "| optimizer | " + " | ".join(f"lr {lr_label(lr)}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
     for optimizer, b in best.items():
         cells = {c["lr"]: c for c in grid if c["optimizer"] == optimizer}
         row = []
@@ -499,8 +568,14 @@ def plot_sweep(results: Sequence[RunResult], report: dict, out: Path) -> None:
             if len(series) != len(chosen):
                 continue
             steps, mean, low, high = _mean_curve(series)
-            curves.plot(steps, mean, dashes[optimizer] + marker, color=colors[optimizer], markersize=3,
-                        label=f"{optimizer} lr {lr_label(b['lr'])}{seeds}{suffix}")
+            curves.plot(
+                steps,
+                mean,
+                dashes[optimizer] + marker,
+                color=colors[optimizer],
+                markersize=3,
+                label=f"{optimizer} lr {lr_label(b['lr'])}{seeds}{suffix}",
+            )
             if len(series) > 1:
                 curves.fill_between(steps, low, high, color=colors[optimizer], alpha=0.2)
     curves.set(title="loss at each optimizer's best lr", xlabel="step", ylabel="loss")
@@ -511,12 +586,19 @@ def plot_sweep(results: Sequence[RunResult], report: dict, out: Path) -> None:
         cells = [c for c in grid if c["optimizer"] == optimizer]
         ok = [c for c in cells if c["outcome"] == FINISHED]
         if ok:
-            by_lr.errorbar([c["lr"] for c in ok], [c["loss_mean"] for c in ok],
-                           yerr=[c["loss_std"] or 0.0 for c in ok], fmt=dashes[optimizer] + "o", capsize=3,
-                           color=colors[optimizer], label=optimizer)
+            by_lr.errorbar(
+                [c["lr"] for c in ok],
+                [c["loss_mean"] for c in ok],
+                yerr=[c["loss_std"] or 0.0 for c in ok],
+                fmt=dashes[optimizer] + "o",
+                capsize=3,
+                color=colors[optimizer],
+                label=optimizer,
+            )
         if best[optimizer]["lr"] is not None:
-            by_lr.plot([best[optimizer]["lr"]], [best[optimizer]["loss_mean"]], "*", markersize=16,
-                       color=colors[optimizer])
+            by_lr.plot(
+                [best[optimizer]["lr"]], [best[optimizer]["loss_mean"]], "*", markersize=16, color=colors[optimizer]
+            )
     unfinished = any(c["outcome"] != FINISHED for c in grid)
     if by_lr.lines and unfinished:  # keep the finite values in the lower 75% of the panel
         low, high = by_lr.get_ylim()
@@ -525,8 +607,15 @@ def plot_sweep(results: Sequence[RunResult], report: dict, out: Path) -> None:
         for c in (c for c in grid if c["optimizer"] == optimizer and c["outcome"] != FINISHED):
             marker = "x" if c["outcome"] == DIVERGED else "s"
             # One row per optimizer, so that two optimizers diverging at one lr stay visible.
-            by_lr.plot([c["lr"]], [0.95 - 0.05 * index], marker, transform=top, color=colors[optimizer],
-                       markersize=10, label=f"{optimizer} lr {lr_label(c['lr'])} {c['outcome']}")
+            by_lr.plot(
+                [c["lr"]],
+                [0.95 - 0.05 * index],
+                marker,
+                transform=top,
+                color=colors[optimizer],
+                markersize=10,
+                label=f"{optimizer} lr {lr_label(c['lr'])} {c['outcome']}",
+            )
     if unfinished:
         by_lr.plot([0, 1], [0.78, 0.78], ":", color="gray", transform=by_lr.transAxes)
         by_lr.text(0.01, 0.8, "diverged (x) / failed (■)", transform=by_lr.transAxes, fontsize="small", color="gray")
@@ -538,27 +627,47 @@ def plot_sweep(results: Sequence[RunResult], report: dict, out: Path) -> None:
 
     # (c) peak memory and optimizer state; (d) tokens/s.
     x = list(range(len(optimizers)))
-    mem_label = "peak memory (RSS)" if any(b["peak_memory_tag"] == "memory/rss(GiB)" for b in best.values()) \
-        else "peak memory"
+    mem_label = (
+        "peak memory (RSS)" if any(b["peak_memory_tag"] == "memory/rss(GiB)" for b in best.values()) else "peak memory"
+    )
     legend = []
-    for offset, key, label, hatch in ((-0.2, "peak_memory_gib", mem_label, None),
-                                      (0.2, "optimizer_state_bytes", "optimizer state", "//")):
+    for offset, key, label, hatch in (
+        (-0.2, "peak_memory_gib", mem_label, None),
+        (0.2, "optimizer_state_bytes", "optimizer state", "//"),
+    ):
         scale = 2**30 if key == "optimizer_state_bytes" else 1
         values = [(best[o][key] or 0.0) / scale for o in optimizers]
-        bars = memory.bar([i + offset for i in x], values, width=0.4, label=label, hatch=hatch,
-                          color=[colors[o] for o in optimizers], edgecolor="black")
+        bars = memory.bar(
+            [i + offset for i in x],
+            values,
+            width=0.4,
+            label=label,
+            hatch=hatch,
+            color=[colors[o] for o in optimizers],
+            edgecolor="black",
+        )
         memory.bar_label(bars, fmt="%.3f", fontsize="small")
         legend.append(Patch(facecolor="white", edgecolor="black", hatch=hatch, label=label))
-    memory.set(title="peak memory per process; optimizer state over all processes", ylabel="GiB", xticks=x,
-               xticklabels=optimizers)
+    memory.set(
+        title="peak memory per process; optimizer state over all processes",
+        ylabel="GiB",
+        xticks=x,
+        xticklabels=optimizers,
+    )
     memory.legend(handles=legend, fontsize="small")
     mean_tps = [best[o]["mean_tps"] or 0.0 for o in optimizers]
-    spread = [[m - (best[o]["min_tps"] or m) for o, m in zip(optimizers, mean_tps)],
-              [(best[o]["max_tps"] or m) - m for o, m in zip(optimizers, mean_tps)]]
+    spread = [
+        [m - (best[o]["min_tps"] or m) for o, m in zip(optimizers, mean_tps)],
+        [(best[o]["max_tps"] or m) - m for o, m in zip(optimizers, mean_tps)],
+    ]
     bars = speed.bar(x, mean_tps, yerr=spread, capsize=4, color=[colors[o] for o in optimizers], edgecolor="black")
     speed.bar_label(bars, fmt="%.0f", fontsize="small", label_type="center")
-    speed.set(title="tokens/s per process (mean over finished runs; bars: min to max)", ylabel="tokens/s",
-              xticks=x, xticklabels=optimizers)
+    speed.set(
+        title="tokens/s per process (mean over finished runs; bars: min to max)",
+        ylabel="tokens/s",
+        xticks=x,
+        xticklabels=optimizers,
+    )
     for ax in (curves, by_lr, speed):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -588,23 +697,37 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchtitan.tools.sweep",
         description="Train every optimizer x lr x seed with one config, then compare each optimizer at its best lr. "
-                    "Options after '--' go to every train.py run.",
+        "Options after '--' go to every train.py run.",
     )
     p.add_argument("--dump-folder", required=True, help="the sweep's folder: runs/, sweep.png, sweep.md, sweep.json")
-    p.add_argument("--optimizers", default="AdamW AdamMini",
-                   help="optimizer names, space- or comma-separated (default: AdamW AdamMini)")
-    p.add_argument("--lrs", default="3e-4 1e-3 3e-3",
-                   help="peak learning rates, space- or comma-separated (default: 3e-4 1e-3 3e-3)")
+    p.add_argument(
+        "--optimizers",
+        default="AdamW AdamMini",
+        help="optimizer names, space- or comma-separated (default: AdamW AdamMini)",
+    )
+    p.add_argument(
+        "--lrs",
+        default="3e-4 1e-3 3e-3",
+        help="peak learning rates, space- or comma-separated (default: 3e-4 1e-3 3e-3)",
+    )
     p.add_argument("--seeds", default="0", help="training.seed values, space- or comma-separated (default 0)")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="processes per run (NGPU of run_llama_train.sh; default: the GPUs present, else 1)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes per run (NGPU of run_llama_train.sh; default: the GPUs present, else 1)",
+    )
     p.add_argument("--config-file", default=DEFAULT_CONFIG, help=f"job config of every run (default {DEFAULT_CONFIG})")
-    p.add_argument("--last-k", type=int, default=10,
-                   help="final training loss = mean of the last k logged values (default 10)")
+    p.add_argument(
+        "--last-k", type=int, default=10, help="final training loss = mean of the last k logged values (default 10)"
+    )
     p.add_argument("--report-only", action="store_true", help="write the report from the runs there, train nothing")
-    p.add_argument("--launcher", default=str(REPO_ROOT / "run_llama_train.sh"),
-                   help="command that trains one run, given NGPU and CONFIG_FILE in its environment and the train.py "
-                        "options as arguments (default: the repository's run_llama_train.sh)")
+    p.add_argument(
+        "--launcher",
+        default=str(REPO_ROOT / "run_llama_train.sh"),
+        help="command that trains one run, given NGPU and CONFIG_FILE in its environment and the train.py "
+        "options as arguments (default: the repository's run_llama_train.sh)",
+    )
     return p
 
 
@@ -616,7 +739,7 @@ def _default_nproc() -> int:
 
 def sweep(argv: Sequence[str]) -> int:
     argv = list(argv)
-    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = _parser().parse_args(argv[: len(argv) - len(train_args) - (1 if "--" in argv else 0)])
     if args.last_k < 1:
         raise UserError(f"--last-k must be at least 1; got {args.last_k}")
@@ -644,8 +767,11 @@ def sweep(argv: Sequence[str]) -> int:
         return 0
     failed = [s for s in statuses if s["outcome"] == FAILED]
     if failed:
-        print(f"error: {len(failed)} of {len(statuses)} runs failed (see their train.log); run the same command "
-              "again to retry them", file=sys.stderr)
+        print(
+            f"error: {len(failed)} of {len(statuses)} runs failed (see their train.log); run the same command "
+            "again to retry them",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
