@@ -329,6 +329,17 @@ def losses(dump) -> list[float]:
     return list(by_step(metric_rows(run_dir(dump))).values())
 
 
+# What train.py logs to TensorBoard and metrics.jsonl at every logged step.
+PER_STEP_TAGS = [
+    "loss_metrics/global_avg_loss",
+    "loss_metrics/global_max_loss",
+    "grad_norm",
+    "lr",
+    "throughput/tps",
+    "throughput/tokens_seen",
+]
+
+
 def event_tags(path) -> set[str]:
     """The scalar tags of the TensorBoard events in ``path``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

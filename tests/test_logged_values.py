@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.distributed import memory_tag
-from tests.helpers import DEBUG_RUN, metric_rows, run_dir, train
+from tests.helpers import DEBUG_RUN, PER_STEP_TAGS, metric_rows, run_dir, train
 from torchtitan.config_manager import JobConfig
 from torchtitan.lr_scheduling import lr_factor
 from torchtitan.tools.compare_runs import main as compare_main
@@ -25,14 +25,6 @@ LOGGED_STEPS = [2, 4, 5]  # every log_freq steps, and the last step
 LOG_LINE = re.compile(
     r"step:\s+(?P<step>\d+)\s+loss: (?P<loss>\S+)\s+grad_norm: (?P<grad_norm>\S+)\s+lr: (?P<lr>\S+)\s+tps: (?P<tps>\S+)"
 )
-PER_STEP_TAGS = [
-    "loss_metrics/global_avg_loss",
-    "loss_metrics/global_max_loss",
-    "grad_norm",
-    "lr",
-    "throughput/tps",
-    "throughput/tokens_seen",
-]
 
 
 @pytest.fixture(scope="module")

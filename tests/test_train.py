@@ -6,15 +6,10 @@ import sys
 import pytest
 
 from tests.distributed import memory_tag, uses_cuda
-from tests.helpers import DEBUG_RUN, ROOT, event_tags, losses, run_dir, train
+from tests.helpers import DEBUG_RUN, PER_STEP_TAGS, ROOT, event_tags, losses, run_dir, train
 
 TAGS = {
-    "loss_metrics/global_avg_loss",
-    "loss_metrics/global_max_loss",
-    "grad_norm",
-    "lr",
-    "throughput/tps",
-    "throughput/tokens_seen",
+    *PER_STEP_TAGS,
     "optimizer/state_bytes",
     "skipped_steps",
 }
