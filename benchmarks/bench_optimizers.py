@@ -7,8 +7,9 @@ Llama in one process; also count kernel launches (profiler) and compare optimize
     python benchmarks/bench_optimizers.py --shapes many_small     # ~450 small tensors
     python benchmarks/bench_optimizers.py --shapes 1b             # ~1B parameters (GPU)
 
-Every optimizer steps the same parameters with the same (fixed) gradients; times are medians over the timed steps
-and ratios are against fused AdamW measured in the same run.
+Every optimizer steps the same parameters with the same (fixed) gradients. The optimizers take turns, one step each
+per round; times are medians over the rounds and ratios are the median, over rounds, of the step's time divided by
+fused AdamW's in the same round.
 """
 
 from __future__ import annotations
@@ -131,27 +132,33 @@ def kernel_launches(optimizer: torch.optim.Optimizer, device: torch.device) -> i
     return sum(1 for e in events if not e.cpu_children and not e.name.startswith(("Optimizer.", "ProfilerStep")))
 
 
-def time_steps(optimizer: torch.optim.Optimizer, device: torch.device, warmup: int, steps: int) -> float:
-    """Median seconds per step()."""
+def _timed_step(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    optimizer.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
-    first = time.perf_counter()
-    optimizer.step()  # builds the state and, for compiled steps, compiles
-    sync()
-    time_steps.first_step = time.perf_counter() - first
+def interleaved_times(
+    built: dict[str, torch.optim.Optimizer], device: torch.device, warmup: int, steps: int
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Seconds of each timed step() of every optimizer, and of its first step (state creation and compile).
+
+    The optimizers take turns, one step each per round, so that a change in the machine's speed (a shared or
+    throttled host) touches every optimizer of a round alike: ratios are taken within rounds.
+    """
+    first = {name: _timed_step(optimizer, device) for name, optimizer in built.items()}
     for _ in range(warmup):
-        optimizer.step()
-    times = []
+        for optimizer in built.values():
+            optimizer.step()
+    times: dict[str, list[float]] = {name: [] for name in built}
     for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        optimizer.step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, optimizer in built.items():
+            times[name].append(_timed_step(optimizer, device))
+    return times, first
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -159,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 50 on CUDA, 5 on CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 50 on CUDA, 15 on CPU)")
     parser.add_argument(
         "--shapes",
         default="bench",
@@ -169,35 +176,42 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--only", default=None, help="comma-separated substrings: time only matching optimizers")
     options = parser.parse_args(argv)
     device = torch.device(options.device)
-    steps = options.steps or (50 if device.type == "cuda" else 5)
+    steps = options.steps or (50 if device.type == "cuda" else 15)
     model = build_model(device, getattr(torch, options.dtype), SHAPES[options.shapes])
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"{n_params / 1e6:.1f}M parameters in {len(list(model.parameters()))} tensors, {options.dtype}, "
         f"{device.type}{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
-        f"torch {torch.__version__}, median of {steps} steps after {options.warmup} warm-up"
+        f"torch {torch.__version__}, median of {steps} interleaved rounds after {options.warmup} warm-up"
     )
 
-    results = {}
     wanted = [w.strip() for w in options.only.split(",")] if options.only else None
-    for name, build in optimizers(model).items():
-        if wanted and name != "AdamW (fused)" and not any(w in name for w in wanted):
-            continue
-        optimizer = build()
-        seconds = time_steps(optimizer, device, options.warmup, steps)
-        results[name] = (seconds, state_bytes(optimizer), kernel_launches(optimizer, device), time_steps.first_step)
-        del optimizer
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    built = {
+        name: build()
+        for name, build in optimizers(model).items()
+        if not wanted or name == "AdamW (fused)" or any(w in name for w in wanted)
+    }
+    times, first_steps = interleaved_times(built, device, options.warmup, steps)
+    base = times["AdamW (fused)"]
+    results = {
+        name: (
+            statistics.median(times[name]),
+            statistics.median(t / b for t, b in zip(times[name], base)),
+            state_bytes(optimizer),
+            kernel_launches(optimizer, device),
+            first_steps[name],
+        )
+        for name, optimizer in built.items()
+    }
 
-    base_time, base_bytes, base_launches, _ = results["AdamW (fused)"]
+    _, _, base_bytes, base_launches, _ = results["AdamW (fused)"]
     print(
         f"{'optimizer':<28} {'ms/step':>9} {'vs fused AdamW':>15} {'kernels':>8} {'vs AdamW':>9} "
         f"{'state MiB':>10} {'vs AdamW state':>15} {'first step s':>13}"
     )
-    for name, (seconds, nbytes, launches, first) in results.items():
+    for name, (seconds, ratio, nbytes, launches, first) in results.items():
         print(
-            f"{name:<28} {seconds * 1e3:>9.2f} {seconds / base_time:>14.2f}x {launches:>8d} "
+            f"{name:<28} {seconds * 1e3:>9.2f} {ratio:>14.2f}x {launches:>8d} "
             f"{launches / max(base_launches, 1):>8.2f}x {nbytes / 2**20:>10.1f} {nbytes / base_bytes:>15.4f} "
             f"{first:>13.1f}"
         )
