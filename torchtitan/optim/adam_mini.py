@@ -96,6 +96,7 @@ class BlockLayout:
     rows_split: bool = False  # some mesh dimension splits the rows
     _local_rows: Optional[Tensor] = None  # per_head with split rows: global index of each local row
     _local_blocks: Optional[Tensor] = None  # ... and the block (head) each local row belongs to
+    _fused_schedule: Optional[tuple] = None  # (key, schedule) of the last fused step led by this parameter
 
     def local_rows(self, local: Tensor) -> Tensor:
         """Global index of each row of ``local`` (this rank's shard), found once.
@@ -468,19 +469,14 @@ def _fused_update(
         layout.local_blocks(p) if layout.plan.rule == PER_HEAD and layout.rows_split else None
         for p, layout in zip(params, layouts)
     ]
-    plans = [_fused_plan(layout, hyper.weight_decay) for layout in layouts]
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, (p, m) in enumerate(zip(params, exp_avgs)):
-        # Quantizing code is large: one small graph per parameter (as torchao does) compiles far faster.
-        key = (p.dtype, p.device, type(m), m.dtype, step_counts[i])
-        groups[key + ((i,) if is_quantized(m) else ())].append(i)
+    schedule, plans = _schedule(params, exp_avgs, second_moments, means, indices, layouts, step_counts, hyper)
     dataless = any(p.is_meta or isinstance(p, FakeTensor) for p in params)
     run = _fused_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_fused_steps
     from torchtitan.optim.torchao_adapter import separate_compile_cache
 
     lr = hyper.lr
     with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache("AdamMini"):
-        for (dtype, device, _, _, count, *_), members in groups.items():
+        for dtype, device, count, slices in schedule:
             scalar_dtype = torch.promote_types(dtype, torch.float32)
             host = [1 - hyper.beta1**count, 1 - hyper.beta2**count]
             if isinstance(lr, Tensor):
@@ -489,8 +485,7 @@ def _fused_update(
                 scalars = torch.cat([lr_t, rest, 1 - lr_t * hyper.weight_decay])
             else:
                 scalars = torch.tensor([lr] + host + [1 - lr * hyper.weight_decay], dtype=scalar_dtype).to(device)
-            signatures = [_signature(params[i], second_moments[i], means[i], indices[i], plans[i]) for i in members]
-            for part in repeating_slices(members, signatures):
+            for part in slices:
                 # Detached: the compiled graph sees plain tensors sharing the parameters' memory.
                 run(
                     [params[i].detach() for i in part],
@@ -505,6 +500,43 @@ def _fused_update(
                     hyper.beta2,
                     hyper.eps,
                 )
+
+
+def _schedule(
+    params: list[Tensor],
+    exp_avgs: list[Tensor],
+    second_moments: list[Tensor],
+    means: list[Optional[Tensor]],
+    indices: list[Optional[Tensor]],
+    layouts: list[BlockLayout],
+    step_counts: list[float],
+    hyper: _Hyper,
+) -> tuple[list[tuple], list[_FusedPlan]]:
+    """Groups (dtype, device, step, slices of parameter indices) and per-parameter plans for a fused step.
+
+    They depend only on the parameters' layouts and storage, so they are worked out once and kept on the first
+    layout while its step keeps the same parameters (all on one step count, as usual): no per-step Python work
+    proportional to the parameter count beyond building the lists.
+    """
+    uniform = len(set(step_counts)) == 1
+    storage = tuple((p.dtype, type(m), m.dtype) for p, m in zip(params, exp_avgs))  # e.g. changed by a load
+    key = (tuple(map(id, layouts)), storage, hyper.weight_decay)
+    cached = layouts[0]._fused_schedule
+    if uniform and cached is not None and cached[0] == key:
+        groups, plans = cached[1]
+        return [(dtype, device, step_counts[0], slices) for dtype, device, slices in groups], plans
+    plans = [_fused_plan(layout, hyper.weight_decay) for layout in layouts]
+    members: dict[tuple, list[int]] = defaultdict(list)
+    for i, (p, m) in enumerate(zip(params, exp_avgs)):
+        # Quantizing code is large: one small graph per parameter (as torchao does) compiles far faster.
+        members[(p.dtype, p.device, type(m), m.dtype, step_counts[i]) + ((i,) if is_quantized(m) else ())].append(i)
+    groups = []
+    for (dtype, device, _, _, count, *_), indexes in members.items():
+        signatures = [_signature(params[i], second_moments[i], means[i], indices[i], plans[i]) for i in indexes]
+        groups.append((dtype, device, count, repeating_slices(indexes, signatures)))
+    if uniform:
+        layouts[0]._fused_schedule = (key, ([(dtype, device, slices) for dtype, device, _, slices in groups], plans))
+    return groups, plans
 
 
 def _signature(p: Tensor, v: Tensor, mean: Optional[Tensor], index: Optional[Tensor], plan: _FusedPlan) -> tuple:
