@@ -9,19 +9,12 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import TINY, tiny_model
 from torchtitan.config_manager import JobConfig
 from torchtitan.errors import UserError
-from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.optim import AdamMini, build_optimizers
 
-TINY = ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=8, multiple_of=8)
 DEFAULTS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
-
-
-def tiny_model() -> Transformer:
-    model = Transformer(TINY)
-    model.init_weights(0)
-    return model
 
 
 def torch_adam(values: dict) -> torch.optim.Optimizer:

@@ -280,7 +280,7 @@ def adam_mini_update(
     ``exp_avgs`` may be stored in any of ``state_storage``'s forms (float32, bfloat16, 8-/4-bit). Block statistics
     that are partial on this rank (split blocks, see :class:`BlockLayout`) are completed first, in one batched
     DTensor all-reduce; everything else is local and runs as foreach kernels or as compiled code
-    (``implementation``), where each gradient is read once: its block means and the update in one pass.
+    (``implementation``), where block means, ``v`` and the update of a parameter are one graph.
     """
     params, grads = [_local(p) for p in params], [_local(g) for g in grads]
     exp_avgs, second_moments = [_local(m) for m in exp_avgs], [_local(v) for v in second_moments]
@@ -362,20 +362,19 @@ class _FusedPlan:
 
     The local parameter is viewed as a matrix with one scale per row: ``heads`` rows (per_head blocks whole on
     this rank), one row (per_tensor) or its own rows (per_row, and per_head rows that pick their head's scale
-    through an index). ``given_means``: the block means come from outside (partial statistics completed over the
-    mesh); otherwise the rows of the matrix are whole blocks and their means are taken in the same graph.
+    through an index). Where block means are given (partial statistics completed over the mesh) the graph uses
+    them; otherwise the rows of the matrix are whole blocks and their means are taken in the same graph.
     """
 
     rule: str
     heads: int
     decays: bool
-    given_means: bool
 
 
 def _fused_plan(layout: BlockLayout, weight_decay: float) -> _FusedPlan:
     plan = layout.plan
     heads = plan.n_blocks if plan.rule == PER_HEAD and not layout.rows_split else 0
-    return _FusedPlan(plan.rule, heads, weight_decay != 0 and plan.decay, bool(layout.sum_dims))
+    return _FusedPlan(plan.rule, heads, weight_decay != 0 and plan.decay)
 
 
 def _as_block_rows(t: Tensor, plan: _FusedPlan) -> Tensor:
