@@ -73,6 +73,9 @@ def main(job_config: JobConfig) -> None:
         dp_rank,
         dp_degree,
         split=training_split(job_config),
+        workers=t.data_workers,
+        pin_memory=device.type == "cuda",
+        group=_world_group(),
     )
     validator = build_validator(job_config, tokenizer, parallel_dims, dp_rank, dp_degree, dp_group, device)
     train_state = training.TrainState()

@@ -39,16 +39,33 @@ def sample_stream(tokenizer) -> list[int]:
     return [t for text in texts for t in tokenizer.encode(text, bos=True, eos=True)]
 
 
+@pytest.fixture(scope="module")
+def sample_texts() -> list[str]:
+    return [json.loads(line)["text"] for line in SAMPLE_JSONL.read_text(encoding="utf-8").splitlines()]
+
+
+class CountingTokenizer:
+    """A tokenizer that records the texts it encodes."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.texts: list[str] = []
+
+    def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
+        self.texts.append(text)
+        return self.tokenizer.encode(text, bos=bos, eos=eos)
+
+
 def take(loader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(itertools.islice(loader, n))
 
 
-def sample_loader(tokenizer, batch_size: int, seq_len: int, rank: int = 0, world: int = 1, infinite: bool = True):
-    return build_hf_data_loader("sample", None, tokenizer, batch_size, seq_len, rank, world, infinite=infinite)
-
-
-def global_batch(batches_per_rank: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.cat([b[0] for b in batches_per_rank]), torch.cat([b[1] for b in batches_per_rank])
+def sample_loader(
+    tokenizer, batch_size: int, seq_len: int, rank: int = 0, world: int = 1, infinite: bool = True, workers: int = 0
+):
+    return build_hf_data_loader(
+        "sample", None, tokenizer, batch_size, seq_len, rank, world, infinite=infinite, workers=workers
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -71,15 +88,32 @@ def test_windows_are_contiguous_slices_with_labels_shifted(tokenizer, sample_str
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_ranks_split_each_global_batch_without_overlap(tokenizer, world):
+def test_each_rank_packs_its_own_share_of_the_documents(tokenizer, sample_texts, world):
     batch_size, seq_len, steps = 2, 12, 4
-    single = take(sample_loader(tokenizer, batch_size * world, seq_len), steps)
-    per_rank = [take(sample_loader(tokenizer, batch_size, seq_len, rank, world), steps) for rank in range(world)]
-    for step in range(steps):
-        inputs, labels = global_batch([per_rank[rank][step] for rank in range(world)])
-        assert torch.equal(inputs, single[step][0]) and torch.equal(labels, single[step][1])
-    rows = {tuple(b[0][i].tolist()) for rank in per_rank for b in rank for i in range(batch_size)}
-    assert len(rows) == world * batch_size * steps  # every rank got different windows
+    window = seq_len + 1
+    for rank in range(world):
+        share = [t for text in sample_texts[rank::world] for t in tokenizer.encode(text, bos=True, eos=True)]
+        batches = take(sample_loader(tokenizer, batch_size, seq_len, rank, world), steps)
+        rows = [inputs[row].tolist() + labels[row, -1:].tolist() for inputs, labels in batches for row in range(2)]
+        assert [t for row in rows for t in row] == share[: steps * batch_size * window]
+
+
+def test_a_rank_tokenizes_only_its_share(sample_texts):
+    """Rank 0 of 4 tokenizes about what a single rank does for the same local batches, and ranks never overlap."""
+    batch_size, seq_len, steps, world = 2, 64, 8, 4
+    tokenized = {}
+    for rank, ranks in [(0, 1), *((r, world) for r in range(world))]:
+        counting = CountingTokenizer(build_tokenizer(str(ASSETS / "tokenizer" / "tiktoken_test.model")))
+        take(sample_loader(counting, batch_size, seq_len, rank, ranks), steps)
+        tokenized[rank, ranks] = counting.texts
+    alone, rank0 = tokenized[0, 1], tokenized[0, world]
+    assert 0.8 < len(rank0) / len(alone) < 1.25  # 4x before each rank read its own share
+    assert len(rank0) < len(sample_texts) / world
+    indices: dict[str, set[int]] = {}
+    for index, text in enumerate(sample_texts):  # the sample repeats a few texts
+        indices.setdefault(text, set()).add(index)
+    for r in range(world):
+        assert all(any(i % world == r for i in indices[text]) for text in tokenized[r, world])
 
 
 def test_data_order_does_not_depend_on_the_seed(tokenizer, sample_stream):
@@ -119,35 +153,91 @@ def test_resume_continues_exactly(tokenizer):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_state_is_the_same_on_every_rank_and_world_size(tokenizer):
-    seq_len, steps = 10, 6
-    states = []
-    for world, batch_size in [(1, 4), (2, 2), (4, 1)]:
-        for rank in range(world):
-            loader = sample_loader(tokenizer, batch_size, seq_len, rank, world)
-            take(loader, steps)
-            states.append(loader.state_dict())
-    assert all(state == states[0] for state in states)
-    assert json.loads(json.dumps(states[0])) == states[0]  # plain data: any checkpoint format can hold it
-    assert states[0]["dataset_state"]["windows"] == steps * 4
+def test_workers_take_turns_and_resume_exactly(tokenizer):
+    """Two workers on one rank are readers 0 and 1 of 2 (as two ranks without workers); their batches alternate."""
+    batch_size, seq_len, before, after = 2, 16, 3, 4
+    per_reader = [
+        take(sample_loader(tokenizer, batch_size, seq_len, rank, 2), (before + after + 1) // 2) for rank in (0, 1)
+    ]
+    alternating = [per_reader[step % 2][step // 2] for step in range(before + after)]
+    first = sample_loader(tokenizer, batch_size, seq_len, workers=2)
+    got = take(first, before)
+    state = first.state_dict()
+    assert json.loads(json.dumps(state)) == state  # plain data, workers' state included
+    resumed = sample_loader(tokenizer, batch_size, seq_len, workers=2)
+    resumed.load_state_dict(state)
+    got += take(resumed, after)
+    for (inputs, labels), (want_inputs, want_labels) in zip(got, alternating, strict=True):
+        assert torch.equal(inputs, want_inputs) and torch.equal(labels, want_labels)
 
 
-def test_resume_on_a_different_world_size_with_the_same_global_batch(tokenizer):
-    seq_len, before, after = 10, 5, 4
-    reference = take(sample_loader(tokenizer, 4, seq_len), before + after)
-    saver = sample_loader(tokenizer, 2, seq_len, rank=1, world=2)  # any rank's state is the global one
-    take(saver, before)
-    state = saver.state_dict()
-    for world, batch_size in [(1, 4), (4, 1)]:
-        resumed = []
-        for rank in range(world):
-            loader = sample_loader(tokenizer, batch_size, seq_len, rank, world)
-            loader.load_state_dict(state)
-            resumed.append(take(loader, after))
-        for step in range(after):
-            inputs, labels = global_batch([resumed[rank][step] for rank in range(world)])
-            assert torch.equal(inputs, reference[before + step][0])
-            assert torch.equal(labels, reference[before + step][1])
+def job_state(loaders) -> dict:
+    """The state a checkpoint holds for a job whose ranks are ``loaders`` (gathered without a process group)."""
+    return hf_datasets.merge_rank_states([loader.rank_state() for loader in loaders])
+
+
+def test_state_holds_every_reader_of_the_job(tokenizer):
+    world, steps = 3, 4
+    loaders = [sample_loader(tokenizer, 2, 10, rank, world) for rank in range(world)]
+    for loader in loaders:
+        take(loader, steps)
+    state = job_state(loaders)
+    assert json.loads(json.dumps(state)) == state  # plain data: any checkpoint format can hold it
+    assert state["layout"] == {"dp_degree": world, "workers": 0}
+    assert sorted(state["readers"]) == ["0", "1", "2"] and sorted(state["ranks"]) == ["0", "1", "2"]
+    assert all(position["windows"] == steps * 2 for position in state["readers"].values())
+    # Each rank restores its own position from the job's state.
+    for rank in range(world):
+        resumed = sample_loader(tokenizer, 2, 10, rank, world)
+        resumed.load_state_dict(state)
+        want = take(sample_loader(tokenizer, 2, 10, rank, world), steps + 1)[-1]
+        assert torch.equal(take(resumed, 1)[0][0], want[0])
+
+
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_resume_on_another_world_size_reads_no_token_twice(new_world, tmp_path):
+    """From the furthest saved reader on: nothing read before is read again; what lay behind it is skipped."""
+    # Reader 0 of 2 gets the long documents, reader 1 the short ones: reader 1 runs ahead in the document order.
+    texts = [f"document {i} " + "word " * (20 if i % 2 == 0 else 2) for i in range(400)]
+    path = _write_jsonl(tmp_path / "docs.jsonl", texts)
+    tiktoken_model = str(ASSETS / "tokenizer" / "tiktoken_test.model")
+    batch_size, seq_len, steps = 2, 15, 6
+
+    def loader(rank, world, tokenizer):
+        return build_hf_data_loader("text", str(path), tokenizer, batch_size, seq_len, rank, world)
+
+    old = [CountingTokenizer(build_tokenizer(tiktoken_model)) for _ in range(2)]
+    saved = [loader(rank, 2, old[rank]) for rank in range(2)]
+    for rank_loader in saved:
+        take(rank_loader, steps)
+    state = job_state(saved)
+    furthest = hf_datasets.furthest_position(list(state["readers"].values()))
+
+    new = [CountingTokenizer(build_tokenizer(tiktoken_model)) for _ in range(new_world)]
+    first_rows = []
+    for rank in range(new_world):
+        resumed = loader(rank, new_world, new[rank])
+        resumed.load_state_dict(state)
+        first_rows.append(take(resumed, steps)[0][0][0].tolist())
+    # Every document read after the resume lies at or after the furthest position; only the one it was partway
+    # through is read on (from its next token).
+    read_after = {texts.index(text) for tokenizer in new for text in tokenizer.texts}
+    assert min(read_after) >= furthest["doc_index"]
+    read_before = {texts.index(text) for tokenizer in old for text in tokenizer.texts}
+    assert read_before & read_after <= {furthest["doc_index"]}
+    doc, offset = furthest["doc_index"], furthest["token_offset"]
+    assert offset > 0  # the furthest reader stopped inside a document: its owner now goes on from the next token
+    rest = new[0].tokenizer.encode(texts[doc], bos=True, eos=True)[offset:]
+    assert first_rows[doc % new_world][: len(rest)] == rest[:seq_len]
+    # The documents the slower reader had not reached yet are skipped this epoch.
+    skipped = set(range(furthest["doc_index"])) - read_before
+    assert skipped and not skipped & read_after
+
+
+def test_checkpoint_of_an_earlier_version_is_a_user_error(tokenizer):
+    loader = sample_loader(tokenizer, 2, 8)
+    with pytest.raises(UserError, match="earlier version"):
+        loader.load_state_dict({"dataset_state": hf_datasets.start_position(), "_num_yielded": 3})
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -192,7 +282,7 @@ def test_infinite_loader_loops_over_the_data_and_counts_epochs(tokenizer, tmp_pa
         for row in range(batch_size):
             start = (step * batch_size + row) * window
             assert inputs[row].tolist() == stream[start : start + seq_len]
-    assert loader.state_dict()["dataset_state"]["epoch"] == 3
+    assert loader.state_dict()["readers"]["0"]["epoch"] == 3
     # Resuming mid-way through a later epoch lands on the same tokens.
     resumed = build_hf_data_loader("text", str(path), tokenizer, batch_size, seq_len, 0, 1)
     resumed.load_state_dict(loader.state_dict())
@@ -200,20 +290,20 @@ def test_infinite_loader_loops_over_the_data_and_counts_epochs(tokenizer, tmp_pa
     assert take(resumed, 1)[0][0][0].tolist() == stream[start : start + seq_len]
 
 
-def test_finite_loader_stops_on_the_last_full_global_batch(tokenizer, tmp_path):
+def test_finite_loader_stops_on_the_last_full_batch_of_its_share(tokenizer, tmp_path):
     path = _write_jsonl(tmp_path / "small.jsonl", SMALL_TEXTS)
-    total = sum(len(tokenizer.encode(text, bos=True, eos=True)) for text in SMALL_TEXTS)
     batch_size, seq_len, world = 1, 5, 2
-    expected_steps = total // (seq_len + 1) // (batch_size * world)
     loaders = [
         build_hf_data_loader("text", str(path), tokenizer, batch_size, seq_len, rank, world, infinite=False)
         for rank in range(world)
     ]
     first_pass = [list(loader) for loader in loaders]
-    assert [len(p) for p in first_pass] == [expected_steps] * world
+    for rank, batches in enumerate(first_pass):
+        share = sum(len(tokenizer.encode(text, bos=True, eos=True)) for text in SMALL_TEXTS[rank::world])
+        assert len(batches) == share // (seq_len + 1) // batch_size
     second_pass = list(loaders[0])  # a new pass starts the next epoch from the first document
     assert [b[0].tolist() for b in second_pass] == [b[0].tolist() for b in first_pass[0]]
-    assert loaders[0].state_dict()["dataset_state"]["epoch"] == 2
+    assert loaders[0].dataset.state_dict()["epoch"] == 2
 
 
 def test_data_without_text_is_a_user_error(tokenizer, tmp_path):

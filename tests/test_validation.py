@@ -110,7 +110,7 @@ def test_split_streams_resume_and_loop_like_the_whole_stream(tokenizer, tmp_path
     list(itertools.islice(first, steps // 2))
     resumed = loader()
     resumed.load_state_dict(first.state_dict())
-    assert resumed.state_dict()["dataset_state"]["epoch"] == 1
+    assert resumed.state_dict()["readers"]["0"]["epoch"] == 1
     for got, want in zip(itertools.islice(resumed, steps - steps // 2), straight[steps // 2 :], strict=True):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 

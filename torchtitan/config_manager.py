@@ -95,6 +95,9 @@ class Training:
     dataset: str = opt("sample", "dataset: sample (bundled, offline), c4 (streamed from the hub) or text (local files)")
     dataset_path: Optional[str] = opt(None, "local file or folder of text/json/jsonl/parquet files (any dataset)")
     batch_size: int = opt(8, "sequences per data-parallel rank per micro-batch", gt=0)
+    data_workers: int = opt(
+        1, "data-loader worker processes per rank that read and tokenize (0: in the training process)", ge=0
+    )
     seq_len: int = opt(2048, "tokens per sequence", gt=0)
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", gt=0)
     steps: int = opt(10000, "optimizer steps to train", gt=0)

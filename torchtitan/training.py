@@ -86,7 +86,7 @@ def train_step(
     total = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(t.gradient_accumulation_steps):
         inputs, labels = next(batches)
-        inputs, labels = inputs.to(device), labels.to(device)
+        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with loss_parallel_context(parallel_dims):
             loss = cross_entropy(model(inputs), labels) / t.gradient_accumulation_steps
             loss.backward()

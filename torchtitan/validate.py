@@ -25,6 +25,7 @@ from torchtitan.errors import UserError
 from torchtitan.logging import logger
 from torchtitan.loss import cross_entropy
 from torchtitan.parallelisms import ParallelDims, loss_parallel_context
+from torchtitan.utils import all_reduce_scalar
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -57,9 +58,21 @@ def _files(name: str, path: Optional[str], section: str) -> Optional[tuple[str, 
     return None if local is None else local[:2]
 
 
-def load_validation_batches(job_config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> list[Batch]:
-    """This rank's share of the first ``validation.steps`` global batches of the validation data."""
+def load_validation_batches(
+    job_config: JobConfig,
+    tokenizer: Tokenizer,
+    dp_rank: int,
+    dp_degree: int,
+    dp_group: Optional[dist.ProcessGroup] = None,
+    device: Optional[torch.device] = None,
+) -> list[Batch]:
+    """This rank's first ``validation.steps`` batches of the validation data, read from its own share of it.
+
+    Every data-parallel rank keeps as many batches as the one with the fewest (each forward of a sharded model
+    is a collective); ``dp_group`` and ``device`` (where its collectives run) agree on that count.
+    """
     t, v = job_config.training, job_config.validation
+    device = device or torch.device("cpu")
     name, path, split = validation_data(job_config)
     batch_size, seq_len = v.batch_size or t.batch_size, v.seq_len or t.seq_len
     loader = build_hf_data_loader(
@@ -73,13 +86,18 @@ def load_validation_batches(job_config: JobConfig, tokenizer: Tokenizer, dp_rank
         infinite=False,
         split=split,
         section="validation",
+        workers=t.data_workers,
+        pin_memory=device.type == "cuda",
     )
     batches = list(itertools.islice(loader, v.steps))
+    fewest = -all_reduce_scalar(torch.tensor(-len(batches), device=device), "max", dp_group)
+    batches = batches[: int(fewest)]
     what = f"the held-out split (about 1 in {split.every} documents)" if split.held_out else "the validation data"
     if not batches:
         raise UserError(
-            f"{what} holds less than one global batch of {batch_size * dp_degree} x {seq_len + 1} tokens; "
-            "lower validation.batch_size or validation.seq_len, or lower validation.held_out_every"
+            f"{what} holds less than one batch of {batch_size} x {seq_len + 1} tokens for each data-parallel rank's "
+            f"share (1/{dp_degree}); lower validation.batch_size or validation.seq_len, or lower "
+            "validation.held_out_every"
         )
     if len(batches) < v.steps:
         logger.warning(f"validation: {what} holds {len(batches)} batches, not validation.steps {v.steps}")
@@ -109,7 +127,7 @@ def validation_loss(
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of token losses, tokens)
     try:
         for inputs, labels in batches:
-            inputs, labels = inputs.to(device), labels.to(device)
+            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             with loss_parallel_context(parallel_dims):
                 loss = cross_entropy(model(inputs), labels)
             if isinstance(loss, DTensor):
@@ -141,7 +159,7 @@ class Validator:
         self.parallel_dims = parallel_dims
         self.dp_group = dp_group
         self.device = device
-        self.batches = load_validation_batches(job_config, tokenizer, dp_rank, dp_degree)
+        self.batches = load_validation_batches(job_config, tokenizer, dp_rank, dp_degree, dp_group, device)
 
     def due(self, step: int) -> bool:
         return step % self.freq == 0 or step == self.last_step

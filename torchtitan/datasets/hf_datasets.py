@@ -1,4 +1,4 @@
-"""Text datasets packed into fixed-length training windows, split across data-parallel ranks, resumable.
+"""Text datasets packed into fixed-length training windows, each data-parallel rank reading its share, resumable.
 
 Datasets (``training.dataset``):
   * ``c4``     - ``allenai/c4`` (``en``, train split) streamed from the Hugging Face hub;
@@ -14,12 +14,21 @@ can be reached (one TCP connect with a short timeout, or the hub's offline switc
 ``HF_DATASETS_OFFLINE``) and a hub that fails while loading is reported the same way: one UserError naming the
 offline alternative, a local copy of the dataset in ``training.dataset_path``.
 
-Data order: documents are tokenized with BOS and EOS, concatenated into one token stream and cut into windows of
-``seq_len + 1`` tokens (inputs are ``window[:-1]``, labels ``window[1:]``). Every rank reads the same stream;
-global batch k is windows ``[k*W*B, (k+1)*W*B)`` for W data-parallel ranks of B sequences, and rank r takes the
-B windows starting at ``k*W*B + r*B``. The global batch therefore depends on W*B only, and the position in the
-stream - the loader's state - is the same on every rank and for every world size, so checkpoints reshard exactly.
-The order is the dataset's own: no seed (``training.seed`` included) or random state changes it.
+Data order: each data-parallel rank reads its own share. A job has R readers, one per loader worker
+(``training.data_workers``, or one per rank without workers) on each of its W data-parallel ranks: reader
+``i = rank * workers + worker`` tokenizes documents ``i, i + R, i + 2R, ...`` (the document index counts every
+document of the epoch) with BOS and EOS, concatenates them into its own token stream and cuts it into windows of
+``seq_len + 1`` tokens (inputs are ``window[:-1]``, labels ``window[1:]``), ``batch_size`` windows a batch. A rank
+with several workers takes their batches in turn. Every reader walks through the documents' text (parsing is
+cheap) but tokenizes only its 1/R of them. The order is the dataset's own: no seed (``training.seed`` included)
+or random state changes it.
+
+Resuming: the loader's state holds every reader's position (the dataset state before its current document, that
+document's index and how many of its tokens are read) and the torchdata loader state of every rank. On the same
+data-parallel degree and worker count a run resumes exactly. On another, the data order cannot be the same (the
+documents are dealt to other readers): every new reader starts at the furthest position any saved reader reached,
+so no token is read twice in an epoch, and the documents before it that slower readers had not reached yet are
+skipped until the next epoch.
 
 Held-out split: a stream may read only part of the documents. With ``every = N``, a document is held out when a
 64-bit BLAKE2b hash of its text is divisible by N (about one in N). The training stream skips those documents and
@@ -41,11 +50,13 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.errors import UserError
+from torchtitan.logging import logger
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA_DIR = REPO_ROOT / "assets" / "data" / "sample"
@@ -114,14 +125,17 @@ class DocumentSource:
 
     def _documents(self, start_state: str) -> Iterator[tuple[str, str]]:
         self.dataset.load_state_dict(json.loads(start_state) if start_state else None)
-        for example in self.dataset:
+        # Batches of one rather than plain iteration: inside a loader worker, plain iteration would hand this
+        # worker only some of the files, while every reader must see every document (the split is ours).
+        for example in self.dataset.iter(batch_size=1):
             if "text" not in example:
                 raise UserError(
                     f"{self.description} has no 'text' column (columns: {', '.join(example)}); "
                     f"give {self.section}.dataset_path files with a 'text' column"
                 )
-            if example["text"] and not example["text"].isspace():
-                yield example["text"], json.dumps(self.dataset.state_dict(), sort_keys=True)
+            text = example["text"][0]
+            if text and not text.isspace():
+                yield text, json.dumps(self.dataset.state_dict(), sort_keys=True)
 
 
 def _builder_for(path: Path) -> Optional[str]:
@@ -260,7 +274,39 @@ def load_documents(dataset_name: str, dataset_path: Optional[str], section: str 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The token stream and its position
+# Readers: who reads which documents
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One of the job's ``count`` readers: reader ``index`` tokenizes documents ``index``, ``index + count``, ...
+
+    A job has one reader per loader worker (or per rank without workers) on each data-parallel rank.
+    """
+
+    index: int = 0
+    count: int = 1
+
+    def owns(self, doc_index: int) -> bool:
+        return doc_index % self.count == self.index
+
+
+def rank_readers(dp_rank: int, dp_degree: int, workers: int) -> list[Reader]:
+    """The readers of data-parallel rank ``dp_rank``: one per loader worker, or one without workers."""
+    per_rank = max(1, workers)
+    return [Reader(dp_rank * per_rank + worker, dp_degree * per_rank) for worker in range(per_rank)]
+
+
+def _this_reader(dp_rank: int, dp_degree: int) -> Reader:
+    """The reader this process is: in a loader worker, the worker's own; else the rank's only one."""
+    info = torch.utils.data.get_worker_info()
+    if info is None:
+        return rank_readers(dp_rank, dp_degree, 0)[0]
+    return rank_readers(dp_rank, dp_degree, info.num_workers)[info.id]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A reader's token stream and its position
 
 
 def start_position(epoch: int = 0, windows: int = 0) -> dict[str, Any]:
@@ -268,13 +314,18 @@ def start_position(epoch: int = 0, windows: int = 0) -> dict[str, Any]:
     return {"epoch": epoch, "doc_index": 0, "token_offset": 0, "source_state": "", "windows": windows}
 
 
+def furthest_position(positions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The position furthest into the data (epoch, then document, then token) of several readers'."""
+    return max(positions, key=lambda p: (p["epoch"], p["doc_index"], p["token_offset"]))
+
+
 class TokenStream:
-    """All documents' tokens, concatenated, read forward from a position.
+    """One reader's documents' tokens, concatenated, read forward from a position.
 
     ``position`` names the next unread token: the dataset state just before its document (``source_state``),
-    that document's index in the epoch (``doc_index``) and how many of its tokens are already read
-    (``token_offset``), plus the epoch and the windows served so far. Documents the split leaves out are passed
-    over without being tokenized; they still count in ``doc_index``.
+    that document's index in the epoch (``doc_index``, counted over all documents, whoever reads them) and how many
+    of its tokens are already read (``token_offset``), plus the epoch and the windows served so far. Documents of
+    other readers and those the split leaves out are passed over without being tokenized.
     """
 
     def __init__(
@@ -284,12 +335,14 @@ class TokenStream:
         position: dict[str, Any],
         infinite: bool,
         split: DocumentSplit = DocumentSplit(),
+        reader: Reader = Reader(),
     ):
         self.position = dict(position)
         self._source = source
         self._tokenizer = tokenizer
         self._infinite = infinite
         self._split = split
+        self._reader = reader
         self._documents = source.documents(self.position["source_state"])
         self._tokens: Optional[list[int]] = None
         self._state_after_document = ""
@@ -298,8 +351,8 @@ class TokenStream:
         self._whole_epoch = self.position["doc_index"] == 0 and self.position["token_offset"] == 0
         self._kept_in_epoch = 0
 
-    def read(self, n: int, keep: bool = True) -> Optional[list[int]]:
-        """The next ``n`` tokens (an empty list when ``keep`` is False); None when a finite stream runs out."""
+    def read(self, n: int) -> Optional[list[int]]:
+        """The next ``n`` tokens; None when a finite stream runs out."""
         kept: list[int] = []
         while n > 0:
             tokens = self._current_document()
@@ -307,8 +360,7 @@ class TokenStream:
                 return None
             start = self.position["token_offset"]
             stop = min(len(tokens), start + n)
-            if keep:
-                kept.extend(tokens[start:stop])
+            kept.extend(tokens[start:stop])
             n -= stop - start
             self.position["token_offset"] = stop
         return kept
@@ -322,7 +374,7 @@ class TokenStream:
                         return None
                     continue
                 text, self._state_after_document = document
-                if not self._split.keeps(text):
+                if not (self._reader.owns(self.position["doc_index"]) and self._split.keeps(text)):
                     self._next_document()
                     continue
                 self._tokens = self._tokenizer.encode(text, bos=True, eos=True)
@@ -341,15 +393,16 @@ class TokenStream:
     def _start_next_epoch(self) -> bool:
         if not self._infinite:
             return False
-        section = self._source.section
-        if self.position["doc_index"] == 0:
+        section, documents = self._source.section, self.position["doc_index"]
+        if documents == 0:
             raise UserError(f"{self._source.description} holds no text; point {section}.dataset_path at real data")
         if self._whole_epoch and self._kept_in_epoch == 0:
+            held_out = f" {'in' if self._split.held_out else 'outside'} the held-out split" if self._split.every else ""
             raise UserError(
-                f"{self._source.description} has no document {'in' if self._split.held_out else 'outside'} the "
-                f"held-out split (about 1 in "
-                f"{self._split.every} of {self.position['doc_index']} documents); give more data or raise "
-                "validation.held_out_every"
+                f"{self._source.description} has no document{held_out} for data reader {self._reader.index} of "
+                f"{self._reader.count} (each reads every {self._reader.count}th of its {documents} documents; "
+                "readers are data-parallel ranks x training.data_workers); give more data, or use fewer ranks or "
+                "workers" + (", or raise validation.held_out_every" if self._split.every else "")
             )
         self.position = start_position(self.position["epoch"] + 1, self.position["windows"])
         self._documents = self._source.documents("")
@@ -361,8 +414,18 @@ class TokenStream:
 # The dataset and its loader
 
 
+@dataclass(frozen=True)
+class ReaderFailure:
+    """A user error met in a loader worker, carried to the training process to be raised there as one line."""
+
+    message: str
+
+
 class PackedTextDataset(IterableDataset):
-    """Yields this rank's ``(inputs, labels)`` for each global batch; ``state_dict()`` is the global position."""
+    """Yields this reader's ``(inputs, labels, (reader index, position after the batch))`` batches.
+
+    In a loader worker the reader is the worker's; ``state_dict()`` is this reader's position.
+    """
 
     def __init__(
         self,
@@ -388,26 +451,27 @@ class PackedTextDataset(IterableDataset):
         self.split = split
         self._position = start_position()
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        stream = TokenStream(self.source, self.tokenizer, self._position, self.infinite, self.split)
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            yield from self._batches(_this_reader(self.dp_rank, self.dp_world_size))
+        except UserError as e:
+            if torch.utils.data.get_worker_info() is None:
+                raise
+            yield ReaderFailure(str(e))  # a worker's exception would reach the user wrapped in a traceback
+
+    def _batches(self, reader: Reader) -> Iterator[Any]:
+        stream = TokenStream(self.source, self.tokenizer, self._position, self.infinite, self.split, reader)
         window = self.seq_len + 1
-        windows_per_batch = self.batch_size * self.dp_world_size
-        before_mine = self.dp_rank * self.batch_size * window
-        mine = self.batch_size * window
-        after_mine = windows_per_batch * window - before_mine - mine
         while True:
-            tokens = None
-            if stream.read(before_mine, keep=False) is not None:
-                tokens = stream.read(mine)
-            if tokens is None or stream.read(after_mine, keep=False) is None:
-                # A finite pass drops its last, partial global batch (on every rank alike); the next pass
-                # starts a new epoch.
+            tokens = stream.read(self.batch_size * window)
+            if tokens is None:
+                # A finite pass drops its last, partial batch; the next pass starts a new epoch.
                 self._position = start_position(stream.position["epoch"] + 1, stream.position["windows"])
                 return
-            stream.position["windows"] += windows_per_batch
+            stream.position["windows"] += self.batch_size
             self._position = dict(stream.position)
             windows = torch.tensor(tokens, dtype=torch.long).view(self.batch_size, window)
-            yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+            yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), (reader.index, dict(self._position))
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self._position)
@@ -419,9 +483,102 @@ class PackedTextDataset(IterableDataset):
         self._position = {key: state_dict[key] for key in start_position()}
 
 
-def _keep_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _keep_batch(batch: Any) -> Any:
     """The dataset yields whole batches; the loader passes them on unchanged."""
     return batch
+
+
+def _gather(value: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """``value`` of every rank of ``group`` (just this one's without a group)."""
+    if group is None or not dist.is_initialized():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def merge_rank_states(rank_states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The loader state of a job from its ranks' own (tensor-parallel peers give the same one twice)."""
+    first = rank_states[0]
+    return {
+        "layout": first["layout"],
+        "ranks": {str(s["dp_rank"]): s["loader"] for s in rank_states},
+        "readers": {index: position for s in rank_states for index, position in s["readers"].items()},
+    }
+
+
+class TextDataLoader:
+    """This rank's ``(inputs, labels)`` batches, each a ``(batch_size, seq_len)`` LongTensor; checkpointable.
+
+    ``workers`` loader processes tokenize off the training thread (0: in this process), each one reader.
+    ``state_dict()`` is the job's (every rank's readers, gathered over ``group``), the same on every rank.
+    Loaded on the same data-parallel degree and worker count it resumes exactly where the saved run was; on
+    another, every reader starts where the furthest saved reader was (see the module docstring).
+    """
+
+    def __init__(
+        self, dataset: PackedTextDataset, workers: int, pin_memory: bool, group: Optional[dist.ProcessGroup]
+    ) -> None:
+        self.dataset = dataset
+        self.workers = workers
+        self.layout = {"dp_degree": dataset.dp_world_size, "workers": workers}
+        self._group = group
+        self._readers = rank_readers(dataset.dp_rank, dataset.dp_world_size, workers)
+        self._positions = {str(r.index): start_position() for r in self._readers}
+        # batch_size=None: each item already is a batch, so a state snapshot always falls between batches.
+        # Its own generator keeps the loader from drawing on the global torch RNG.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*set_vital.*deprecated")  # torchdata on newer torch
+            self._loader = StatefulDataLoader(
+                dataset,
+                batch_size=None,
+                num_workers=workers,
+                collate_fn=_keep_batch,
+                generator=torch.Generator(),
+                pin_memory=pin_memory,
+            )
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for item in self._loader:
+            if isinstance(item, ReaderFailure):
+                raise UserError(item.message)
+            inputs, labels, (reader, position) = item
+            self._positions[str(reader)] = position
+            yield inputs, labels
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's share of the state: its loader's own state and its readers' positions."""
+        return {
+            "layout": self.layout,
+            "dp_rank": self.dataset.dp_rank,
+            "loader": self._loader.state_dict(),
+            "readers": dict(self._positions),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The job's loader state (a collective over ``group``: every rank calls it)."""
+        return merge_rank_states(_gather(self.rank_state(), self._group))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "layout" not in state:
+            raise UserError(
+                "the checkpoint's data position was saved by an earlier version (one stream read whole by every "
+                "rank); resume it with that version, or start from its model weights with checkpoint.initial_load_path"
+            )
+        if state["layout"] == self.layout:
+            self._loader.load_state_dict(state["ranks"][str(self.dataset.dp_rank)])
+            self._positions = {str(r.index): state["readers"][str(r.index)] for r in self._readers}
+            return
+        start = {**furthest_position(list(state["readers"].values())), "windows": 0}
+        self.dataset.load_state_dict(start)
+        self._positions = {str(r.index): dict(start) for r in self._readers}
+        saved = state["layout"]
+        logger.info(
+            f"data: the checkpoint was read by {saved['dp_degree']} data-parallel rank(s) x {saved['workers']} "
+            f"worker(s), this job uses {self.layout['dp_degree']} x {self.workers}: every reader continues from "
+            f"the furthest saved position (epoch {start['epoch']}, document {start['doc_index']}); documents "
+            "before it that were not read yet are skipped in this epoch"
+        )
 
 
 def build_hf_data_loader(
@@ -435,10 +592,15 @@ def build_hf_data_loader(
     infinite: bool = True,
     split: DocumentSplit = DocumentSplit(),
     section: str = "training",
-) -> StatefulDataLoader:
+    workers: int = 0,
+    pin_memory: bool = False,
+    group: Optional[dist.ProcessGroup] = None,
+) -> TextDataLoader:
     """A checkpointable loader of this rank's ``(inputs, labels)``, each a ``(batch_size, seq_len)`` LongTensor.
 
-    ``split`` picks the documents read (all by default); ``section`` is the config table named in error messages.
+    ``split`` picks the documents read (all by default); ``section`` is the config table named in error messages;
+    ``workers`` loader processes tokenize (0: this process); ``pin_memory`` pins batches for fast copies to a GPU;
+    ``group`` is the process group the loader's state is gathered over (None: one process).
     """
     source = load_documents(dataset_name, dataset_path, section)
     dataset = PackedTextDataset(
@@ -451,10 +613,4 @@ def build_hf_data_loader(
         infinite=infinite,
         split=split,
     )
-    # batch_size=None: each item already is a batch, so a state snapshot always falls between global batches.
-    # Its own generator keeps the loader from drawing on the global torch RNG.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*set_vital.*deprecated")  # torchdata on newer torch
-        return StatefulDataLoader(
-            dataset, batch_size=None, num_workers=0, collate_fn=_keep_batch, generator=torch.Generator()
-        )
+    return TextDataLoader(dataset, workers, pin_memory, group)
