@@ -3,8 +3,8 @@
 One straight 10-step run on 2 ranks (FSDP, float64, global batch 6) is the reference. From its step-5 checkpoint:
 - a run on 2 ranks is SIGKILLed while saving step 8; the next start ignores and removes the half-written save,
   resumes from step 5 (async saves) and matches the reference loss for loss and, at step 10, tensor for tensor;
-- runs on 1 and 3 ranks (local batch 6 and 2: the same global batch, so the same data) continue the reference's
-  losses within float64 summation-order noise.
+- runs on 1 and 3 ranks (local batch 6 and 2) resume with the data dealt to other readers, every one starting
+  from the furthest position a reader of the 2-rank run reached.
 """
 
 from __future__ import annotations
@@ -138,21 +138,33 @@ def test_sigkill_mid_save_then_resume_matches_straight_run_bit_for_bit(reference
         assert torch.equal(actual[name], tensor), name
 
 
+def data_state(dump_folder: str, step: int) -> dict:
+    return decode_plain(read_checkpoint(checkpoint_path(dump_folder, step))["dataloader"].numpy().tobytes())
+
+
+def furthest(state: dict) -> tuple[int, int, int]:
+    return max((p["epoch"], p["doc_index"], p["token_offset"]) for p in state["readers"].values())
+
+
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_resume_on_another_world_size_continues_the_losses(reference, tmp_path, world_size):
-    straight_dump, straight = reference
+def test_resume_on_another_world_size_continues_from_the_furthest_reader(reference, tmp_path, world_size):
+    straight_dump, _ = reference
     dump = str(tmp_path / f"world{world_size}")
     copy_checkpoint(straight_dump, MIDDLE, dump)
 
     output = run(dump, world_size)
     assert f"resumed from step {MIDDLE}" in output
+    assert "every reader continues from the furthest saved position" in output
     resumed = losses(dump)
     assert sorted(resumed) == list(range(MIDDLE + 1, STEPS + 1))
-    for step in resumed:
-        # float64 with a different number of shards: only the summation order differs (~1e-15 relative).
-        assert resumed[step] == pytest.approx(straight[step], rel=1e-9), step
-    # The loop's position and the data-loader position are world-size independent.
+    # Model and optimizer reshard exactly (tests/test_checkpoint.py); the data is dealt to other readers, so the
+    # losses differ from the straight run's, but every reader went on from the furthest saved position.
+    saved, after = data_state(straight_dump, MIDDLE), data_state(dump, STEPS)
+    assert saved["layout"] == {"dp_degree": 2, "workers": 1}
+    assert after["layout"] == {"dp_degree": world_size, "workers": 1} and len(after["readers"]) == world_size
+    assert all((p["epoch"], p["doc_index"]) >= furthest(saved)[:2] for p in after["readers"].values())
+    # The loop's position and the lr schedule are world-size independent.
     expected = read_checkpoint(checkpoint_path(straight_dump, STEPS))
     actual = read_checkpoint(checkpoint_path(dump, STEPS))
-    for name in ("train_state", "dataloader", "lr_schedulers"):
+    for name in ("train_state", "lr_schedulers"):
         assert decode_plain(actual[name].numpy().tobytes()) == decode_plain(expected[name].numpy().tobytes()), name

@@ -152,7 +152,7 @@ def test_validation_data_and_its_user_errors(tokenizer, tmp_path):
             lambda: load_validation_batches(
                 config("--validation.dataset", "text", "--validation.dataset_path", str(other)), tokenizer, 0, 1
             ),
-            "less than one global batch",
+            "less than one batch",
         ),
     ]
     for call, words in cases:
@@ -337,7 +337,7 @@ def test_help_lists_the_validation_table(capsys):
     [
         (["--validation.held_out_every", "0"], "validation.held_out_every is 0"),
         # 64 x 513 tokens: more than the whole held-out split of the sample (about 23,000 tokens)
-        (["--validation.batch_size", "64", "--training.seq_len", "512"], "less than one global batch"),
+        (["--validation.batch_size", "64", "--training.seq_len", "512"], "less than one batch"),
     ],
 )
 def test_train_py_reports_validation_mistakes_before_training(tmp_path, monkeypatch, capsys, args, message):

@@ -47,7 +47,7 @@ import urllib.parse
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,11 @@ class DocumentSplit:
 
 
 class DocumentSource:
-    """The "text" values (blank ones skipped) of a Hugging Face streaming dataset, each with its state after it."""
+    """The "text" values (blank ones skipped) of a Hugging Face streaming dataset, each with its state after it.
+
+    The state comes as a function to call before the next document is drawn: only a reader's own documents need
+    the state before them, and writing it down costs more than reading the text.
+    """
 
     def __init__(self, dataset: Any, description: str, section: str = "training", from_hub: bool = False) -> None:
         self.dataset = dataset
@@ -113,7 +117,7 @@ class DocumentSource:
         self.section = section  # the config table that named this data, for error messages
         self.from_hub = from_hub
 
-    def documents(self, start_state: str) -> Iterator[tuple[str, str]]:
+    def documents(self, start_state: str) -> Iterator[tuple[str, Callable[[], str]]]:
         """Documents after ``start_state`` (a JSON state from an earlier pass; "" starts at the beginning)."""
         if not self.from_hub:
             yield from self._documents(start_state)
@@ -123,7 +127,7 @@ class DocumentSource:
         except _network_errors() as e:
             raise hub_unreachable(_first_line(e), self.section) from None
 
-    def _documents(self, start_state: str) -> Iterator[tuple[str, str]]:
+    def _documents(self, start_state: str) -> Iterator[tuple[str, Callable[[], str]]]:
         self.dataset.load_state_dict(json.loads(start_state) if start_state else None)
         # Batches of one rather than plain iteration: inside a loader worker, plain iteration would hand this
         # worker only some of the files, while every reader must see every document (the split is ours).
@@ -135,7 +139,10 @@ class DocumentSource:
                 )
             text = example["text"][0]
             if text and not text.isspace():
-                yield text, json.dumps(self.dataset.state_dict(), sort_keys=True)
+                yield text, self._state
+
+    def _state(self) -> str:
+        return json.dumps(self.dataset.state_dict(), sort_keys=True)
 
 
 def _builder_for(path: Path) -> Optional[str]:
@@ -373,7 +380,10 @@ class TokenStream:
                     if not self._start_next_epoch():
                         return None
                     continue
-                text, self._state_after_document = document
+                text, state_after = document
+                # The position names the state before a document only at this reader's own documents.
+                next_is_mine = self._reader.owns(self.position["doc_index"] + 1)
+                self._state_after_document = state_after() if next_is_mine else ""
                 if not (self._reader.owns(self.position["doc_index"]) and self._split.keeps(text)):
                     self._next_document()
                     continue
