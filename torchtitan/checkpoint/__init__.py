@@ -19,7 +19,9 @@ NaN or an infinity on any rank is refused (``DivergenceError``, nothing written)
 so a crash mid-delete leaves a temporary folder, not a half-deleted ``step-N``.
 
 Resharding: model and optimizer tensors are DTensors that DCP reshards on load, so a checkpoint saved on N ranks
-loads on M. Everything else (schedulers, data-loader position, train state) is world-size independent plain data.
+loads on M. Everything else (schedulers, data-loader position, train state) is plain data, the same on every rank;
+the data loader's holds every rank's reader positions, and how it resumes on another world size is its own rule
+(``torchtitan/datasets/hf_datasets.py``).
 
 No pickle of arbitrary objects on load:
 - plain-data state (schedulers, data loader, ``states``) is stored as JSON text in a uint8 tensor;

@@ -114,7 +114,8 @@ class CheckpointManager:
     """Saves and resumes a training job; see the package docstring for the folder layout and guarantees.
 
     ``optimizers`` and ``lr_schedulers`` expose ``state_dict()`` / ``load_state_dict()``; ``data_loader`` is a
-    StatefulDataLoader (or None), whose state is the same on every rank;
+    checkpointable loader (or None) whose state is the same on every rank (``state_dict()`` may be a collective:
+    every rank saves and loads together);
     ``states`` maps names to objects with ``state_dict()`` / ``load_state_dict()`` returning plain data.
     """
 
@@ -344,7 +345,7 @@ class CheckpointManager:
         return state
 
     def _plain_states(self) -> dict[str, Any]:
-        """Everything saved as JSON: world-size independent, identical on every rank (DCP writes it once)."""
+        """Everything saved as JSON, identical on every rank (DCP writes it once)."""
         plain: dict[str, Any] = {}
         if self.lr_schedulers is not None:
             plain[LR_SCHEDULERS] = self.lr_schedulers.state_dict()
