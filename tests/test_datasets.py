@@ -306,11 +306,13 @@ def test_finite_loader_stops_on_the_last_full_batch_of_its_share(tokenizer, tmp_
     assert loaders[0].dataset.state_dict()["epoch"] == 2
 
 
-def test_data_without_text_is_a_user_error(tokenizer, tmp_path):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_data_without_text_is_a_user_error(tokenizer, tmp_path, workers):
     path = _write_jsonl(tmp_path / "empty.jsonl", ["", ""])
-    loader = build_hf_data_loader("text", str(path), tokenizer, 1, 4, 0, 1)
-    with pytest.raises(UserError, match="holds no text"):
+    loader = build_hf_data_loader("text", str(path), tokenizer, 1, 4, 0, 1, workers=workers)
+    with pytest.raises(UserError, match="holds no text") as info:
         take(loader, 1)
+    assert "\n" not in str(info.value)  # from a worker too: one line, not the worker's traceback
 
 
 # ----------------------------------------------------------------------------------------------------------------
