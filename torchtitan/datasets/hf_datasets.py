@@ -534,18 +534,22 @@ class TextDataLoader:
         self.layout = {"dp_degree": dataset.dp_world_size, "workers": workers}
         self._group = group
         self._readers = rank_readers(dataset.dp_rank, dataset.dp_world_size, workers)
+        self._pin_memory = pin_memory
         self._positions = {str(r.index): start_position() for r in self._readers}
+        self._loader = self._new_loader()
+
+    def _new_loader(self) -> StatefulDataLoader:
         # batch_size=None: each item already is a batch, so a state snapshot always falls between batches.
         # Its own generator keeps the loader from drawing on the global torch RNG.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*set_vital.*deprecated")  # torchdata on newer torch
-            self._loader = StatefulDataLoader(
-                dataset,
+            return StatefulDataLoader(
+                self.dataset,
                 batch_size=None,
-                num_workers=workers,
+                num_workers=self.workers,
                 collate_fn=_keep_batch,
                 generator=torch.Generator(),
-                pin_memory=pin_memory,
+                pin_memory=self._pin_memory,
             )
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -581,6 +585,7 @@ class TextDataLoader:
             return
         start = {**furthest_position(list(state["readers"].values())), "windows": 0}
         self.dataset.load_state_dict(start)
+        self._loader = self._new_loader()  # its workers, if started (a state_dict() starts them), hold the old start
         self._positions = {str(r.index): dict(start) for r in self._readers}
         saved = state["layout"]
         logger.info(
