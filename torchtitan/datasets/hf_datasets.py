@@ -39,6 +39,7 @@ a pass over it, so it works the same for streamed hub data.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -63,6 +64,7 @@ SAMPLE_DATA_DIR = REPO_ROOT / "assets" / "data" / "sample"
 DATASET_NAMES = ("c4", "sample", "text")
 DEFAULT_HUB = "https://huggingface.co"
 HUB_CONNECT_TIMEOUT_S = 3.0
+ROWS_PER_READ = 64  # rows the dataset hands over at a time
 _OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
@@ -128,21 +130,28 @@ class DocumentSource:
             raise hub_unreachable(_first_line(e), self.section) from None
 
     def _documents(self, start_state: str) -> Iterator[tuple[str, Callable[[], str]]]:
-        self.dataset.load_state_dict(json.loads(start_state) if start_state else None)
-        # Batches of one rather than plain iteration: inside a loader worker, plain iteration would hand this
-        # worker only some of the files, while every reader must see every document (the split is ours).
-        for example in self.dataset.iter(batch_size=1):
-            if "text" not in example:
+        # A state is the dataset's state before a batch of rows and how many of its rows are read. Batches rather
+        # than plain iteration: inside a loader worker, plain iteration would hand this worker only some of the
+        # files, while every reader must walk through every document (the split is ours); and rows come cheaper
+        # in batches.
+        start = json.loads(start_state) if start_state else {"dataset": None, "rows": 0}
+        self.dataset.load_state_dict(start["dataset"])
+        before_batch, skip = start["dataset"], start["rows"]
+        for batch in self.dataset.iter(batch_size=ROWS_PER_READ):
+            if "text" not in batch:
                 raise UserError(
-                    f"{self.description} has no 'text' column (columns: {', '.join(example)}); "
+                    f"{self.description} has no 'text' column (columns: {', '.join(batch)}); "
                     f"give {self.section}.dataset_path files with a 'text' column"
                 )
-            text = example["text"][0]
-            if text and not text.isspace():
-                yield text, self._state
+            for row in range(skip, len(batch["text"])):
+                text = batch["text"][row]
+                if text and not text.isspace():
+                    yield text, functools.partial(_source_state, before_batch, row + 1)
+            before_batch, skip = self.dataset.state_dict(), 0
 
-    def _state(self) -> str:
-        return json.dumps(self.dataset.state_dict(), sort_keys=True)
+
+def _source_state(before_batch: Optional[dict[str, Any]], rows: int) -> str:
+    return json.dumps({"dataset": before_batch, "rows": rows}, sort_keys=True)
 
 
 def _builder_for(path: Path) -> Optional[str]:
