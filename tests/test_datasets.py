@@ -396,6 +396,7 @@ def test_dataset_user_errors(tokenizer, tmp_path):
     (tmp_path / "nodata" / "readme.md").write_text("z")
     no_text = tmp_path / "no_text.jsonl"
     no_text.write_text(json.dumps({"content": "x"}) + "\n")
+    one_document = _write_jsonl(tmp_path / "one.jsonl", ["the only document"])
     cases = [
         (lambda: build_hf_data_loader("wikipedia", None, tokenizer, 1, 4, 0, 1), "training.dataset"),
         (lambda: build_hf_data_loader("text", None, tokenizer, 1, 4, 0, 1), "training.dataset_path"),
@@ -404,6 +405,7 @@ def test_dataset_user_errors(tokenizer, tmp_path):
         (lambda: build_hf_data_loader("text", str(tmp_path / "mixed"), tokenizer, 1, 4, 0, 1), "mixes"),
         (lambda: build_hf_data_loader("text", str(tmp_path / "nodata"), tokenizer, 1, 4, 0, 1), "holds no"),
         (lambda: take(build_hf_data_loader("text", str(no_text), tokenizer, 1, 4, 0, 1), 1), "'text' column"),
+        (lambda: take(build_hf_data_loader("text", str(one_document), tokenizer, 1, 4, 1, 2), 1), "data reader 1"),
     ]
     for call, words in cases:
         with pytest.raises(UserError, match=words) as info:

@@ -418,10 +418,10 @@ class TokenStream:
         if self._whole_epoch and self._kept_in_epoch == 0:
             held_out = f" {'in' if self._split.held_out else 'outside'} the held-out split" if self._split.every else ""
             raise UserError(
-                f"{self._source.description} has no document{held_out} for data reader {self._reader.index} of "
-                f"{self._reader.count} (each reads every {self._reader.count}th of its {documents} documents; "
-                "readers are data-parallel ranks x training.data_workers); give more data, or use fewer ranks or "
-                "workers" + (", or raise validation.held_out_every" if self._split.every else "")
+                f"{self._source.description} has no document{held_out} among those of data reader "
+                f"{self._reader.index} ({documents} documents dealt to {self._reader.count} readers: data-parallel "
+                "ranks x training.data_workers); give more data, or use fewer ranks or workers"
+                + (", or raise validation.held_out_every" if self._split.every else "")
             )
         self.position = start_position(self.position["epoch"] + 1, self.position["windows"])
         self._documents = self._source.documents("")
