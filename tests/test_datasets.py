@@ -234,6 +234,21 @@ def test_resume_on_another_world_size_reads_no_token_twice(new_world, tmp_path):
     assert skipped and not skipped & read_after
 
 
+def test_resume_on_another_world_size_reaches_the_workers(tokenizer):
+    """The checkpoint manager asks for a state before loading one, which starts workers; they must not keep the
+    old start."""
+    saved = [sample_loader(tokenizer, 2, 16, rank, 2) for rank in range(2)]
+    for loader in saved:
+        take(loader, 4)
+    state = job_state(saved)
+    furthest = hf_datasets.furthest_position(list(state["readers"].values()))
+    resumed = sample_loader(tokenizer, 4, 16, workers=1)
+    resumed.state_dict()
+    resumed.load_state_dict(state)
+    take(resumed, 1)
+    assert resumed.rank_state()["readers"]["0"]["doc_index"] >= furthest["doc_index"]
+
+
 def test_checkpoint_of_an_earlier_version_is_a_user_error(tokenizer):
     loader = sample_loader(tokenizer, 2, 8)
     with pytest.raises(UserError, match="earlier version"):

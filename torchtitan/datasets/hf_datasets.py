@@ -134,6 +134,12 @@ class DocumentSource:
         # than plain iteration: inside a loader worker, plain iteration would hand this worker only some of the
         # files, while every reader must walk through every document (the split is ours); and rows come cheaper
         # in batches.
+        if torch.utils.data.get_worker_info() is not None:
+            # A forked loader worker inherits fsspec's event-loop lock, whose loop thread it lacks: remote files
+            # (the hub) would hang on it. The datasets library resets it in its own worker path, which we bypass.
+            import fsspec.asyn
+
+            fsspec.asyn.reset_lock()
         start = json.loads(start_state) if start_state else {"dataset": None, "rows": 0}
         self.dataset.load_state_dict(start["dataset"])
         before_batch, skip = start["dataset"], start["rows"]
