@@ -15,7 +15,7 @@ from typing import Any
 
 from torchtitan.checkpoint.safe_reading import METADATA_FILE
 from torchtitan.logging import logger
-from torchtitan.optim.builder import resolve_optimizer_name
+from torchtitan.optim.builder import state_label
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights)?\.tmp-")
@@ -23,10 +23,12 @@ DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optim
 
 
 def resolve_folder(job_config: Any) -> str:
-    """``checkpoint.folder``, or unset ``checkpoint/<optimizer name>``, inside ``job.dump_folder`` unless absolute."""
+    """``checkpoint.folder``, or unset ``checkpoint/<optimizer state label>``, inside ``job.dump_folder`` unless
+    absolute. The label is the optimizer's name plus each option that shapes its state and is not at its default
+    (``optim.builder.state_label``), so runs whose states differ never share a folder."""
     folder = job_config.checkpoint.folder
     if folder is None:
-        folder = os.path.join(DEFAULT_FOLDER, resolve_optimizer_name(job_config.optimizer.name).name)
+        folder = os.path.join(DEFAULT_FOLDER, state_label(job_config))
     return folder if os.path.isabs(folder) else os.path.join(job_config.job.dump_folder, folder)
 
 

@@ -50,7 +50,7 @@ from torchtitan.guard import (
     tensors_are_finite,
 )
 from torchtitan.logging import logger
-from torchtitan.optim.builder import resolve_optimizer_name
+from torchtitan.optim.builder import OPTION_RULES, resolve_optimizer_name, state_signature
 from torchtitan.utils import DTYPES
 
 MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER = "model", "optimizer", "lr_schedulers", "dataloader"
@@ -61,21 +61,31 @@ RESERVED_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER, JOB_FACTS)
 def job_facts(job_config: Any, model_state: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint of this job holds, in plain data: compared on load before any tensor is read."""
     shapes = sorted((name, list(value.shape)) for name, value in model_state.items())
-    facts = {
+    return {
         "optimizer": resolve_optimizer_name(job_config.optimizer.name).name,
+        "optimizer_state": state_signature(job_config),
         "model_flavor": job_config.model.flavor,
         "parameters": sum(value.numel() for value in model_state.values()),
         "model_digest": hashlib.sha256(json.dumps(shapes).encode("utf-8")).hexdigest()[:16],
     }
-    state_dtype = getattr(job_config.optimizer, "state_dtype", None)
-    if state_dtype is not None:
-        facts["state_dtype"] = state_dtype
-    return facts
+
+
+def _optimizer_state(facts: dict[str, Any]) -> dict[str, Any]:
+    """The state-shaping options a checkpoint's facts record (checkpoints of earlier versions: the state dtype)."""
+    if "optimizer_state" in facts:
+        return dict(facts["optimizer_state"])
+    return {"state_dtype": facts["state_dtype"]} if "state_dtype" in facts else {}
 
 
 def _describe_optimizer(facts: dict[str, Any]) -> str:
-    dtype = facts.get("state_dtype")
-    return facts["optimizer"] + (f" ({dtype} state)" if dtype else "")
+    """The optimizer's name and the state-shaping options it set away from their defaults."""
+    state = _optimizer_state(facts)
+    options = ", ".join(
+        f"{k} {v}"
+        for k, v in state.items()
+        if v is not None and (k not in OPTION_RULES or v != OPTION_RULES[k].unset_means)
+    )
+    return facts["optimizer"] + (f" ({options})" if options else "")
 
 
 def _describe_model(facts: dict[str, Any]) -> str:
@@ -83,31 +93,49 @@ def _describe_model(facts: dict[str, Any]) -> str:
 
 
 def facts_mismatch(saved: dict[str, Any], expected: dict[str, Any], model_only: bool) -> Optional[tuple[str, str]]:
-    """What differs between a checkpoint's job facts and this job's: ("model" or "optimizer", in words), or None."""
+    """What differs between a checkpoint's job facts and this job's: ("model" or "optimizer", in words), or None.
+
+    Optimizers differ when their names or any state-shaping option both record differ.
+    """
     if saved["model_digest"] != expected["model_digest"]:
         same_size = saved["model_flavor"] == expected["model_flavor"] and saved["parameters"] == expected["parameters"]
         other = " but other parameter names or shapes" if same_size else ""
         return "model", f"holds {_describe_model(saved)}{other}; this job uses {_describe_model(expected)}"
     if model_only:
         return None
-    both_dtypes = "state_dtype" in saved and "state_dtype" in expected
-    dtypes_differ = both_dtypes and saved["state_dtype"] != expected["state_dtype"]
-    if saved["optimizer"] != expected["optimizer"] or dtypes_differ:
+    saved_state, expected_state = _optimizer_state(saved), _optimizer_state(expected)
+    states_differ = any(saved_state[k] != expected_state[k] for k in saved_state.keys() & expected_state.keys())
+    if saved["optimizer"] != expected["optimizer"] or states_differ:
         written, used = _describe_optimizer(saved), _describe_optimizer(expected)
         return "optimizer", f"was written by {written}; this job uses {used}"
     return None
 
 
-def flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
-    """Keys of a nested dict as DCP flattens them ("a.b.c")."""
-    keys = []
+def flat_items(state: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Leaves of a nested dict, keyed as DCP flattens them ("a.b.c")."""
+    items = []
     for key, value in state.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            keys.extend(flat_keys(value, name + "."))
+            items.extend(flat_items(value, name + "."))
         else:
-            keys.append(name)
-    return keys
+            items.append((name, value))
+    return items
+
+
+def flat_keys(state: dict[str, Any]) -> list[str]:
+    return [name for name, _ in flat_items(state)]
+
+
+def _shape_mismatches(state: dict[str, Any], entries: dict[str, Any]) -> list[str]:
+    """Tensors whose shape in the checkpoint differs from this job's (e.g. Adam-mini's ``v`` under other value
+    blocks), as "key: saved shape vs this job's shape"."""
+    wrong = []
+    for name, value in flat_items(state):
+        saved = getattr(entries.get(name), "size", None)
+        if isinstance(value, torch.Tensor) and saved is not None and tuple(saved) != tuple(value.shape):
+            wrong.append(f"{name}: {tuple(saved)} there, {tuple(value.shape)} here")
+    return wrong
 
 
 class CheckpointManager:
@@ -462,13 +490,17 @@ class CheckpointManager:
             for k in plain_names
             if getattr(entries.get(k), "properties", None) is None or entries[k].properties.dtype != torch.uint8
         ]
-        if missing:
-            shown = ", ".join(missing[:2]) + (f" and {len(missing) - 2} more" if len(missing) > 2 else "")
-            kind = "model" if missing[0].startswith(MODEL + ".") else "other"
-            raise UserError(
-                f"checkpoint '{path}' does not match this job ({len(missing)} entries missing: {shown}); "
-                f"{self._how_to_proceed(path, model_only, kind)}"
-            )
+        for problems, what, sep in (
+            (missing, "missing", ", "),
+            (_shape_mismatches(state, entries), "of other shapes", "; "),
+        ):
+            if problems:
+                shown = sep.join(problems[:2]) + (f" and {len(problems) - 2} more" if len(problems) > 2 else "")
+                kind = "model" if problems[0].startswith(MODEL + ".") else "other"
+                raise UserError(
+                    f"checkpoint '{path}' does not match this job ({len(problems)} entries {what}: {shown}); "
+                    f"{self._how_to_proceed(path, model_only, kind)}"
+                )
         return saved
 
     @staticmethod
