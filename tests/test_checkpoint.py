@@ -141,7 +141,8 @@ def test_saving_a_step_again_replaces_it(tmp_path):
     check = Trainer(job(str(tmp_path), steps=2))
     assert check.checkpoint.load() and check.train_state.step == 2
     assert_same_snapshot(check.snapshot(), again.snapshot())
-    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-1", "step-2"]
+    # Resuming from step 1 set the first run's step 2 aside; the step 2 saved since is this run's.
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-1", "step-2", "superseded"]
 
 
 def test_unwritable_folder_is_a_user_error_before_training(tmp_path):

@@ -28,11 +28,12 @@ from torchtitan.checkpoint.codec import decode_plain, encode_plain
 from torchtitan.checkpoint.folders import (
     DEFAULT_FOLDER,
     STEP_FOLDER,
-    clean_temporary,
     complete_steps,
     publish,
+    recover,
     remove_folder,
     resolve_folder,
+    set_aside_newer,
     step_folder,
     temporary_name,
     weights_folder,
@@ -179,7 +180,8 @@ class CheckpointManager:
         self.folder = resolve_folder(job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: Optional[tuple[Any, str, str]] = None  # (future, temporary folder, final folder)
-        self._last_saved_step = -1
+        self._last_saved_step = -1  # the newest step saved or being saved (a save in flight included)
+        self._last_published_step = -1  # the newest step known to be visible as a complete checkpoint
         self._group = None
         if not (self.enabled or self.export_enabled):
             return
@@ -189,9 +191,8 @@ class CheckpointManager:
             self._group = dist.new_group(backend="gloo")
         self.check_writable()
         if self.rank == 0:
-            removed = clean_temporary(self.folder)
-            if removed:
-                logger.info(f"checkpoint: removed {len(removed)} incomplete save(s) in {self.folder}: {removed}")
+            for note in recover(self.folder):
+                logger.info(f"checkpoint: in {self.folder}: {note}")
         self._barrier()
         mode = "async (background thread, dedicated gloo group)" if self.async_enabled else "synchronous"
         logger.info(
@@ -247,9 +248,23 @@ class CheckpointManager:
         chosen = requested if requested >= 0 else steps[-1]
         begin = time.perf_counter()
         self._load_from(step_folder(self.folder, chosen))
-        self._last_saved_step = chosen
+        self._last_saved_step = self._last_published_step = chosen
         logger.info(f"checkpoint: resumed from step {chosen} in {time.perf_counter() - begin:.2f} s")
+        if chosen < steps[-1]:
+            self._start_branch(chosen, [s for s in steps if s > chosen])
         return True
+
+    def _start_branch(self, chosen: int, newer: list[int]) -> None:
+        """Resumed from an older step: the newer checkpoints belong to the abandoned branch. Moved aside (never
+        deleted), they are neither resumed nor counted by keep_latest_k; this run's saves are the branch."""
+        if self.rank == 0:
+            target = set_aside_newer(self.folder, chosen)
+            logger.warning(
+                f"checkpoint: resumed from step {chosen} while newer checkpoints existed (steps "
+                f"{', '.join(map(str, newer))}); moved them to {target}, so that saves and later resumes follow "
+                "this run"
+            )
+        self._barrier()
 
     def save(self, curr_step: int, force: bool = False) -> None:
         """Save at multiples of ``checkpoint.interval`` and when forced; export weights at the last step if asked."""
@@ -280,14 +295,16 @@ class CheckpointManager:
         return final
 
     def last_finite_step(self) -> Optional[int]:
-        """The newest checkpoint this run saved or resumed from, once a save in flight is published; None if none.
-
-        Every checkpoint written here is finite (see ``_refuse_non_finite``), so it is safe to resume from.
-        """
+        """The newest published checkpoint this run saved or resumed from (a save in flight is waited for); None if
+        none. Every checkpoint written here is finite (see ``_refuse_non_finite``), so it is safe to resume from."""
         if not self.enabled:
             return None
-        self._publish_pending(wait=True)
-        return self._last_saved_step if self._last_saved_step >= 0 else None
+        try:
+            self._publish_pending(wait=True)
+        except Exception as e:  # a failed background save is not a checkpoint to name; the run is stopping anyway
+            self._pending = None
+            logger.error(f"checkpoint: the save in flight failed: {e}")
+        return self._last_published_step if self._last_published_step >= 0 else None
 
     def resume_hint(self) -> str:
         """Where a diverged run can resume from, as the end of its error message."""
@@ -356,13 +373,25 @@ class CheckpointManager:
         if self.rank == 0:
             self._publish_and_prune(temporary, final)
         self._barrier()  # nobody moves on before the checkpoint is visible
+        self._note_published(final)
 
     def _publish_and_prune(self, temporary: str, final: str) -> None:
         publish(temporary, final)
-        if self.keep_latest_k and STEP_FOLDER.match(os.path.basename(final)):
-            for old in complete_steps(self.folder)[: -self.keep_latest_k]:
-                remove_folder(step_folder(self.folder, old))
-                logger.info(f"checkpoint: removed step-{old} (keep_latest_k={self.keep_latest_k})")
+        self._note_published(final)
+        match = STEP_FOLDER.match(os.path.basename(final))
+        if not (self.keep_latest_k and match):
+            return
+        # The newest k - 1 others stay with the one just written, which is never pruned.
+        written = int(match.group(1))
+        others = [step for step in complete_steps(self.folder) if step != written]
+        for old in others[: max(0, len(others) - (self.keep_latest_k - 1))]:
+            remove_folder(step_folder(self.folder, old))
+            logger.info(f"checkpoint: removed step-{old} (keep_latest_k={self.keep_latest_k})")
+
+    def _note_published(self, final: str) -> None:
+        match = STEP_FOLDER.match(os.path.basename(final))
+        if match:
+            self._last_published_step = int(match.group(1))
 
     def _state_to_save(self) -> dict[str, Any]:
         state: dict[str, Any] = {MODEL: self._model_state(), OPTIMIZER: self.optimizers.state_dict()}
