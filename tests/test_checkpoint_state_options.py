@@ -33,7 +33,17 @@ def test_every_optimizer_option_declares_whether_it_shapes_the_state():
         (["--optimizer.name", "AdamMini", "--optimizer.value_blocks", "per_row"], "AdamMini"),
         (["--optimizer.name", "AdamMini", "--optimizer.state_dtype", "float32"], "AdamMini"),
         (["--optimizer.name", "AdamMini", "--optimizer.implementation", "foreach"], "AdamMini"),
-        (["--optimizer.name", "AdamW8bit", "--optimizer.bf16_stochastic_round", "false"], "AdamW8bit"),
+        (
+            [
+                "--optimizer.name",
+                "AdamW8bit",
+                "--optimizer.bf16_stochastic_round",
+                "false",
+                "--training.param_dtype",
+                "bfloat16",
+            ],
+            "AdamW8bit",
+        ),
         (
             [
                 "--optimizer.name",

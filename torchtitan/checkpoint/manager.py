@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 import warnings
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -188,7 +189,9 @@ class CheckpointManager:
         if dist.is_initialized():
             # Our own gloo group: async saves talk on it from a background thread without interleaving with the
             # training loop's collectives, and CPU tensors can coordinate ranks whatever the main backend is.
-            self._group = dist.new_group(backend="gloo")
+            # Its collectives wait as long as the default group's (comm.init_timeout_seconds), not torch's default.
+            timeout = timedelta(seconds=job_config.comm.init_timeout_seconds)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
         self.check_writable()
         if self.rank == 0:
             for note in recover(self.folder):
