@@ -33,15 +33,15 @@ def estimate(argv: Optional[list[str]]) -> None:
     # Imported after the config is read, so that --help and config mistakes answer at once.
     from torchtitan.estimation import estimate_memory, format_table, to_json
 
-    estimate = estimate_memory(job_config)
+    result = estimate_memory(job_config)
     destination = job_config.memory_estimation.json
     if destination == "-":
-        print(json.dumps(to_json(estimate), indent=2))
+        print(json.dumps(to_json(result), indent=2))
         return
-    print(format_table(estimate))
+    print(format_table(result))
     if destination:
         with open(destination, "w") as f:
-            json.dump(to_json(estimate), f, indent=2)
+            json.dump(to_json(result), f, indent=2)
             f.write("\n")
         print(f"wrote {destination}")
 
