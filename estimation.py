@@ -19,31 +19,31 @@ from typing import Optional
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from torchtitan.errors import exit_code
+
+    return exit_code(lambda: estimate(argv))
+
+
+def estimate(argv: Optional[list[str]]) -> None:
     from torchtitan.config_manager import JobConfig
-    from torchtitan.errors import UserError
 
-    try:
-        job_config = JobConfig.parse_args(argv, prog="estimation.py")
-        # The simulated step's gradient clipping on a 2-D mesh advises on its collectives; no use to a reader here.
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        # Imported after the config is read, so that --help and config mistakes answer at once.
-        from torchtitan.estimation import estimate_memory, format_table, to_json
+    job_config = JobConfig.parse_args(argv, prog="estimation.py")
+    # The simulated step's gradient clipping on a 2-D mesh advises on its collectives; no use to a reader here.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # Imported after the config is read, so that --help and config mistakes answer at once.
+    from torchtitan.estimation import estimate_memory, format_table, to_json
 
-        estimate = estimate_memory(job_config)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    result = estimate_memory(job_config)
     destination = job_config.memory_estimation.json
     if destination == "-":
-        print(json.dumps(to_json(estimate), indent=2))
-        return 0
-    print(format_table(estimate))
+        print(json.dumps(to_json(result), indent=2))
+        return
+    print(format_table(result))
     if destination:
         with open(destination, "w") as f:
-            json.dump(to_json(estimate), f, indent=2)
+            json.dump(to_json(result), f, indent=2)
             f.write("\n")
         print(f"wrote {destination}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ fi
 CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
+if [ "$NGPU" -eq 1 ]; then
+    # One process needs no launcher: train.py checks the job itself and reports a mistake as one line.
+    exec python train.py --job.config_file "$CONFIG_FILE" "$@"
+fi
+
 # Check the job once before starting workers, so a mistake is one line rather than a wall of launcher output.
 python -m torchtitan.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
 

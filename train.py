@@ -19,8 +19,8 @@ from torchtitan import training
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import build_hf_data_loader
-from torchtitan.errors import UserError
-from torchtitan.guard import DIVERGENCE_EXIT_CODE, DivergenceError, DivergenceGuard
+from torchtitan.errors import exit_code
+from torchtitan.guard import DivergenceGuard
 from torchtitan.logging import init_logger, logger
 from torchtitan.lr_scheduling import build_lr_schedulers
 from torchtitan.metrics import (
@@ -169,17 +169,8 @@ def _world_group():
 
 def run() -> int:
     try:
-        job_config = JobConfig.parse_args()
-        main(job_config)
-        return 0
-    except UserError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    except DivergenceError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return DIVERGENCE_EXIT_CODE
+        # Every rank raises the same error; the first one says it.
+        return exit_code(lambda: main(JobConfig.parse_args()), print_errors=int(os.environ.get("RANK", "0")) == 0)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

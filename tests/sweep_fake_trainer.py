@@ -1,4 +1,4 @@
-"""A stand-in for run_llama_train.sh in the sweep's tests: logs a made-up run in a second, no model.
+"""A stand-in for run_llama_train.sh in the sweep's tests: logs a made-up run in a second, no model, no torch.
 
 Takes the options the sweep passes (``--optimizer.name``, ``--optimizer.lr``, ``--training.seed``,
 ``--job.dump_folder``, ``--training.steps``) and writes TensorBoard events where train.py would, with the trainer's
@@ -23,7 +23,7 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from torchtitan.tools.sweep import lr_label
+from torchtitan.tools.sweep_plan import lr_label
 
 
 def options(argv: list[str]) -> dict[str, str]:
@@ -46,7 +46,8 @@ def main() -> int:
         (dump / "fake.pid").write_text(str(os.getpid()))
         time.sleep(600)
         return 1
-    writer = EventFileWriter(str(dump / "tb" / f"{time.strftime('%Y%m%d-%H%M%S')}_{optimizer}"))
+    # The pid keeps a retried run's folder apart from its first attempt's, even within one second.
+    writer = EventFileWriter(str(dump / "tb" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}_{optimizer}"))
 
     def log(step: int, tag: str, value: float) -> None:
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)])

@@ -141,7 +141,8 @@ def test_saving_a_step_again_replaces_it(tmp_path):
     check = Trainer(job(str(tmp_path), steps=2))
     assert check.checkpoint.load() and check.train_state.step == 2
     assert_same_snapshot(check.snapshot(), again.snapshot())
-    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-1", "step-2"]
+    # Resuming from step 1 set the first run's step 2 aside; the step 2 saved since is this run's.
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-1", "step-2", "superseded"]
 
 
 def test_unwritable_folder_is_a_user_error_before_training(tmp_path):
@@ -432,7 +433,8 @@ def two_rank_runs(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_save_on_two_ranks_resumes_exactly_on_two(two_rank_runs, mode):
     folders, results = two_rank_runs
-    assert sorted(os.listdir(os.path.join(folders[mode], "checkpoint"))) == ["step-2", "step-4"]
+    # The resume from step 2 set the first run's step 4 aside; the step 4 there now is the resumed run's.
+    assert sorted(os.listdir(os.path.join(folders[mode], "checkpoint"))) == ["step-2", "step-4", "superseded"]
     for rank_results in results:
         run = rank_results[mode]
         assert_same_snapshot(run["loaded"], run["at_step_2"])

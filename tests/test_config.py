@@ -46,6 +46,20 @@ def test_boolean_flags(argv, expected):
     assert JobConfig.parse_args(argv).training.compile is expected
 
 
+def test_options_that_act_are_accepted():
+    config = JobConfig.parse_args(
+        [
+            "--optimizer.bf16_stochastic_round=true",
+            "--training.param_dtype=bfloat16",
+            "--checkpoint.export_dtype=bfloat16",
+            "--checkpoint.model_weights_only",
+            "--checkpoint.async_mode=async",
+            "--checkpoint.enable_checkpoint",
+        ]
+    )
+    assert config.optimizer.bf16_stochastic_round and config.checkpoint.async_mode == "async"
+
+
 def test_optional_values_accept_none():
     config = JobConfig.parse_args(["--optimizer.implementation", "fused", "--training.dataset_path", "none"])
     assert config.optimizer.implementation == "fused"
@@ -78,6 +92,11 @@ def test_optional_values_accept_none():
         (["--job.config_file", "/no/such/file.toml"], "config file '/no/such/file.toml' not found"),
         (["--training.dataset_path", "/no/such/data"], "training.dataset_path '/no/such/data' does not exist"),
         (["steps=3"], "unexpected argument 'steps=3'"),
+        # Options that would change nothing.
+        (["--optimizer.bf16_stochastic_round", "true"], "but training.param_dtype is float32"),
+        (["--checkpoint.export_dtype", "bfloat16"], "the weights export, which is off"),
+        (["--checkpoint.initial_load_model_only", "false"], "checkpoint.initial_load_path, which is unset"),
+        (["--checkpoint.async_mode", "async", "--checkpoint.model_weights_only"], "full checkpoints, which are off"),
     ],
 )
 def test_bad_command_line(argv, message):

@@ -190,6 +190,8 @@ def test_low_bit_options_arrive():
             "64",
             "--optimizer.bf16_stochastic_round",
             "true",
+            "--training.param_dtype",
+            "bfloat16",
         ),
     ).optimizers
     assert (optimizer.block_size, optimizer.bf16_stochastic_round) == (64, True)
@@ -254,7 +256,11 @@ def test_implementation_sets_torch_flags(name, implementation, flags):
             "optimizer.state_dtype does not apply to AdamMini4bit",
         ),
         ("AdamMini4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamMini4bit"),
-        ("AdamW", ["--optimizer.bf16_stochastic_round", "true"], "bf16_stochastic_round does not apply to AdamW"),
+        (
+            "AdamW",
+            ["--optimizer.bf16_stochastic_round", "true", "--training.param_dtype", "bfloat16"],
+            "bf16_stochastic_round does not apply to AdamW",
+        ),
         low_bit(
             "AdamW8bit", ["--optimizer.implementation", "fused"], "optimizer.implementation does not apply to AdamW8bit"
         ),

@@ -87,7 +87,9 @@ class Optimizer:
     )
     # torchao low-bit optimizers only.
     block_size: Optional[int] = opt(None, "low-bit AdamW and AdamMini: quantization block size", gt=0)
-    bf16_stochastic_round: Optional[bool] = opt(None, "low-bit AdamW: stochastic rounding for bf16 parameters")
+    bf16_stochastic_round: Optional[bool] = opt(
+        None, "low-bit AdamW: stochastic rounding of the updated weights (needs training.param_dtype bfloat16)"
+    )
 
 
 @dataclass
@@ -163,10 +165,17 @@ class Checkpoint:
     )
     interval: int = opt(500, "save every N steps (and at the last step)", gt=0)
     keep_latest_k: int = opt(0, "keep only the newest k checkpoints; 0 keeps all", ge=0)
-    async_mode: str = opt("disabled", "disabled or async (save in a background thread)", choices=("disabled", "async"))
+    async_mode: str = opt(
+        "disabled",
+        "disabled or async (full checkpoints are written by a background thread; the weights export is always "
+        "written at once)",
+        choices=("disabled", "async"),
+    )
     load_step: int = opt(-1, "resume from this step; -1 resumes from the latest complete checkpoint", ge=-1)
     export_dtype: str = opt(
-        "float32", "dtype of the final weights-only export", choices=("float32", "bfloat16", "float16")
+        "float32",
+        "dtype of the final weights-only export (needs model_weights_only)",
+        choices=("float32", "bfloat16", "float16"),
     )
     model_weights_only: bool = opt(False, "at the end, export model weights only (in export_dtype)")
     initial_load_path: Optional[str] = opt(
@@ -201,7 +210,13 @@ class Float8:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = opt(300, "timeout for process-group setup and the first collectives", gt=0)
+    init_timeout_seconds: int = opt(
+        300,
+        "seconds a rank waits for the others in the setup of the default process group and in every collective on "
+        "it and on the checkpoint's gloo group, before the job fails; sub-groups of a multi-dimensional device mesh "
+        "keep torch's default (10 min NCCL, 30 min gloo)",
+        gt=0,
+    )
 
 
 @dataclass
@@ -276,6 +291,7 @@ class JobConfig:
         if t.dataset_path is not None and not os.path.exists(t.dataset_path):
             raise UserError(f"training.dataset_path '{t.dataset_path}' does not exist; point it at a file or folder")
         self._validate_validation()
+        self._refuse_options_that_do_nothing()
         initial = self.checkpoint.initial_load_path
         if initial is not None and not os.path.isdir(initial):
             raise UserError(
@@ -287,6 +303,30 @@ class JobConfig:
                 raise UserError(
                     "activation_checkpoint.selective_ac_option must be 'op' or a positive integer k (every k-th layer)"
                 )
+
+    def _refuse_options_that_do_nothing(self) -> None:
+        """An option set where it cannot act would make a run look other than it is: refuse it."""
+        o, c, defaults = self.optimizer, self.checkpoint, Checkpoint()
+        if o.bf16_stochastic_round is not None and self.training.param_dtype != "bfloat16":
+            raise UserError(
+                f"optimizer.bf16_stochastic_round rounds bfloat16 weights, but training.param_dtype is "
+                f"{self.training.param_dtype}; remove it, or train bfloat16 weights"
+            )
+        if c.export_dtype != defaults.export_dtype and not c.model_weights_only:
+            raise UserError(
+                "checkpoint.export_dtype sets the dtype of the weights export, which is off; add "
+                "--checkpoint.model_weights_only or remove checkpoint.export_dtype"
+            )
+        if c.initial_load_model_only != defaults.initial_load_model_only and c.initial_load_path is None:
+            raise UserError(
+                "checkpoint.initial_load_model_only applies to checkpoint.initial_load_path, which is unset; set "
+                "the path or remove the option"
+            )
+        if c.async_mode != defaults.async_mode and not c.enable_checkpoint:
+            raise UserError(
+                f"checkpoint.async_mode {c.async_mode} applies to full checkpoints, which are off (the weights export "
+                "is always written at once); add --checkpoint.enable_checkpoint or remove checkpoint.async_mode"
+            )
 
     def _validate_validation(self) -> None:
         t, v = self.training, self.validation

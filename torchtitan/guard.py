@@ -13,7 +13,7 @@ What a skipped step does, on every rank alike (the decision is all-reduced, so n
 
 After ``training.max_skipped_steps`` consecutive skipped steps (0: none allowed) the next non-finite step stops the
 run with :class:`DivergenceError`, which ``train.py`` prints as one ``error:`` line on rank 0 and exits with
-:data:`DIVERGENCE_EXIT_CODE`. A step that is finite again resets the count.
+:data:`torchtitan.errors.DIVERGENCE_EXIT_CODE`. A step that is finite again resets the count.
 """
 
 from __future__ import annotations
@@ -23,15 +23,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from torchtitan.errors import DivergenceError
 from torchtitan.logging import logger
-
-DIVERGENCE_EXIT_CODE = 3  # 2 is a user error; 3 says "training diverged"
-
-
-class DivergenceError(Exception):
-    """Training stopped because the loss, the gradients or the state became non-finite."""
+from torchtitan.utils import local_tensor
 
 
 def any_rank(flag: bool | torch.Tensor, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
@@ -43,10 +38,6 @@ def any_rank(flag: bool | torch.Tensor, device: torch.device, group: Optional[di
     return bool(value.item())
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def tensors_are_finite(tensors: Iterable[Any]) -> bool:
     """True if no floating-point tensor among ``tensors`` (this rank's shards) holds a NaN or an infinity.
 
@@ -56,7 +47,7 @@ def tensors_are_finite(tensors: Iterable[Any]) -> bool:
     for value in tensors:
         if not isinstance(value, torch.Tensor):
             continue
-        local = _local(value).detach()
+        local = local_tensor(value).detach()
         if local.is_floating_point() and local.numel() > 0:
             groups.setdefault((local.device, local.dtype), []).append(local)
     for group in groups.values():

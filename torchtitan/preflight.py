@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from torchtitan.config_manager import JobConfig
-from torchtitan.errors import UserError
+from torchtitan.errors import UserError, exit_code
 
 
 def model_args_for(job_config: JobConfig, vocab_size: int):
@@ -65,12 +65,7 @@ def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "--nproc" or not argv[1].isdigit() or int(argv[1]) < 1:
         print("usage: python -m torchtitan.preflight --nproc N [train.py options]", file=sys.stderr)
         return 2
-    try:
-        preflight(JobConfig.parse_args(argv[2:]), int(argv[1]))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code(lambda: preflight(JobConfig.parse_args(argv[2:]), int(argv[1])))
 
 
 if __name__ == "__main__":

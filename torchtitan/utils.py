@@ -13,6 +13,11 @@ from torch.distributed.tensor import DTensor
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def init_distributed(timeout_seconds: int) -> tuple[torch.device, int, int]:
     """Pick CUDA + NCCL when GPUs are present, else CPU + gloo; returns (device, rank, world size).
 

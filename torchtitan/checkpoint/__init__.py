@@ -1,8 +1,10 @@
 """Checkpoints: save and resume model, optimizers, lr schedulers, data-loader position and train state.
 
 Where: ``checkpoint.folder`` (relative to ``job.dump_folder`` unless absolute); unset, it is
-``checkpoint/<optimizer name>`` (the canonical name, e.g. ``checkpoint/AdamMini``), so runs that differ in the optimizer
-never share checkpoints, the way their TensorBoard run folders are apart. An explicit folder is used as given.
+``checkpoint/<optimizer state>``: the canonical optimizer name plus every option that shapes its state and is not at
+its default (e.g. ``checkpoint/AdamMini``, ``checkpoint/AdamMini-state_dtype=bfloat16-value_blocks=per_tensor``;
+``optim.builder.OPTION_RULES`` declares which options shape the state), so runs whose optimizer states differ never
+share checkpoints. An explicit folder is used as given.
 
 Layout of the checkpoint folder::
 
@@ -10,13 +12,21 @@ Layout of the checkpoint folder::
     step-20/
     step-20-weights/       the final weights-only export (model_weights_only), in export_dtype
     .step-30.tmp-1a2b3c/   a save in progress (or one killed mid-way): never loaded, removed at the next start
+    superseded/after-step-10-<time>/step-20/   checkpoints of a branch abandoned by a resume from step 10
 
 Crash safety: every save writes into a hidden temporary folder; only after all ranks finished writing does rank 0
 rename it to ``step-N`` (atomic on one filesystem) and fsync the parent folder. A checkpoint that is visible is
 therefore complete, and the last good one is never written over. A save whose model or optimizer state holds a
 NaN or an infinity on any rank is refused (``DivergenceError``, nothing written), so every checkpoint is finite.
-``keep_latest_k`` removes older checkpoints only after the new one is published, and removes them by renaming first,
-so a crash mid-delete leaves a temporary folder, not a half-deleted ``step-N``.
+``keep_latest_k`` removes older checkpoints only after the new one is published, never the one just written, and
+removes them by renaming first, so a crash mid-delete leaves a temporary folder, not a half-deleted ``step-N``. A step
+saved again replaces the old copy by an atomic exchange (or, where the system has none, a rename aside that the next
+start undoes if the new copy never arrived), so ``step-N`` is complete, old or new, at every point.
+
+Lineage: resuming from step N (``checkpoint.load_step``) while newer checkpoints exist starts a branch; the newer
+ones are moved to ``superseded/`` (never deleted; crash-safe through a marker file the next start completes), so
+later saves, ``keep_latest_k`` and automatic resumes follow the branch that ran last. A divergence error names the
+newest checkpoint this run published or resumed from.
 
 Resharding: model and optimizer tensors are DTensors that DCP reshards on load, so a checkpoint saved on N ranks
 loads on M. Everything else (schedulers, data-loader position, train state) is plain data, the same on every rank;

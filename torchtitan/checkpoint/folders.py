@@ -3,30 +3,48 @@
 A save writes into a hidden temporary folder (``.step-N.tmp-<token>``); rank 0 then renames it to ``step-N``
 (atomic on one filesystem) and fsyncs the parent folder. Deleting renames first too, so a crash mid-delete leaves a
 temporary folder, never a half-deleted ``step-N``; temporary folders are removed at the next start.
+
+Replacing a published ``step-N`` (a step saved again) swaps the two folders in one atomic exchange where the system
+has one (Linux ``renameat2``); elsewhere the old copy is first renamed to ``.step-N.old-<token>``, which the next
+start puts back if a crash came before the new copy was in place. Either way ``step-N`` names a complete checkpoint,
+old or new, at every point.
+
+Lineage: a run resumed from step N while newer checkpoints exist starts a new branch. Those newer checkpoints are
+moved to ``superseded/after-step-N-<time>/`` (a marker file lists the moves first, and the next start finishes
+them after a crash), so later saves, ``keep_latest_k`` and automatic resumes see only the branch that ran last.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import json
 import os
 import re
 import secrets
 import shutil
-from typing import Any
+import time
+from typing import Any, Optional
 
 from torchtitan.checkpoint.safe_reading import METADATA_FILE
 from torchtitan.logging import logger
-from torchtitan.optim.builder import resolve_optimizer_name
+from torchtitan.optim.builder import state_label
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights)?\.tmp-")
+REPLACED_FOLDER = re.compile(r"^\.(step-\d+(?:-weights)?)\.old-[0-9a-f]+$")  # an old copy set aside while replacing
+SUPERSEDED_FOLDER = "superseded"  # checkpoints of a branch that a resume from an older step abandoned
+BRANCH_MARKER = ".branch.json"  # the moves of an abandoned branch, written before they start
 DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optimizer
 
 
 def resolve_folder(job_config: Any) -> str:
-    """``checkpoint.folder``, or unset ``checkpoint/<optimizer name>``, inside ``job.dump_folder`` unless absolute."""
+    """``checkpoint.folder``, or unset ``checkpoint/<optimizer state label>``, inside ``job.dump_folder`` unless
+    absolute. The label is the optimizer's name plus each option that shapes its state and is not at its default
+    (``optim.builder.state_label``), so runs whose states differ never share a folder."""
     folder = job_config.checkpoint.folder
     if folder is None:
-        folder = os.path.join(DEFAULT_FOLDER, resolve_optimizer_name(job_config.optimizer.name).name)
+        folder = os.path.join(DEFAULT_FOLDER, state_label(job_config))
     return folder if os.path.isabs(folder) else os.path.join(job_config.job.dump_folder, folder)
 
 
@@ -77,16 +95,115 @@ def remove_folder(path: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+def _exchange(first: str, second: str) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the system cannot."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    if not hasattr(libc, "renameat2"):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    result = libc.renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange)
+    return result == 0
+
+
 def publish(temporary: str, final: str) -> None:
-    """Atomically make a finished save visible under its final name, replacing an older one of the same name."""
+    """Atomically make a finished save visible under its final name, replacing an older one of the same name.
+
+    ``final`` names a complete checkpoint, the old or the new one, at every point (see the module docstring).
+    """
     fsync_folder(temporary)
-    if os.path.exists(final):
-        # A re-run over the same step (e.g. resumed from an earlier load_step): the new save wins. The old one is
-        # moved aside first because a folder cannot be renamed onto a non-empty folder.
-        logger.warning(f"checkpoint: replacing existing {final}")
-        remove_folder(final)
+    parent = os.path.dirname(final)
+    if not os.path.exists(final):
+        os.rename(temporary, final)
+        fsync_folder(parent)
+        return
+    # A step saved again (e.g. by a run resumed from an earlier step): the new save wins.
+    logger.warning(f"checkpoint: replacing existing {final}")
+    if _exchange(temporary, final):
+        fsync_folder(parent)
+        shutil.rmtree(temporary, ignore_errors=True)  # it now holds the old copy
+        return
+    old = os.path.join(parent, f".{os.path.basename(final)}.old-{secrets.token_hex(4)}")
+    os.rename(final, old)  # a crash from here until the next rename: the next start restores the old copy
+    fsync_folder(parent)
     os.rename(temporary, final)
-    fsync_folder(os.path.dirname(final))
+    fsync_folder(parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside_newer(folder: str, kept_step: int) -> Optional[str]:
+    """Move the checkpoints newer than ``kept_step`` (and their weights exports) into ``superseded/``, so that the
+    branch resumed from ``kept_step`` is the only one saves and resumes see; the folder they went to, or None."""
+    newer = [step for step in complete_steps(folder) if step > kept_step]
+    if not newer:
+        return None
+    target = os.path.join(
+        SUPERSEDED_FOLDER, f"after-step-{kept_step}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    )
+    marker = os.path.join(folder, BRANCH_MARKER)
+    with open(marker + ".tmp", "w") as f:
+        json.dump({"target": target, "steps": newer}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(marker + ".tmp", marker)
+    fsync_folder(folder)
+    finish_set_aside(folder)
+    return os.path.join(folder, target)
+
+
+def finish_set_aside(folder: str) -> None:
+    """Carry out the moves a branch marker lists (all of them again after a crash: each is done once)."""
+    marker = os.path.join(folder, BRANCH_MARKER)
+    if not os.path.isfile(marker):
+        return
+    with open(marker) as f:
+        plan = json.load(f)
+    target = os.path.join(folder, plan["target"])
+    os.makedirs(target, exist_ok=True)
+    for step in plan["steps"]:
+        for path in (step_folder(folder, step), weights_folder(folder, step)):
+            if os.path.exists(path):
+                os.rename(path, os.path.join(target, os.path.basename(path)))
+    fsync_folder(target)
+    fsync_folder(folder)
+    os.remove(marker)
+    fsync_folder(folder)
+
+
+def restore_replaced(folder: str) -> list[str]:
+    """After a crash while replacing ``step-N``: put the old copy back where the new one never arrived, else drop
+    it; returns the names of the folders put back."""
+    restored = []
+    for name in sorted(os.listdir(folder)):
+        match = REPLACED_FOLDER.match(name)
+        if match is None:
+            continue
+        old, final = os.path.join(folder, name), os.path.join(folder, match.group(1))
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(old, final)
+            restored.append(match.group(1))
+    fsync_folder(folder)
+    return restored
+
+
+def recover(folder: str) -> list[str]:
+    """At a start: finish what a crash interrupted (moves of a branch, a replacement), then remove the leftovers
+    of interrupted saves and deletes; returns what it did, in words."""
+    if not os.path.isdir(folder):
+        return []
+    notes = []
+    if os.path.isfile(os.path.join(folder, BRANCH_MARKER)):
+        finish_set_aside(folder)
+        notes.append("finished setting aside a superseded branch")
+    notes += [f"put back {name} (its replacement was interrupted)" for name in restore_replaced(folder)]
+    removed = clean_temporary(folder)
+    if removed:
+        notes.append(f"removed {len(removed)} incomplete save(s): {removed}")
+    return notes
 
 
 def clean_temporary(folder: str) -> list[str]:

@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 import warnings
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -28,11 +29,12 @@ from torchtitan.checkpoint.codec import decode_plain, encode_plain
 from torchtitan.checkpoint.folders import (
     DEFAULT_FOLDER,
     STEP_FOLDER,
-    clean_temporary,
     complete_steps,
     publish,
+    recover,
     remove_folder,
     resolve_folder,
+    set_aside_newer,
     step_folder,
     temporary_name,
     weights_folder,
@@ -50,7 +52,7 @@ from torchtitan.guard import (
     tensors_are_finite,
 )
 from torchtitan.logging import logger
-from torchtitan.optim.builder import resolve_optimizer_name
+from torchtitan.optim.builder import OPTION_RULES, resolve_optimizer_name, state_signature
 from torchtitan.utils import DTYPES
 
 MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER = "model", "optimizer", "lr_schedulers", "dataloader"
@@ -61,21 +63,31 @@ RESERVED_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER, JOB_FACTS)
 def job_facts(job_config: Any, model_state: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint of this job holds, in plain data: compared on load before any tensor is read."""
     shapes = sorted((name, list(value.shape)) for name, value in model_state.items())
-    facts = {
+    return {
         "optimizer": resolve_optimizer_name(job_config.optimizer.name).name,
+        "optimizer_state": state_signature(job_config),
         "model_flavor": job_config.model.flavor,
         "parameters": sum(value.numel() for value in model_state.values()),
         "model_digest": hashlib.sha256(json.dumps(shapes).encode("utf-8")).hexdigest()[:16],
     }
-    state_dtype = getattr(job_config.optimizer, "state_dtype", None)
-    if state_dtype is not None:
-        facts["state_dtype"] = state_dtype
-    return facts
+
+
+def _optimizer_state(facts: dict[str, Any]) -> dict[str, Any]:
+    """The state-shaping options a checkpoint's facts record (checkpoints of earlier versions: the state dtype)."""
+    if "optimizer_state" in facts:
+        return dict(facts["optimizer_state"])
+    return {"state_dtype": facts["state_dtype"]} if "state_dtype" in facts else {}
 
 
 def _describe_optimizer(facts: dict[str, Any]) -> str:
-    dtype = facts.get("state_dtype")
-    return facts["optimizer"] + (f" ({dtype} state)" if dtype else "")
+    """The optimizer's name and the state-shaping options it set away from their defaults."""
+    state = _optimizer_state(facts)
+    options = ", ".join(
+        f"{k} {v}"
+        for k, v in state.items()
+        if v is not None and (k not in OPTION_RULES or v != OPTION_RULES[k].unset_means)
+    )
+    return facts["optimizer"] + (f" ({options})" if options else "")
 
 
 def _describe_model(facts: dict[str, Any]) -> str:
@@ -83,31 +95,49 @@ def _describe_model(facts: dict[str, Any]) -> str:
 
 
 def facts_mismatch(saved: dict[str, Any], expected: dict[str, Any], model_only: bool) -> Optional[tuple[str, str]]:
-    """What differs between a checkpoint's job facts and this job's: ("model" or "optimizer", in words), or None."""
+    """What differs between a checkpoint's job facts and this job's: ("model" or "optimizer", in words), or None.
+
+    Optimizers differ when their names or any state-shaping option both record differ.
+    """
     if saved["model_digest"] != expected["model_digest"]:
         same_size = saved["model_flavor"] == expected["model_flavor"] and saved["parameters"] == expected["parameters"]
         other = " but other parameter names or shapes" if same_size else ""
         return "model", f"holds {_describe_model(saved)}{other}; this job uses {_describe_model(expected)}"
     if model_only:
         return None
-    both_dtypes = "state_dtype" in saved and "state_dtype" in expected
-    dtypes_differ = both_dtypes and saved["state_dtype"] != expected["state_dtype"]
-    if saved["optimizer"] != expected["optimizer"] or dtypes_differ:
+    saved_state, expected_state = _optimizer_state(saved), _optimizer_state(expected)
+    states_differ = any(saved_state[k] != expected_state[k] for k in saved_state.keys() & expected_state.keys())
+    if saved["optimizer"] != expected["optimizer"] or states_differ:
         written, used = _describe_optimizer(saved), _describe_optimizer(expected)
         return "optimizer", f"was written by {written}; this job uses {used}"
     return None
 
 
-def flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
-    """Keys of a nested dict as DCP flattens them ("a.b.c")."""
-    keys = []
+def flat_items(state: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Leaves of a nested dict, keyed as DCP flattens them ("a.b.c")."""
+    items = []
     for key, value in state.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            keys.extend(flat_keys(value, name + "."))
+            items.extend(flat_items(value, name + "."))
         else:
-            keys.append(name)
-    return keys
+            items.append((name, value))
+    return items
+
+
+def flat_keys(state: dict[str, Any]) -> list[str]:
+    return [name for name, _ in flat_items(state)]
+
+
+def _shape_mismatches(state: dict[str, Any], entries: dict[str, Any]) -> list[str]:
+    """Tensors whose shape in the checkpoint differs from this job's (e.g. Adam-mini's ``v`` under other value
+    blocks), as "key: saved shape vs this job's shape"."""
+    wrong = []
+    for name, value in flat_items(state):
+        saved = getattr(entries.get(name), "size", None)
+        if isinstance(value, torch.Tensor) and saved is not None and tuple(saved) != tuple(value.shape):
+            wrong.append(f"{name}: {tuple(saved)} there, {tuple(value.shape)} here")
+    return wrong
 
 
 class CheckpointManager:
@@ -152,19 +182,21 @@ class CheckpointManager:
         self.folder = resolve_folder(job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: Optional[tuple[Any, str, str]] = None  # (future, temporary folder, final folder)
-        self._last_saved_step = -1
+        self._last_saved_step = -1  # the newest step saved or being saved (a save in flight included)
+        self._last_published_step = -1  # the newest step known to be visible as a complete checkpoint
         self._group = None
         if not (self.enabled or self.export_enabled):
             return
         if dist.is_initialized():
             # Our own gloo group: async saves talk on it from a background thread without interleaving with the
             # training loop's collectives, and CPU tensors can coordinate ranks whatever the main backend is.
-            self._group = dist.new_group(backend="gloo")
+            # Its collectives wait as long as the default group's (comm.init_timeout_seconds), not torch's default.
+            timeout = timedelta(seconds=job_config.comm.init_timeout_seconds)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
         self.check_writable()
         if self.rank == 0:
-            removed = clean_temporary(self.folder)
-            if removed:
-                logger.info(f"checkpoint: removed {len(removed)} incomplete save(s) in {self.folder}: {removed}")
+            for note in recover(self.folder):
+                logger.info(f"checkpoint: in {self.folder}: {note}")
         self._barrier()
         mode = "async (background thread, dedicated gloo group)" if self.async_enabled else "synchronous"
         logger.info(
@@ -220,9 +252,23 @@ class CheckpointManager:
         chosen = requested if requested >= 0 else steps[-1]
         begin = time.perf_counter()
         self._load_from(step_folder(self.folder, chosen))
-        self._last_saved_step = chosen
+        self._last_saved_step = self._last_published_step = chosen
         logger.info(f"checkpoint: resumed from step {chosen} in {time.perf_counter() - begin:.2f} s")
+        if chosen < steps[-1]:
+            self._start_branch(chosen, [s for s in steps if s > chosen])
         return True
+
+    def _start_branch(self, chosen: int, newer: list[int]) -> None:
+        """Resumed from an older step: the newer checkpoints belong to the abandoned branch. Moved aside (never
+        deleted), they are neither resumed nor counted by keep_latest_k; this run's saves are the branch."""
+        if self.rank == 0:
+            target = set_aside_newer(self.folder, chosen)
+            logger.warning(
+                f"checkpoint: resumed from step {chosen} while newer checkpoints existed (steps "
+                f"{', '.join(map(str, newer))}); moved them to {target}, so that saves and later resumes follow "
+                "this run"
+            )
+        self._barrier()
 
     def save(self, curr_step: int, force: bool = False) -> None:
         """Save at multiples of ``checkpoint.interval`` and when forced; export weights at the last step if asked."""
@@ -253,14 +299,16 @@ class CheckpointManager:
         return final
 
     def last_finite_step(self) -> Optional[int]:
-        """The newest checkpoint this run saved or resumed from, once a save in flight is published; None if none.
-
-        Every checkpoint written here is finite (see ``_refuse_non_finite``), so it is safe to resume from.
-        """
+        """The newest published checkpoint this run saved or resumed from (a save in flight is waited for); None if
+        none. Every checkpoint written here is finite (see ``_refuse_non_finite``), so it is safe to resume from."""
         if not self.enabled:
             return None
-        self._publish_pending(wait=True)
-        return self._last_saved_step if self._last_saved_step >= 0 else None
+        try:
+            self._publish_pending(wait=True)
+        except Exception as e:  # a failed background save is not a checkpoint to name; the run is stopping anyway
+            self._pending = None
+            logger.error(f"checkpoint: the save in flight failed: {e}")
+        return self._last_published_step if self._last_published_step >= 0 else None
 
     def resume_hint(self) -> str:
         """Where a diverged run can resume from, as the end of its error message."""
@@ -329,13 +377,25 @@ class CheckpointManager:
         if self.rank == 0:
             self._publish_and_prune(temporary, final)
         self._barrier()  # nobody moves on before the checkpoint is visible
+        self._note_published(final)
 
     def _publish_and_prune(self, temporary: str, final: str) -> None:
         publish(temporary, final)
-        if self.keep_latest_k and STEP_FOLDER.match(os.path.basename(final)):
-            for old in complete_steps(self.folder)[: -self.keep_latest_k]:
-                remove_folder(step_folder(self.folder, old))
-                logger.info(f"checkpoint: removed step-{old} (keep_latest_k={self.keep_latest_k})")
+        self._note_published(final)
+        match = STEP_FOLDER.match(os.path.basename(final))
+        if not (self.keep_latest_k and match):
+            return
+        # The newest k - 1 others stay with the one just written, which is never pruned.
+        written = int(match.group(1))
+        others = [step for step in complete_steps(self.folder) if step != written]
+        for old in others[: max(0, len(others) - (self.keep_latest_k - 1))]:
+            remove_folder(step_folder(self.folder, old))
+            logger.info(f"checkpoint: removed step-{old} (keep_latest_k={self.keep_latest_k})")
+
+    def _note_published(self, final: str) -> None:
+        match = STEP_FOLDER.match(os.path.basename(final))
+        if match:
+            self._last_published_step = int(match.group(1))
 
     def _state_to_save(self) -> dict[str, Any]:
         state: dict[str, Any] = {MODEL: self._model_state(), OPTIMIZER: self.optimizers.state_dict()}
@@ -463,13 +523,17 @@ class CheckpointManager:
             for k in plain_names
             if getattr(entries.get(k), "properties", None) is None or entries[k].properties.dtype != torch.uint8
         ]
-        if missing:
-            shown = ", ".join(missing[:2]) + (f" and {len(missing) - 2} more" if len(missing) > 2 else "")
-            kind = "model" if missing[0].startswith(MODEL + ".") else "other"
-            raise UserError(
-                f"checkpoint '{path}' does not match this job ({len(missing)} entries missing: {shown}); "
-                f"{self._how_to_proceed(path, model_only, kind)}"
-            )
+        for problems, what, sep in (
+            (missing, "missing", ", "),
+            (_shape_mismatches(state, entries), "of other shapes", "; "),
+        ):
+            if problems:
+                shown = sep.join(problems[:2]) + (f" and {len(problems) - 2} more" if len(problems) > 2 else "")
+                kind = "model" if problems[0].startswith(MODEL + ".") else "other"
+                raise UserError(
+                    f"checkpoint '{path}' does not match this job ({len(problems)} entries {what}: {shown}); "
+                    f"{self._how_to_proceed(path, model_only, kind)}"
+                )
         return saved
 
     @staticmethod

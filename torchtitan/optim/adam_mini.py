@@ -62,6 +62,7 @@ from torchtitan.optim.state_storage import (
     new_state,
     read_state,
 )
+from torchtitan.utils import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -171,10 +172,6 @@ def new_second_moment(param: Tensor, layout: BlockLayout) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _stat_dtype(t: Tensor) -> torch.dtype:
     # Sums of squares in at least float32, whatever the gradient's dtype.
     return torch.promote_types(t.dtype, torch.float32)
@@ -282,8 +279,8 @@ def adam_mini_update(
     DTensor all-reduce; everything else is local and runs as foreach kernels or as compiled code
     (``implementation``), where block means, ``v`` and the update of a parameter are one graph.
     """
-    params, grads = [_local(p) for p in params], [_local(g) for g in grads]
-    exp_avgs, second_moments = [_local(m) for m in exp_avgs], [_local(v) for v in second_moments]
+    params, grads = [local_tensor(p) for p in params], [local_tensor(g) for g in grads]
+    exp_avgs, second_moments = [local_tensor(m) for m in exp_avgs], [local_tensor(v) for v in second_moments]
     if isinstance(lr, Tensor) and params and lr.device != params[0].device:
         lr = lr.to(params[0].device)  # foreach kernels take a tensor factor only on the tensors' device
     torch._foreach_add_(steps, 1)

@@ -14,11 +14,11 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtitan.optim.compiled_slices import repeating_slices
 from torchtitan.optim.state_storage import BFLOAT16, keep_bfloat16_on_load, new_state
+from torchtitan.utils import local_tensor
 
 
 def _local_adam_steps(
@@ -97,7 +97,7 @@ class LowPrecisionAdam(torch.optim.Optimizer):
         steps = [state["step"] for state in states]
         torch._foreach_add_(steps, 1)
         beta1, beta2 = group["betas"]
-        local = [_local(p) for p in params]
+        local = [local_tensor(p) for p in params]
         dtype, device = local[0].dtype, local[0].device
         # Steps are CPU scalars; the per-parameter factors travel to the device as one tensor each.
         counts = torch.stack(steps).to(torch.float64)
@@ -110,8 +110,11 @@ class LowPrecisionAdam(torch.optim.Optimizer):
         run = _local_adam_steps if dataless or _get_current_dispatch_mode() is not None else _compiled_local_adam_steps
         from torchtitan.optim.torchao_adapter import separate_compile_cache
 
-        grads = [_local(p.grad) for p in params]
-        exp_avgs, exp_avg_sqs = [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states]
+        grads = [local_tensor(p.grad) for p in params]
+        exp_avgs, exp_avg_sqs = (
+            [local_tensor(s["exp_avg"]) for s in states],
+            [local_tensor(s["exp_avg_sq"]) for s in states],
+        )
         step_sizes, bias_correction2_sqrts = step_sizes.unbind(), bias_correction2_sqrts.unbind()
         decay = decay.to(dtype=dtype, device=device)
         l2 = 0.0 if decoupled else group["weight_decay"]
@@ -131,7 +134,3 @@ class LowPrecisionAdam(torch.optim.Optimizer):
                     group["eps"],
                     l2,
                 )
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t

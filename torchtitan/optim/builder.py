@@ -179,10 +179,39 @@ def _low_bit_factory(name: str) -> Callable[[nn.Module, Hyperparameters], torch.
 
 
 @dataclass(frozen=True)
+class OptionRule:
+    """What an optional ``[optimizer]`` option does to a checkpoint.
+
+    ``shapes_state``: runs that differ in it hold optimizer states that do not load into each other (dtype, block
+    shape, quantization blocks), so their checkpoint folders are apart and a load refuses the other's.
+    ``unset_means``: the value an unset option stands for in every optimizer that takes it, so that leaving it
+    unset and naming that value are one state.
+    """
+
+    shapes_state: bool
+    unset_means: Optional[str] = None
+
+
+# Every optional option an optimizer may take is declared here (a test checks it).
+OPTION_RULES: dict[str, OptionRule] = {
+    IMPLEMENTATION: OptionRule(shapes_state=False),  # foreach, fused: the same state
+    BF16_STOCHASTIC_ROUND: OptionRule(shapes_state=False),  # how weights are rounded, not the state
+    STATE_DTYPE: OptionRule(shapes_state=True, unset_means="float32"),
+    VALUE_BLOCKS: OptionRule(shapes_state=True, unset_means="per_row"),
+    BLOCK_SIZE: OptionRule(shapes_state=True),
+}
+
+
+@dataclass(frozen=True)
 class OptimizerKind:
     name: str
     build: Callable[[nn.Module, Hyperparameters], torch.optim.Optimizer]
-    options: frozenset[str] = frozenset()  # optional [optimizer] options it takes
+    options: frozenset[str] = frozenset()  # optional [optimizer] options it takes, each declared in OPTION_RULES
+
+    @property
+    def state_options(self) -> tuple[str, ...]:
+        """Its options that shape the optimizer state, sorted."""
+        return tuple(sorted(o for o in self.options if OPTION_RULES[o].shapes_state))
 
 
 OPTIMIZERS: dict[str, OptimizerKind] = {
@@ -215,6 +244,31 @@ def resolve_optimizer_name(name: str) -> OptimizerKind:
     if kind is None:
         raise UserError(f"unknown optimizer.name '{name}'; valid names: {', '.join(OPTIMIZERS)} (case-insensitive)")
     return kind
+
+
+def state_signature(job_config: Any) -> dict[str, Any]:
+    """The job's values of its optimizer's state-shaping options (unset ones as the value they stand for, or None).
+
+    Two jobs of one optimizer whose signatures differ hold states that must not load into each other.
+    """
+    kind = resolve_optimizer_name(job_config.optimizer.name)
+    signature = {}
+    for option in kind.state_options:
+        value = getattr(job_config.optimizer, option)
+        signature[option] = OPTION_RULES[option].unset_means if value is None else value
+    return signature
+
+
+def state_label(job_config: Any) -> str:
+    """The optimizer's name, then each state-shaping option that differs from its unset value, e.g.
+    ``AdamMini`` or ``AdamMini-state_dtype=bfloat16-value_blocks=per_tensor``: a folder name per optimizer state."""
+    kind = resolve_optimizer_name(job_config.optimizer.name)
+    set_options = [
+        f"{option}={value}"
+        for option, value in state_signature(job_config).items()
+        if value is not None and value != OPTION_RULES[option].unset_means
+    ]
+    return "-".join([kind.name, *set_options])
 
 
 def build_optimizers(model_parts: Iterable[nn.Module], job_config: Any) -> OptimizersContainer:

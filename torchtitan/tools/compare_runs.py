@@ -5,174 +5,32 @@
 Each RUN_DIR is a run folder written by ``train.py`` (``{dump_folder}/tb/{YYYYmmdd-HHMMSS}_{Optimizer}``) or a folder
 holding several of them. The tool writes one PNG with loss against steps, loss against tokens seen and the gradient
 norm against steps, and prints a table per run: final loss (mean over the last k logged steps), mean tokens/s, peak
-memory and optimizer-state bytes; a run whose loss became non-finite shows as diverged at its first such step.
+memory and optimizer-state bytes; a run whose loss became non-finite shows as diverged at its first such step
+(the numbers are ``torchtitan.tools.summary.summarize``'s, the very ones an lr sweep ranks by).
 ``--json`` writes the same numbers as JSON (to a file, or to stdout when no path is given, in which case the table
-is not printed). ``python -m torchtitan.tools.sweep`` builds on this module for lr sweeps.
+is not printed). Reading runs is ``runs.py``; ``python -m torchtitan.tools.sweep`` runs lr sweeps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from torchtitan.errors import UserError
-
-LOSS = "loss_metrics/global_avg_loss"
-GRAD_NORM = "grad_norm"
-TPS = "throughput/tps"
-TOKENS_SEEN = "throughput/tokens_seen"
-# GPU runs log the allocator's peak; CPU runs log the process RSS. The first one present is used.
-MEMORY_TAGS = ("memory/max_active(GiB)", "memory/rss(GiB)")
-STATE_BYTES = "optimizer/state_bytes"
-EVENT_FILE_PREFIX = "events.out.tfevents"
+from torchtitan.errors import UserError, exit_code
+from torchtitan.tools.runs import GRAD_NORM, LOSS, TOKENS_SEEN, Run, Series, load_runs
+from torchtitan.tools.summary import summarize
 
 
-@dataclass(frozen=True)
-class Series:
-    """One scalar tag of one run: steps in increasing order and the value logged at each."""
-
-    steps: tuple[int, ...]
-    values: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class Run:
-    name: str
-    path: Path
-    scalars: dict[str, Series]
+def summarize_run(run: Run, last_k: int) -> dict:
+    """The numbers of one run's row in the table (see ``summary.summarize``), with its name and folder."""
+    return {"name": run.name, "path": str(run.path), **summarize(run.scalars, last_k)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Finding and reading runs
-
-
-def _has_event_files(folder: Path) -> bool:
-    return any(p.is_file() and p.name.startswith(EVENT_FILE_PREFIX) for p in folder.iterdir())
-
-
-def find_run_dirs(paths: Sequence[str]) -> list[Path]:
-    """Each path as a run folder, or the run folders below it (sorted), without duplicates."""
-    found: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if not path.is_dir():
-            raise UserError(f"run directory '{raw}' does not exist; pass a TensorBoard run folder such as outputs/tb")
-        if _has_event_files(path):
-            runs = [path]
-        else:
-            runs = sorted(d for d in path.rglob("*") if d.is_dir() and _has_event_files(d))
-        if not runs:
-            raise UserError(
-                f"no TensorBoard event files ({EVENT_FILE_PREFIX}.*) in '{raw}' or below it; "
-                "pass the folder of a run trained with metrics.enable_tensorboard"
-            )
-        found.extend(r for r in runs if r not in found)
-    return found
-
-
-def _sorted_series(pairs: list[tuple[int, float]]) -> Series:
-    # A resumed run may log a step twice; the later value wins.
-    by_step = dict(pairs)
-    steps = tuple(sorted(by_step))
-    return Series(steps, tuple(by_step[s] for s in steps))
-
-
-def read_scalars(run_dir: Path) -> dict[str, Series]:
-    """Every scalar tag in the event files of ``run_dir`` (classic ``simple_value`` and tensor-style scalars)."""
-    from tensorboard.backend.event_processing import event_accumulator
-    from tensorboard.util import tensor_util
-
-    accumulator = event_accumulator.EventAccumulator(
-        str(run_dir), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
-    )
-    accumulator.Reload()
-    tags = accumulator.Tags()
-    scalars = {
-        tag: _sorted_series([(e.step, float(e.value)) for e in accumulator.Scalars(tag)])
-        for tag in tags.get(event_accumulator.SCALARS, [])
-    }
-    for tag in tags.get(event_accumulator.TENSORS, []):
-        arrays = [(e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)]
-        if arrays and all(a.size == 1 for _, a in arrays):
-            scalars.setdefault(tag, _sorted_series([(step, float(a.reshape(()))) for step, a in arrays]))
-    return scalars
-
-
-def _run_names(run_dirs: list[Path], labels: Optional[str]) -> list[str]:
-    if labels is not None:
-        names = [label.strip() for label in labels.split(",")]
-        if len(names) != len(run_dirs) or not all(names):
-            raise UserError(
-                f"--labels gives {len(names)} names for {len(run_dirs)} runs "
-                f"({', '.join(d.name for d in run_dirs)}); give one non-empty name per run, comma-separated"
-            )
-        return names
-    names = [d.name for d in run_dirs]
-    # Same folder name under different parents (e.g. two dump folders): add the parent to tell them apart.
-    return [f"{d.parent.name}/{d.name}" if names.count(d.name) > 1 else d.name for d in run_dirs]
-
-
-def load_runs(paths: Sequence[str], labels: Optional[str] = None) -> list[Run]:
-    run_dirs = find_run_dirs(paths)
-    runs, empty = [], []
-    for name, run_dir in zip(_run_names(run_dirs, labels), run_dirs):
-        scalars = read_scalars(run_dir)
-        if LOSS in scalars:
-            runs.append(Run(name, run_dir, scalars))
-        else:
-            empty.append(run_dir)
-    # A run with no training step (e.g. a finished job started again: it resumed at its last step and trained
-    # nothing) has nothing to compare; it is left out when other runs remain, and named.
-    if empty and (not runs or labels is not None):
-        raise UserError(f"run '{empty[0]}' has no '{LOSS}' scalars; it did not log a training step yet")
-    for run_dir in empty:
-        print(f"note: left out run '{run_dir}': it logged no training step", file=sys.stderr)
-    return runs
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Summaries
-
-
-def _mean(values: Sequence[float]) -> Optional[float]:
-    return sum(values) / len(values) if values else None
-
-
-def first_non_finite_step(series: Series) -> Optional[int]:
-    """The first step whose value is NaN or infinite (a diverged run), or None."""
-    return next((step for step, value in zip(series.steps, series.values) if not math.isfinite(value)), None)
-
-
-def summarize(run: Run, last_k: int) -> dict:
-    """The numbers of the comparison table for one run; None where the run did not log the tag.
-
-    A run whose loss became non-finite has ``diverged_at_step`` set and no final loss.
-    """
-    loss = run.scalars[LOSS]
-    tail = loss.values[-last_k:]
-    diverged_at = first_non_finite_step(loss)
-    memory_tag = next((t for t in MEMORY_TAGS if t in run.scalars), None)
-    tps = run.scalars.get(TPS)
-    state = run.scalars.get(STATE_BYTES)
-    tokens = run.scalars.get(TOKENS_SEEN)
-    return {
-        "name": run.name,
-        "path": str(run.path),
-        "last_step": loss.steps[-1],
-        "final_loss": None if diverged_at is not None else _mean(tail),
-        "final_loss_steps": len(tail),
-        "diverged_at_step": diverged_at,
-        "mean_tps": _mean(tps.values) if tps else None,
-        "peak_memory_gib": max(run.scalars[memory_tag].values) if memory_tag else None,
-        "peak_memory_tag": memory_tag,
-        "optimizer_state_bytes": int(round(state.values[-1])) if state else None,
-        "tokens_seen": int(round(tokens.values[-1])) if tokens else None,
-    }
+# Table
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
@@ -290,7 +148,7 @@ def compare(argv: Optional[Sequence[str]] = None) -> list[dict]:
     if out.suffix.lower() != ".png":
         raise UserError(f"--out '{args.out}' must name a .png file")
     runs = load_runs(args.run_dirs, args.labels)
-    summaries = [summarize(run, args.last_k) for run in runs]
+    summaries = [summarize_run(run, args.last_k) for run in runs]
     for note in plot(runs, out):
         print(f"note: {note}", file=sys.stderr)
     if args.json == "-":
@@ -305,12 +163,7 @@ def compare(argv: Optional[Sequence[str]] = None) -> list[dict]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        compare(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code(lambda: compare(argv))
 
 
 if __name__ == "__main__":

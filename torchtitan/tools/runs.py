@@ -1,0 +1,188 @@
+"""Reading finished runs: the scalars train.py logs to TensorBoard, the folders that hold them, and a sweep's runs.
+
+Only reading lives here; what the numbers mean is ``summary.py``. Torch-free, so the tools start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from torchtitan.errors import UserError
+from torchtitan.tools.sweep_plan import RUNS_FOLDER, STATUS_FILE, RunSpec
+
+# The tags train.py logs (see train.py's metrics); GPU runs log the allocator's peak, CPU runs the process RSS.
+LOSS = "loss_metrics/global_avg_loss"
+VALIDATION_LOSS = "validation/loss"
+GRAD_NORM = "grad_norm"
+TPS = "throughput/tps"
+TOKENS_SEEN = "throughput/tokens_seen"
+MEMORY_TAGS = ("memory/max_active(GiB)", "memory/rss(GiB)")  # the first one a run logs is its peak memory
+STATE_BYTES = "optimizer/state_bytes"
+EVENT_FILE_PREFIX = "events.out.tfevents"
+
+
+@dataclass(frozen=True)
+class Series:
+    """One scalar tag of one run: steps in increasing order and the value logged at each."""
+
+    steps: tuple[int, ...]
+    values: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Run:
+    """A TensorBoard run folder, as compare_runs shows it."""
+
+    name: str
+    path: Path
+    scalars: dict[str, Series]
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One run of a sweep that ended: what it was, its ``sweep_status.json``, and its scalars over every restart."""
+
+    spec: RunSpec
+    status: dict
+    scalars: dict[str, Series]
+
+
+def _has_event_files(folder: Path) -> bool:
+    return any(p.is_file() and p.name.startswith(EVENT_FILE_PREFIX) for p in folder.iterdir())
+
+
+def _series(by_step: dict[int, float]) -> Series:
+    steps = tuple(sorted(by_step))
+    return Series(steps, tuple(by_step[s] for s in steps))
+
+
+def read_scalars(run_dir: Path) -> dict[str, Series]:
+    """Every scalar tag in the event files of ``run_dir`` (classic ``simple_value`` and tensor-style scalars).
+
+    A resumed run may log a step twice; the later value wins.
+    """
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    accumulator = event_accumulator.EventAccumulator(
+        str(run_dir), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
+    )
+    accumulator.Reload()
+    tags = accumulator.Tags()
+    scalars = {
+        tag: _series({e.step: float(e.value) for e in accumulator.Scalars(tag)})
+        for tag in tags.get(event_accumulator.SCALARS, [])
+    }
+    for tag in tags.get(event_accumulator.TENSORS, []):
+        arrays = [(e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)]
+        if arrays and all(a.size == 1 for _, a in arrays):
+            scalars.setdefault(tag, _series({step: float(a.reshape(())) for step, a in arrays}))
+    return scalars
+
+
+def merged_scalars(run_dir: Path) -> dict[str, Series]:
+    """Every scalar logged below ``run_dir``, over all its TensorBoard folders (a restarted run has several), oldest
+    folder first, so that a later value of a step wins."""
+
+    def started(folder: Path) -> int:
+        # Event files are named events.out.tfevents.{unix time}.{host}...; the oldest one dates the folder.
+        return min(int(p.name.split(".")[3]) for p in folder.iterdir() if p.name.startswith(EVENT_FILE_PREFIX))
+
+    folders = {p.parent for p in run_dir.rglob(f"{EVENT_FILE_PREFIX}*") if p.is_file()}
+    merged: dict[str, dict[int, float]] = {}
+    for folder in sorted(folders, key=lambda f: (started(f), f.name)):
+        for tag, series in read_scalars(folder).items():
+            merged.setdefault(tag, {}).update(zip(series.steps, series.values))
+    return {tag: _series(by_step) for tag, by_step in merged.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# compare_runs: TensorBoard run folders
+
+
+def find_run_dirs(paths: Sequence[str]) -> list[Path]:
+    """Each path as a run folder, or the run folders below it (sorted), without duplicates."""
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise UserError(f"run directory '{raw}' does not exist; pass a TensorBoard run folder such as outputs/tb")
+        if _has_event_files(path):
+            runs = [path]
+        else:
+            runs = sorted(d for d in path.rglob("*") if d.is_dir() and _has_event_files(d))
+        if not runs:
+            raise UserError(
+                f"no TensorBoard event files ({EVENT_FILE_PREFIX}.*) in '{raw}' or below it; "
+                "pass the folder of a run trained with metrics.enable_tensorboard"
+            )
+        found.extend(r for r in runs if r not in found)
+    return found
+
+
+def _run_names(run_dirs: list[Path], labels: Optional[str]) -> list[str]:
+    if labels is not None:
+        names = [label.strip() for label in labels.split(",")]
+        if len(names) != len(run_dirs) or not all(names):
+            raise UserError(
+                f"--labels gives {len(names)} names for {len(run_dirs)} runs "
+                f"({', '.join(d.name for d in run_dirs)}); give one non-empty name per run, comma-separated"
+            )
+        return names
+    names = [d.name for d in run_dirs]
+    # Same folder name under different parents (e.g. two dump folders): add the parent to tell them apart.
+    return [f"{d.parent.name}/{d.name}" if names.count(d.name) > 1 else d.name for d in run_dirs]
+
+
+def load_runs(paths: Sequence[str], labels: Optional[str] = None) -> list[Run]:
+    """The runs in ``paths`` that logged a training step, named by ``labels`` or their folders."""
+    run_dirs = find_run_dirs(paths)
+    runs, empty = [], []
+    for name, run_dir in zip(_run_names(run_dirs, labels), run_dirs):
+        scalars = read_scalars(run_dir)
+        if LOSS in scalars:
+            runs.append(Run(name, run_dir, scalars))
+        else:
+            empty.append(run_dir)
+    # A run with no training step (e.g. a finished job started again: it resumed at its last step and trained
+    # nothing) has nothing to compare; it is left out when other runs remain, and named.
+    if empty and (not runs or labels is not None):
+        raise UserError(f"run '{empty[0]}' has no '{LOSS}' scalars; it did not log a training step yet")
+    for run_dir in empty:
+        print(f"note: left out run '{run_dir}': it logged no training step", file=sys.stderr)
+    return runs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The sweep: one folder per run, each with a status once it ended
+
+
+def read_status(run_dir: Path) -> Optional[dict]:
+    path = run_dir / STATUS_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_status(run_dir: Path, status: dict) -> None:
+    """Write ``sweep_status.json`` atomically: a run has a complete status or none."""
+    tmp = run_dir / f"{STATUS_FILE}.tmp"
+    tmp.write_text(json.dumps(status, indent=2) + "\n")
+    tmp.replace(run_dir / STATUS_FILE)
+
+
+def load_sweep_runs(dump: Path) -> list[SweepRun]:
+    """Every run in the sweep's folder that ended (has a status); optimizers in the order they first ended (the
+    sweep's order), then by lr and seed."""
+    runs = []
+    for status_path in sorted((dump / RUNS_FOLDER).glob(f"*/{STATUS_FILE}")):
+        status = json.loads(status_path.read_text())
+        spec = RunSpec(status["optimizer"], float(status["lr"]), int(status["seed"]))
+        runs.append(SweepRun(spec, status, merged_scalars(status_path.parent)))
+    first_ended: dict[str, float] = {}
+    for r in runs:
+        first_ended[r.spec.optimizer] = min(first_ended.get(r.spec.optimizer, math.inf), r.status["ended"])
+    return sorted(runs, key=lambda r: (first_ended[r.spec.optimizer], r.spec.optimizer, r.spec.lr, r.spec.seed))
