@@ -12,11 +12,11 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 from torchtitan import training
 from torchtitan.checkpoint import CheckpointManager
+from torchtitan.collectives import all_reduce_scalar
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import build_hf_data_loader
 from torchtitan.errors import UserError
@@ -35,7 +35,7 @@ from torchtitan.metrics import (
 from torchtitan.optim import build_optimizers
 from torchtitan.preflight import preflight
 from torchtitan.profiling import maybe_profile
-from torchtitan.utils import all_reduce_scalar, init_distributed, set_determinism
+from torchtitan.utils import init_distributed, set_determinism
 from torchtitan.validate import build_validator, training_split
 
 
@@ -87,7 +87,7 @@ def main(job_config: JobConfig) -> None:
     checkpoint.load(step=job_config.checkpoint.load_step)
 
     metric_logger = build_metric_logger(job_config, optimizers.name, rank)
-    state_bytes = all_reduce_scalar(torch.tensor(float(optimizers.state_bytes())), "sum", _world_group())
+    state_bytes = all_reduce_scalar(optimizers.state_bytes(), "sum", _world_group(), device)
     metric_logger.log({"optimizer/state_bytes": state_bytes}, train_state.step)
     logger.info(f"optimizer: {optimizers.name}, state {state_bytes / 2**20:,.1f} MiB over all ranks")
 
@@ -120,8 +120,8 @@ def main(job_config: JobConfig) -> None:
                 elapsed = time.perf_counter() - window_start
                 tps = tokens_per_step * window_steps / elapsed / max(1, world_size)
                 metrics = {
-                    "loss_metrics/global_avg_loss": all_reduce_scalar(loss, "mean", dp_group),
-                    "loss_metrics/global_max_loss": all_reduce_scalar(loss, "max", dp_group),
+                    "loss_metrics/global_avg_loss": all_reduce_scalar(loss, "mean", dp_group, device),
+                    "loss_metrics/global_max_loss": all_reduce_scalar(loss, "max", dp_group, device),
                     "grad_norm": float(grad_norm),
                     "lr": lr,
                     "throughput/tps": tps,

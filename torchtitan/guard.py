@@ -22,9 +22,9 @@ import math
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan.collectives import any_rank
 from torchtitan.logging import logger
 
 DIVERGENCE_EXIT_CODE = 3  # 2 is a user error; 3 says "training diverged"
@@ -32,15 +32,6 @@ DIVERGENCE_EXIT_CODE = 3  # 2 is a user error; 3 says "training diverged"
 
 class DivergenceError(Exception):
     """Training stopped because the loss, the gradients or the state became non-finite."""
-
-
-def any_rank(flag: bool | torch.Tensor, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
-    """True on every rank if ``flag`` (a bool, or a 0-d bool tensor left on its device) is true on any rank of
-    ``group`` (the world by default); one host sync, after the all-reduce."""
-    value = torch.as_tensor(flag, device=device).reshape(1).to(torch.int32)
-    if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:

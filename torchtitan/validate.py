@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan.collectives import all_reduce_sum_
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import DocumentSplit, build_hf_data_loader, resolve_dataset
 from torchtitan.datasets.tokenizer import Tokenizer
@@ -118,8 +119,7 @@ def validation_loss(
             totals[1] += labels.numel()
     finally:
         model.train(was_training)
-    if dp_group is not None:
-        dist.all_reduce(totals, group=dp_group)
+    all_reduce_sum_(totals, dp_group)
     return float(totals[0] / totals[1]), int(totals[1].item())
 
 
