@@ -12,6 +12,11 @@ import os
 import sys
 import time
 
+from torchtitan.cuda_allocator import allocator_environ, allocator_setting
+
+# Before torch is imported: the CUDA allocator reads its settings once, at its first allocation.
+os.environ.update(allocator_environ(os.environ))
+
 import torch.distributed as dist
 
 from torchtitan import training
@@ -44,6 +49,8 @@ def main(job_config: JobConfig) -> None:
     device, rank, world_size = init_distributed(job_config.comm.init_timeout_seconds)
     t = job_config.training
     logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")
+    if device.type == "cuda":
+        logger.info(f"memory: {allocator_setting(os.environ)}")
     if job_config.job.print_args:
         logger.info(f"config: {job_config.to_dict()}")
     set_determinism(t.seed, t.deterministic)

@@ -26,8 +26,9 @@ LOSS = "loss_metrics/global_avg_loss"
 GRAD_NORM = "grad_norm"
 TPS = "throughput/tps"
 TOKENS_SEEN = "throughput/tokens_seen"
-# GPU runs log the allocator's peak; CPU runs log the process RSS. The first one present is used.
-MEMORY_TAGS = ("memory/max_active(GiB)", "memory/rss(GiB)")
+# GPU runs log the allocator's peak (max_active in runs of older versions); CPU runs log the process RSS. The
+# first one present is used.
+MEMORY_TAGS = ("memory/max_allocated(GiB)", "memory/max_active(GiB)", "memory/rss(GiB)")
 STATE_BYTES = "optimizer/state_bytes"
 EVENT_FILE_PREFIX = "events.out.tfevents"
 
