@@ -60,7 +60,7 @@ def main(job_config: JobConfig) -> None:
     dp_rank, dp_degree = parallel_dims.dp_rank_and_degree(world_mesh)
     dp_group = parallel_dims.dp_mesh(world_mesh).get_group() if parallel_dims.dp_enabled else None
 
-    model = training.build_model(job_config, model_args, parallel_dims, world_mesh)
+    model = training.build_model(job_config, model_args, parallel_dims, world_mesh, compute_device_type=device.type)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         f"model: llama3 {job_config.model.flavor}, {num_params:,} parameters, vocab {model_args.vocab_size}, "
