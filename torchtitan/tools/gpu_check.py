@@ -29,6 +29,7 @@ import gc
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -265,9 +266,10 @@ def _train(built: _Model, spec: str, sizes: Sizes, steps: Optional[tuple[int, in
             }
         )
     except Exception as e:  # noqa: BLE001 - the row says what happened; the next optimizer still runs
-        if not _is_oom(e):
-            raise
-        row.update({"fits": "no (out of memory)", **_peaks(device)})
+        if _is_oom(e):
+            row.update({"fits": "no (out of memory)", **_peaks(device)})
+        else:
+            row["fits"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     finally:
         del optimizers
         for p in built.model.parameters():
@@ -476,6 +478,7 @@ def step_checkpoint_memory(ctx: Context) -> StepResult:
                 row[f"{what}"] = "done"
         manager.close()
         del manager, optimizers
+        shutil.rmtree(folder)  # a ~1B model's checkpoints would fill the disk over the optimizers
         _free(device)
         rows.append(row)
     return StepResult(rows=rows, notes=["synchronous DCP save and load of model, optimizer and schedule"])
@@ -546,6 +549,9 @@ def run_step(name: str, ctx: Context) -> dict[str, Any]:
     try:
         result = STEPS[name](ctx)
         outcome = {"status": "ok", "rows": result.rows, "notes": result.notes, "text": result.text}
+        broken = [row for row in result.rows if str(row.get("fits", "")).startswith("error")]
+        if broken:  # the other rows were still measured
+            outcome.update(status="failed", error=f"{len(broken)} of {len(result.rows)} runs failed (see the table)")
     except Exception as e:  # noqa: BLE001 - one step failing must not stop the others
         outcome = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     _free(ctx.sizes.device)
@@ -568,6 +574,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"## {name}: {step['status']} ({step['seconds']} s)", ""]
         if step["status"] != "ok":
             lines += ["```", step.get("error", ""), "```", ""]
+        if "rows" not in step:
             continue
         lines += [f"- {note}" for note in step["notes"]] + ([""] if step["notes"] else [])
         if step["rows"]:
