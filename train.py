@@ -12,11 +12,16 @@ import os
 import sys
 import time
 
-import torch
+from torchtitan.cuda_allocator import allocator_environ, allocator_setting
+
+# Before torch is imported: the CUDA allocator reads its settings once, at its first allocation.
+os.environ.update(allocator_environ(os.environ))
+
 import torch.distributed as dist
 
 from torchtitan import training
 from torchtitan.checkpoint import CheckpointManager
+from torchtitan.collectives import all_reduce_scalar
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import build_hf_data_loader
 from torchtitan.errors import exit_code
@@ -35,7 +40,7 @@ from torchtitan.metrics import (
 from torchtitan.optim import build_optimizers
 from torchtitan.preflight import preflight
 from torchtitan.profiling import maybe_profile
-from torchtitan.utils import all_reduce_scalar, init_distributed, set_determinism
+from torchtitan.utils import init_distributed, set_determinism
 from torchtitan.validate import build_validator, training_split
 
 
@@ -44,6 +49,8 @@ def main(job_config: JobConfig) -> None:
     device, rank, world_size = init_distributed(job_config.comm.init_timeout_seconds)
     t = job_config.training
     logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")
+    if device.type == "cuda":
+        logger.info(f"memory: {allocator_setting(os.environ)}")
     if job_config.job.print_args:
         logger.info(f"config: {job_config.to_dict()}")
     set_determinism(t.seed, t.deterministic)
@@ -53,7 +60,7 @@ def main(job_config: JobConfig) -> None:
     dp_rank, dp_degree = parallel_dims.dp_rank_and_degree(world_mesh)
     dp_group = parallel_dims.dp_mesh(world_mesh).get_group() if parallel_dims.dp_enabled else None
 
-    model = training.build_model(job_config, model_args, parallel_dims, world_mesh)
+    model = training.build_model(job_config, model_args, parallel_dims, world_mesh, compute_device_type=device.type)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         f"model: llama3 {job_config.model.flavor}, {num_params:,} parameters, vocab {model_args.vocab_size}, "
@@ -90,7 +97,7 @@ def main(job_config: JobConfig) -> None:
     checkpoint.load(step=job_config.checkpoint.load_step)
 
     metric_logger = build_metric_logger(job_config, optimizers.name, rank)
-    state_bytes = all_reduce_scalar(torch.tensor(float(optimizers.state_bytes())), "sum", _world_group())
+    state_bytes = all_reduce_scalar(optimizers.state_bytes(), "sum", _world_group(), device)
     metric_logger.log({"optimizer/state_bytes": state_bytes}, train_state.step)
     logger.info(f"optimizer: {optimizers.name}, state {state_bytes / 2**20:,.1f} MiB over all ranks")
 
@@ -123,8 +130,8 @@ def main(job_config: JobConfig) -> None:
                 elapsed = time.perf_counter() - window_start
                 tps = tokens_per_step * window_steps / elapsed / max(1, world_size)
                 metrics = {
-                    "loss_metrics/global_avg_loss": all_reduce_scalar(loss, "mean", dp_group),
-                    "loss_metrics/global_max_loss": all_reduce_scalar(loss, "max", dp_group),
+                    "loss_metrics/global_avg_loss": all_reduce_scalar(loss, "mean", dp_group, device),
+                    "loss_metrics/global_max_loss": all_reduce_scalar(loss, "max", dp_group, device),
                     "grad_norm": float(grad_norm),
                     "lr": lr,
                     "throughput/tps": tps,

@@ -36,6 +36,8 @@ SHAPES = {
     "bench": BENCH_ARGS,
     # Many small tensors: 48 layers x 9 tensors + 3 = 435 tensors of dim 128 (per-call overheads dominate).
     "many_small": ModelArgs(dim=128, n_layers=48, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=128),
+    # A few thousand parameters: scripts/gpu_check.sh --dry-run checks the wiring with it.
+    "tiny": ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=16),
     # ~1B parameters (Llama 3.2 1B-like), for GPUs.
     "1b": ModelArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.5

@@ -122,4 +122,4 @@ def launch_env(nproc: int = 1, cpu: bool = False, **extra: str) -> dict[str, str
 
 def memory_tag(nproc: int = 1, cpu: bool = False) -> str:
     """The peak-memory tag train.py logs on the device such a run uses."""
-    return "memory/max_active(GiB)" if uses_cuda(nproc, cpu) else "memory/rss(GiB)"
+    return "memory/max_allocated(GiB)" if uses_cuda(nproc, cpu) else "memory/rss(GiB)"

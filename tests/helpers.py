@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -507,3 +508,34 @@ def assert_same_snapshot(actual: dict, expected: dict) -> None:
         np.testing.assert_array_equal(actual["arrays"][key], value, err_msg=key)
     for key in ("lr", "scheduler_epoch", "loader", "step"):
         assert actual[key] == expected[key], key
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Counting collectives
+
+
+class _NoModuleTracking:
+    """Stands in for CommDebugMode's per-module tracker, whose forward hooks lose their place under FSDP2's."""
+
+    name = "Global"
+    is_bw = False
+    activation_checkpointing = False
+    module_parents_dict = {"Global": set()}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return None
+
+
+class CollectiveCounts(CommDebugMode):
+    """CommDebugMode over whole training steps (FSDP2 forward and backward included); ``counts()`` maps a
+    collective's short name (``allreduce_``, ``reduce_scatter_tensor_``, ...) to how often it ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.advanced_module_tracker = _NoModuleTracking()
+
+    def counts(self) -> dict[str, int]:
+        return {str(op).rsplit(".", 1)[-1]: n for op, n in self.get_comm_counts().items() if n}

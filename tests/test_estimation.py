@@ -203,6 +203,21 @@ def test_activations_follow_checkpointing_and_batch_size():
     assert half_batch == pytest.approx(full_batch / 2, rel=0.05)
     # Full checkpointing keeps only each block's input (and the logits).
     assert checkpointed < full_batch / 4
+    # A GPU job on one device computes in bf16 through autocast, as train.py's would: smaller activations.
+    gpu = estimate_memory(
+        _job(
+            "--memory_estimation.world_size",
+            "1",
+            "--memory_estimation.optimizers",
+            "AdamW",
+            "--training.batch_size",
+            "4",
+            "--memory_estimation.device",
+            "cuda",
+        )
+    )
+    assert gpu.compute_dtype == "bfloat16"
+    assert gpu.optimizers[0].activations < 0.8 * full_batch
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,17 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_workers
-from tests.helpers import TINY, adamw_step, batch, job_config, materialize, meta_model, reference_step, to_numpy
+from tests.helpers import (
+    TINY,
+    CollectiveCounts,
+    adamw_step,
+    batch,
+    job_config,
+    materialize,
+    meta_model,
+    reference_step,
+    to_numpy,
+)
 from torchtitan.errors import UserError
 from torchtitan.parallelisms import (
     ParallelDims,
@@ -74,7 +84,40 @@ def _run_layout(world_size: int, degrees, sections) -> dict:
 
 
 def _run_layouts(rank: int, world_size: int, names: list[str]) -> dict:
-    return {name: _run_layout(world_size, LAYOUTS[name][1], LAYOUTS[name][2]) for name in names}
+    results = {name: _run_layout(world_size, LAYOUTS[name][1], LAYOUTS[name][2]) for name in names}
+    if world_size == HSDP_ACCUMULATION_WORLD:
+        results[HSDP_ACCUMULATION] = _hsdp_accumulation(world_size)
+    return results
+
+
+# HSDP 2 x 2 with gradient accumulation, in the 4-rank launch: collectives counted per training step.
+HSDP_ACCUMULATION = "hsdp2x2_accumulation"
+HSDP_ACCUMULATION_WORLD = 4
+MICRO_BATCHES = 3  # BATCH 12 over 4 data-parallel ranks: 3 micro-batches of 1 sequence
+
+
+def _hsdp_step(world_size: int, accumulation: int) -> dict:
+    """One training.train_step of a fresh HSDP 2 x 2 model; its collective counts and gradients."""
+    from torchtitan import training
+    from torchtitan.optim import build_optimizers
+
+    config = job_config(training={"gradient_accumulation_steps": accumulation, "max_norm": 0.0})
+    dims = ParallelDims(2, 2, 1, world_size)
+    mesh = dims.build_mesh("cpu")
+    model = materialize(parallelize_llama(meta_model(), mesh, dims, config))
+    optimizers = build_optimizers([model], config)
+    dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
+    inputs, labels = batch()
+    rows = len(inputs) // (accumulation * dp_degree)
+    starts = [(m * dp_degree + dp_rank) * rows for m in range(accumulation)]
+    batches = iter([(inputs[s : s + rows], labels[s : s + rows]) for s in starts])
+    with CollectiveCounts() as comms:
+        training.train_step(model, optimizers, batches, dims, config, torch.device("cpu"))
+    return {"counts": comms.counts(), "grads": to_numpy({n: p.grad.full_tensor() for n, p in model.named_parameters()})}
+
+
+def _hsdp_accumulation(world_size: int) -> dict:
+    return {str(a): _hsdp_step(world_size, a) for a in (1, MICRO_BATCHES)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,6 +153,29 @@ def test_data_parallel_ranks_follow_the_mesh():
     by_rank = _results_for_world_size(4)
     assert [r["fsdp2_x_tp2"]["dp"] for r in by_rank] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert [r["hsdp2x2"]["dp"] for r in by_rank] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+
+
+def test_hsdp_accumulation_all_reduces_across_replicas_once_per_step():
+    """Every micro-batch reduce-scatters within its replica; the all-reduce across replicas comes once, with the
+    last one: a step of 3 micro-batches all-reduces as often as a step of 1 (the loss, grad norm and divergence
+    guard add theirs alike), and its gradients equal the one-micro-batch step's."""
+    for rank in _results_for_world_size(HSDP_ACCUMULATION_WORLD):
+        one, accumulated = rank[HSDP_ACCUMULATION]["1"], rank[HSDP_ACCUMULATION][str(MICRO_BATCHES)]
+        print(f"collectives per step: 1 micro-batch {one['counts']}, {MICRO_BATCHES}: {accumulated['counts']}")
+        reduce_scatters = [k for k in one["counts"] if "reduce_scatter" in k]
+        assert reduce_scatters, one["counts"]
+        for name in reduce_scatters:
+            assert accumulated["counts"][name] == MICRO_BATCHES * one["counts"][name]
+        all_reduces = [k for k in one["counts"] if k.startswith("all_reduce") or k.startswith("allreduce")]
+        assert all_reduces, one["counts"]
+        for name in all_reduces:
+            assert accumulated["counts"].get(name, 0) == one["counts"][name]
+        _assert_close_dicts(
+            accumulated["grads"],
+            {k: torch.from_numpy(v) for k, v in one["grads"].items()},
+            GRAD_TOLERANCE,
+            "accumulated gradient",
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------

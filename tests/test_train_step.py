@@ -28,6 +28,7 @@ from torchtitan import training
 from torchtitan.optim import OptimizersContainer, build_optimizers
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
 
+CPU = torch.device("cpu")
 LR = 1e-2
 SGD_LR = 0.5
 CLIP = 0.05  # well below the gradient norm of the tiny model's first step (checked below)
@@ -110,13 +111,42 @@ CASES = [
 ]
 # layout -> (dp_replicate, dp_shard, tp), whether TP gathers the logits instead of a parallel loss
 LAYOUTS = {"fsdp2": ((1, 2, 1), False), "tp2": ((1, 1, 2), False), "tp2_gathered_logits": ((1, 1, 2), True)}
+GPU_PRECISION = "gpu_precision"  # every layout also runs gpu_precision_case
+
+
+def gpu_precision_case(degrees: tuple[int, int, int], world_size: int) -> dict:
+    """One float32 train_step of a model built for a GPU job (compute_device_type "cuda"), here on CPU tensors:
+    FSDP2's policy with data parallelism, else autocast (CPU autocast standing in for CUDA's). Returns the dtypes
+    the step computed and kept, and its loss beside the same step's with float32 compute."""
+    config = job_config(training={"max_norm": 0.0}, optimizer={"name": "AdamW", "lr": LR})
+    dims = ParallelDims(*degrees, world_size)
+    result = {}
+    for compute in ("cuda", "cpu"):
+        mesh = dims.build_mesh("cpu")
+        built = training.build_model(config, TINY, dims, mesh, compute_device_type=compute, tensor_device_type="cpu")
+        model = materialize(built)
+        logits: list[torch.dtype] = []
+        model.output.register_forward_hook(lambda module, args, out, seen=logits: seen.append(out.dtype))
+        dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
+        batches = micro_batches(1, dp_rank, dp_degree)
+        loss, _, _ = training.train_step(model, build_optimizers([model], config), batches, dims, config, CPU)
+        result[compute] = {
+            "loss": float(loss),
+            "logits": str(logits[0]),
+            "grads": sorted({str(p.grad.dtype) for p in model.parameters()}),
+            "params": sorted({str(p.dtype) for p in model.parameters()}),
+        }
+    return result
 
 
 def _cases_on_layouts(rank: int, world_size: int) -> dict:
-    return {
+    results = {
         layout: {name: run_case(degrees, world_size, a, opt, norm, gather) for name, a, opt, norm in CASES}
         for layout, (degrees, gather) in LAYOUTS.items()
     }
+    for layout, (degrees, _) in LAYOUTS.items():
+        results[layout][GPU_PRECISION] = gpu_precision_case(degrees, world_size)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +154,11 @@ def one_process() -> dict:
     cases = {name: run_case((1, 1, 1), 1, a, opt, norm) for name, a, opt, norm in CASES}
     cases["adamw_accum4"] = run_case((1, 1, 1), 1, 4, "AdamW", 0.0)
     return cases
+
+
+@pytest.fixture(scope="module")
+def one_process_gpu_precision() -> dict:
+    return gpu_precision_case((1, 1, 1), 1)
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +238,28 @@ def test_logged_grad_norm_is_the_full_tensor_norm_on_two_ranks(one_process, two_
         for name in ("sgd_clipped", "sgd_accum2_clipped"):
             assert_same_step(rank[name], one_process["sgd_clipped"])
             assert rank[name]["post_clip_norm"] == pytest.approx(CLIP, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mixed precision of a GPU job, whatever the layout
+
+
+def assert_gpu_precision(case: dict, what: str) -> None:
+    """Computed in bfloat16 (logits, a loss off the float32 one), float32 master weights and gradients; a CPU
+    job's model computes in float32."""
+    gpu, cpu = case["cuda"], case["cpu"]
+    assert gpu["logits"] == "torch.bfloat16" and cpu["logits"] == "torch.float32", what
+    for run in (gpu, cpu):
+        assert run["params"] == run["grads"] == ["torch.float32"], what
+    assert gpu["loss"] != cpu["loss"] and gpu["loss"] == pytest.approx(cpu["loss"], rel=2e-2), what
+
+
+def test_a_gpu_job_computes_in_bf16_on_one_device(one_process_gpu_precision):
+    assert_gpu_precision(one_process_gpu_precision, "one process")
+
+
+def test_a_gpu_job_computes_in_bf16_with_tp_or_fsdp(two_ranks):
+    layout, ranks = two_ranks
+    for rank in ranks:
+        assert_gpu_precision(rank[GPU_PRECISION], layout)
+    assert ranks[0][GPU_PRECISION]["cuda"]["loss"] == pytest.approx(ranks[1][GPU_PRECISION]["cuda"]["loss"], rel=0.1)

@@ -119,7 +119,9 @@ class Training:
     disable_loss_parallel: bool = opt(False, "with tensor parallelism, gather logits instead of a parallel loss")
     param_dtype: str = opt("float32", "dtype of the model's master weights", choices=("float32", "float64", "bfloat16"))
     mixed_precision_param: str = opt(
-        "bfloat16", "FSDP compute dtype on GPU (CPU computes in param_dtype)", choices=("bfloat16", "float32")
+        "bfloat16",
+        "compute dtype on GPU: FSDP2's policy with data parallelism, else autocast (CPU computes in param_dtype)",
+        choices=("bfloat16", "float32"),
     )
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduction dtype on GPU", choices=("float32",))
     compile: bool = opt(False, "torch.compile each transformer block")
@@ -231,7 +233,8 @@ class MemoryEstimation:
     )
     device: str = opt(
         "cuda",
-        "estimation.py: training to simulate: cuda (FSDP bf16 mixed precision) or cpu (param_dtype throughout)",
+        "estimation.py: training to simulate: cuda (mixed precision, as train.py on a GPU) or cpu (param_dtype "
+        "throughout)",
         choices=("cuda", "cpu"),
     )
     vocab_size: int = opt(

@@ -22,20 +22,11 @@ import math
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 
+from torchtitan.collectives import any_rank
 from torchtitan.errors import DivergenceError
 from torchtitan.logging import logger
 from torchtitan.utils import local_tensor
-
-
-def any_rank(flag: bool | torch.Tensor, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
-    """True on every rank if ``flag`` (a bool, or a 0-d bool tensor left on its device) is true on any rank of
-    ``group`` (the world by default); one host sync, after the all-reduce."""
-    value = torch.as_tensor(flag, device=device).reshape(1).to(torch.int32)
-    if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
 
 
 def tensors_are_finite(tensors: Iterable[Any]) -> bool:

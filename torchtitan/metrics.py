@@ -16,15 +16,32 @@ import torch
 
 from torchtitan.logging import logger
 
-# Dense bf16 peak FLOP/s per device, for MFU.
-_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+# Dense bf16 peak FLOP/s per device, for MFU, as (part of torch.cuda.get_device_name, FLOP/s): the first match
+# wins, so a variant comes before its family ("NVIDIA H100 PCIe" and "NVIDIA H100 NVL" before "NVIDIA H100 80GB
+# HBM3", the SXM part). Datasheet figures without sparsity.
+_PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
+    ("H800 PCIe", 756e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+)
+
+
+def peak_flops_for(device_name: str) -> Optional[float]:
+    """The dense bf16 peak FLOP/s of a device named ``device_name``; None when it is not in the table (no MFU)."""
+    return next((flops for part, flops in _PEAK_FLOPS if part in device_name), None)
 
 
 def peak_flops(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in _PEAK_FLOPS.items() if key in name), None)
+    return peak_flops_for(torch.cuda.get_device_name(device))
 
 
 def flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
@@ -43,13 +60,22 @@ def rss_gib() -> float:
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak memory since the last reset: on CUDA what tensors held (allocated) and what the caching allocator
+    held from the device (reserved: what runs out), in GiB and % of the device; on CPU the process RSS."""
     if device.type == "cuda":
-        stats = torch.cuda.memory_stats(device)
-        return {
-            "memory/max_active(GiB)": stats.get("active_bytes.all.peak", 0) / 2**30,
-            "memory/max_reserved(GiB)": stats.get("reserved_bytes.all.peak", 0) / 2**30,
-        }
+        total = torch.cuda.get_device_properties(device).total_memory
+        return cuda_memory_metrics(torch.cuda.memory_stats(device), total)
     return {"memory/rss(GiB)": rss_gib()}
+
+
+def cuda_memory_metrics(stats: dict[str, int], device_bytes: int) -> dict[str, float]:
+    """The peak allocated and reserved bytes of ``torch.cuda.memory_stats`` as GiB and % of ``device_bytes``."""
+    metrics = {}
+    for kind in ("allocated", "reserved"):
+        peak = stats.get(f"{kind}_bytes.all.peak", 0)
+        metrics[f"memory/max_{kind}(GiB)"] = peak / 2**30
+        metrics[f"memory/max_{kind}(%)"] = 100 * peak / device_bytes
+    return metrics
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -114,9 +140,10 @@ def format_log_line(step: int, m: dict[str, float]) -> str:
         f"lr: {m['lr']:.4e}",
         f"tps: {m['throughput/tps']:,.0f}",
     ]
-    if "memory/max_active(GiB)" in m:
+    if "memory/max_allocated(GiB)" in m:
         parts.append(
-            f"memory: {m['memory/max_active(GiB)']:.2f}GiB active {m['memory/max_reserved(GiB)']:.2f}GiB reserved"
+            f"memory: {m['memory/max_allocated(GiB)']:.2f}GiB({m['memory/max_allocated(%)']:.1f}%) allocated "
+            f"{m['memory/max_reserved(GiB)']:.2f}GiB({m['memory/max_reserved(%)']:.1f}%) reserved"
         )
     else:
         parts.append(f"memory: {m['memory/rss(GiB)']:.2f}GiB rss")

@@ -6,8 +6,8 @@ step a run takes:
 * :func:`build_model`: the job's Llama 3 on the meta device, in the parameter dtype, parallelized (TP, activation
   checkpointing, compile, FSDP2); no memory yet.
 * :func:`init_model`: memory on a device and the initial weights (the same for every layout and world size).
-* :func:`train_step`: forward, loss, backward over the accumulation micro-batches, gradient clipping, the
-  divergence guard's decision, the optimizer step.
+* :func:`train_step`: forward, loss, backward over the accumulation micro-batches (under HSDP, one all-reduce
+  across replicas per step), gradient clipping, the divergence guard's decision, the optimizer step.
 * :class:`TrainState`: the loop's position (step, tokens seen, skipped steps), saved with every checkpoint.
 """
 
@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config_manager import JobConfig
@@ -51,14 +52,23 @@ def build_model(
     world_mesh: Optional[DeviceMesh],
     *,
     compute_device_type: Optional[str] = None,
+    tensor_device_type: Optional[str] = None,
 ) -> Transformer:
     """The job's model on the meta device, in ``training.param_dtype``, parallelized over ``world_mesh``.
 
-    ``compute_device_type`` (default: the mesh's) picks FSDP's mixed-precision policy; see ``parallelize_llama``.
+    ``compute_device_type`` (default: the mesh's) picks the mixed precision (FSDP2's policy or autocast), and
+    ``tensor_device_type`` (default: the same) is where the tensors will live; see ``parallelize_llama``.
     """
     with torch.device("meta"):
         model = Transformer(model_args).to(DTYPES[job_config.training.param_dtype])
-    return parallelize_llama(model, world_mesh, parallel_dims, job_config, compute_device_type=compute_device_type)
+    return parallelize_llama(
+        model,
+        world_mesh,
+        parallel_dims,
+        job_config,
+        compute_device_type=compute_device_type,
+        tensor_device_type=tensor_device_type,
+    )
 
 
 def init_model(model: Transformer, device: torch.device, seed: int) -> Transformer:
@@ -84,7 +94,8 @@ def train_step(
     t = job_config.training
     optimizers.zero_grad()
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(t.gradient_accumulation_steps):
+    for index in range(t.gradient_accumulation_steps):
+        _all_reduce_across_replicas(model, parallel_dims, last=index == t.gradient_accumulation_steps - 1)
         inputs, labels = next(batches)
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with loss_parallel_context(parallel_dims):
@@ -98,3 +109,13 @@ def train_step(
         return total, grad_norm, False
     optimizers.step()
     return total, grad_norm, True
+
+
+def _all_reduce_across_replicas(model: torch.nn.Module, parallel_dims: ParallelDims, last: bool) -> None:
+    """HSDP: gradients are all-reduced across replicas once per step, with the last micro-batch's backward.
+
+    Every micro-batch still reduce-scatters within its replica (gradients stay sharded, so memory stays low); FSDP2
+    adds the earlier micro-batches' reduced shards into the last one before its all-reduce.
+    """
+    if parallel_dims.dp_replicate_enabled and isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(last)

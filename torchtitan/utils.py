@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -61,14 +61,3 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
-
-
-def all_reduce_scalar(value: torch.Tensor, op: str, group: Optional[dist.ProcessGroup]) -> float:
-    """Mean or max of a scalar over a process group (the value itself when there is none)."""
-    if group is None or not dist.is_initialized():
-        return float(value.item())
-    t = value.detach().reshape(1).to(torch.float64).clone()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
-    if op == "mean":
-        t /= dist.get_world_size(group)
-    return float(t.item())

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan.collectives import all_reduce_scalar, all_reduce_sum_
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import DocumentSplit, build_hf_data_loader, resolve_dataset
 from torchtitan.datasets.tokenizer import Tokenizer
@@ -25,7 +26,6 @@ from torchtitan.errors import UserError
 from torchtitan.logging import logger
 from torchtitan.loss import cross_entropy
 from torchtitan.parallelisms import ParallelDims, loss_parallel_context
-from torchtitan.utils import all_reduce_scalar
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -90,7 +90,7 @@ def load_validation_batches(
         pin_memory=device.type == "cuda",
     )
     batches = list(itertools.islice(loader, v.steps))
-    fewest = -all_reduce_scalar(torch.tensor(-len(batches), device=device), "max", dp_group)
+    fewest = -all_reduce_scalar(-len(batches), "max", dp_group, device)
     batches = batches[: int(fewest)]
     what = f"the held-out split (about 1 in {split.every} documents)" if split.held_out else "the validation data"
     if not batches:
@@ -136,8 +136,7 @@ def validation_loss(
             totals[1] += labels.numel()
     finally:
         model.train(was_training)
-    if dp_group is not None:
-        dist.all_reduce(totals, group=dp_group)
+    all_reduce_sum_(totals, dp_group)
     return float(totals[0] / totals[1]), int(totals[1].item())
 
 

@@ -44,6 +44,7 @@ from torchtitan.checkpoint.safe_reading import (
     SafeFileSystemReader,
     SafeLoadPlanner,
 )
+from torchtitan.collectives import any_rank
 from torchtitan.errors import UserError
 from torchtitan.guard import (
     DivergenceError,
@@ -568,11 +569,7 @@ class CheckpointManager:
             dist.barrier(group=self._group)
 
     def _any_rank(self, flag: bool) -> bool:
-        if self._group is None:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(value.item())
+        return any_rank(flag, torch.device("cpu"), self._group) if self._group is not None else flag
 
     def _shared_token(self) -> str:
         """A random suffix for temporary folders, the same on every rank (rank 0 draws it)."""

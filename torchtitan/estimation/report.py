@@ -28,7 +28,8 @@ def _header(e: Estimate) -> list[str]:
     if e.device == "cuda":
         precision = f"{e.param_dtype} parameters, {e.compute_dtype} compute"
         if e.compute_dtype != e.param_dtype:
-            precision += " (FSDP mixed precision)"
+            data_parallel = e.degrees.get("dp_replicate", 1) * e.degrees.get("dp_shard", 1) > 1
+            precision += " (FSDP2 mixed precision)" if data_parallel else " (autocast)"
         simulated = f"CUDA training, {precision}"
     else:
         simulated = f"CPU training, {e.param_dtype} throughout"

@@ -346,7 +346,7 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
     """Per-rank memory of ``job_config``'s training for each optimizer in ``[memory_estimation]``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torchtitan.parallelisms import ParallelDims, validate_model_for_parallelism
+    from torchtitan.parallelisms import ParallelDims, mixed_precision_mode, validate_model_for_parallelism
     from torchtitan.preflight import model_args_for
 
     settings = job_config.memory_estimation
@@ -361,7 +361,7 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
     model_args = model_args_for(job_config, vocab)
     validate_model_for_parallelism(model_args, parallel_dims)
     job = _job_for_simulation(job_config, notes)
-    on_cuda_with_fsdp = settings.device == "cuda" and parallel_dims.dp_enabled
+    narrowed = mixed_precision_mode(parallel_dims, job_config, settings.device) is not None
     estimate = Estimate(
         flavor=job_config.model.flavor,
         num_params=0,
@@ -373,7 +373,7 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
         activation_checkpoint=_ac_description(job_config),
         device=settings.device,
         param_dtype=t.param_dtype,
-        compute_dtype=t.mixed_precision_param if on_cuda_with_fsdp else t.param_dtype,
+        compute_dtype=t.mixed_precision_param if narrowed else t.param_dtype,
         notes=notes,
     )
     round_to = _CUDA_BLOCK_BYTES if settings.device == "cuda" else 1
@@ -382,9 +382,15 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
         precompute_quantization_maps()
     with world:
         # Mesh and sharding plan are built for real (on the meta device); only tensors with data are fake.
-        # The simulated mesh lives on the CPU (fake collectives need no GPU); a CUDA job's FSDP computes in bf16.
+        # The simulated mesh and fake tensors live on the CPU (fake collectives need no GPU); a CUDA job computes in
+        # training.mixed_precision_param as train.py's would (FSDP2's policy, or autocast, here CPU autocast).
         model = training.build_model(
-            job, model_args, parallel_dims, parallel_dims.build_mesh("cpu"), compute_device_type=settings.device
+            job,
+            model_args,
+            parallel_dims,
+            parallel_dims.build_mesh("cpu"),
+            compute_device_type=settings.device,
+            tensor_device_type="cpu",
         )
         estimate.num_params = sum(p.numel() for p in model.parameters())
         # Meta parameters become fake ones in to_empty, hence non-fake inputs are allowed.

@@ -5,8 +5,15 @@ float8, FSDP2/HSDP). See ``parallel_dims`` and ``parallelize_llama`` for the sin
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import (
     loss_parallel_context,
+    mixed_precision_mode,
     parallelize_llama,
     validate_model_for_parallelism,
 )
 
-__all__ = ["ParallelDims", "loss_parallel_context", "parallelize_llama", "validate_model_for_parallelism"]
+__all__ = [
+    "ParallelDims",
+    "loss_parallel_context",
+    "mixed_precision_mode",
+    "parallelize_llama",
+    "validate_model_for_parallelism",
+]

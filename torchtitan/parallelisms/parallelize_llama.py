@@ -6,12 +6,14 @@ and compile wrappers go around whole blocks; FSDP2 goes last, around the (wrappe
 all-gathers run outside compiled and recomputed regions.
 
 With one process and no parallelism (``world_mesh is None``) only float8, activation checkpointing and compile are
-applied. Mixed precision (bf16 compute, fp32 reduction) comes with FSDP2 on CUDA; without data parallelism, and on
-CPU, the model computes in its parameters' dtype.
+applied. On CUDA the model computes in ``training.mixed_precision_param`` over float32 master weights whatever the
+layout (:func:`mixed_precision_mode`): through FSDP2's policy (fp32 gradient reduction) when data parallelism is on,
+else through autocast around the model's forward (one GPU, TP only). On CPU it computes in its parameters' dtype.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import AbstractContextManager, nullcontext
 from typing import Optional
 
@@ -47,11 +49,13 @@ def parallelize_llama(
     job_config: JobConfig,
     *,
     compute_device_type: Optional[str] = None,
+    tensor_device_type: Optional[str] = None,
 ) -> Transformer:
-    """Apply float8, TP, activation checkpointing, compile and FSDP2 to ``model`` in place; returns it.
+    """Apply float8, TP, activation checkpointing, compile, and FSDP2 or autocast to ``model`` in place; returns it.
 
-    ``compute_device_type`` (default: the mesh's) decides the FSDP mixed-precision policy; the memory estimator
-    passes "cuda" to plan a GPU job on a simulated CPU mesh.
+    ``compute_device_type`` (default: the mesh's, else "cpu") decides the mixed precision; ``tensor_device_type``
+    (default: the same) is where the model's tensors will live. The memory estimator plans a GPU job ("cuda") on
+    CPU fake tensors ("cpu").
     """
     validate_model_for_parallelism(model.args, parallel_dims)
     if job_config.float8.enable_float8_linear:
@@ -66,10 +70,27 @@ def parallelize_llama(
     apply_activation_checkpointing(model, job_config.activation_checkpoint)
     if job_config.training.compile:
         apply_compile(model)
+    device_type = compute_device_type or (world_mesh.device_type if world_mesh is not None else "cpu")
+    mode = mixed_precision_mode(parallel_dims, job_config, device_type)
     if parallel_dims.dp_enabled:
-        device_type = compute_device_type or (world_mesh.device_type if world_mesh is not None else "cpu")
-        apply_fsdp(model, parallel_dims.fsdp_mesh(world_mesh), _mixed_precision(device_type, job_config))
+        policy = _fsdp_policy(job_config) if mode == "fsdp" else MixedPrecisionPolicy()
+        apply_fsdp(model, parallel_dims.fsdp_mesh(world_mesh), policy)
+    elif mode == "autocast":
+        apply_autocast(model, tensor_device_type or device_type, DTYPES[job_config.training.mixed_precision_param])
     return model
+
+
+def mixed_precision_mode(parallel_dims: ParallelDims, job_config: JobConfig, compute_device_type: str) -> Optional[str]:
+    """How the model computes in ``training.mixed_precision_param`` on its device: "fsdp" (FSDP2's policy, with
+    data parallelism), "autocast" (one device or TP only, when that dtype is narrower than the parameters'), or
+    None (CPU, or nothing to narrow: the model computes in its parameters' dtype)."""
+    t = job_config.training
+    if compute_device_type != "cuda":
+        return None
+    if parallel_dims.dp_enabled:
+        return "fsdp"
+    narrower = DTYPES[t.mixed_precision_param].itemsize < DTYPES[t.param_dtype].itemsize
+    return "autocast" if narrower else None
 
 
 def validate_model_for_parallelism(model_args: ModelArgs, parallel_dims: ParallelDims) -> None:
@@ -195,14 +216,26 @@ def apply_compile(model: Transformer) -> None:
         model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
 
-def _mixed_precision(device_type: str, job_config: JobConfig) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 reduction on CUDA; on CPU compute stays in the parameters' own dtype."""
-    if device_type != "cuda":
-        return MixedPrecisionPolicy()
+def _fsdp_policy(job_config: JobConfig) -> MixedPrecisionPolicy:
+    """Compute in ``mixed_precision_param`` (parameters gathered in it), reduce gradients in ``..._reduce``."""
     training = job_config.training
     return MixedPrecisionPolicy(
         param_dtype=DTYPES[training.mixed_precision_param], reduce_dtype=DTYPES[training.mixed_precision_reduce]
     )
+
+
+def apply_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run ``model``'s forward under autocast to ``dtype``: matmuls compute in it from float32 master weights,
+    whose gradients stay float32. The loss (outside the forward) and backward run outside autocast, as torch
+    recommends; state-dict names are untouched (the forward is wrapped, not the module)."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def forward_under_autocast(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    model.forward = forward_under_autocast
 
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:

@@ -21,7 +21,9 @@ VALIDATION_LOSS = "validation/loss"
 GRAD_NORM = "grad_norm"
 TPS = "throughput/tps"
 TOKENS_SEEN = "throughput/tokens_seen"
-MEMORY_TAGS = ("memory/max_active(GiB)", "memory/rss(GiB)")  # the first one a run logs is its peak memory
+# GPU runs log the allocator's peak (max_active in runs of older versions); CPU runs log the process RSS. The first
+# one a run logs is its peak memory.
+MEMORY_TAGS = ("memory/max_allocated(GiB)", "memory/max_active(GiB)", "memory/rss(GiB)")
 STATE_BYTES = "optimizer/state_bytes"
 EVENT_FILE_PREFIX = "events.out.tfevents"
 

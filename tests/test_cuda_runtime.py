@@ -1,0 +1,34 @@
+"""On a CUDA GPU: a one-GPU job computes in bf16 through CUDA autocast over float32 weights, memory metrics come
+from the allocator, and the device is in the MFU table. Skipped without CUDA (scripts/gpu_check.sh runs it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import TINY, job_config
+from torchtitan import training
+from torchtitan.metrics import memory_metrics, peak_flops
+from torchtitan.parallelisms import ParallelDims
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_one_gpu_job_computes_in_bf16_with_float32_weights():
+    device = torch.device("cuda", torch.cuda.current_device())
+    config = job_config()
+    dims = ParallelDims(1, 1, 1, 1)
+    model = training.init_model(training.build_model(config, TINY, dims, None, compute_device_type="cuda"), device, 0)
+    tokens = torch.randint(0, TINY.vocab_size, (2, TINY.max_seq_len), device=device)
+    logits = model(tokens)
+    logits.float().sum().backward()
+    assert logits.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    metrics = memory_metrics(device)
+    assert 0 < metrics["memory/max_allocated(GiB)"] <= metrics["memory/max_reserved(GiB)"]
+    assert 0 < metrics["memory/max_reserved(%)"] < 100
+
+
+def test_this_gpu_has_an_mfu_peak():
+    name = torch.cuda.get_device_name()
+    assert peak_flops(torch.device("cuda")) is not None, f"add '{name}' to torchtitan/metrics.py's peak table"

@@ -1,0 +1,51 @@
+"""Small collectives the loop needs besides DTensor's own: a scalar's sum/mean/max, and "is this true on any rank".
+
+The rule that keeps multi-GPU runs alive: a collective runs on a tensor its group's backend can take. On GPUs the
+world group and every device-mesh group are NCCL, which reduces CUDA tensors only (a CPU tensor stops the run), and
+torch builds mesh groups by splitting the NCCL communicator, so they would not inherit a CPU backend given to the
+world. Hence every helper here takes the ``device`` of the group it talks on and puts its tensor there: the training
+device for the world and mesh groups, ``cpu`` for a group created with ``backend="gloo"`` (the checkpoint
+manager's). ``tests/test_collectives.py`` checks over the source that no other module calls a collective on a group
+of the training device.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def all_reduce_scalar(
+    value: float | torch.Tensor, op: str, group: Optional[dist.ProcessGroup], device: torch.device
+) -> float:
+    """Sum, mean or max of a scalar over ``group``, reduced on ``device`` in float64; the value itself when
+    ``group`` is None (nothing to reduce over, e.g. no data parallelism) or there is no process group."""
+    if op not in _OPS:
+        raise ValueError(f"unknown reduction {op!r}; one of {sorted(_OPS)}")
+    t = torch.as_tensor(value).detach().reshape(1).to(device=device, dtype=torch.float64, copy=True)
+    if group is None or not dist.is_initialized():
+        return float(t.item())
+    dist.all_reduce(t, op=_OPS[op], group=group)
+    if op == "mean":
+        t /= dist.get_world_size(group)
+    return float(t.item())
+
+
+def any_rank(flag: bool | torch.Tensor, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """True on every rank if ``flag`` (a bool, or a 0-d bool tensor left on its device) is true on any rank of
+    ``group`` (the world when None); one host sync, after the all-reduce."""
+    value = torch.as_tensor(flag).reshape(1).to(device=device, dtype=torch.int32)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Sum ``tensor`` (already on its group's device) over ``group`` in place; nothing without a group."""
+    if group is not None and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor

@@ -1,0 +1,648 @@
+"""Every check that needs a GPU, in one call: ``scripts/gpu_check.sh --out DIR [--dry-run] [--only a,b]``.
+
+Writes ``DIR/gpu_check.md`` (a table per step) and ``DIR/gpu_check.json``. The plan is a list of named steps
+(:data:`STEPS`); each runs on its own, so one that fails leaves the others' results, and running out of GPU memory
+is a result ("does not fit"), not a failure. ``--dry-run`` runs the same plan on the CPU with tiny shapes and
+compilation off, so the test suite keeps the script from rotting between GPU runs.
+
+Steps (sizes on a GPU; the dry run shrinks every model to a few thousand parameters):
+
+* ``optimizers_1b``: every optimizer of the registry (AdamW and AdamMini also with their implementations and bf16
+  state) trains a ~1B Llama with compile on: tokens/s, MFU, peak allocated and reserved, and estimation.py's
+  prediction of the peak allocated memory of the same step;
+* ``bench_optimizers``: ``benchmarks/bench_optimizers.py`` ratios at ~100M and ~1B parameters, float32 and bf16;
+* ``llama3_8b``: Llama 3 8B on the one GPU, full activation checkpointing, each registry optimizer: fits or not,
+  peak, tokens/s;
+* ``float8``: float8 linears on and off (a ~1B Llama, compiled);
+* ``async_checkpoint``: ``train.py`` saves asynchronously, a second run resumes from it;
+* ``checkpoint_memory``: peak memory of a checkpoint save and load for each low-bit optimizer;
+* ``gpu_tests``: the test-suite files that need CUDA (skipped without one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import gc
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from torchtitan.config_manager import JobConfig
+from torchtitan.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GIB = 2**30
+# Optimizers that also run with each implementation and with bf16 state; every registry name runs as it is.
+VARIANT_KINDS = ("AdamW", "AdamMini")
+VARIANT_OPTIONS = ("implementation=fused", "implementation=foreach", "state_dtype=bfloat16")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plan's sizes
+
+
+@dataclass
+class Sizes:
+    """What the steps train: a GPU's real sizes, or a dry run's tiny ones."""
+
+    device: torch.device
+    small_flavor: str  # the ~1B model
+    large_flavor: str  # Llama 3 8B
+    vocab_size: int
+    batch_size: int
+    seq_len: int
+    warmup_steps: int
+    timed_steps: int
+    compile: bool
+    bench_runs: tuple[tuple[str, str], ...]  # (shapes, dtype) of bench_optimizers.py
+    bench_args: tuple[str, ...]
+    train_overrides: tuple[str, ...]  # for train.py runs
+
+    @classmethod
+    def for_run(cls, dry_run: bool) -> Sizes:
+        if dry_run:
+            return cls(
+                device=torch.device("cpu"),
+                small_flavor="tiny",
+                large_flavor="tiny",
+                vocab_size=256,
+                batch_size=1,
+                seq_len=16,
+                warmup_steps=1,
+                timed_steps=1,
+                compile=False,
+                bench_runs=(("tiny", "float32"),),
+                bench_args=("--device", "cpu", "--steps", "1", "--warmup", "0"),
+                train_overrides=("--training.seq_len", "32", "--training.batch_size", "1"),
+            )
+        return cls(
+            device=torch.device("cuda"),
+            small_flavor="1B",
+            large_flavor="8B",
+            vocab_size=128256,
+            batch_size=2,
+            seq_len=2048,
+            warmup_steps=2,
+            timed_steps=5,
+            compile=True,
+            bench_runs=(("bench", "float32"), ("bench", "bfloat16"), ("1b", "float32"), ("1b", "bfloat16")),
+            bench_args=("--steps", "10", "--warmup", "2"),
+            train_overrides=("--model.flavor", "debugmodel", "--training.compile", "true"),
+        )
+
+
+@contextlib.contextmanager
+def _dry_run_settings() -> Iterator[None]:
+    """The dry run's model (the debug model's structure at a few thousand parameters) and eager execution
+    (torchao's per-step compile too: a dry run checks the wiring, not speed); both undone afterwards."""
+    from torchtitan.models.llama import ModelArgs, llama3_configs
+
+    llama3_configs["tiny"] = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16)
+    try:
+        with torch._dynamo.config.patch(disable=True):
+            yield
+    finally:
+        del llama3_configs["tiny"]
+
+
+def optimizer_specs(kinds: Optional[list[str]] = None) -> list[str]:
+    """Every registry optimizer, plus implementation and bf16-state variants of :data:`VARIANT_KINDS`, as
+    ``NAME[:option=value]`` entries (estimation.py's ``memory_estimation.optimizers`` syntax)."""
+    from torchtitan.optim.builder import OPTIMIZERS
+
+    specs = []
+    for name, kind in OPTIMIZERS.items():
+        if kinds is not None and name not in kinds:
+            continue
+        specs.append(name)
+        if name in VARIANT_KINDS:
+            specs += [f"{name}:{o}" for o in VARIANT_OPTIONS if o.split("=")[0] in kind.options]
+    return specs
+
+
+def low_bit_names() -> list[str]:
+    from torchtitan.optim.builder import OPTIMIZERS
+
+    return [name for name in OPTIMIZERS if name.endswith("bit")]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training in this process (the trainer's own model building and step)
+
+
+def _job(sizes: Sizes, flavor: str, *extra: str) -> JobConfig:
+    argv = [
+        "--model.flavor",
+        flavor,
+        "--training.batch_size",
+        str(sizes.batch_size),
+        "--training.seq_len",
+        str(sizes.seq_len),
+        "--training.compile",
+        str(sizes.compile).lower(),
+        "--training.max_norm",
+        "1.0",
+        "--memory_estimation.world_size",
+        "1",
+        "--memory_estimation.vocab_size",
+        str(sizes.vocab_size),
+        "--memory_estimation.device",
+        sizes.device.type,
+        *extra,
+    ]
+    return JobConfig.parse_args(argv, prog="gpu_check")
+
+
+def _random_batches(sizes: Sizes, vocab: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    while True:
+        tokens = torch.randint(0, vocab, (sizes.batch_size, sizes.seq_len + 1), generator=generator)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peaks(device: torch.device) -> dict[str, Any]:
+    """Peak allocated and reserved GiB since the last reset (None on CPU: the allocator keeps no peaks there)."""
+    if device.type != "cuda":
+        return {"peak allocated GiB": None, "peak reserved GiB": None}
+    return {
+        "peak allocated GiB": round(torch.cuda.max_memory_allocated(device) / GIB, 2),
+        "peak reserved GiB": round(torch.cuda.max_memory_reserved(device) / GIB, 2),
+    }
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+@dataclass
+class _Model:
+    job: JobConfig
+    model: torch.nn.Module
+    args: Any
+    parallel_dims: Any
+    flops_per_token: float
+
+
+def _build(sizes: Sizes, flavor: str, *extra: str) -> _Model:
+    from torchtitan import training
+    from torchtitan.metrics import flops_per_token
+    from torchtitan.parallelisms import ParallelDims
+    from torchtitan.preflight import model_args_for
+
+    job = _job(sizes, flavor, *extra)
+    args = model_args_for(job, sizes.vocab_size)
+    dims = ParallelDims.from_job_config(job, 1)
+    model = training.build_model(job, args, dims, None, compute_device_type=sizes.device.type)
+    training.init_model(model, sizes.device, job.training.seed)
+    params = sum(p.numel() for p in model.parameters())
+    flops = flops_per_token(
+        params - args.vocab_size * args.dim, args.n_layers, args.n_heads, args.head_dim, job.training.seq_len
+    )
+    return _Model(job, model, args, dims, flops)
+
+
+def _train(built: _Model, spec: str, sizes: Sizes, steps: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+    """Warm-up then timed steps of ``spec``'s optimizer on ``built``; tokens/s, MFU and peaks of the timed steps,
+    or ``fits: no`` when the GPU runs out of memory."""
+    from torchtitan import training
+    from torchtitan.estimation.simulate import job_for_optimizer, optimizer_choices
+    from torchtitan.metrics import peak_flops
+    from torchtitan.optim import build_optimizers
+
+    warmup, timed = steps or (sizes.warmup_steps, sizes.timed_steps)
+    device = sizes.device
+    job = job_for_optimizer(built.job, optimizer_choices(spec)[0], [])
+    batches = _random_batches(sizes, built.args.vocab_size)
+    optimizers = None
+    row: dict[str, Any] = {"optimizer": spec}
+    try:
+        built.model.init_weights(seed=job.training.seed)
+        optimizers = build_optimizers([built.model], job)
+        for _ in range(warmup):
+            training.train_step(built.model, optimizers, batches, built.parallel_dims, job, device)
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        for _ in range(timed):
+            loss, _, _ = training.train_step(built.model, optimizers, batches, built.parallel_dims, job, device)
+        _sync(device)
+        seconds = time.perf_counter() - start
+        tps = sizes.batch_size * sizes.seq_len * timed / seconds
+        peak = peak_flops(device)
+        row.update(
+            {
+                "fits": "yes",
+                "loss": round(float(loss), 4),
+                "tokens/s": round(tps),
+                "MFU %": round(100 * tps * built.flops_per_token / peak, 1) if peak else None,
+                **_peaks(device),
+            }
+        )
+    except Exception as e:  # noqa: BLE001 - the row says what happened; the next optimizer still runs
+        if _is_oom(e):
+            row.update({"fits": "no (out of memory)", **_peaks(device)})
+        else:
+            row["fits"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    finally:
+        del optimizers
+        for p in built.model.parameters():
+            p.grad = None
+        _free(device)
+    return row
+
+
+def _estimates(job: JobConfig, specs: list[str]) -> dict[str, float]:
+    """estimation.py's peak (GiB) of each spec's step: the same job, simulated on one rank."""
+    from torchtitan.estimation import estimate_memory
+
+    job = copy.deepcopy(job)
+    job.memory_estimation.optimizers = ",".join(specs)
+    estimate = estimate_memory(job)
+    labels = {}
+    for spec, o in zip(specs, estimate.optimizers):
+        labels[spec] = round(o.peak / GIB, 2)
+    return labels
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The steps
+
+
+@dataclass
+class Context:
+    sizes: Sizes
+    out: Path
+    dry_run: bool
+    optimizers: Optional[list[str]] = None  # registry names to run (None: all)
+
+
+@dataclass
+class StepResult:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    text: str = ""  # preformatted output (a tool's own table)
+
+
+def step_optimizers_1b(ctx: Context) -> StepResult:
+    sizes = ctx.sizes
+    specs = optimizer_specs(ctx.optimizers)
+    built = _build(sizes, sizes.small_flavor)
+    params = sum(p.numel() for p in built.model.parameters())
+    estimated = _estimates(built.job, specs)
+    rows = []
+    for spec in specs:
+        row = _train(built, spec, sizes)
+        row["estimated peak allocated GiB"] = estimated.get(spec)
+        rows.append(row)
+    note = (
+        f"{params / 1e9:.3f}B parameters, batch {sizes.batch_size} x {sizes.seq_len} tokens, compile "
+        f"{'on' if sizes.compile else 'off'}, {built.job.training.mixed_precision_param} compute on "
+        f"{sizes.device.type}; {sizes.timed_steps} timed steps after {sizes.warmup_steps} warm-up"
+    )
+    return StepResult(rows=rows, notes=[note])
+
+
+def step_bench_optimizers(ctx: Context) -> StepResult:
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks import bench_optimizers
+
+    text = []
+    for shapes, dtype in ctx.sizes.bench_runs:
+        captured = io.StringIO()
+        with contextlib.redirect_stdout(captured):
+            bench_optimizers.main(["--shapes", shapes, "--dtype", dtype, *ctx.sizes.bench_args])
+        text.append(f"$ bench_optimizers.py --shapes {shapes} --dtype {dtype}\n{captured.getvalue()}")
+        _free(ctx.sizes.device)
+    return StepResult(text="\n".join(text))
+
+
+def step_llama3_8b(ctx: Context) -> StepResult:
+    sizes = ctx.sizes
+    specs = optimizer_specs(ctx.optimizers)
+    specs = [s for s in specs if ":" not in s]  # one run per optimizer: the registry names
+    try:
+        built = _build(sizes, sizes.large_flavor, "--activation_checkpoint.mode", "full", "--training.compile", "false")
+    except Exception as e:  # noqa: BLE001
+        if not _is_oom(e):
+            raise
+        return StepResult(rows=[{"optimizer": s, "fits": "no (weights alone)"} for s in specs])
+    rows = [_train(built, spec, sizes, steps=(1, 2)) for spec in specs]
+    del built
+    _free(sizes.device)
+    return StepResult(rows=rows, notes=["full activation checkpointing, eager (no compile), 2 timed steps"])
+
+
+def step_float8(ctx: Context) -> StepResult:
+    from torchtitan.parallelisms.parallelize_llama import check_float8_supported
+
+    sizes = ctx.sizes
+    rows = []
+    for enabled in (False, True):
+        row = {"float8": "on" if enabled else "off"}
+        if enabled:
+            try:
+                check_float8_supported()
+            except UserError as e:
+                rows.append({**row, "fits": f"not run: {e}"})
+                continue
+        built = _build(sizes, sizes.small_flavor, "--float8.enable_float8_linear", str(enabled).lower())
+        rows.append({**row, **_train(built, "AdamW", sizes)})
+        del built
+        _free(sizes.device)
+    return StepResult(rows=rows)
+
+
+def step_async_checkpoint(ctx: Context) -> StepResult:
+    """train.py saves asynchronously at steps 2 and 4; a second run resumes from step 4 and trains to 6."""
+    dump = ctx.out / "async_checkpoint"
+    common = [
+        sys.executable,
+        str(REPO_ROOT / "train.py"),
+        "--job.config_file",
+        str(REPO_ROOT / "train_configs" / "debug_model.toml"),
+        "--job.dump_folder",
+        str(dump),
+        *ctx.sizes.train_overrides,
+        "--checkpoint.enable_checkpoint",
+        "true",
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.interval",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--training.warmup_steps",
+        "1",
+    ]
+    rows = []
+    for steps in (4, 6):
+        started = time.perf_counter()
+        done = subprocess.run([*common, "--training.steps", str(steps)], capture_output=True, text=True, env=_env(ctx))
+        log = done.stdout + done.stderr
+        (ctx.out / f"async_checkpoint_{steps}.log").write_text(log)
+        resumed = "resumed from step 4" in log
+        last_line = next((line for line in reversed(log.splitlines()) if "step:" in line), "")
+        rows.append(
+            {
+                "run": f"train to step {steps}",
+                "exit code": done.returncode,
+                "resumed from step 4": resumed,
+                "seconds": round(time.perf_counter() - started, 1),
+                "last log line": last_line.split(" - ")[-1].strip()[:160],
+            }
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"train.py exited with {done.returncode}:\n{log[-3000:]}")
+    if not rows[1]["resumed from step 4"]:
+        raise RuntimeError("the second run did not resume from the asynchronous checkpoint of step 4")
+    return StepResult(rows=rows)
+
+
+def step_checkpoint_memory(ctx: Context) -> StepResult:
+    """Peak memory above the trained state while CheckpointManager saves and loads, per low-bit optimizer."""
+    from torchtitan import training
+    from torchtitan.checkpoint import CheckpointManager
+    from torchtitan.lr_scheduling import build_lr_schedulers
+    from torchtitan.optim import build_optimizers
+
+    sizes = ctx.sizes
+    device = sizes.device
+    names = [n for n in low_bit_names() if ctx.optimizers is None or n in ctx.optimizers]
+    built = _build(sizes, sizes.small_flavor, "--training.compile", "false")
+    rows = []
+    for name in names:
+        folder = tempfile.mkdtemp(prefix=f"ckpt-{name}-", dir=ctx.out)
+        job = _job(
+            sizes,
+            sizes.small_flavor,
+            "--optimizer.name",
+            name,
+            "--checkpoint.enable_checkpoint",
+            "true",
+            "--checkpoint.folder",
+            folder,
+            "--training.steps",
+            "1",
+        )
+        optimizers = build_optimizers([built.model], job)
+        batches = _random_batches(sizes, built.args.vocab_size)
+        training.train_step(built.model, optimizers, batches, built.parallel_dims, job, device)
+        for p in built.model.parameters():
+            p.grad = None
+        manager = CheckpointManager(
+            data_loader=_Position(),
+            model_parts=[built.model],
+            optimizers=optimizers,
+            lr_schedulers=build_lr_schedulers(optimizers, job),
+            states={"train_state": training.TrainState()},
+            job_config=job,
+        )
+        row: dict[str, Any] = {"optimizer": name}
+        for what, action in (("save", functools.partial(manager.save, 1, force=True)), ("load", manager.load)):
+            _free(device)
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            action()
+            _sync(device)
+            peaks = _peaks(device)
+            if peaks["peak allocated GiB"] is not None:
+                row[f"{what}: peak allocated above state GiB"] = round(peaks["peak allocated GiB"] - before / GIB, 2)
+                row[f"{what}: peak reserved GiB"] = peaks["peak reserved GiB"]
+            else:
+                row[f"{what}"] = "done"
+        manager.close()
+        del manager, optimizers
+        shutil.rmtree(folder)  # a ~1B model's checkpoints would fill the disk over the optimizers
+        _free(device)
+        rows.append(row)
+    return StepResult(rows=rows, notes=["synchronous DCP save and load of model, optimizer and schedule"])
+
+
+def step_gpu_tests(ctx: Context) -> StepResult:
+    files = gpu_test_files()
+    if ctx.dry_run:
+        return StepResult(rows=[{"test file": f, "result": "listed (dry run)"} for f in files])
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", *files],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=_env(ctx),
+    )
+    tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+    if done.returncode != 0:
+        raise RuntimeError(f"pytest exited with {done.returncode}:\n{tail}")
+    return StepResult(text=tail)
+
+
+def gpu_test_files() -> list[str]:
+    """Test files that skip themselves without CUDA."""
+    found = []
+    for path in sorted((REPO_ROOT / "tests").glob("test_*.py")):
+        text = path.read_text()
+        if "skipif" in text and "cuda.is_available()" in text:
+            found.append(str(path.relative_to(REPO_ROOT)))
+    return found
+
+
+class _Position:
+    """A data loader's place in its stream, for checkpoints written outside train.py."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+def _env(ctx: Context) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    if ctx.dry_run:
+        env.update(CUDA_VISIBLE_DEVICES="", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+    return env
+
+
+# The plan, in order; add a step by writing a function of a Context returning a StepResult, and naming it here.
+STEPS: dict[str, Callable[[Context], StepResult]] = {
+    "optimizers_1b": step_optimizers_1b,
+    "bench_optimizers": step_bench_optimizers,
+    "llama3_8b": step_llama3_8b,
+    "float8": step_float8,
+    "async_checkpoint": step_async_checkpoint,
+    "checkpoint_memory": step_checkpoint_memory,
+    "gpu_tests": step_gpu_tests,
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running the plan and the report
+
+
+def run_step(name: str, ctx: Context) -> dict[str, Any]:
+    started = time.perf_counter()
+    try:
+        result = STEPS[name](ctx)
+        outcome = {"status": "ok", "rows": result.rows, "notes": result.notes, "text": result.text}
+        broken = [row for row in result.rows if str(row.get("fits", "")).startswith("error")]
+        if broken:  # the other rows were still measured
+            outcome.update(status="failed", error=f"{len(broken)} of {len(result.rows)} runs failed (see the table)")
+    except Exception as e:  # noqa: BLE001 - one step failing must not stop the others
+        outcome = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    _free(ctx.sizes.device)
+    outcome["seconds"] = round(time.perf_counter() - started, 1)
+    print(f"gpu_check: {name}: {outcome['status']} in {outcome['seconds']} s", flush=True)
+    return outcome
+
+
+def device_description(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "CPU (dry run)"
+    props = torch.cuda.get_device_properties(device)
+    return f"{torch.cuda.get_device_name(device)}, {props.total_memory / GIB:.0f} GiB"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# GPU check ({'dry run' if report['dry_run'] else 'GPU'})", ""]
+    lines += [f"{report['device']}, torch {report['torch']}, {report['seconds']} s in all", ""]
+    for name, step in report["steps"].items():
+        lines += [f"## {name}: {step['status']} ({step['seconds']} s)", ""]
+        if step["status"] != "ok":
+            lines += ["```", step.get("error", ""), "```", ""]
+        if "rows" not in step:
+            continue
+        lines += [f"- {note}" for note in step["notes"]] + ([""] if step["notes"] else [])
+        if step["rows"]:
+            columns = list(dict.fromkeys(k for row in step["rows"] for k in row))
+            lines.append("| " + " | ".join(columns) + " |")
+            lines.append("|" + "---|" * len(columns))
+            for row in step["rows"]:
+                lines.append("| " + " | ".join("" if row.get(c) is None else str(row.get(c)) for c in columns) + " |")
+            lines.append("")
+        if step["text"]:
+            lines += ["```", step["text"].rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def run(out: Path, dry_run: bool, only: Optional[list[str]] = None, optimizers: Optional[list[str]] = None) -> dict:
+    if not dry_run and not torch.cuda.is_available():
+        raise UserError("no CUDA GPU found; run with --dry-run to check the plan on the CPU")
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = Sizes.for_run(dry_run)
+    ctx = Context(sizes=sizes, out=out, dry_run=dry_run, optimizers=optimizers)
+    started = time.perf_counter()
+    with _dry_run_settings() if dry_run else contextlib.nullcontext():
+        steps = {name: run_step(name, ctx) for name in (only or STEPS)}
+    report = {
+        "dry_run": dry_run,
+        "device": device_description(sizes.device),
+        "torch": torch.__version__,
+        "seconds": round(time.perf_counter() - started, 1),
+        "steps": steps,
+    }
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "gpu_check.md").write_text(markdown(report))
+    return report
+
+
+def _names(value: Optional[str], valid: list[str], what: str) -> Optional[list[str]]:
+    if value is None:
+        return None
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in valid]
+    if unknown or not names:
+        raise UserError(f"--{what}: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(valid)}")
+    return names
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from torchtitan.optim.builder import OPTIMIZERS
+
+    parser = argparse.ArgumentParser(prog="gpu_check.sh", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for gpu_check.md, gpu_check.json and logs")
+    parser.add_argument("--dry-run", action="store_true", help="the same plan on the CPU with tiny shapes")
+    parser.add_argument("--only", default=None, help=f"comma-separated steps ({', '.join(STEPS)})")
+    parser.add_argument("--optimizers", default=None, help="comma-separated registry names (default: all)")
+    options = parser.parse_args(argv)
+    try:
+        only = _names(options.only, list(STEPS), "only")
+        optimizers = _names(options.optimizers, list(OPTIMIZERS), "optimizers")
+        report = run(Path(options.out), options.dry_run, only, optimizers)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    failed = [name for name, step in report["steps"].items() if step["status"] != "ok"]
+    print(
+        f"gpu_check: report in {Path(options.out) / 'gpu_check.md'}"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
