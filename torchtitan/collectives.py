@@ -11,7 +11,7 @@ of the training device.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,3 +49,16 @@ def all_reduce_sum_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) ->
     if group is not None and dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def all_gather_objects(value: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """``value`` (any picklable object) of every rank of ``group``, in rank order; ``[value]`` without a group.
+
+    torch pickles the objects into tensors on the current CUDA device under NCCL (``init_distributed`` sets it to
+    the rank's own GPU) and on the CPU under gloo, so this is right on either backend.
+    """
+    if group is None or not dist.is_initialized():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.collectives import all_gather_objects
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
@@ -513,15 +514,6 @@ def _keep_batch(batch: Any) -> Any:
     return batch
 
 
-def _gather(value: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
-    """``value`` of every rank of ``group`` (just this one's without a group)."""
-    if group is None or not dist.is_initialized():
-        return [value]
-    values: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
-    return values
-
-
 def merge_rank_states(rank_states: list[dict[str, Any]]) -> dict[str, Any]:
     """The loader state of a job from its ranks' own (tensor-parallel peers give the same one twice)."""
     first = rank_states[0]
@@ -586,7 +578,7 @@ class TextDataLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The job's loader state (a collective over ``group``: every rank calls it)."""
-        return merge_rank_states(_gather(self.rank_state(), self._group))
+        return merge_rank_states(all_gather_objects(self.rank_state(), self._group))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "layout" not in state:
