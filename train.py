@@ -20,6 +20,7 @@ from torchtitan.checkpoint import CheckpointManager
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import build_hf_data_loader
 from torchtitan.errors import UserError
+from torchtitan.garbage_collection import GarbageCollection
 from torchtitan.guard import DIVERGENCE_EXIT_CODE, DivergenceError, DivergenceGuard
 from torchtitan.logging import init_logger, logger
 from torchtitan.lr_scheduling import build_lr_schedulers
@@ -84,9 +85,18 @@ def main(job_config: JobConfig) -> None:
         states={"train_state": train_state},
         job_config=job_config,
     )
+    if job_config.checkpoint.create_seed_checkpoint:
+        seed_folder = checkpoint.create_seed_checkpoint()
+        checkpoint.close()
+        logger.info(f"seed checkpoint written to {seed_folder}; a run with this checkpoint.folder starts from it")
+        return
     checkpoint.load(step=job_config.checkpoint.load_step)
 
-    metric_logger = build_metric_logger(job_config, optimizers.name, rank)
+    # One start time for every rank, so that per-rank metric folders (metrics.rank_0_only off) share a run folder.
+    run_started = all_reduce_scalar(
+        torch.tensor(time.time(), dtype=torch.float64, device=device), "max", _world_group()
+    )
+    metric_logger = build_metric_logger(job_config, optimizers.name, rank, when=run_started)
     state_bytes = all_reduce_scalar(torch.tensor(float(optimizers.state_bytes())), "sum", _world_group())
     metric_logger.log({"optimizer/state_bytes": state_bytes}, train_state.step)
     logger.info(f"optimizer: {optimizers.name}, state {state_bytes / 2**20:,.1f} MiB over all ranks")
@@ -103,9 +113,11 @@ def main(job_config: JobConfig) -> None:
         f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"
     )
     window_start, window_steps = time.perf_counter(), 0
+    garbage_collection = GarbageCollection(t.gc_freq)
     with maybe_profile(job_config, train_state) as profiler:
         while train_state.step < t.steps:
             train_state.step += 1
+            garbage_collection.run(train_state.step)
             lr = lr_schedulers.get_last_lr()
             loss, grad_norm, updated = training.train_step(
                 model, optimizers, batches, parallel_dims, job_config, device, guard, train_state.step
@@ -131,7 +143,7 @@ def main(job_config: JobConfig) -> None:
                 }
                 if gpu_peak is not None:
                     metrics["mfu(%)"] = 100 * tps * flops / gpu_peak
-                logger.info(format_log_line(train_state.step, metrics))
+                logger.info(format_log_line(train_state.step, metrics, job_config.metrics.enable_color_printing))
                 metric_logger.log(metrics, train_state.step)
                 reset_peak_memory(device)
                 window_start, window_steps = time.perf_counter(), 0
@@ -157,6 +169,7 @@ def main(job_config: JobConfig) -> None:
 
     checkpoint.close()
     metric_logger.close()
+    garbage_collection.close()
     logger.info("training done")
 
 

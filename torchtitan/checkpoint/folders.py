@@ -18,7 +18,7 @@ from torchtitan.logging import logger
 from torchtitan.optim.builder import resolve_optimizer_name
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
-TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights)?\.tmp-")
+TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights|-hf)?\.tmp-")
 DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optimizer
 
 
@@ -48,6 +48,11 @@ def step_folder(folder: str, step: int) -> str:
 
 def weights_folder(folder: str, step: int) -> str:
     return os.path.join(folder, f"step-{step}-weights")
+
+
+def hf_folder(folder: str, step: int) -> str:
+    """The Hugging Face export of ``step`` (``checkpoint.last_save_in_hf``)."""
+    return os.path.join(folder, f"step-{step}-hf")
 
 
 def temporary_name(final_path: str, token: str) -> str:
