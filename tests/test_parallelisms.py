@@ -13,6 +13,8 @@ to lr / eps on entries whose gradient is near zero.
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -20,7 +22,22 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_workers
-from tests.helpers import TINY, adamw_step, batch, job_config, materialize, meta_model, reference_step, to_numpy
+from tests.helpers import (
+    TINY,
+    adamw_step,
+    batch,
+    full,
+    hf_job,
+    job_config,
+    materialize,
+    meta_model,
+    reference_step,
+    tiny_manager,
+    tiny_model,
+    to_numpy,
+    weights,
+)
+from torchtitan.checkpoint import hf
 from torchtitan.errors import UserError
 from torchtitan.parallelisms import (
     ParallelDims,
@@ -73,14 +90,51 @@ def _run_layout(world_size: int, degrees, sections) -> dict:
     }
 
 
-def _run_layouts(rank: int, world_size: int, names: list[str]) -> dict:
-    return {name: _run_layout(world_size, LAYOUTS[name][1], LAYOUTS[name][2]) for name in names}
+def _run_layouts(rank: int, world_size: int, names: list[str], hf_dump: str | None = None) -> dict:
+    results = {name: _run_layout(world_size, LAYOUTS[name][1], LAYOUTS[name][2]) for name in names}
+    if hf_dump is not None:
+        results.update(_hf_load_and_export(world_size, hf_dump))
+    return results
+
+
+# Hugging Face weights in and out under FSDP and TP (tensor parallelism with the fused RMSNorm on DTensors), in
+# the world-size-2 launch: layout name -> (dp_replicate, dp_shard, tp), model.norm_type.
+HF_LAYOUTS = {"hf_fsdp2": ((1, -1, 1), "rmsnorm"), "hf_tp2": ((1, 1, 2), "fused_rmsnorm")}
+HF_SEED = 5
+
+
+def _hf_load_and_export(world_size: int, dump: str) -> dict:
+    results = {}
+    for name, (degrees, norm_type) in HF_LAYOUTS.items():
+        job = hf_job(dump, initial_load_path=os.path.join(dump, "hf"), initial_load_in_hf=True, folder=name)
+        job.checkpoint.last_save_in_hf = True
+        job.model.norm_type = norm_type
+        dims = ParallelDims(*degrees, world_size)
+        mesh = dims.build_mesh("cpu")
+        model = materialize(parallelize_llama(meta_model(replace(TINY, norm_type=norm_type)), mesh, dims, job))
+        manager = tiny_manager(model, job)
+        manager.load()
+        with torch.no_grad():
+            logits = full(model(batch()[0]))
+        manager.save(1, force=True)
+        manager.close()
+        results[name] = {"weights": to_numpy(weights(model)), "logits": logits.numpy().copy()}
+    return results
+
+
+_HF_DUMP = tempfile.TemporaryDirectory(prefix="hf-layouts-")  # removed when the test process ends
 
 
 @functools.lru_cache(maxsize=None)
 def _results_for_world_size(world_size: int) -> list[dict]:
     names = [name for name, (size, _, _) in LAYOUTS.items() if size == world_size]
-    return run_workers(_run_layouts, world_size, (names,))
+    if world_size != 2:
+        return run_workers(_run_layouts, world_size, (names,))
+    # The Hugging Face folder the 2-rank layouts load: a seeded tiny model, written by our exporter in float32.
+    os.makedirs(os.path.join(_HF_DUMP.name, "hf"), exist_ok=True)
+    source = tiny_model(seed=HF_SEED)
+    hf.write_hf_weights(dict(source.state_dict()), os.path.join(_HF_DUMP.name, "hf"), TINY, torch.float32, 0)
+    return run_workers(_run_layouts, world_size, (names, _HF_DUMP.name))
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,6 +157,37 @@ def test_layout_trains_like_one_process(layout):
         assert result["loss"] == pytest.approx(reference["loss"], rel=1e-12, abs=0.0)
         _assert_close_dicts(result["grads"], reference["grads"], GRAD_TOLERANCE, f"rank {rank} gradient")
         _assert_close_dicts(result["weights"], reference["weights"], WEIGHT_TOLERANCE, f"rank {rank} weight")
+
+
+def test_hugging_face_weights_load_and_export_under_fsdp_and_tensor_parallelism():
+    """Each rank reads its shards (query/key rows reordered); the export gathers them: both as one process does."""
+    from safetensors.torch import load_file
+
+    results = _results_for_world_size(2)
+    folder = os.path.join(_HF_DUMP.name, "hf")
+    single = materialize(meta_model())
+    manager = tiny_manager(single, hf_job(_HF_DUMP.name, initial_load_path=folder, initial_load_in_hf=True))
+    assert manager.load()
+    # float32 files: the tiny float64 model rounded to float32, exactly.
+    expected = {k: v.float().double() for k, v in weights(tiny_model(seed=HF_SEED)).items()}
+    assert max((weights(single)[k] - v).abs().max().item() for k, v in expected.items()) == 0.0
+    with torch.no_grad():
+        expected_logits = single(batch()[0]).numpy()
+    source = load_file(os.path.join(folder, "model.safetensors"))
+    for rank, by_layout in enumerate(results):
+        for name in HF_LAYOUTS:
+            for key, value in expected.items():
+                torch.testing.assert_close(
+                    torch.from_numpy(by_layout[name]["weights"][key]), value, rtol=0, atol=0, msg=f"{rank} {name} {key}"
+                )
+            torch.testing.assert_close(
+                torch.from_numpy(by_layout[name]["logits"]), torch.from_numpy(expected_logits), rtol=1e-12, atol=1e-12
+            )
+    for name in HF_LAYOUTS:
+        exported = load_file(os.path.join(_HF_DUMP.name, name, "step-1-hf", "model.safetensors"))
+        assert exported.keys() == source.keys()
+        for key, value in source.items():
+            assert torch.equal(exported[key], value), f"{name} {key}"
 
 
 def test_data_parallel_ranks_follow_the_mesh():

@@ -97,6 +97,23 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    wide = _upcast(x)
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.type_as(x) * weight
+
+
+_compiled_rms_norm: Optional[Callable] = None
+
+
+def compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` compiled once for every norm (compiling each module's forward would recompile per instance)."""
+    global _compiled_rms_norm
+    if _compiled_rms_norm is None:
+        _compiled_rms_norm = torch.compile(rms_norm)
+    return _compiled_rms_norm(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     param_roles = {"weight": NORM}
 
@@ -106,9 +123,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = _upcast(x)
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -124,14 +139,10 @@ class FusedRMSNorm(RMSNorm):
 
 
 class CompiledRMSNorm(RMSNorm):
-    """RMSNorm whose forward is compiled on its own (useful when the blocks are not: ``training.compile`` off)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__(dim, eps)
-        self._compiled_forward = torch.compile(super().forward)
+    """RMSNorm computed by a compiled kernel (useful when the blocks are not compiled: ``training.compile`` off)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._compiled_forward(x)
+        return compiled_rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.LayerNorm):
