@@ -41,7 +41,7 @@ class Job:
     description: str = opt("default job", "free-text description of the job, logged at start")
     print_args: bool = opt(False, "log the full resolved config at start")
     use_for_integration_test: bool = opt(
-        False, "the test suite loads this config file through JobConfig and preflight (train_configs/ files only)"
+        False, "a train_configs/ file the test suite checks through JobConfig and preflight"
     )
 
 
