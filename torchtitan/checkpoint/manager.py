@@ -142,7 +142,8 @@ class CheckpointManager:
         self.export_enabled = config.model_weights_only
         self.interval = config.interval
         self.interval_in_seconds = config.interval_type == "seconds"
-        self._last_save_time = time.monotonic()
+        self.clock = time.monotonic  # seconds; replaceable in tests
+        self._last_save_time = self.clock()
         self.keep_latest_k = config.keep_latest_k
         self.async_enabled = config.async_mode in ("async", "async_with_pinned_mem")
         # Pinned staging buffers are allocated at the first save and reused by the next ones.
@@ -238,7 +239,7 @@ class CheckpointManager:
             self._publish_pending(wait=False)
             if self._due(curr_step, force) and curr_step != self._last_saved_step:
                 self._save_full(curr_step)
-                self._last_save_time = time.monotonic()
+                self._last_save_time = self.clock()
         if self.export_enabled and curr_step == self.last_step:
             self.export_weights(curr_step)
         if self.hf_export_enabled and curr_step == self.last_step:
@@ -254,7 +255,7 @@ class CheckpointManager:
             return True
         if not self.interval_in_seconds:
             return step % self.interval == 0
-        decision = torch.tensor([int(time.monotonic() - self._last_save_time >= self.interval)], dtype=torch.int64)
+        decision = torch.tensor([int(self.clock() - self._last_save_time >= self.interval)], dtype=torch.int64)
         if self._group is not None:
             dist.broadcast(decision, src=dist.get_global_rank(self._group, 0), group=self._group)
         return bool(decision.item())
