@@ -9,11 +9,13 @@ import os
 import pytest
 import torch
 
-from tests.helpers import TINY, batch, hf_job, job_config, materialize, meta_model, tiny_manager
+from tests.helpers import DEBUG_RUN, TINY, batch, hf_job, job_config, materialize, meta_model, tiny_manager
 from torchtitan import training
 from torchtitan.checkpoint import hf
+from torchtitan.config_manager import JobConfig
 from torchtitan.errors import UserError
 from torchtitan.parallelisms import ParallelDims
+from torchtitan.preflight import preflight
 
 
 def _transformers():
@@ -117,3 +119,41 @@ def test_query_and_key_rows_round_trip():
     assert torch.equal(hf.rows_from_hf(hf.rows_to_hf(weight, 3), 3), weight)
     # Hugging Face pairs feature i with i + head_dim/2; we pair 2i with 2i+1: head 0's rows 0, 3, 1, 4, 2, 5.
     assert hf.rows_from_hf(weight, 2)[:6, 0].tolist() == [0.0, 12.0, 4.0, 16.0, 8.0, 20.0]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Through train.py and preflight (the shared debug-model run exports its last step)
+
+
+def _debug_run_export(debug_run) -> str:
+    dump, _ = debug_run
+    return str(dump / "checkpoint" / "AdamW" / "step-6-hf")
+
+
+def test_train_py_exports_what_transformers_and_our_loader_agree_on(debug_run, tmp_path):
+    exported = _debug_run_export(debug_run)
+    reread = _transformers().LlamaForCausalLM.from_pretrained(exported).eval()
+    config = JobConfig.parse_args(
+        [*DEBUG_RUN, "--checkpoint.initial_load_path", exported, "--checkpoint.initial_load_in_hf"]
+    )
+    _, args, _ = preflight(config, world_size=1)
+    ours = training.init_model(training.build_model(config, args, ParallelDims(1, -1, 1, 1), None), "cpu", seed=1)
+    assert tiny_manager(ours, config).load()
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), reread(tokens).logits, rtol=0, atol=1e-4)
+
+
+def test_preflight_names_both_shapes_when_the_flavor_differs(debug_run):
+    config = JobConfig.parse_args(
+        [
+            *DEBUG_RUN,
+            "--model.flavor",
+            "debugmodel_gqa",
+            "--checkpoint.initial_load_path",
+            _debug_run_export(debug_run),
+            "--checkpoint.initial_load_in_hf",
+        ]
+    )
+    with pytest.raises(UserError, match=r"16 heads \(16 key/value.*this job's model.*16 heads \(4 key/value"):
+        preflight(config, world_size=1)
