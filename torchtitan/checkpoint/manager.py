@@ -162,7 +162,7 @@ class CheckpointManager:
         self._pending: Optional[tuple[Any, str, str]] = None  # (future, temporary folder, final folder)
         self._last_saved_step = -1
         self._group = None
-        if not (self.enabled or self.export_enabled or self.hf_export_enabled or self.hf_load):
+        if not (self.enabled or self.export_enabled or self.hf_export_enabled):
             return
         if dist.is_initialized():
             # Our own gloo group: async saves talk on it from a background thread without interleaving with the
@@ -321,7 +321,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for an async save in flight and publish it."""
-        if self._group is None and not (self.enabled or self.export_enabled):
+        if self._group is None and not (self.enabled or self.export_enabled or self.hf_export_enabled):
             return
         self._publish_pending(wait=True)
         if self._stager is not None:
