@@ -4,6 +4,7 @@ against transformers itself: a model made by transformers, and transformers read
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -157,3 +158,36 @@ def test_preflight_names_both_shapes_when_the_flavor_differs(debug_run):
     )
     with pytest.raises(UserError, match=r"16 heads \(16 key/value.*this job's model.*16 heads \(4 key/value"):
         preflight(config, world_size=1)
+
+
+# Meta-Llama-3-8B's config.json as published (transformers 4.40 era: rope_theta at the top, no head_dim).
+LLAMA3_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 500000.0,
+    "vocab_size": 128256,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_published_llama3_8b_config_matches_our_8b_flavor_and_rope_scaling_is_refused(tmp_path):
+    from torchtitan.models.llama import llama3_configs
+
+    args = dataclasses.replace(llama3_configs["8B"], vocab_size=128256)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
+    hf.check_hf_config(str(tmp_path), args)
+    llama31 = {**LLAMA3_8B_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    (tmp_path / "config.json").write_text(json.dumps(llama31))
+    with pytest.raises(UserError, match="rope scaling llama3"):
+        hf.check_hf_config(str(tmp_path), args)
