@@ -84,6 +84,7 @@ def main(job_config: JobConfig) -> None:
         lr_schedulers=lr_schedulers,
         states={"train_state": train_state},
         job_config=job_config,
+        token_ids={"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id},
     )
     if job_config.checkpoint.create_seed_checkpoint:
         seed_folder = checkpoint.create_seed_checkpoint()

@@ -137,7 +137,8 @@ def test_train_py_exports_what_transformers_and_our_loader_agree_on(debug_run, t
     config = JobConfig.parse_args(
         [*DEBUG_RUN, "--checkpoint.initial_load_path", exported, "--checkpoint.initial_load_in_hf"]
     )
-    _, args, _ = preflight(config, world_size=1)
+    _, args, tokenizer = preflight(config, world_size=1)
+    assert (reread.config.bos_token_id, reread.config.eos_token_id) == (tokenizer.bos_id, tokenizer.eos_id)
     ours = training.init_model(training.build_model(config, args, ParallelDims(1, -1, 1, 1), None), "cpu", seed=1)
     assert tiny_manager(ours, config).load()
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -55,9 +55,9 @@ off. ``export_weights(step)`` does the same on demand.
 Hugging Face: ``hf`` reads a Hugging Face Llama folder as the initial weights (``initial_load_in_hf``) and writes
 one at the last step (``last_save_in_hf``); see its docstring.
 
-Modules: ``codec`` (plain data as JSON bytes), ``hf`` (Hugging Face folders), ``safe_reading`` (the restricted readers every load goes through),
-``folders`` (step folders, temporary names, publish and clean) and ``manager`` (``CheckpointManager`` and the job
-facts).
+Modules: ``codec`` (plain data as JSON bytes), ``hf`` (Hugging Face folders), ``safe_reading`` (the restricted
+readers every load goes through), ``folders`` (step folders, temporary names, publish and clean) and ``manager``
+(``CheckpointManager`` and the job facts).
 """
 
 from torchtitan.checkpoint.codec import decode_plain, encode_plain

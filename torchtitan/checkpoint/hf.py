@@ -90,9 +90,11 @@ def rows_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 # config.json
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
-    """The ``config.json`` of a ``LlamaForCausalLM`` with our model's shape."""
+def hf_config(args: ModelArgs, dtype: torch.dtype, token_ids: Optional[dict[str, int]] = None) -> dict[str, Any]:
+    """The ``config.json`` of a ``LlamaForCausalLM`` with our model's shape (and ``bos_token_id`` / ``eos_token_id``
+    from ``token_ids``: transformers' defaults are not Llama 3's)."""
     return {
+        **(token_ids or {}),
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.dim,
@@ -275,7 +277,12 @@ def _file_plan(model_state: dict[str, torch.Tensor], dtype: torch.dtype) -> list
 
 
 def write_hf_weights(
-    model_state: dict[str, torch.Tensor], folder: str, args: ModelArgs, dtype: torch.dtype, rank: int
+    model_state: dict[str, torch.Tensor],
+    folder: str,
+    args: ModelArgs,
+    dtype: torch.dtype,
+    rank: int,
+    token_ids: Optional[dict[str, int]] = None,
 ) -> None:
     """Write ``model_state`` (any layout; every rank calls this) as a Hugging Face Llama folder; rank 0 writes.
 
@@ -306,7 +313,7 @@ def write_hf_weights(
     if rank != 0:
         return
     with open(os.path.join(folder, CONFIG_FILE), "w") as f:
-        json.dump(hf_config(args, dtype), f, indent=2)
+        json.dump(hf_config(args, dtype, token_ids), f, indent=2)
     if len(set(files)) > 1:
         with open(os.path.join(folder, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)

@@ -128,6 +128,7 @@ class CheckpointManager:
         lr_schedulers: Any,
         states: dict[str, Any],
         job_config: Any,
+        token_ids: Optional[dict[str, int]] = None,
     ) -> None:
         clash = set(states) & set(RESERVED_KEYS)
         if clash:
@@ -150,6 +151,7 @@ class CheckpointManager:
         self._stager = _pinned_stager() if config.async_mode == "async_with_pinned_mem" else None
         self.hf_load = config.initial_load_in_hf
         self.hf_export_enabled = config.last_save_in_hf
+        self.token_ids = token_ids  # the tokenizer's bos/eos ids, for the Hugging Face config.json
         self.load_step = config.load_step
         self.initial_load_path = config.initial_load_path
         self.initial_load_model_only = config.initial_load_model_only
@@ -282,7 +284,9 @@ class CheckpointManager:
         temporary = temporary_name(final, self._shared_token())
         if self.rank == 0:
             os.makedirs(temporary, exist_ok=True)
-        hf.write_hf_weights(state, temporary, self.model_parts[0].args, self.export_dtype, self.rank)
+        hf.write_hf_weights(
+            state, temporary, self.model_parts[0].args, self.export_dtype, self.rank, token_ids=self.token_ids
+        )
         self._publish_everywhere(temporary, final)
         logger.info(f"checkpoint: exported Hugging Face weights to {final} in {time.perf_counter() - begin:.2f} s")
         return final
