@@ -122,7 +122,14 @@ def _hf_load_and_export(world_size: int, dump: str) -> dict:
     return results
 
 
-_HF_DUMP = tempfile.TemporaryDirectory(prefix="hf-layouts-")  # removed when the test process ends
+_HF_DUMPS: list[tempfile.TemporaryDirectory] = []  # kept until the test process ends, then removed
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_dump() -> str:
+    """The folder of the Hugging Face layouts, made in the test process only (workers import this module too)."""
+    _HF_DUMPS.append(tempfile.TemporaryDirectory(prefix="hf-layouts-"))
+    return _HF_DUMPS[-1].name
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,10 +138,10 @@ def _results_for_world_size(world_size: int) -> list[dict]:
     if world_size != 2:
         return run_workers(_run_layouts, world_size, (names,))
     # The Hugging Face folder the 2-rank layouts load: a seeded tiny model, written by our exporter in float32.
-    os.makedirs(os.path.join(_HF_DUMP.name, "hf"), exist_ok=True)
+    os.makedirs(os.path.join(_hf_dump(), "hf"), exist_ok=True)
     source = tiny_model(seed=HF_SEED)
-    hf.write_hf_weights(dict(source.state_dict()), os.path.join(_HF_DUMP.name, "hf"), TINY, torch.float32, 0)
-    return run_workers(_run_layouts, world_size, (names, _HF_DUMP.name))
+    hf.write_hf_weights(dict(source.state_dict()), os.path.join(_hf_dump(), "hf"), TINY, torch.float32, 0)
+    return run_workers(_run_layouts, world_size, (names, _hf_dump()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,9 +171,9 @@ def test_hugging_face_weights_load_and_export_under_fsdp_and_tensor_parallelism(
     from safetensors.torch import load_file
 
     results = _results_for_world_size(2)
-    folder = os.path.join(_HF_DUMP.name, "hf")
+    folder = os.path.join(_hf_dump(), "hf")
     single = materialize(meta_model())
-    manager = tiny_manager(single, hf_job(_HF_DUMP.name, initial_load_path=folder, initial_load_in_hf=True))
+    manager = tiny_manager(single, hf_job(_hf_dump(), initial_load_path=folder, initial_load_in_hf=True))
     assert manager.load()
     # float32 files: the tiny float64 model rounded to float32, exactly.
     expected = {k: v.float().double() for k, v in weights(tiny_model(seed=HF_SEED)).items()}
@@ -184,7 +191,7 @@ def test_hugging_face_weights_load_and_export_under_fsdp_and_tensor_parallelism(
                 torch.from_numpy(by_layout[name]["logits"]), torch.from_numpy(expected_logits), rtol=1e-12, atol=1e-12
             )
     for name in HF_LAYOUTS:
-        exported = load_file(os.path.join(_HF_DUMP.name, name, "step-1-hf", "model.safetensors"))
+        exported = load_file(os.path.join(_hf_dump(), name, "step-1-hf", "model.safetensors"))
         assert exported.keys() == source.keys()
         for key, value in source.items():
             assert torch.equal(exported[key], value), f"{name} {key}"
