@@ -9,13 +9,18 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import TINY, adam_mini_for, batch, tiny_model
-from torchtitan.models.llama.model import NORM_TYPES, RMSNORM_TYPES
+from torchtitan.models.llama.model import NORM_BUILDERS
+from torchtitan.models.norm_types import NORM_TYPES, RMSNORM_TYPES
 from torchtitan.models.roles import BIAS, NORM
 from torchtitan.optim.partition import PER_ELEMENT, PER_TENSOR, plan_blocks, unmatched_matrices
 
 
 def _model(norm_type: str):
     return tiny_model(dataclasses.replace(TINY, norm_type=norm_type))
+
+
+def test_every_norm_type_has_a_builder():
+    assert tuple(NORM_BUILDERS) == NORM_TYPES
 
 
 @pytest.mark.parametrize("norm_type", NORM_TYPES)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from torchtitan.errors import UserError
 from torchtitan.legacy_config import LEGACY_KEYS, LEGACY_SECTIONS, translate
+from torchtitan.models.norm_types import NORM_TYPES, RMSNORM_TYPES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,7 +63,7 @@ class Model:
         "rmsnorm",
         "normalisation layers: rmsnorm, compiled_rmsnorm (each norm compiled), fused_rmsnorm (F.rms_norm), "
         "layernorm (scale and shift), np_layernorm (LayerNorm without parameters)",
-        choices=("rmsnorm", "compiled_rmsnorm", "fused_rmsnorm", "layernorm", "np_layernorm"),
+        choices=NORM_TYPES,
     )
 
 
@@ -352,7 +353,7 @@ class JobConfig:
             for key, on in (("initial_load_in_hf", c.initial_load_in_hf), ("last_save_in_hf", c.last_save_in_hf))
             if on
         ]
-        if hf_keys and norm not in ("rmsnorm", "compiled_rmsnorm", "fused_rmsnorm"):
+        if hf_keys and norm not in RMSNORM_TYPES:
             raise UserError(
                 f"checkpoint.{hf_keys[0]} needs an RMSNorm model (Hugging Face Llama has no {norm}); set "
                 "model.norm_type = 'rmsnorm'"

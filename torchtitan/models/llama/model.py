@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.models.norm_types import NORM_TYPES
 from torchtitan.models.roles import (
     ATTN_OUT,
     BIAS,
@@ -133,7 +134,7 @@ class FusedRMSNorm(RMSNorm):
     """RMSNorm through ``F.rms_norm``, which dispatches to a single fused kernel where torch has one."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The reduction in at least float32, like RMSNorm; F.rms_norm needs the weight in the input's dtype.
+        # As RMSNorm: normalised in at least float32, scaled in the input's dtype (so both give the same values).
         wide = _upcast(x)
         return F.rms_norm(wide, (wide.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
@@ -154,20 +155,14 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(dim, eps=eps, elementwise_affine=elementwise_affine)
 
 
-def _rmsnorm(dim: int, eps: float) -> nn.Module:
-    return RMSNorm(dim, eps)
-
-
+# One builder per name of norm_types.NORM_TYPES.
 NORM_BUILDERS: dict[str, Callable[[int, float], nn.Module]] = {
-    "rmsnorm": _rmsnorm,
+    "rmsnorm": RMSNorm,
     "compiled_rmsnorm": CompiledRMSNorm,
     "fused_rmsnorm": FusedRMSNorm,
     "layernorm": LayerNorm,
     "np_layernorm": lambda dim, eps: LayerNorm(dim, eps, elementwise_affine=False),
 }
-# torchtitan's 2024 names for the normalisation layers; the RMSNorm ones compute the same function.
-NORM_TYPES = tuple(NORM_BUILDERS)
-RMSNORM_TYPES = ("rmsnorm", "compiled_rmsnorm", "fused_rmsnorm")
 
 
 def build_norm(norm_type: str, dim: int, eps: float) -> nn.Module:
