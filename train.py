@@ -36,12 +36,14 @@ from torchtitan.metrics import (
 from torchtitan.optim import build_optimizers
 from torchtitan.preflight import preflight
 from torchtitan.profiling import maybe_profile
-from torchtitan.utils import all_reduce_scalar, init_distributed, set_determinism
+from torchtitan.utils import all_reduce_scalar, init_distributed, set_collective_timeout, set_determinism
 from torchtitan.validate import build_validator, training_split
 
 
 def main(job_config: JobConfig) -> None:
     init_logger()
+    if job_config.comm.trace_buf_size is not None:
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(job_config.comm.trace_buf_size))
     device, rank, world_size = init_distributed(job_config.comm.init_timeout_seconds)
     t = job_config.training
     logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")
@@ -115,6 +117,7 @@ def main(job_config: JobConfig) -> None:
     )
     window_start, window_steps = time.perf_counter(), 0
     garbage_collection = GarbageCollection(t.gc_freq)
+    first_step = train_state.step + 1
     with maybe_profile(job_config, train_state) as profiler:
         while train_state.step < t.steps:
             train_state.step += 1
@@ -123,6 +126,9 @@ def main(job_config: JobConfig) -> None:
             loss, grad_norm, updated = training.train_step(
                 model, optimizers, batches, parallel_dims, job_config, device, guard, train_state.step
             )
+            if train_state.step == first_step and job_config.comm.train_timeout_seconds is not None:
+                set_collective_timeout(job_config.comm.train_timeout_seconds, world_mesh)
+                logger.info(f"collectives: timeout {job_config.comm.train_timeout_seconds} s from now on")
             # A skipped step still consumes its batch and advances the schedule (see torchtitan/guard.py).
             lr_schedulers.step()
             train_state.tokens_seen += tokens_per_step

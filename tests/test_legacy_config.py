@@ -152,6 +152,7 @@ def test_every_other_2024_key_is_honoured(tmp_path):
     assert config.training.disable_loss_parallel and config.training.gc_freq == 50
     assert config.checkpoint.interval_type == "seconds" and config.checkpoint.async_mode == "async_with_pinned_mem"
     assert not config.float8.enable_float8_linear
+    assert (config.comm.train_timeout_seconds, config.comm.trace_buf_size) == (100, 20000)
 
 
 def test_renamed_keys_from_the_command_line_too():
@@ -173,7 +174,6 @@ def test_renamed_keys_from_the_command_line_too():
         ("float8", "enable_fsdp_float8_all_gather = true", "float8.enable_float8_linear"),
         ("training", "precompute_float8_dynamic_scale_for_fsdp = true", "float8.enable_float8_linear"),
         ("float8", 'scaling_type_weight = "delayed"', "'dynamic'"),
-        ("comm", "train_timeout_seconds = 30", "comm.init_timeout_seconds"),
         ("memory_estimation", "enabled = true", "estimation.py"),
         ("training", 'dataset = "c4_mini"', "'sample'"),
         ("model", 'name = "llama2"', "llama3"),
@@ -206,6 +206,32 @@ def test_readme_table_lists_every_2024_key():
         "metrics.rank_0_only",
         "metrics.enable_color_printing",
         "job.use_for_integration_test",
+        "comm.train_timeout_seconds",
+        "comm.trace_buf_size",
     )
     for key in (*LEGACY_KEYS, *new_keys):
         assert f"`{key}`" in section, key
+
+
+def test_train_timeout_applies_to_the_default_group_and_the_mesh_after_a_barrier(monkeypatch):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchtitan.utils import set_collective_timeout
+
+    calls = []
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
+        monkeypatch.setattr(
+            dist.distributed_c10d, "_set_pg_timeout", lambda timeout, group: calls.append((timeout, group))
+        )
+        set_collective_timeout(30, mesh)
+        expected_groups = [dist.group.WORLD, *mesh.get_all_groups()]
+    finally:
+        dist.destroy_process_group()
+    assert calls[0] == "barrier"
+    assert [group for _, group in calls[1:]] == expected_groups and len(expected_groups) == 3
+    assert {timeout.total_seconds() for timeout, _ in calls[1:]} == {30.0}

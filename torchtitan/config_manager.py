@@ -255,6 +255,15 @@ class Float8:
 @dataclass
 class Comm:
     init_timeout_seconds: int = opt(300, "timeout for process-group setup and the first collectives", gt=0)
+    train_timeout_seconds: Optional[int] = opt(
+        None,
+        "after the first step, the timeout of the training collectives (the default group and the mesh's; "
+        "checkpoint saves keep theirs); unset: init_timeout_seconds throughout",
+        gt=0,
+    )
+    trace_buf_size: Optional[int] = opt(
+        None, "entries of NCCL's flight recorder (sets TORCH_NCCL_TRACE_BUFFER_SIZE unless already set)", ge=0
+    )
 
 
 @dataclass

@@ -77,16 +77,6 @@ LEGACY_KEYS: dict[str, LegacyKey] = {
         instead="compiled autograd is not available here; training.compile = true compiles each block's forward "
         "and backward",
     ),
-    # [comm]
-    "comm.train_timeout_seconds": LegacyKey(
-        accepted=(100,),
-        instead="a separate timeout after the first step is not available here; comm.init_timeout_seconds applies "
-        "to the whole run",
-    ),
-    "comm.trace_buf_size": LegacyKey(
-        accepted=(20000,),
-        instead="set the environment variable TORCH_NCCL_TRACE_BUFFER_SIZE for NCCL's flight recorder instead",
-    ),
     # [memory_estimation]
     "memory_estimation.enabled": LegacyKey(
         accepted=(False,),

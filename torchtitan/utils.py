@@ -67,3 +67,16 @@ def all_reduce_scalar(value: torch.Tensor, op: str, group: Optional[dist.Process
     if op == "mean":
         t /= dist.get_world_size(group)
     return float(t.item())
+
+
+def set_collective_timeout(seconds: int, mesh) -> None:
+    """From now on, ``seconds`` is the timeout of the default process group and of every group of ``mesh``.
+
+    A barrier first, so that no rank still in its first step (under the longer start-up timeout) is cut short.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    groups = [dist.group.WORLD, *(mesh.get_all_groups() if mesh is not None else [])]
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
