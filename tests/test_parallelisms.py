@@ -97,15 +97,21 @@ def _run_layouts(rank: int, world_size: int, names: list[str], hf_dump: str | No
     return results
 
 
-# Hugging Face weights in and out under FSDP and TP (tensor parallelism with the fused RMSNorm on DTensors), in
-# the world-size-2 launch: layout name -> (dp_replicate, dp_shard, tp), model.norm_type.
-HF_LAYOUTS = {"hf_fsdp2": ((1, -1, 1), "rmsnorm"), "hf_tp2": ((1, 1, 2), "fused_rmsnorm")}
+# Hugging Face weights in and out under FSDP, TP (with the fused RMSNorm on DTensors) and FSDP x TP (strided row
+# shards), in the launches above: layout name -> (world size, (dp_replicate, dp_shard, tp), model.norm_type).
+HF_LAYOUTS = {
+    "hf_fsdp2": (2, (1, -1, 1), "rmsnorm"),
+    "hf_tp2": (2, (1, 1, 2), "fused_rmsnorm"),
+    "hf_fsdp2_x_tp2": (4, (1, 2, 2), "rmsnorm"),
+}
 HF_SEED = 5
 
 
 def _hf_load_and_export(world_size: int, dump: str) -> dict:
     results = {}
-    for name, (degrees, norm_type) in HF_LAYOUTS.items():
+    for name, (size, degrees, norm_type) in HF_LAYOUTS.items():
+        if size != world_size:
+            continue
         job = hf_job(dump, initial_load_path=os.path.join(dump, "hf"), initial_load_in_hf=True, folder=name)
         job.checkpoint.last_save_in_hf = True
         job.model.norm_type = norm_type
@@ -135,13 +141,18 @@ def _hf_dump() -> str:
 @functools.lru_cache(maxsize=None)
 def _results_for_world_size(world_size: int) -> list[dict]:
     names = [name for name, (size, _, _) in LAYOUTS.items() if size == world_size]
-    if world_size != 2:
+    if all(size != world_size for size, _, _ in HF_LAYOUTS.values()):
         return run_workers(_run_layouts, world_size, (names,))
-    # The Hugging Face folder the 2-rank layouts load: a seeded tiny model, written by our exporter in float32.
+    return run_workers(_run_layouts, world_size, (names, _hf_source()))
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_source() -> str:
+    """The Hugging Face folder the HF layouts load: a seeded tiny model, written by our exporter in float32."""
     os.makedirs(os.path.join(_hf_dump(), "hf"), exist_ok=True)
     source = tiny_model(seed=HF_SEED)
     hf.write_hf_weights(dict(source.state_dict()), os.path.join(_hf_dump(), "hf"), TINY, torch.float32, 0)
-    return run_workers(_run_layouts, world_size, (names, _hf_dump()))
+    return _hf_dump()
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,11 +177,12 @@ def test_layout_trains_like_one_process(layout):
         _assert_close_dicts(result["weights"], reference["weights"], WEIGHT_TOLERANCE, f"rank {rank} weight")
 
 
-def test_hugging_face_weights_load_and_export_under_fsdp_and_tensor_parallelism():
+@pytest.mark.parametrize("layout", list(HF_LAYOUTS))
+def test_hugging_face_weights_load_and_export_under_every_layout(layout):
     """Each rank reads its shards (query/key rows reordered); the export gathers them: both as one process does."""
     from safetensors.torch import load_file
 
-    results = _results_for_world_size(2)
+    results = _results_for_world_size(HF_LAYOUTS[layout][0])
     folder = os.path.join(_hf_dump(), "hf")
     single = materialize(meta_model())
     manager = tiny_manager(single, hf_job(_hf_dump(), initial_load_path=folder, initial_load_in_hf=True))
@@ -182,19 +194,18 @@ def test_hugging_face_weights_load_and_export_under_fsdp_and_tensor_parallelism(
         expected_logits = single(batch()[0]).numpy()
     source = load_file(os.path.join(folder, "model.safetensors"))
     for rank, by_layout in enumerate(results):
-        for name in HF_LAYOUTS:
-            for key, value in expected.items():
-                torch.testing.assert_close(
-                    torch.from_numpy(by_layout[name]["weights"][key]), value, rtol=0, atol=0, msg=f"{rank} {name} {key}"
-                )
+        result = by_layout[layout]
+        for key, value in expected.items():
             torch.testing.assert_close(
-                torch.from_numpy(by_layout[name]["logits"]), torch.from_numpy(expected_logits), rtol=1e-12, atol=1e-12
+                torch.from_numpy(result["weights"][key]), value, rtol=0, atol=0, msg=f"rank {rank} {key}"
             )
-    for name in HF_LAYOUTS:
-        exported = load_file(os.path.join(_hf_dump(), name, "step-1-hf", "model.safetensors"))
-        assert exported.keys() == source.keys()
-        for key, value in source.items():
-            assert torch.equal(exported[key], value), f"{name} {key}"
+        torch.testing.assert_close(
+            torch.from_numpy(result["logits"]), torch.from_numpy(expected_logits), rtol=1e-12, atol=1e-12
+        )
+    exported = load_file(os.path.join(_hf_dump(), layout, "step-1-hf", "model.safetensors"))
+    assert exported.keys() == source.keys()
+    for key, value in source.items():
+        assert torch.equal(exported[key], value), key
 
 
 def test_data_parallel_ranks_follow_the_mesh():
