@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 from torchtitan import training
 from torchtitan.checkpoint import CheckpointManager
-from torchtitan.collectives import all_reduce_scalar
+from torchtitan.collectives import all_reduce_scalar, set_collective_timeout
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import build_hf_data_loader
 from torchtitan.errors import exit_code
+from torchtitan.garbage_collection import GarbageCollection
 from torchtitan.guard import DivergenceGuard
 from torchtitan.logging import init_logger, logger
 from torchtitan.lr_scheduling import build_lr_schedulers
@@ -46,6 +47,8 @@ from torchtitan.validate import build_validator, training_split
 
 def main(job_config: JobConfig) -> None:
     init_logger()
+    if job_config.comm.trace_buf_size is not None:
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(job_config.comm.trace_buf_size))
     device, rank, world_size = init_distributed(job_config.comm.init_timeout_seconds)
     t = job_config.training
     logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")
@@ -93,10 +96,18 @@ def main(job_config: JobConfig) -> None:
         lr_schedulers=lr_schedulers,
         states={"train_state": train_state},
         job_config=job_config,
+        token_ids={"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id},
     )
+    if job_config.checkpoint.create_seed_checkpoint:
+        seed_folder = checkpoint.create_seed_checkpoint()
+        checkpoint.close()
+        logger.info(f"seed checkpoint written to {seed_folder}; a run with this checkpoint.folder starts from it")
+        return
     checkpoint.load(step=job_config.checkpoint.load_step)
 
-    metric_logger = build_metric_logger(job_config, optimizers.name, rank)
+    # One start time for every rank, so that per-rank metric folders (metrics.rank_0_only off) share a run folder.
+    run_started = all_reduce_scalar(time.time(), "max", _world_group(), device)
+    metric_logger = build_metric_logger(job_config, optimizers.name, rank, when=run_started)
     state_bytes = all_reduce_scalar(optimizers.state_bytes(), "sum", _world_group(), device)
     metric_logger.log({"optimizer/state_bytes": state_bytes}, train_state.step)
     logger.info(f"optimizer: {optimizers.name}, state {state_bytes / 2**20:,.1f} MiB over all ranks")
@@ -113,13 +124,19 @@ def main(job_config: JobConfig) -> None:
         f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"
     )
     window_start, window_steps = time.perf_counter(), 0
+    garbage_collection = GarbageCollection(t.gc_freq)
+    first_step = train_state.step + 1
     with maybe_profile(job_config, train_state) as profiler:
         while train_state.step < t.steps:
             train_state.step += 1
+            garbage_collection.run(train_state.step)
             lr = lr_schedulers.get_last_lr()
             loss, grad_norm, updated = training.train_step(
                 model, optimizers, batches, parallel_dims, job_config, device, guard, train_state.step
             )
+            if train_state.step == first_step and job_config.comm.train_timeout_seconds is not None:
+                set_collective_timeout(job_config.comm.train_timeout_seconds, world_mesh)
+                logger.info(f"collectives: timeout {job_config.comm.train_timeout_seconds} s from now on")
             # A skipped step still consumes its batch and advances the schedule (see torchtitan/guard.py).
             lr_schedulers.step()
             train_state.tokens_seen += tokens_per_step
@@ -141,7 +158,7 @@ def main(job_config: JobConfig) -> None:
                 }
                 if gpu_peak is not None:
                     metrics["mfu(%)"] = 100 * tps * flops / gpu_peak
-                logger.info(format_log_line(train_state.step, metrics))
+                logger.info(format_log_line(train_state.step, metrics, job_config.metrics.enable_color_printing))
                 metric_logger.log(metrics, train_state.step)
                 reset_peak_memory(device)
                 window_start, window_steps = time.perf_counter(), 0
@@ -167,6 +184,7 @@ def main(job_config: JobConfig) -> None:
 
     checkpoint.close()
     metric_logger.close()
+    garbage_collection.close()
     logger.info("training done")
 
 

@@ -21,7 +21,16 @@ def no_process_left_behind():
 
 @pytest.fixture(scope="session")
 def debug_run(tmp_path_factory):
-    """train.py with tests/helpers.py's DEBUG_RUN (AdamW, one process), profiling every 2nd step (which changes no
-    number it logs), started on first use: its dump folder and the finished process."""
+    """train.py with tests/helpers.py's DEBUG_RUN (AdamW, one process), profiling every 2nd step, collecting garbage
+    every 3rd and exporting Hugging Face weights at the end (which change no number it logs), started on first use:
+    its dump folder and the finished process."""
     dump = tmp_path_factory.mktemp("debug_run")
-    return dump, train(dump, "--profiling.enable_profiling", "--profiling.profile_freq", "2")
+    return dump, train(
+        dump,
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "2",
+        "--training.gc_freq",
+        "3",
+        "--checkpoint.last_save_in_hf",
+    )

@@ -438,6 +438,29 @@ def checkpoint_job(dump_folder: str, steps: int = 4, **checkpoint) -> JobConfig:
     )
 
 
+def hf_job(dump_folder: str, **checkpoint) -> JobConfig:
+    """A one-step float64 job of the tiny model checkpointing into ``{dump_folder}/checkpoint`` (Hugging Face tests)."""
+    return job_config(
+        job={"dump_folder": dump_folder},
+        training={"steps": 1, "param_dtype": "float64"},
+        checkpoint={"folder": "checkpoint", **checkpoint},
+    )
+
+
+def tiny_manager(model: Transformer, job: JobConfig) -> CheckpointManager:
+    """A CheckpointManager of ``model`` alone, with the job's optimizer (no data loader, no schedules)."""
+    from torchtitan.optim import build_optimizers
+
+    return CheckpointManager(
+        data_loader=None,
+        model_parts=[model],
+        optimizers=build_optimizers([model], job),
+        lr_schedulers=None,
+        states={},
+        job_config=job,
+    )
+
+
 class Trainer:
     def __init__(self, config: JobConfig):
         rank = dist.get_rank() if dist.is_initialized() else 0

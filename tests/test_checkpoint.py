@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import os
 import pickle
 import shutil
@@ -409,14 +411,28 @@ def _resume(folder, load_step):
     return loaded, trainer.run(4)
 
 
-def _save_then_resume(rank, world_size, folders):
+def _save_then_resume(rank, world_size, folders, seconds_folder=None):
     """Per async mode: train 4 steps saving at 2 and 4, then a fresh job in the same ranks resumes from step 2."""
     results = {}
     for mode, folder in folders.items():
         losses, at_step_2 = _train_and_save(folder, mode)
         loaded, resumed_losses = _resume(folder, 2)
         results[mode] = {"losses": losses, "at_step_2": at_step_2, "loaded": loaded, "resumed": resumed_losses}
+    if seconds_folder is not None:
+        _save_by_rank_0s_clock(rank, seconds_folder)
     return results
+
+
+def _save_by_rank_0s_clock(rank, folder):
+    """interval_type seconds with clocks that disagree: rank ``deciding`` says due (or not), the other the opposite."""
+    for deciding_due, name in ((False, "rank0_never"), (True, "rank0_always")):
+        trainer = Trainer(job(os.path.join(folder, name), steps=4, interval=10, interval_type="seconds"))
+        due = deciding_due if rank == 0 else not deciding_due
+        # A clock that runs 100 s per reading is always due; one that stands still never is.
+        trainer.checkpoint.clock = functools.partial(next, itertools.count(100.0, 100.0)) if due else lambda: 0.0
+        trainer.checkpoint._last_save_time = 0.0
+        trainer.run(4)
+        trainer.checkpoint.close()
 
 
 def _resume_worker(rank, world_size, folder, load_step):
@@ -427,12 +443,13 @@ def _resume_worker(rank, world_size, folder, load_step):
 def two_rank_runs(tmp_path_factory):
     """One 2-rank launch (process start-up dominates the cost) serving the tests below."""
     folders = {mode: str(tmp_path_factory.mktemp(mode)) for mode in ("disabled", "async")}
-    return folders, run_workers(_save_then_resume, world_size=2, args=(folders,))
+    folders_and_seconds = (folders, str(tmp_path_factory.mktemp("seconds")))
+    return folders_and_seconds, run_workers(_save_then_resume, world_size=2, args=folders_and_seconds)
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_save_on_two_ranks_resumes_exactly_on_two(two_rank_runs, mode):
-    folders, results = two_rank_runs
+    (folders, _), results = two_rank_runs
     # The resume from step 2 set the first run's step 4 aside; the step 4 there now is the resumed run's.
     assert sorted(os.listdir(os.path.join(folders[mode], "checkpoint"))) == ["step-2", "step-4", "superseded"]
     for rank_results in results:
@@ -449,11 +466,21 @@ def _assert_resharded(results, reference):
         np.testing.assert_allclose(resumed_losses, reference["losses"][2:], rtol=1e-10)
 
 
+def test_time_based_saves_follow_rank_0s_clock_on_every_rank(two_rank_runs):
+    """Rank 0 decides and broadcasts: with clocks that disagree, both ranks save at the same steps (no hang)."""
+    (_, seconds_folder), _ = two_rank_runs
+    saved = {
+        name: sorted(os.listdir(os.path.join(seconds_folder, name, "checkpoint")))
+        for name in ("rank0_never", "rank0_always")
+    }
+    assert saved == {"rank0_never": ["step-4"], "rank0_always": ["step-1", "step-2", "step-3", "step-4"]}
+
+
 def test_save_on_two_ranks_loads_in_one_unsharded_process(two_rank_runs):
-    folders, results = two_rank_runs
+    (folders, _), results = two_rank_runs
     _assert_resharded([_resume(folders["disabled"], 2)], results[0]["disabled"])
 
 
 def test_save_on_two_ranks_reshards_to_three(two_rank_runs):
-    folders, results = two_rank_runs
+    (folders, _), results = two_rank_runs
     _assert_resharded(run_workers(_resume_worker, world_size=3, args=(folders["disabled"], 2)), results[0]["disabled"])

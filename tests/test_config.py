@@ -6,6 +6,7 @@ import pytest
 from tests import processes
 from torchtitan.config_manager import JobConfig, help_text
 from torchtitan.errors import UserError
+from torchtitan.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,9 +138,14 @@ def test_help_lists_every_option_with_default_and_description():
     assert "peak learning rate" in text
 
 
-def test_shipped_configs_parse():
+def test_shipped_configs_parse_and_those_marked_for_integration_tests_pass_preflight():
+    marked = []
     for path in sorted((ROOT / "train_configs").glob("*.toml")):
-        JobConfig.parse_args(["--job.config_file", str(path)])
+        config = JobConfig.parse_args(["--job.config_file", str(path)])
+        if config.job.use_for_integration_test:
+            preflight(config, world_size=1)
+            marked.append(path.name)
+    assert "debug_model.toml" in marked
 
 
 def test_help_from_the_command_line():

@@ -13,6 +13,8 @@ to lr / eps on entries whose gradient is near zero.
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -25,12 +27,18 @@ from tests.helpers import (
     CollectiveCounts,
     adamw_step,
     batch,
+    full,
+    hf_job,
     job_config,
     materialize,
     meta_model,
     reference_step,
+    tiny_manager,
+    tiny_model,
     to_numpy,
+    weights,
 )
+from torchtitan.checkpoint import hf
 from torchtitan.errors import UserError
 from torchtitan.parallelisms import (
     ParallelDims,
@@ -83,10 +91,12 @@ def _run_layout(world_size: int, degrees, sections) -> dict:
     }
 
 
-def _run_layouts(rank: int, world_size: int, names: list[str]) -> dict:
+def _run_layouts(rank: int, world_size: int, names: list[str], hf_dump: str | None = None) -> dict:
     results = {name: _run_layout(world_size, LAYOUTS[name][1], LAYOUTS[name][2]) for name in names}
     if world_size == HSDP_ACCUMULATION_WORLD:
         results[HSDP_ACCUMULATION] = _hsdp_accumulation(world_size)
+    if hf_dump is not None:
+        results.update(_hf_load_and_export(world_size, hf_dump))
     return results
 
 
@@ -120,10 +130,62 @@ def _hsdp_accumulation(world_size: int) -> dict:
     return {str(a): _hsdp_step(world_size, a) for a in (1, MICRO_BATCHES)}
 
 
+# Hugging Face weights in and out under FSDP, TP (with the fused RMSNorm on DTensors) and FSDP x TP (strided row
+# shards), in the launches above: layout name -> (world size, (dp_replicate, dp_shard, tp), model.norm_type).
+HF_LAYOUTS = {
+    "hf_fsdp2": (2, (1, -1, 1), "rmsnorm"),
+    "hf_tp2": (2, (1, 1, 2), "fused_rmsnorm"),
+    "hf_fsdp2_x_tp2": (4, (1, 2, 2), "rmsnorm"),
+}
+HF_SEED = 5
+
+
+def _hf_load_and_export(world_size: int, dump: str) -> dict:
+    results = {}
+    for name, (size, degrees, norm_type) in HF_LAYOUTS.items():
+        if size != world_size:
+            continue
+        job = hf_job(dump, initial_load_path=os.path.join(dump, "hf"), initial_load_in_hf=True, folder=name)
+        job.checkpoint.last_save_in_hf = True
+        job.model.norm_type = norm_type
+        dims = ParallelDims(*degrees, world_size)
+        mesh = dims.build_mesh("cpu")
+        model = materialize(parallelize_llama(meta_model(replace(TINY, norm_type=norm_type)), mesh, dims, job))
+        manager = tiny_manager(model, job)
+        manager.load()
+        with torch.no_grad():
+            logits = full(model(batch()[0]))
+        manager.save(1, force=True)
+        manager.close()
+        results[name] = {"weights": to_numpy(weights(model)), "logits": logits.numpy().copy()}
+    return results
+
+
+_HF_DUMPS: list[tempfile.TemporaryDirectory] = []  # kept until the test process ends, then removed
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_dump() -> str:
+    """The folder of the Hugging Face layouts, made in the test process only (workers import this module too)."""
+    _HF_DUMPS.append(tempfile.TemporaryDirectory(prefix="hf-layouts-"))
+    return _HF_DUMPS[-1].name
+
+
 @functools.lru_cache(maxsize=None)
 def _results_for_world_size(world_size: int) -> list[dict]:
     names = [name for name, (size, _, _) in LAYOUTS.items() if size == world_size]
-    return run_workers(_run_layouts, world_size, (names,))
+    if all(size != world_size for size, _, _ in HF_LAYOUTS.values()):
+        return run_workers(_run_layouts, world_size, (names,))
+    return run_workers(_run_layouts, world_size, (names, _hf_source()))
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_source() -> str:
+    """The Hugging Face folder the HF layouts load: a seeded tiny model, written by our exporter in float32."""
+    os.makedirs(os.path.join(_hf_dump(), "hf"), exist_ok=True)
+    source = tiny_model(seed=HF_SEED)
+    hf.write_hf_weights(dict(source.state_dict()), os.path.join(_hf_dump(), "hf"), TINY, torch.float32, 0)
+    return _hf_dump()
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,6 +208,37 @@ def test_layout_trains_like_one_process(layout):
         assert result["loss"] == pytest.approx(reference["loss"], rel=1e-12, abs=0.0)
         _assert_close_dicts(result["grads"], reference["grads"], GRAD_TOLERANCE, f"rank {rank} gradient")
         _assert_close_dicts(result["weights"], reference["weights"], WEIGHT_TOLERANCE, f"rank {rank} weight")
+
+
+@pytest.mark.parametrize("layout", list(HF_LAYOUTS))
+def test_hugging_face_weights_load_and_export_under_every_layout(layout):
+    """Each rank reads its shards (query/key rows reordered); the export gathers them: both as one process does."""
+    from safetensors.torch import load_file
+
+    results = _results_for_world_size(HF_LAYOUTS[layout][0])
+    folder = os.path.join(_hf_dump(), "hf")
+    single = materialize(meta_model())
+    manager = tiny_manager(single, hf_job(_hf_dump(), initial_load_path=folder, initial_load_in_hf=True))
+    assert manager.load()
+    # float32 files: the tiny float64 model rounded to float32, exactly.
+    expected = {k: v.float().double() for k, v in weights(tiny_model(seed=HF_SEED)).items()}
+    assert max((weights(single)[k] - v).abs().max().item() for k, v in expected.items()) == 0.0
+    with torch.no_grad():
+        expected_logits = single(batch()[0]).numpy()
+    source = load_file(os.path.join(folder, "model.safetensors"))
+    for rank, by_layout in enumerate(results):
+        result = by_layout[layout]
+        for key, value in expected.items():
+            torch.testing.assert_close(
+                torch.from_numpy(result["weights"][key]), value, rtol=0, atol=0, msg=f"rank {rank} {key}"
+            )
+        torch.testing.assert_close(
+            torch.from_numpy(result["logits"]), torch.from_numpy(expected_logits), rtol=1e-12, atol=1e-12
+        )
+    exported = load_file(os.path.join(_hf_dump(), layout, "step-1-hf", "model.safetensors"))
+    assert exported.keys() == source.keys()
+    for key, value in source.items():
+        assert torch.equal(exported[key], value), key
 
 
 def test_data_parallel_ranks_follow_the_mesh():

@@ -52,7 +52,18 @@ def one_process_float64(tmp_path_factory):
     [
         (2, ["--training.batch_size", "2"]),  # FSDP over 2 ranks
         (2, ["--training.tensor_parallel_degree", "2", "--training.batch_size", "4"]),  # TP 2 (loss parallel)
-        (4, ["--training.tensor_parallel_degree", "2", "--training.batch_size", "2"]),  # FSDP 2 x TP 2
+        # FSDP 2 x TP 2; the training timeout (after the first step) goes to every group and changes no number.
+        (
+            4,
+            [
+                "--training.tensor_parallel_degree",
+                "2",
+                "--training.batch_size",
+                "2",
+                "--comm.train_timeout_seconds",
+                "600",
+            ],
+        ),
         (4, ["--training.data_parallel_replicate_degree", "2", "--training.batch_size", "1"]),  # HSDP 2 x 2
     ],
     ids=["fsdp2", "tp2", "fsdp2_x_tp2", "hsdp2x2"],
@@ -61,7 +72,9 @@ def test_parallel_layouts_match_one_process(tmp_path, one_process_float64, nproc
     # Same global batch (4 sequences), so every layout sees exactly the data one process sees; float64 makes the
     # only difference the order of floating-point sums, far below rel 1e-9. On CPU everywhere: on a GPU, FSDP
     # computes in training.mixed_precision_param, which a float64 comparison cannot absorb.
-    train(tmp_path, "--training.param_dtype", "float64", *layout, nproc=nproc, cpu=True)
+    proc = train(tmp_path, "--training.param_dtype", "float64", *layout, nproc=nproc, cpu=True)
+    if "--comm.train_timeout_seconds" in layout:
+        assert "collectives: timeout 600 s from now on" in proc.stderr
     two = losses(tmp_path)
     assert two[-1] < two[0]
     assert two == pytest.approx(one_process_float64, rel=1e-9)

@@ -11,6 +11,7 @@ of the training device.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -62,3 +63,16 @@ def all_gather_objects(value: Any, group: Optional[dist.ProcessGroup]) -> list[A
     values: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(values, value, group=group)
     return values
+
+
+def set_collective_timeout(seconds: int, mesh) -> None:
+    """From now on, ``seconds`` is the timeout of the default process group and of every group of ``mesh``.
+
+    A barrier first, so that no rank still in its first step (under the longer start-up timeout) is cut short.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    groups = [dist.group.WORLD, *(mesh.get_all_groups() if mesh is not None else [])]
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torchtitan.errors import UserError
+from torchtitan.legacy_config import LEGACY_KEYS, LEGACY_SECTIONS, translate
+from torchtitan.models.norm_types import NORM_TYPES, RMSNORM_TYPES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,6 +41,9 @@ class Job:
     dump_folder: str = opt("./outputs", "folder for TensorBoard logs, checkpoints and traces")
     description: str = opt("default job", "free-text description of the job, logged at start")
     print_args: bool = opt(False, "log the full resolved config at start")
+    use_for_integration_test: bool = opt(
+        False, "a train_configs/ file the test suite checks through JobConfig and preflight"
+    )
 
 
 @dataclass
@@ -52,6 +57,13 @@ class Model:
         "auto",
         "tokenizer format; auto picks sentencepiece for a *.model file that is one",
         choices=("auto", "tiktoken", "sentencepiece"),
+    )
+    # The names are torchtitan's; the three RMSNorm variants compute the same function.
+    norm_type: str = opt(
+        "rmsnorm",
+        "normalisation layers: rmsnorm, compiled_rmsnorm (each norm compiled), fused_rmsnorm (F.rms_norm), "
+        "layernorm (scale and shift), np_layernorm (LayerNorm without parameters)",
+        choices=NORM_TYPES,
     )
 
 
@@ -115,6 +127,12 @@ class Training:
     )
     data_parallel_replicate_degree: int = opt(1, "HSDP replicas (1 = plain FSDP)", gt=0)
     data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 fills the world size", ge=-1)
+    data_parallel_type: str = opt(
+        "fsdp",
+        "fsdp: shard over the data-parallel ranks; ddp: replicate the whole model on each of them (the same as "
+        "data_parallel_replicate_degree = the data-parallel degree with data_parallel_shard_degree = 1)",
+        choices=("fsdp", "ddp"),
+    )
     tensor_parallel_degree: int = opt(1, "tensor-parallel degree", gt=0)
     disable_loss_parallel: bool = opt(False, "with tensor parallelism, gather logits instead of a parallel loss")
     param_dtype: str = opt("float32", "dtype of the model's master weights", choices=("float32", "float64", "bfloat16"))
@@ -127,6 +145,12 @@ class Training:
     compile: bool = opt(False, "torch.compile each transformer block")
     seed: int = opt(0, "random seed for the initial weights (the data order does not depend on it)", ge=0)
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
+    gc_freq: int = opt(
+        0,
+        "N > 0: turn Python's automatic garbage collection off and collect every N steps on every rank at once "
+        "(no rank pauses alone); 0 leaves Python's automatic collection on",
+        ge=0,
+    )
 
 
 @dataclass
@@ -155,6 +179,10 @@ class Metrics:
     log_freq: int = opt(10, "log and record metrics every N steps", gt=0)
     enable_tensorboard: bool = opt(True, "write TensorBoard event files")
     save_tb_folder: str = opt("tb", "TensorBoard folder inside job.dump_folder")
+    rank_0_only: bool = opt(
+        True, "only rank 0 writes TensorBoard and metrics.jsonl; false: every rank writes its own (subfolder rank_N)"
+    )
+    enable_color_printing: bool = opt(False, "colour the per-step log line (ANSI escape codes)")
 
 
 @dataclass
@@ -165,18 +193,27 @@ class Checkpoint:
         "checkpoint folder, relative to job.dump_folder unless absolute; unset: checkpoint/<optimizer name>, "
         "so runs with different optimizers never share checkpoints",
     )
-    interval: int = opt(500, "save every N steps (and at the last step)", gt=0)
+    interval_type: str = opt(
+        "steps",
+        "unit of checkpoint.interval: steps, or seconds of wall time since the last save (rank 0's clock decides "
+        "for all ranks)",
+        choices=("steps", "seconds"),
+    )
+    interval: int = opt(
+        500, "save every N steps, or N seconds with interval_type = seconds (and at the last step)", gt=0
+    )
     keep_latest_k: int = opt(0, "keep only the newest k checkpoints; 0 keeps all", ge=0)
     async_mode: str = opt(
         "disabled",
-        "disabled or async (full checkpoints are written by a background thread; the weights export is always "
-        "written at once)",
-        choices=("disabled", "async"),
+        "disabled, async (full checkpoints are written by a background thread) or async_with_pinned_mem (async, staging "
+        "into pinned CPU buffers kept from one save to the next: faster copies from the GPU); the weights export is "
+        "always written at once",
+        choices=("disabled", "async", "async_with_pinned_mem"),
     )
     load_step: int = opt(-1, "resume from this step; -1 resumes from the latest complete checkpoint", ge=-1)
     export_dtype: str = opt(
         "float32",
-        "dtype of the final weights-only export (needs model_weights_only)",
+        "dtype of the final weights-only export (needs model_weights_only or last_save_in_hf)",
         choices=("float32", "bfloat16", "float16"),
     )
     model_weights_only: bool = opt(False, "at the end, export model weights only (in export_dtype)")
@@ -187,6 +224,21 @@ class Checkpoint:
     )
     initial_load_model_only: bool = opt(
         True, "from initial_load_path load the model weights only: optimizer, lr schedule, data and step start fresh"
+    )
+    initial_load_in_hf: bool = opt(
+        False,
+        "initial_load_path is a Hugging Face Llama folder (config.json + model.safetensors or a sharded index): "
+        "start from its weights",
+    )
+    last_save_in_hf: bool = opt(
+        False,
+        "after the last step, write the weights as a Hugging Face Llama folder (step-N-hf: config.json + "
+        "safetensors in export_dtype) that transformers loads",
+    )
+    create_seed_checkpoint: bool = opt(
+        False,
+        "write the initial state as step-0 in checkpoint.folder and stop without training (needs enable_checkpoint "
+        "and an empty folder); a later run resumes from it on any number of ranks",
     )
 
 
@@ -218,6 +270,15 @@ class Comm:
         "it and on the checkpoint's gloo group, before the job fails; sub-groups of a multi-dimensional device mesh "
         "keep torch's default (10 min NCCL, 30 min gloo)",
         gt=0,
+    )
+    train_timeout_seconds: Optional[int] = opt(
+        None,
+        "after the first step, the timeout of the training collectives (the default group and the mesh's; "
+        "checkpoint saves keep theirs); unset: init_timeout_seconds throughout",
+        gt=0,
+    )
+    trace_buf_size: Optional[int] = opt(
+        None, "entries of NCCL's flight recorder (sets TORCH_NCCL_TRACE_BUFFER_SIZE unless already set)", ge=0
     )
 
 
@@ -277,8 +338,11 @@ class JobConfig:
             _apply_toml(config, config_file)
             config.job.config_file = config_file
         for key, raw in overrides:
-            section, name = key.split(".", 1)
-            setattr(getattr(config, section), name, _from_string(key, _field_type(cls, key), raw))
+            if key in LEGACY_KEYS:
+                _set_from_toml(config, key, _legacy_value(raw))
+                continue
+            value = _from_string(key, _field_type(cls, key), raw)
+            _set_from_toml(config, key, value)
         _check_ranges(config)
         config.validate()
         return config
@@ -300,6 +364,7 @@ class JobConfig:
             raise UserError(
                 f"checkpoint.initial_load_path '{initial}' is not a folder; point it at a checkpoint's step-N folder"
             )
+        self._validate_checkpoint_additions()
         ac = self.activation_checkpoint
         if ac.mode == "selective" and ac.selective_ac_option != "op":
             if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
@@ -315,10 +380,10 @@ class JobConfig:
                 f"optimizer.bf16_stochastic_round rounds bfloat16 weights, but training.param_dtype is "
                 f"{self.training.param_dtype}; remove it, or train bfloat16 weights"
             )
-        if c.export_dtype != defaults.export_dtype and not c.model_weights_only:
+        if c.export_dtype != defaults.export_dtype and not (c.model_weights_only or c.last_save_in_hf):
             raise UserError(
-                "checkpoint.export_dtype sets the dtype of the weights export, which is off; add "
-                "--checkpoint.model_weights_only or remove checkpoint.export_dtype"
+                "checkpoint.export_dtype sets the dtype of the weights exports, which are off; add "
+                "--checkpoint.model_weights_only or --checkpoint.last_save_in_hf, or remove checkpoint.export_dtype"
             )
         if c.initial_load_model_only != defaults.initial_load_model_only and c.initial_load_path is None:
             raise UserError(
@@ -329,6 +394,47 @@ class JobConfig:
             raise UserError(
                 f"checkpoint.async_mode {c.async_mode} applies to full checkpoints, which are off (the weights export "
                 "is always written at once); add --checkpoint.enable_checkpoint or remove checkpoint.async_mode"
+            )
+
+    def _validate_checkpoint_additions(self) -> None:
+        """Hugging Face import/export, time-based intervals and seed checkpoints."""
+        c, norm = self.checkpoint, self.model.norm_type
+        hf_keys = [
+            key
+            for key, on in (("initial_load_in_hf", c.initial_load_in_hf), ("last_save_in_hf", c.last_save_in_hf))
+            if on
+        ]
+        if hf_keys and norm not in RMSNORM_TYPES:
+            raise UserError(
+                f"checkpoint.{hf_keys[0]} needs an RMSNorm model (Hugging Face Llama has no {norm}); set "
+                "model.norm_type = 'rmsnorm'"
+            )
+        if c.initial_load_in_hf:
+            if c.initial_load_path is None:
+                raise UserError(
+                    "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path: a Hugging Face folder"
+                )
+            if not c.initial_load_model_only:
+                raise UserError(
+                    "checkpoint.initial_load_in_hf loads model weights only; remove checkpoint.initial_load_model_only "
+                    "= false"
+                )
+            if not os.path.isfile(os.path.join(c.initial_load_path, "config.json")):
+                raise UserError(
+                    f"checkpoint.initial_load_path '{c.initial_load_path}' has no config.json; point it at a Hugging "
+                    "Face Llama folder"
+                )
+        if c.create_seed_checkpoint and not c.enable_checkpoint:
+            raise UserError(
+                "checkpoint.create_seed_checkpoint writes step-0 into checkpoint.folder; set enable_checkpoint"
+            )
+        if c.interval_type == "seconds" and not c.enable_checkpoint:
+            raise UserError("checkpoint.interval_type = 'seconds' times checkpoint saves; set enable_checkpoint")
+        t = self.training
+        if t.data_parallel_type == "ddp" and t.data_parallel_replicate_degree > 1:
+            raise UserError(
+                "training.data_parallel_type = 'ddp' replicates over all data-parallel ranks; remove "
+                "training.data_parallel_replicate_degree (or use fsdp with it for HSDP)"
             )
 
     def _validate_validation(self) -> None:
@@ -446,14 +552,34 @@ def _apply_toml(config: JobConfig, path: str) -> None:
     cls = type(config)
     sections = _sections(cls)
     for section, table in data.items():
-        if section not in sections:
+        if section not in sections and section not in LEGACY_SECTIONS:
             raise _unknown("config section", f"[{section}]", [f"[{s}]" for s in sections])
         if not isinstance(table, dict):
             raise UserError(f"'{section}' in '{path}' must be a table like [{section}]")
         for name, value in table.items():
-            key = f"{section}.{name}"
-            _check_key(cls, key)
-            setattr(getattr(config, section), name, _from_toml(key, _field_type(cls, key), value))
+            _set_from_toml(config, f"{section}.{name}", value)
+
+
+def _set_from_toml(config: JobConfig, key: str, value: Any) -> None:
+    """Set one key of a TOML file (or a parsed command-line value), torchtitan's 2024 keys translated."""
+    cls = type(config)
+    pairs = translate(key, value)
+    for target, target_value in [(key, value)] if pairs is None else pairs:
+        _check_key(cls, target)
+        section, name = target.split(".", 1)
+        setattr(getattr(config, section), name, _from_toml(target, _field_type(cls, target), target_value))
+
+
+def _legacy_value(raw: str) -> Any:
+    """A command-line value of a torchtitan 2024 key, read as TOML (true, 8, [], "text"), else as text."""
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    if raw.lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
 
 
 def _split_command_line(cls: type, argv: list[str]) -> list[tuple[str, str]]:
@@ -465,8 +591,13 @@ def _split_command_line(cls: type, argv: list[str]) -> list[tuple[str, str]]:
         if not arg.startswith("--"):
             raise UserError(f"unexpected argument '{arg}'; options look like --section.key value")
         key, has_value, raw = arg[2:].partition("=")
-        _check_key(cls, key)
-        base, _ = _base_type(_field_type(cls, key))
+        if key in LEGACY_KEYS:
+            base = str  # any value is read by _legacy_value; a bare flag (next is an option) means true
+            if not has_value and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+                has_value, raw = True, "true"
+        else:
+            _check_key(cls, key)
+            base, _ = _base_type(_field_type(cls, key))
         if not has_value:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             if base is bool and (nxt is None or nxt.lower() not in ("true", "false", "1", "0", "yes", "no")):

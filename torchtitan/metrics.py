@@ -119,20 +119,37 @@ class MetricLogger:
             self.jsonl.close()
 
 
-def build_metric_logger(job_config, optimizer_name: str, rank: int) -> MetricLogger:
-    if rank != 0:
-        return MetricLogger(None, False)
+def build_metric_logger(job_config, optimizer_name: str, rank: int, when: Optional[float] = None) -> MetricLogger:
+    """Rank 0's logger writes the run folder; with ``metrics.rank_0_only`` off every other rank writes ``rank_N``
+    inside it (``when``: the run's start time, the same on every rank, names the folder)."""
     base = os.path.join(job_config.job.dump_folder, job_config.metrics.save_tb_folder)
-    run_dir = os.path.join(base, run_dir_name(optimizer_name))
+    if rank != 0:
+        if job_config.metrics.rank_0_only:
+            return MetricLogger(None, False)
+        run_dir = os.path.join(base, run_dir_name(optimizer_name, when), f"rank_{rank}")
+        return MetricLogger(run_dir, job_config.metrics.enable_tensorboard)
+    run_dir = os.path.join(base, run_dir_name(optimizer_name, when))
     suffix = 1
     while os.path.exists(run_dir):  # two runs started in the same second never share a folder
         suffix += 1
-        run_dir = os.path.join(base, run_dir_name(optimizer_name) + f"-{suffix}")
+        run_dir = os.path.join(base, run_dir_name(optimizer_name, when) + f"-{suffix}")
     logger.info(f"metrics go to {run_dir}")
     return MetricLogger(run_dir, job_config.metrics.enable_tensorboard)
 
 
-def format_log_line(step: int, m: dict[str, float]) -> str:
+# ANSI colours of the log line's fields (metrics.enable_color_printing).
+_COLORS = ("\033[31m", "\033[36m", "\033[33m", "\033[34m", "\033[32m", "\033[35m", "\033[37m")
+_RESET = "\033[39m"
+
+
+def format_log_line(step: int, m: dict[str, float], color: bool = False) -> str:
+    parts = _log_fields(step, m)
+    if color:
+        parts = [f"{_COLORS[i % len(_COLORS)]}{part}{_RESET}" for i, part in enumerate(parts)]
+    return "  ".join(parts)
+
+
+def _log_fields(step: int, m: dict[str, float]) -> list[str]:
     parts = [
         f"step: {step:>5}",
         f"loss: {m['loss_metrics/global_avg_loss']:.8f}",
@@ -149,7 +166,7 @@ def format_log_line(step: int, m: dict[str, float]) -> str:
         parts.append(f"memory: {m['memory/rss(GiB)']:.2f}GiB rss")
     if "mfu(%)" in m:
         parts.append(f"mfu: {m['mfu(%)']:.2f}%")
-    return "  ".join(parts)
+    return parts
 
 
 def format_validation_line(step: int, m: dict[str, float], tokens: int) -> str:

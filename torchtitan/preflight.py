@@ -21,7 +21,12 @@ def model_args_for(job_config: JobConfig, vocab_size: int):
     flavor = job_config.model.flavor
     if flavor not in llama3_configs:
         raise UserError(f"model.flavor '{flavor}' is unknown; choose one of {', '.join(llama3_configs)}")
-    args = dataclasses.replace(llama3_configs[flavor], vocab_size=vocab_size, max_seq_len=job_config.training.seq_len)
+    args = dataclasses.replace(
+        llama3_configs[flavor],
+        vocab_size=vocab_size,
+        max_seq_len=job_config.training.seq_len,
+        norm_type=job_config.model.norm_type,
+    )
     try:
         args.check()
     except ValueError as e:
@@ -53,6 +58,10 @@ def preflight(job_config: JobConfig, world_size: int):
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.tokenizer_type)
     model_args = model_args_for(job_config, tokenizer.n_words)
     validate_model_for_parallelism(model_args, parallel_dims)
+    if job_config.checkpoint.initial_load_in_hf:
+        from torchtitan.checkpoint.hf import check_hf_config
+
+        check_hf_config(job_config.checkpoint.initial_load_path, model_args)
     # Last: the one check that may wait on the network.
     check_hub_reachable(t.dataset, t.dataset_path)
     v = job_config.validation

@@ -11,6 +11,7 @@ Layout of the checkpoint folder::
     step-10/               a complete checkpoint (torch.distributed.checkpoint format: .metadata + *.distcp)
     step-20/
     step-20-weights/       the final weights-only export (model_weights_only), in export_dtype
+    step-20-hf/            the final Hugging Face export (last_save_in_hf): config.json + safetensors
     .step-30.tmp-1a2b3c/   a save in progress (or one killed mid-way): never loaded, removed at the next start
     superseded/after-step-10-<time>/step-20/   checkpoints of a branch abandoned by a resume from step 10
 
@@ -39,7 +40,12 @@ No pickle of arbitrary objects on load:
 - DCP's ``.metadata`` file is read with an unpickler that only accepts DCP's metadata classes and a few torch and
   builtin types.
 
-Async mode (``checkpoint.async_mode = "async"``): the state is copied to CPU memory on the calling thread, then
+When: every ``checkpoint.interval`` steps, or with ``interval_type = "seconds"`` once that many seconds passed since
+the last save on rank 0's clock (broadcast on the checkpoint's gloo group, so every rank saves at the same step),
+and always at the last step. ``create_seed_checkpoint`` saves the initial state as ``step-0`` into an empty folder.
+
+Async mode (``checkpoint.async_mode = "async"``, or ``"async_with_pinned_mem"`` to stage through pinned CPU buffers
+kept from one save to the next): the state is copied to CPU memory on the calling thread, then
 written by a background thread over a dedicated gloo process group (so its collectives never interleave with the
 training loop's). A save waits for the previous one before starting; ``close()`` waits for the last one.
 
@@ -58,9 +64,12 @@ parameter names, loadable with ``dcp.load`` into a ``Transformer``'s ``state_dic
 full checkpoint of that step is saved as usual, so the run stays resumable; the export also works with checkpointing
 off. ``export_weights(step)`` does the same on demand.
 
-Modules: ``codec`` (plain data as JSON bytes), ``safe_reading`` (the restricted readers every load goes through),
-``folders`` (step folders, temporary names, publish and clean) and ``manager`` (``CheckpointManager`` and the job
-facts).
+Hugging Face: ``hf`` reads a Hugging Face Llama folder as the initial weights (``initial_load_in_hf``) and writes
+one at the last step (``last_save_in_hf``); see its docstring.
+
+Modules: ``codec`` (plain data as JSON bytes), ``hf`` (Hugging Face folders), ``safe_reading`` (the restricted
+readers every load goes through), ``folders`` (step folders, temporary names, publish and clean) and ``manager``
+(``CheckpointManager`` and the job facts).
 """
 
 from torchtitan.checkpoint.codec import decode_plain, encode_plain

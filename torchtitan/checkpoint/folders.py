@@ -31,7 +31,7 @@ from torchtitan.logging import logger
 from torchtitan.optim.builder import state_label
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
-TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights)?\.tmp-")
+TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights|-hf)?\.tmp-")
 REPLACED_FOLDER = re.compile(r"^\.(step-\d+(?:-weights)?)\.old-[0-9a-f]+$")  # an old copy set aside while replacing
 SUPERSEDED_FOLDER = "superseded"  # checkpoints of a branch that a resume from an older step abandoned
 BRANCH_MARKER = ".branch.json"  # the moves of an abandoned branch, written before they start
@@ -66,6 +66,11 @@ def step_folder(folder: str, step: int) -> str:
 
 def weights_folder(folder: str, step: int) -> str:
     return os.path.join(folder, f"step-{step}-weights")
+
+
+def hf_folder(folder: str, step: int) -> str:
+    """The Hugging Face export of ``step`` (``checkpoint.last_save_in_hf``)."""
+    return os.path.join(folder, f"step-{step}-hf")
 
 
 def temporary_name(final_path: str, token: str) -> str:

@@ -25,11 +25,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from torchtitan.checkpoint import hf
 from torchtitan.checkpoint.codec import decode_plain, encode_plain
 from torchtitan.checkpoint.folders import (
     DEFAULT_FOLDER,
     STEP_FOLDER,
     complete_steps,
+    hf_folder,
     publish,
     recover,
     remove_folder,
@@ -158,6 +160,7 @@ class CheckpointManager:
         lr_schedulers: Any,
         states: dict[str, Any],
         job_config: Any,
+        token_ids: Optional[dict[str, int]] = None,
     ) -> None:
         clash = set(states) & set(RESERVED_KEYS)
         if clash:
@@ -171,8 +174,16 @@ class CheckpointManager:
         self.enabled = config.enable_checkpoint
         self.export_enabled = config.model_weights_only
         self.interval = config.interval
+        self.interval_in_seconds = config.interval_type == "seconds"
+        self.clock = time.monotonic  # seconds; replaceable in tests
+        self._last_save_time = self.clock()
         self.keep_latest_k = config.keep_latest_k
-        self.async_enabled = config.async_mode == "async"
+        self.async_enabled = config.async_mode in ("async", "async_with_pinned_mem")
+        # Pinned staging buffers are allocated at the first save and reused by the next ones.
+        self._stager = _pinned_stager() if config.async_mode == "async_with_pinned_mem" else None
+        self.hf_load = config.initial_load_in_hf
+        self.hf_export_enabled = config.last_save_in_hf
+        self.token_ids = token_ids  # the tokenizer's bos/eos ids, for the Hugging Face config.json
         self.load_step = config.load_step
         self.initial_load_path = config.initial_load_path
         self.initial_load_model_only = config.initial_load_model_only
@@ -186,7 +197,7 @@ class CheckpointManager:
         self._last_saved_step = -1  # the newest step saved or being saved (a save in flight included)
         self._last_published_step = -1  # the newest step known to be visible as a complete checkpoint
         self._group = None
-        if not (self.enabled or self.export_enabled):
+        if not (self.enabled or self.export_enabled or self.hf_export_enabled):
             return
         if dist.is_initialized():
             # Our own gloo group: async saves talk on it from a background thread without interleaving with the
@@ -200,8 +211,9 @@ class CheckpointManager:
                 logger.info(f"checkpoint: in {self.folder}: {note}")
         self._barrier()
         mode = "async (background thread, dedicated gloo group)" if self.async_enabled else "synchronous"
+        unit = "seconds" if self.interval_in_seconds else "steps"
         logger.info(
-            f"checkpoint: folder {self.folder}, every {self.interval} steps, {mode}, keep "
+            f"checkpoint: folder {self.folder}, every {self.interval} {unit}, {mode}, keep "
             f"{self.keep_latest_k or 'all'}"
             + (f", export weights as {config.export_dtype}" if self.export_enabled else "")
         )
@@ -275,11 +287,57 @@ class CheckpointManager:
         """Save at multiples of ``checkpoint.interval`` and when forced; export weights at the last step if asked."""
         if self.enabled:
             self._publish_pending(wait=False)
-            due = force or curr_step % self.interval == 0
-            if due and curr_step != self._last_saved_step:
+            if self._due(curr_step, force) and curr_step != self._last_saved_step:
                 self._save_full(curr_step)
+                self._last_save_time = self.clock()
         if self.export_enabled and curr_step == self.last_step:
             self.export_weights(curr_step)
+        if self.hf_export_enabled and curr_step == self.last_step:
+            self.export_hf(curr_step)
+
+    def _due(self, step: int, force: bool) -> bool:
+        """Whether ``step`` saves: every ``interval`` steps, or once ``interval`` seconds passed on rank 0's clock.
+
+        Clocks differ between ranks, so rank 0 decides and broadcasts on the checkpoint's gloo group (a CPU tensor,
+        which that backend reduces): all ranks save together or none does.
+        """
+        if force:
+            return True
+        if not self.interval_in_seconds:
+            return step % self.interval == 0
+        decision = torch.tensor([int(self.clock() - self._last_save_time >= self.interval)], dtype=torch.int64)
+        if self._group is not None:
+            dist.broadcast(decision, src=dist.get_global_rank(self._group, 0), group=self._group)
+        return bool(decision.item())
+
+    def create_seed_checkpoint(self) -> str:
+        """Save the initial state as step 0 (``checkpoint.create_seed_checkpoint``); refuse a folder that has steps."""
+        steps = complete_steps(self.folder)
+        if steps:
+            raise UserError(
+                f"checkpoint.create_seed_checkpoint: '{self.folder}' already holds checkpoints (steps "
+                f"{', '.join(map(str, steps))}); point checkpoint.folder at an empty folder"
+            )
+        self._save_full(0)
+        self._publish_pending(wait=True)
+        return step_folder(self.folder, 0)
+
+    def export_hf(self, step: int) -> str:
+        """Write the model's weights as a Hugging Face Llama folder ``step-N-hf`` in ``export_dtype``; its path."""
+        self._publish_pending(wait=True)
+        final = hf_folder(self.folder, step)
+        state = self._model_state()
+        self._refuse_non_finite(state, step)
+        begin = time.perf_counter()
+        temporary = temporary_name(final, self._shared_token())
+        if self.rank == 0:
+            os.makedirs(temporary, exist_ok=True)
+        hf.write_hf_weights(
+            state, temporary, self.model_parts[0].args, self.export_dtype, self.rank, token_ids=self.token_ids
+        )
+        self._publish_everywhere(temporary, final)
+        logger.info(f"checkpoint: exported Hugging Face weights to {final} in {time.perf_counter() - begin:.2f} s")
+        return final
 
     def export_weights(self, step: int) -> str:
         """Write the model's parameters alone, in ``checkpoint.export_dtype``, to ``step-N-weights``; its path."""
@@ -317,9 +375,12 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for an async save in flight and publish it."""
-        if self._group is None and not (self.enabled or self.export_enabled):
+        if self._group is None and not (self.enabled or self.export_enabled or self.hf_export_enabled):
             return
         self._publish_pending(wait=True)
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
         self._barrier()
 
     # -- saving ----------------------------------------------------------------------------------------------------
@@ -337,7 +398,8 @@ class CheckpointManager:
         self._last_saved_step = step
         if self.async_enabled:
             with _single_process_quiet():
-                result = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+                extra = {"async_stager": self._stager} if self._stager is not None else {}
+                result = dcp.async_save(state, storage_writer=writer, process_group=self._group, **extra)
             # Newer torch may return a response whose upload_completion is the future to wait on.
             future = getattr(result, "upload_completion", result)
             self._pending = (future, temporary, final)
@@ -428,6 +490,8 @@ class CheckpointManager:
         """Start from ``checkpoint.initial_load_path`` (model weights only, or everything); False if none is set."""
         if self.initial_load_path is None:
             return False
+        if self.hf_load:
+            return self._initial_load_hf()
         path = self.initial_load_path
         if not os.path.isfile(os.path.join(path, METADATA_FILE)):
             steps = complete_steps(path)
@@ -448,6 +512,21 @@ class CheckpointManager:
         else:
             self._load_from(path)
             logger.info(f"checkpoint: started from {path} (everything) in {time.perf_counter() - begin:.2f} s")
+        return True
+
+    def _initial_load_hf(self) -> bool:
+        """Start from the weights of the Hugging Face folder ``checkpoint.initial_load_path``."""
+        begin = time.perf_counter()
+        part_states = [get_model_state_dict(part) for part in self.model_parts]
+        merged = {k: v for part_state in part_states for k, v in part_state.items()}
+        with _single_process_quiet():
+            hf.load_hf_weights(merged, self.initial_load_path, self.model_parts[0].args, self._group)
+        for part, part_state in zip(self.model_parts, part_states):
+            set_model_state_dict(part, {k: merged[k] for k in part_state})
+        logger.info(
+            f"checkpoint: started from the Hugging Face weights in {self.initial_load_path} in "
+            f"{time.perf_counter() - begin:.2f} s; optimizer state, lr schedule, data position and step are fresh"
+        )
         return True
 
     def _warn_about_shared_folder(self) -> None:
@@ -577,6 +656,17 @@ class CheckpointManager:
         if self._group is not None:
             dist.broadcast(value, src=dist.get_global_rank(self._group, 0), group=self._group)
         return f"{int(value.item()):012x}"
+
+
+def _pinned_stager():
+    """DCP's stager into pinned CPU buffers that stay allocated across saves (torch >= 2.9 has it)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+    )
 
 
 @contextlib.contextmanager

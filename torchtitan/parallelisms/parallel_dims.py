@@ -40,9 +40,14 @@ class ParallelDims:
     def from_job_config(cls, job_config: JobConfig, world_size: int) -> ParallelDims:
         """The degrees and the loss-parallel choice of ``job_config``'s ``[training]`` over ``world_size`` ranks."""
         t = job_config.training
+        replicate, shard = t.data_parallel_replicate_degree, t.data_parallel_shard_degree
+        if t.data_parallel_type == "ddp":
+            # Whole-model replicas: FSDP2 over a (replicate, shard = 1) mesh all-reduces gradients, as DDP does.
+            replicate = shard if shard != -1 else max(1, world_size // t.tensor_parallel_degree)
+            shard = 1
         return cls(
-            dp_replicate=t.data_parallel_replicate_degree,
-            dp_shard=t.data_parallel_shard_degree,
+            dp_replicate=replicate,
+            dp_shard=shard,
             tp=t.tensor_parallel_degree,
             world_size=world_size,
             enable_loss_parallel=not t.disable_loss_parallel,

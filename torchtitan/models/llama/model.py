@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.models.norm_types import NORM_TYPES
 from torchtitan.models.roles import (
     ATTN_OUT,
+    BIAS,
     EMBEDDING,
     KEY,
     MLP,
@@ -42,6 +44,7 @@ class ModelArgs:
     rope_theta: float = 500000.0
     max_seq_len: int = 2048
     depth_init: bool = True  # scale output-projection init by layer depth instead of by total depth
+    norm_type: str = "rmsnorm"  # one of NORM_TYPES
 
     @property
     def kv_heads(self) -> int:
@@ -68,6 +71,8 @@ class ModelArgs:
             raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.norm_type not in NORM_TYPES:
+            raise ValueError(f"norm_type {self.norm_type!r} is not one of {', '.join(NORM_TYPES)}")
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -93,6 +98,23 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    wide = _upcast(x)
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.type_as(x) * weight
+
+
+_compiled_rms_norm: Optional[Callable] = None
+
+
+def compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` compiled once for every norm (compiling each module's forward would recompile per instance)."""
+    global _compiled_rms_norm
+    if _compiled_rms_norm is None:
+        _compiled_rms_norm = torch.compile(rms_norm)
+    return _compiled_rms_norm(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     param_roles = {"weight": NORM}
 
@@ -102,12 +124,49 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = _upcast(x)
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+class FusedRMSNorm(RMSNorm):
+    """RMSNorm through ``F.rms_norm``, which dispatches to a single fused kernel where torch has one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As RMSNorm: normalised in at least float32, scaled in the input's dtype (so both give the same values).
+        wide = _upcast(x)
+        return F.rms_norm(wide, (wide.shape[-1],), eps=self.eps).type_as(x) * self.weight
+
+
+class CompiledRMSNorm(RMSNorm):
+    """RMSNorm computed by a compiled kernel (useful when the blocks are not compiled: ``training.compile`` off)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return compiled_rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm with a learnable scale and shift (``elementwise_affine=False``: no parameters at all)."""
+
+    param_roles = {"weight": NORM, "bias": BIAS}
+
+    def __init__(self, dim: int, eps: float = 1e-5, elementwise_affine: bool = True):
+        super().__init__(dim, eps=eps, elementwise_affine=elementwise_affine)
+
+
+# One builder per name of norm_types.NORM_TYPES.
+NORM_BUILDERS: dict[str, Callable[[int, float], nn.Module]] = {
+    "rmsnorm": RMSNorm,
+    "compiled_rmsnorm": CompiledRMSNorm,
+    "fused_rmsnorm": FusedRMSNorm,
+    "layernorm": LayerNorm,
+    "np_layernorm": lambda dim, eps: LayerNorm(dim, eps, elementwise_affine=False),
+}
+
+
+def build_norm(norm_type: str, dim: int, eps: float) -> nn.Module:
+    return NORM_BUILDERS[norm_type](dim, eps)
 
 
 class Attention(nn.Module):
@@ -154,8 +213,8 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.attention = Attention(args)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = build_norm(args.norm_type, args.dim, args.norm_eps)
+        self.ffn_norm = build_norm(args.norm_type, args.dim, args.norm_eps)
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_init_std = 0.02 / (2 * depth) ** 0.5
 
@@ -174,7 +233,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keeps layer names stable ("layers.3") when stages or wrappers drop some layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = build_norm(args.norm_type, args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
 
@@ -206,7 +265,7 @@ class Transformer(nn.Module):
                 rules[prefix + w + ".weight"] = _trunc_normal(layer.out_init_std, 2 * layer.out_init_std)
         for index, (name, param) in enumerate(self.named_parameters()):
             name = canonical_name(name)
-            rule = rules.get(name, _ones if name.endswith("norm.weight") else None)
+            rule = rules.get(name, _NORM_INIT.get(name.rsplit(".", 1)[-1]) if _is_norm(name) else None)
             if rule is None:
                 raise RuntimeError(f"no initialiser for parameter {name}")
             _init_whole(param, rule, seed * 1_000_003 + index)
@@ -231,6 +290,19 @@ def _trunc_normal(std: float, cutoff: float):
 
 def _ones(t: torch.Tensor, g: torch.Generator) -> None:
     t.fill_(1.0)
+
+
+def _zeros(t: torch.Tensor, g: torch.Generator) -> None:
+    t.zero_()
+
+
+# A norm's scale starts at one and its shift (LayerNorm's bias) at zero.
+_NORM_INIT = {"weight": _ones, "bias": _zeros}
+
+
+def _is_norm(name: str) -> bool:
+    module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+    return module == "norm" or module.endswith("_norm")
 
 
 def _init_whole(param: torch.Tensor, rule, seed: int) -> None:

@@ -1,0 +1,96 @@
+"""Checkpoint options of torchtitan's 2024 format: time-based saving, pinned async staging, seed checkpoints; and
+the loop's garbage collection and log-line options."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from tests.helpers import Trainer, assert_same_snapshot, job_config
+from tests.helpers import checkpoint_job as job
+from torchtitan.errors import UserError
+from torchtitan.garbage_collection import GarbageCollection
+from torchtitan.metrics import build_metric_logger, format_log_line
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized"),
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"),
+    pytest.mark.filterwarnings("ignore:Ignoring pin_memory flag"),
+]
+
+
+def test_interval_in_seconds_saves_by_wall_time(tmp_path):
+    trainer = Trainer(job(str(tmp_path), steps=6, interval=10, interval_type="seconds"))
+    # Read when steps 1-5 decide and after each save: due at 11 (>= 0 + 10) and 25 (>= 11 + 10); 6 is the last step.
+    times = iter([3.0, 11.0, 11.0, 15.0, 25.0, 25.0, 26.0, 30.0])
+    trainer.checkpoint.clock = lambda: next(times)
+    trainer.checkpoint._last_save_time = 0.0
+    trainer.run(6)
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4", "step-6"]
+
+
+def test_async_with_pinned_memory_keeps_the_values_at_save_time(tmp_path):
+    trainer = Trainer(job(str(tmp_path), steps=4, interval=2, async_mode="async_with_pinned_mem"))
+    trainer.run(2)
+    at_step_2 = trainer.snapshot()
+    trainer.run(4)
+    trainer.checkpoint.close()
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4"]
+    resumed = Trainer(job(str(tmp_path), steps=4, load_step=2))
+    assert resumed.checkpoint.load()
+    assert_same_snapshot(resumed.snapshot(), at_step_2)
+
+
+def test_seed_checkpoint_is_the_initial_state_and_needs_an_empty_folder(tmp_path):
+    seeded = Trainer(job(str(tmp_path), create_seed_checkpoint=True))
+    initial = seeded.snapshot()
+    assert seeded.checkpoint.create_seed_checkpoint().endswith("step-0")
+    resumed = Trainer(job(str(tmp_path)))
+    assert resumed.checkpoint.load() and resumed.train_state.step == 0
+    assert_same_snapshot(resumed.snapshot(), initial)
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        Trainer(job(str(tmp_path), create_seed_checkpoint=True)).checkpoint.create_seed_checkpoint()
+    with pytest.raises(UserError, match="enable_checkpoint"):
+        job_config("--checkpoint.create_seed_checkpoint")
+
+
+def test_gc_freq_collects_on_chosen_steps_only(monkeypatch):
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation))
+    collection = GarbageCollection(3)
+    try:
+        assert not gc.isenabled()
+        for step in range(1, 8):
+            collection.run(step)
+    finally:
+        collection.close()
+    assert gc.isenabled() and collected == [1, 1, 1]  # at start, then steps 3 and 6
+    GarbageCollection(0).run(3)
+    assert len(collected) == 3
+
+
+def test_color_printing_colours_the_log_line():
+    metrics = {
+        "loss_metrics/global_avg_loss": 2.5,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "throughput/tps": 100.0,
+        "memory/rss(GiB)": 1.0,
+    }
+    plain, coloured = format_log_line(3, metrics), format_log_line(3, metrics, color=True)
+    assert "\033[" not in plain and "\033[" in coloured
+    assert coloured.replace("\033[39m", "").count("step:") == 1
+
+
+def test_metrics_of_every_rank_when_not_rank_0_only(tmp_path):
+    config = job_config("--job.dump_folder", str(tmp_path), "--metrics.rank_0_only", "false")
+    loggers = [build_metric_logger(config, "AdamW", rank, when=1.7e9) for rank in (0, 1)]
+    assert loggers[1].run_dir == os.path.join(loggers[0].run_dir, "rank_1")
+    for logger in loggers:
+        logger.log({"loss": 1.0}, 1)
+        logger.close()
+    assert os.path.isfile(os.path.join(loggers[1].run_dir, "metrics.jsonl"))
+    only_0 = job_config("--job.dump_folder", str(tmp_path / "b"))
+    assert build_metric_logger(only_0, "AdamW", 1).run_dir is None

@@ -1,0 +1,27 @@
+"""Python garbage collection at chosen steps (``training.gc_freq``).
+
+An automatic collection pauses one rank at a moment of its own choosing, and every other rank then waits for it at
+the next collective. With ``gc_freq = N`` automatic collection is off and every rank collects at the same steps.
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+class GarbageCollection:
+    def __init__(self, gc_freq: int) -> None:
+        self.gc_freq = gc_freq
+        if gc_freq > 0:
+            gc.disable()
+            gc.collect(1)
+
+    def run(self, step: int) -> None:
+        """Collect the young generations at every ``gc_freq``-th step (a no-op with ``gc_freq = 0``)."""
+        if self.gc_freq > 0 and step % self.gc_freq == 0:
+            gc.collect(1)
+
+    def close(self) -> None:
+        """Give automatic collection back (tests and tools run several jobs in one process)."""
+        if self.gc_freq > 0:
+            gc.enable()
