@@ -205,9 +205,9 @@ class Checkpoint:
     keep_latest_k: int = opt(0, "keep only the newest k checkpoints; 0 keeps all", ge=0)
     async_mode: str = opt(
         "disabled",
-        "disabled, async (full checkpoints are written by a background thread) or async_with_pinned_mem (async, staging "
-        "into pinned CPU buffers kept from one save to the next: faster copies from the GPU); the weights export is "
-        "always written at once",
+        "disabled, async (full checkpoints are written by a background thread) or async_with_pinned_mem (async, "
+        "staging into pinned CPU buffers kept from one save to the next: faster copies from the GPU); the weights "
+        "export is always written at once",
         choices=("disabled", "async", "async_with_pinned_mem"),
     )
     load_step: int = opt(-1, "resume from this step; -1 resumes from the latest complete checkpoint", ge=-1)
