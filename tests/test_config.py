@@ -95,7 +95,7 @@ def test_optional_values_accept_none():
         (["steps=3"], "unexpected argument 'steps=3'"),
         # Options that would change nothing.
         (["--optimizer.bf16_stochastic_round", "true"], "but training.param_dtype is float32"),
-        (["--checkpoint.export_dtype", "bfloat16"], "the weights export, which is off"),
+        (["--checkpoint.export_dtype", "bfloat16"], "the weights exports, which are off"),
         (["--checkpoint.initial_load_model_only", "false"], "checkpoint.initial_load_path, which is unset"),
         (["--checkpoint.async_mode", "async", "--checkpoint.model_weights_only"], "full checkpoints, which are off"),
     ],
