@@ -24,6 +24,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtitan.logging import logger
 
@@ -56,14 +57,24 @@ def tensors_are_finite(tensors: Iterable[Any]) -> bool:
     for value in tensors:
         if not isinstance(value, torch.Tensor):
             continue
-        local = _local(value).detach()
-        if local.is_floating_point() and local.numel() > 0:
-            groups.setdefault((local.device, local.dtype), []).append(local)
+        for local in _plain_parts(_local(value).detach()):
+            if local.is_floating_point() and local.numel() > 0:
+                groups.setdefault((local.device, local.dtype), []).append(local)
     for group in groups.values():
         maxima = torch._foreach_norm(group, ord=math.inf)
         if not bool(torch.isfinite(torch.stack(maxima)).all()):
             return False
     return True
+
+
+def _plain_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor, or the plain tensors inside a wrapper subclass: a quantized state's values (codes looked up in a
+    finite table, times block scales) are finite exactly when its floating-point parts are."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    inner_names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in inner_names]
+    return [part for t in inner if isinstance(t, torch.Tensor) for part in _plain_parts(t)]
 
 
 def state_tensors(state: Any) -> Iterable[Any]:

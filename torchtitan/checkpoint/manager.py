@@ -51,6 +51,12 @@ from torchtitan.guard import (
 )
 from torchtitan.logging import logger
 from torchtitan.optim.builder import resolve_optimizer_name
+from torchtitan.optim.quantized_checkpoint import (
+    QuantizedEntry,
+    QuantizedStateSavePlanner,
+    load_in_groups,
+    stage_entries,
+)
 from torchtitan.utils import DTYPES
 
 MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER = "model", "optimizer", "lr_schedulers", "dataloader"
@@ -280,21 +286,26 @@ class CheckpointManager:
         begin = time.perf_counter()
         final = step_folder(self.folder, step)
         state = self._state_to_save()
-        self._refuse_non_finite({MODEL: state[MODEL], OPTIMIZER: state[OPTIMIZER]}, step)
+        optimizer_tensors = {k: v.source if isinstance(v, QuantizedEntry) else v for k, v in state[OPTIMIZER].items()}
+        self._refuse_non_finite({MODEL: state[MODEL], OPTIMIZER: optimizer_tensors}, step)
         temporary = temporary_name(final, self._shared_token())
         os.makedirs(temporary, exist_ok=True)
         writer = FileSystemWriter(temporary)
         self._last_saved_step = step
         if self.async_enabled:
+            # Quantized optimizer states are copied to host memory here, one at a time; DCP stages the rest.
+            state = stage_entries(state)
             with _single_process_quiet():
-                result = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+                result = dcp.async_save(
+                    state, storage_writer=writer, planner=QuantizedStateSavePlanner(), process_group=self._group
+                )
             # Newer torch may return a response whose upload_completion is the future to wait on.
             future = getattr(result, "upload_completion", result)
             self._pending = (future, temporary, final)
             logger.info(f"checkpoint: step {step} staged in {time.perf_counter() - begin:.2f} s, writing in background")
             return
         with _single_process_quiet():
-            dcp.save(state, storage_writer=writer, process_group=self._group)
+            dcp.save(state, storage_writer=writer, planner=QuantizedStateSavePlanner(), process_group=self._group)
         self._publish_everywhere(temporary, final)
         logger.info(f"checkpoint: saved step {step} in {time.perf_counter() - begin:.2f} s")
 
@@ -427,8 +438,12 @@ class CheckpointManager:
         self._check_matches(path, metadata, state, plain_names)
         for name in plain_names:
             state[name] = torch.empty(metadata.state_dict_metadata[name].size, dtype=torch.uint8)
+        # Quantized states are read afterwards, a group at a time (never all of them as float32 at once).
+        quantized = {k: v for k, v in optimizer_state.items() if isinstance(v, QuantizedEntry)}
+        state[OPTIMIZER] = {k: v for k, v in optimizer_state.items() if k not in quantized}
         with _single_process_quiet():
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
+        load_in_groups(quantized, lambda buffers: self._load_tensors(path, {OPTIMIZER: buffers}))
 
         for part, part_state in zip(self.model_parts, part_states):
             set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
@@ -440,6 +455,13 @@ class CheckpointManager:
             self.data_loader.load_state_dict(plain[DATALOADER])
         for name, obj in self.states.items():
             obj.load_state_dict(plain[name])
+
+    def _load_tensors(self, path: str, state: dict[str, Any]) -> None:
+        """Fill ``state`` in place from the checkpoint at ``path`` (a part of it: DCP reads only the keys given)."""
+        with _single_process_quiet():
+            dcp.load(
+                state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=self._group
+            )
 
     def _check_matches(
         self, path: str, metadata: Any, state: dict[str, Any], plain_names: list[str], model_only: bool = False

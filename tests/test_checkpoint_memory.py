@@ -1,0 +1,132 @@
+"""A checkpoint save or load raises live tensor memory by about one state tensor's float32 copy, whatever the
+optimizer: low-bit optimizers never hold a float32 copy of all their quantized state.
+
+Measured with the memory estimator's tracker around ``CheckpointManager.save`` and ``load`` (one process, a tiny
+model whose matrices all have quantized state). On a GPU, DCP's writer copies each tensor to host memory and keeps
+those host copies until the rank's file is written: that is DCP's staging, not device memory. On a CPU the device is
+the host, so the tracker moves the tensors the writer keeps into a category of their own, and the device figure is
+what remains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+from tests.helpers import job_config, materialize, meta_model
+from torchtitan.checkpoint import CheckpointManager
+from torchtitan.estimation.tracker import OPTIMIZER_STATE, PARAMS, LiveMemoryTracker
+from torchtitan.models.llama import ModelArgs
+from torchtitan.optim import build_optimizers
+from torchtitan.optim.quantized_checkpoint import QuantizedEntry
+
+pytest.importorskip("torchao.optim", reason="needs torchao for the low-bit optimizers (the lowbit extra)")
+
+# Every matrix 256 columns wide and at least 4096 entries, so that every matrix's state is quantized; two layers, so
+# that all quantized state together is many times its largest tensor.
+ARGS = ModelArgs(
+    dim=256, n_layers=2, n_heads=4, vocab_size=128, multiple_of=256, ffn_dim_multiplier=0.375, max_seq_len=8
+)
+OPTIMIZERS = {
+    "AdamW": {},
+    "AdamMini": {"implementation": "foreach"},
+    "AdamMini8bit": {"implementation": "foreach"},
+    "AdamW4bit": {},
+}
+HOST_STAGING = "host_staging"  # tensors DCP's writer keeps until the file is written
+PLAIN_DATA_BYTES = 64 * 1024  # job facts, hyperparameters, the writer's small buffers
+
+
+class DeviceMemory(LiveMemoryTracker):
+    """The tracker, with the tensors handed to DCP's writer counted as host staging; ``device_peak`` without them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device_peak = 0
+
+    def staged(self, tensor: torch.Tensor) -> None:
+        key = id(tensor.untyped_storage())
+        if key in self._tracked:
+            nbytes, category = self._tracked[key]
+            self.live[category] -= nbytes
+            self.live[HOST_STAGING] += nbytes
+            self._tracked[key] = (nbytes, HOST_STAGING)
+
+    def _note_peak(self) -> None:
+        super()._note_peak()
+        self.device_peak = max(self.device_peak, self.total - self.live[HOST_STAGING])
+
+
+def _job(name: str, dump: str):
+    return job_config(
+        job={"dump_folder": dump},
+        checkpoint={"enable_checkpoint": True, "folder": "checkpoint"},
+        optimizer={"name": name, **OPTIMIZERS[name]},
+    )
+
+
+def _trainer(name: str, dump: str):
+    net = materialize(meta_model(ARGS, torch.float32))
+    optimizers = build_optimizers([net], _job(name, dump))
+    # The state as a fresh optimizer has it; torchao's step runs eagerly here (its compile would only add time).
+    with torch.compiler.set_stance("force_eager"):
+        optimizers.state_dict()
+    return net, optimizers, CheckpointManager(None, [net], optimizers, None, {}, _job(name, dump))
+
+
+def _measure(net, optimizers, action, monkeypatch) -> int:
+    """The rise of device memory (live tensors, host staging excluded) while ``action`` runs."""
+    tracker = DeviceMemory()
+    write_item = dcp_filesystem._write_item
+
+    def staging_write_item(transforms, stream, data, *args, **kwargs):
+        if isinstance(data, torch.Tensor):
+            tracker.staged(data)
+        return write_item(transforms, stream, data, *args, **kwargs)
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", staging_write_item)
+    with tracker:
+        tracker.track_existing(net.parameters(), PARAMS)
+        state = [v for optimizer in optimizers for s in optimizer.state.values() for v in s.values()]
+        tracker.track_existing(state, OPTIMIZER_STATE)
+        before = tracker.total
+        tracker.device_peak = before
+        action()
+    return tracker.device_peak - before
+
+
+def _quantized(optimizers) -> dict[str, QuantizedEntry]:
+    return {k: v for k, v in optimizers.state_dict().items() if isinstance(v, QuantizedEntry)}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_save_and_load_raise_memory_by_about_one_tensor(name, tmp_path, monkeypatch):
+    net, optimizers, manager = _trainer(name, str(tmp_path))
+    entries = _quantized(optimizers)
+    generator = torch.Generator().manual_seed(0)
+    for entry in entries.values():  # values worth checking after the round trip
+        entry.quantize_from(torch.randn(entry.source.shape, generator=generator))
+    saved = {k: entry.local_values() for k, entry in entries.items()}
+    largest_state = max(value.numel() * 4 for value in optimizers.state_dict().values() if hasattr(value, "numel"))
+
+    save_rise = _measure(net, optimizers, lambda: manager.save(1, force=True), monkeypatch)
+    fresh_net, fresh_optimizers, fresh_manager = _trainer(name, str(tmp_path))
+    load_rise = _measure(fresh_net, fresh_optimizers, lambda: fresh_manager.load(1), monkeypatch)
+
+    if name in ("AdamW", "AdamMini"):
+        assert not entries
+        assert save_rise <= PLAIN_DATA_BYTES
+        # DCP reads one tensor into host memory, unpickles it, and copies it into place before the next.
+        assert load_rise <= 2 * largest_state + PLAIN_DATA_BYTES
+        return
+    float32_all = sum(entry.local_float32_bytes for entry in entries.values())
+    float32_largest = max(entry.local_float32_bytes for entry in entries.values())
+    assert float32_all > 8 * float32_largest  # a float32 copy of all quantized state would break the bounds below
+    # Dequantizing one tensor makes its float32 values and an intermediate of the same size at most.
+    assert save_rise <= 2 * float32_largest + PLAIN_DATA_BYTES, (save_rise, float32_largest)
+    assert load_rise <= 2 * float32_largest + PLAIN_DATA_BYTES, (load_rise, float32_largest)
+    loaded = {k: entry.local_values() for k, entry in _quantized(fresh_optimizers).items()}
+    assert loaded.keys() == saved.keys()
+    for key, value in saved.items():  # quantized again: within a quarter of the block scale (8- and 4-bit)
+        assert (loaded[key] - value).abs().max() <= 0.25 * value.abs().max(), key
