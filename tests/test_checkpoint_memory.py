@@ -58,21 +58,22 @@ class DeviceMemory(LiveMemoryTracker):
         self.device_peak = max(self.device_peak, self.total - self.live[HOST_STAGING])
 
 
-def _job(name: str, dump: str):
+def _job(name: str, dump: str, async_mode: str):
     return job_config(
         job={"dump_folder": dump},
-        checkpoint={"enable_checkpoint": True, "folder": "checkpoint"},
+        checkpoint={"enable_checkpoint": True, "folder": "checkpoint", "async_mode": async_mode},
         optimizer={"name": name, **OPTIMIZERS[name]},
     )
 
 
-def _trainer(name: str, dump: str):
+def _trainer(name: str, dump: str, async_mode: str = "disabled"):
+    job = _job(name, dump, async_mode)
     net = materialize(meta_model(ARGS, torch.float32))
-    optimizers = build_optimizers([net], _job(name, dump))
+    optimizers = build_optimizers([net], job)
     # The state as a fresh optimizer has it; torchao's step runs eagerly here (its compile would only add time).
     with torch.compiler.set_stance("force_eager"):
         optimizers.state_dict()
-    return net, optimizers, CheckpointManager(None, [net], optimizers, None, {}, _job(name, dump))
+    return net, optimizers, CheckpointManager(None, [net], optimizers, None, {}, job)
 
 
 def _measure(net, optimizers, action, monkeypatch) -> int:
@@ -100,14 +101,25 @@ def _quantized(optimizers) -> dict[str, QuantizedEntry]:
     return {k: v for k, v in optimizers.state_dict().items() if isinstance(v, QuantizedEntry)}
 
 
+def _randomize(entries: dict[str, QuantizedEntry], seed: int) -> dict[str, torch.Tensor]:
+    """Quantize random values into every entry's live state; the float32 values it then holds."""
+    generator = torch.Generator().manual_seed(seed)
+    for entry in entries.values():
+        entry.quantize_from(torch.randn(entry.source.shape, generator=generator))
+    return {k: entry.local_values() for k, entry in entries.items()}
+
+
+def _assert_requantized(loaded: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    assert loaded.keys() == saved.keys()
+    for key, value in saved.items():  # quantized again: within a quarter of the block scale (8- and 4-bit)
+        assert (loaded[key] - value).abs().max() <= 0.25 * value.abs().max(), key
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_save_and_load_raise_memory_by_about_one_tensor(name, tmp_path, monkeypatch):
     net, optimizers, manager = _trainer(name, str(tmp_path))
     entries = _quantized(optimizers)
-    generator = torch.Generator().manual_seed(0)
-    for entry in entries.values():  # values worth checking after the round trip
-        entry.quantize_from(torch.randn(entry.source.shape, generator=generator))
-    saved = {k: entry.local_values() for k, entry in entries.items()}
+    saved = _randomize(entries, seed=0)
     largest_state = max(value.numel() * 4 for value in optimizers.state_dict().values() if hasattr(value, "numel"))
 
     save_rise = _measure(net, optimizers, lambda: manager.save(1, force=True), monkeypatch)
@@ -126,7 +138,17 @@ def test_save_and_load_raise_memory_by_about_one_tensor(name, tmp_path, monkeypa
     # Dequantizing one tensor makes its float32 values and an intermediate of the same size at most.
     assert save_rise <= 2 * float32_largest + PLAIN_DATA_BYTES, (save_rise, float32_largest)
     assert load_rise <= 2 * float32_largest + PLAIN_DATA_BYTES, (load_rise, float32_largest)
-    loaded = {k: entry.local_values() for k, entry in _quantized(fresh_optimizers).items()}
-    assert loaded.keys() == saved.keys()
-    for key, value in saved.items():  # quantized again: within a quarter of the block scale (8- and 4-bit)
-        assert (loaded[key] - value).abs().max() <= 0.25 * value.abs().max(), key
+    _assert_requantized({k: entry.local_values() for k, entry in _quantized(fresh_optimizers).items()}, saved)
+
+
+def test_async_save_holds_the_quantized_state_of_its_step(tmp_path):
+    """The background write sees the state as it was when save returned, not as training changed it since."""
+    _, optimizers, manager = _trainer("AdamMini8bit", str(tmp_path), async_mode="async")
+    entries = _quantized(optimizers)
+    saved = _randomize(entries, seed=0)
+    manager.save(1, force=True)
+    _randomize(entries, seed=1)  # the next steps, while the save may still be writing
+    manager.close()
+    _, fresh_optimizers, fresh_manager = _trainer("AdamMini8bit", str(tmp_path))
+    assert fresh_manager.load(1)
+    _assert_requantized({k: entry.local_values() for k, entry in _quantized(fresh_optimizers).items()}, saved)
