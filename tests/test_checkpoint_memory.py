@@ -21,6 +21,8 @@ from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
 from torchtitan.optim.quantized_checkpoint import QuantizedEntry
 
+# An async save's background thread writes without a process group, as a single-process run should.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 pytest.importorskip("torchao.optim", reason="needs torchao for the low-bit optimizers (the lowbit extra)")
 
 # Every matrix 256 columns wide and at least 4096 entries, so that every matrix's state is quantized; two layers, so

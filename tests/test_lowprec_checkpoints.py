@@ -29,12 +29,7 @@ from tests.helpers import full, job_config, meta_model
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
-from torchtitan.optim.quantized_checkpoint import (
-    QuantizedEntry,
-    QuantizedStateSavePlanner,
-    load_in_groups,
-    plain_values,
-)
+from torchtitan.optim.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_state
 from torchtitan.optim.state_storage import is_quantized
 
 torchao_optim = pytest.importorskip("torchao.optim", reason="needs torchao for quantized momentum (the lowbit extra)")
@@ -113,14 +108,12 @@ def _load(net, optimizers, path: str, model_only: bool = False) -> None:
     """As the trainer reads a checkpoint: DCP through the safe reader and planner, then into model and optimizer,
     quantized states a group at a time."""
     state = {"model": net.state_dict()}
-    optimizer_state = {} if model_only else optimizers.state_dict()
-    quantized = {k: v for k, v in optimizer_state.items() if isinstance(v, QuantizedEntry)}
-    state["optimizer"] = {k: v for k, v in optimizer_state.items() if k not in quantized}
-    _read(state, path)
-    load_in_groups(quantized, lambda buffers: _read({"optimizer": buffers}, path))
+    if not model_only:
+        state["optimizer"] = optimizers.state_dict()
+    read_state(state, lambda part: _read(part, path))
     net.load_state_dict(state["model"])
     if not model_only:
-        optimizers.load_state_dict(optimizer_state)
+        optimizers.load_state_dict(state["optimizer"])
 
 
 def _pack(result) -> bytes:

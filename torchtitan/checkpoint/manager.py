@@ -54,7 +54,7 @@ from torchtitan.optim.builder import resolve_optimizer_name
 from torchtitan.optim.quantized_checkpoint import (
     QuantizedEntry,
     QuantizedStateSavePlanner,
-    load_in_groups,
+    read_state,
     stage_entries,
 )
 from torchtitan.utils import DTYPES
@@ -438,12 +438,8 @@ class CheckpointManager:
         self._check_matches(path, metadata, state, plain_names)
         for name in plain_names:
             state[name] = torch.empty(metadata.state_dict_metadata[name].size, dtype=torch.uint8)
-        # Quantized states are read afterwards, a group at a time (never all of them as float32 at once).
-        quantized = {k: v for k, v in optimizer_state.items() if isinstance(v, QuantizedEntry)}
-        state[OPTIMIZER] = {k: v for k, v in optimizer_state.items() if k not in quantized}
-        with _single_process_quiet():
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
-        load_in_groups(quantized, lambda buffers: self._load_tensors(path, {OPTIMIZER: buffers}))
+        # Quantized optimizer states are read after the rest, a group at a time (never all as float32 at once).
+        read_state(state, lambda part: self._read_part(path, part))
 
         for part, part_state in zip(self.model_parts, part_states):
             set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
@@ -456,8 +452,8 @@ class CheckpointManager:
         for name, obj in self.states.items():
             obj.load_state_dict(plain[name])
 
-    def _load_tensors(self, path: str, state: dict[str, Any]) -> None:
-        """Fill ``state`` in place from the checkpoint at ``path`` (a part of it: DCP reads only the keys given)."""
+    def _read_part(self, path: str, state: dict[str, Any]) -> None:
+        """Fill ``state`` in place from the checkpoint at ``path`` (DCP reads only the keys given)."""
         with _single_process_quiet():
             dcp.load(
                 state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=self._group

@@ -59,7 +59,7 @@ class OptimizersContainer:
         """Flattened state of all parts, keyed by parameter name: DCP saves it and reshards it on load.
 
         Quantized states are :class:`QuantizedEntry` objects, which DCP writes as float32 one tensor at a time (with
-        ``QuantizedStateSavePlanner``) and which ``load_in_groups`` reads back; ``plain_values`` makes them tensors.
+        ``QuantizedStateSavePlanner``) and which ``read_state`` reads back; ``plain_values`` makes them tensors.
         """
         state: dict[str, Any] = {}
         for model, optimizer in zip(self.model_parts, self.optimizers):
@@ -70,7 +70,7 @@ class OptimizersContainer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a flat state: plain tensors (quantized states as float32, quantized again here), or the entries of
-        ``state_dict()`` whose values ``load_in_groups`` already put in place."""
+        ``state_dict()`` whose values ``read_state`` already put in place."""
         state_dict = {k: v.source if isinstance(v, QuantizedEntry) else v for k, v in state_dict.items()}
         for model, optimizer in zip(self.model_parts, self.optimizers):
             # A fresh optimizer has no state to load into yet; create it (as zeros) first.

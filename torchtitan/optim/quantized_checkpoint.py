@@ -9,7 +9,7 @@ every state before DCP writes anything would raise the device's peak by 4 bytes 
   tensor (or DTensor shard) it stands for, and :class:`QuantizedStateSavePlanner` dequantizes it when the writer
   asks for its data, which the writer copies to the host and drops before the next one. An async save stages each
   entry to host memory (pinned where CUDA is available) one at a time, before the background write starts;
-- loading: :func:`load_in_groups` reads the quantized states in groups of at most the largest one's float32 size
+- loading: :func:`read_state` reads the quantized states in groups of at most the largest one's float32 size
   (one DCP load per group, into float32 buffers) and quantizes each group into the live state before the next.
 """
 
@@ -131,10 +131,10 @@ def stage_entries(state: Any) -> Any:
     return state.staged() if isinstance(state, QuantizedEntry) else state
 
 
-def entry_groups(entries: dict[str, QuantizedEntry]) -> Iterator[dict[str, QuantizedEntry]]:
+def entry_groups(entries: dict[Any, QuantizedEntry]) -> Iterator[dict[Any, QuantizedEntry]]:
     """``entries`` in consecutive groups whose float32 size stays within the largest entry's."""
     budget = max((entry.local_float32_bytes for entry in entries.values()), default=0)
-    group: dict[str, QuantizedEntry] = {}
+    group: dict[Any, QuantizedEntry] = {}
     used = 0
     for key, entry in entries.items():
         if group and used + entry.local_float32_bytes > budget:
@@ -146,18 +146,47 @@ def entry_groups(entries: dict[str, QuantizedEntry]) -> Iterator[dict[str, Quant
         yield group
 
 
-def load_in_groups(entries: dict[str, QuantizedEntry], load: Callable[[dict[str, Tensor]], None]) -> None:
-    """Load every entry's saved values and quantize them into the live state, a group at a time.
+def read_state(state: dict[str, Any], read: Callable[[dict[str, Any]], None]) -> None:
+    """Fill a nested state dict in place through ``read``, its :class:`QuantizedEntry` values a group at a time.
 
-    ``load(buffers)`` fills a dict of float32 buffers (keys of ``entries``) in place, e.g. with one ``dcp.load``;
-    the buffers of a group are freed before the next group is read.
+    ``read(part)`` fills ``part`` (a state dict of the same nesting) in place, e.g. with one ``dcp.load``. It is
+    called once with the entries taken out of ``state`` (and put back after), then once per group of entries with
+    float32 buffers, which are quantized into the live state and freed before the next group is read.
     """
+    entries = _take_entries(state, ())
+    try:
+        read(state)  # DCP also sets non-tensor values (hyperparameters) in these very dicts
+    finally:
+        for path, entry in entries.items():
+            _nested({path: entry}, into=state)
     for group in entry_groups(entries):
-        buffers = {key: entry.empty_values() for key, entry in group.items()}
-        load(buffers)
-        for key, entry in group.items():
-            entry.quantize_from(buffers[key])
+        buffers = {path: entry.empty_values() for path, entry in group.items()}
+        read(_nested(buffers))
+        for path, entry in group.items():
+            entry.quantize_from(buffers[path])
         del buffers
+
+
+def _take_entries(state: dict[str, Any], prefix: tuple[str, ...]) -> dict[tuple[str, ...], QuantizedEntry]:
+    """Remove every entry from ``state`` (nested dicts included); the removed entries by path."""
+    taken: dict[tuple[str, ...], QuantizedEntry] = {}
+    for key, value in list(state.items()):
+        if isinstance(value, QuantizedEntry):
+            taken[(*prefix, key)] = state.pop(key)
+        elif isinstance(value, dict):
+            taken.update(_take_entries(value, (*prefix, key)))
+    return taken
+
+
+def _nested(values: dict[tuple[str, ...], Any], into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``values`` keyed by path, placed in nested dicts (``into``, or new ones)."""
+    nested = {} if into is None else into
+    for path, value in values.items():
+        level = nested
+        for key in path[:-1]:
+            level = level.setdefault(key, {})
+        level[path[-1]] = value
+    return nested
 
 
 def plain_values(state: dict[str, Any]) -> dict[str, Any]:
@@ -172,7 +201,7 @@ __all__ = [
     "QuantizedStateSavePlanner",
     "entries_for_quantized",
     "entry_groups",
-    "load_in_groups",
+    "read_state",
     "plain_values",
     "stage_entries",
 ]
