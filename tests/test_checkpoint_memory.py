@@ -10,6 +10,8 @@ what remains.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
@@ -18,6 +20,7 @@ from tests.helpers import job_config, materialize, meta_model
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.estimation.simulate import checkpoint_save_peak
 from torchtitan.estimation.tracker import OPTIMIZER_STATE, PARAMS, TRANSIENT, LiveMemoryTracker
+from torchtitan.guard import DivergenceError
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
 from torchtitan.optim.container import tensor_bytes
@@ -37,6 +40,7 @@ OPTIMIZERS = {
     "AdamMini": {"implementation": "foreach"},
     "AdamMini8bit": {"implementation": "foreach"},
     "AdamW4bit": {},
+    "AdamWFp8": {},
 }
 HOST_STAGING = "host_staging"  # tensors DCP's writer keeps until the file is written
 PLAIN_DATA_BYTES = 64 * 1024  # job facts, hyperparameters, the writer's small buffers
@@ -163,3 +167,16 @@ def test_async_save_holds_the_quantized_state_of_its_step(tmp_path):
     _, fresh_optimizers, fresh_manager = _trainer("AdamMini8bit", str(tmp_path))
     assert fresh_manager.load(1)
     _assert_requantized({k: entry.local_values() for k, entry in _quantized(fresh_optimizers).items()}, saved)
+
+
+@pytest.mark.parametrize("name", ["AdamMini8bit", "AdamWFp8"])
+def test_a_non_finite_quantized_state_is_not_saved(name, tmp_path):
+    """The divergence check sees a quantized state's parts: a NaN block scale (8-bit) or code (FP8) refuses the save."""
+    _, optimizers, manager = _trainer(name, str(tmp_path))
+    source = next(iter(_quantized(optimizers).values())).local_source
+    float_parts = [getattr(source, part) for part in source.__tensor_flatten__()[0]]
+    part = next(p for p in float_parts if p.is_floating_point() and p.numel() > 1)  # the scales, or FP8's codes
+    part.view(-1)[0] = float("nan")
+    with pytest.raises(DivergenceError):
+        manager.save(1, force=True)
+    assert not os.listdir(manager.folder)

@@ -52,19 +52,24 @@ def tensors_are_finite(tensors: Iterable[Any]) -> bool:
     """True if no floating-point tensor among ``tensors`` (this rank's shards) holds a NaN or an infinity.
 
     One foreach max-abs per device and dtype: it is NaN or infinite exactly when a value is, and never overflows.
+    Float8 parts (an FP8 state's codes) have no norm kernel everywhere: each is widened to float32 alone.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    float8_maxima: list[torch.Tensor] = []
     for value in tensors:
         if not isinstance(value, torch.Tensor):
             continue
         for local in _plain_parts(_local(value).detach()):
-            if local.is_floating_point() and local.numel() > 0:
+            if not (local.is_floating_point() and local.numel() > 0):
+                continue
+            if local.element_size() == 1:
+                float8_maxima.append(torch.linalg.vector_norm(local.float(), ord=math.inf).cpu())
+            else:
                 groups.setdefault((local.device, local.dtype), []).append(local)
-    for group in groups.values():
-        maxima = torch._foreach_norm(group, ord=math.inf)
-        if not bool(torch.isfinite(torch.stack(maxima)).all()):
-            return False
-    return True
+    all_maxima = [torch.stack(torch._foreach_norm(group, ord=math.inf)) for group in groups.values()]
+    if float8_maxima:
+        all_maxima.append(torch.stack(float8_maxima))
+    return all(bool(torch.isfinite(maxima).all()) for maxima in all_maxima)
 
 
 def _plain_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
