@@ -14,17 +14,18 @@ import os
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
 from tests.helpers import job_config, materialize, meta_model
-from torchtitan.checkpoint import CheckpointManager
+from torchtitan.checkpoint import CheckpointManager, SafeFileSystemReader
 from torchtitan.estimation.simulate import checkpoint_save_peak
 from torchtitan.estimation.tracker import OPTIMIZER_STATE, PARAMS, TRANSIENT, LiveMemoryTracker
 from torchtitan.guard import DivergenceError
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
 from torchtitan.optim.container import tensor_bytes
-from torchtitan.optim.quantized_checkpoint import QuantizedEntry
+from torchtitan.optim.quantized_checkpoint import QuantizedEntry, entry_groups, read_state
 
 # An async save's background thread writes without a process group, as a single-process run should.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
@@ -180,3 +181,22 @@ def test_a_non_finite_quantized_state_is_not_saved(name, tmp_path):
     with pytest.raises(DivergenceError):
         manager.save(1, force=True)
     assert not os.listdir(manager.folder)
+
+
+def test_ranks_with_fewer_groups_read_nothing_in_the_extra_calls(tmp_path):
+    """Each rank groups its own shards; every rank reads as often as the one with most groups (DCP is collective)."""
+    _, optimizers, manager = _trainer("AdamMini8bit", str(tmp_path))
+    saved = _randomize(_quantized(optimizers), seed=0)
+    manager.save(1, force=True)
+    _, fresh, _ = _trainer("AdamMini8bit", str(tmp_path))
+    state, parts = {"optimizer": fresh.state_dict()}, []
+
+    def read(part):
+        parts.append(part)
+        dcp.load(part, storage_reader=SafeFileSystemReader(os.path.join(manager.folder, "step-1")))
+
+    groups = len(list(entry_groups(_quantized(fresh))))
+    read_state(state, read, agree_on_count=lambda count: count + 2)
+    assert len(parts) == 1 + groups + 2 and parts[-2:] == [{}, {}]
+    fresh.load_state_dict(state["optimizer"])
+    _assert_requantized({k: entry.local_values() for k, entry in _quantized(fresh).items()}, saved)

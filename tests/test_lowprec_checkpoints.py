@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from tests.distributed import run_workers
-from tests.helpers import full, job_config, meta_model
+from tests.helpers import full, job_config, max_over_ranks, meta_model
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
@@ -110,7 +110,7 @@ def _load(net, optimizers, path: str, model_only: bool = False) -> None:
     state = {"model": net.state_dict()}
     if not model_only:
         state["optimizer"] = optimizers.state_dict()
-    read_state(state, lambda part: _read(part, path))
+    read_state(state, lambda part: _read(part, path), agree_on_count=max_over_ranks)
     net.load_state_dict(state["model"])
     if not model_only:
         optimizers.load_state_dict(state["optimizer"])

@@ -26,6 +26,7 @@ from tests.helpers import (
     job_config,
     materialize,
     max_difference,
+    max_over_ranks,
     meta_model,
     tiny_model,
     to_numpy,
@@ -399,7 +400,7 @@ def save(state: dict, path) -> None:
 
 def load_into(net: Transformer, optimizers: OptimizersContainer, path) -> None:
     state = {"model": net.state_dict(), "optimizer": optimizers.state_dict()}
-    read_state(state, lambda part: dcp.load(part, checkpoint_id=str(path)))
+    read_state(state, lambda part: dcp.load(part, checkpoint_id=str(path)), agree_on_count=max_over_ranks)
     net.load_state_dict(state["model"])
     optimizers.load_state_dict(state["optimizer"])
 

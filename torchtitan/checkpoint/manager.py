@@ -439,7 +439,7 @@ class CheckpointManager:
         for name in plain_names:
             state[name] = torch.empty(metadata.state_dict_metadata[name].size, dtype=torch.uint8)
         # Quantized optimizer states are read after the rest, a group at a time (never all as float32 at once).
-        read_state(state, lambda part: self._read_part(path, part))
+        read_state(state, lambda part: self._read_part(path, part), agree_on_count=self._max_over_ranks)
 
         for part, part_state in zip(self.model_parts, part_states):
             set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
@@ -521,11 +521,14 @@ class CheckpointManager:
             dist.barrier(group=self._group)
 
     def _any_rank(self, flag: bool) -> bool:
+        return bool(self._max_over_ranks(int(flag)))
+
+    def _max_over_ranks(self, count: int) -> int:
         if self._group is None:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int64)
+            return count
+        value = torch.tensor([count], dtype=torch.int64)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(value.item())
+        return int(value.item())
 
     def _shared_token(self) -> str:
         """A random suffix for temporary folders, the same on every rank (rank 0 draws it)."""

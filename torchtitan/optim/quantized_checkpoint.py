@@ -146,12 +146,20 @@ def entry_groups(entries: dict[Any, QuantizedEntry]) -> Iterator[dict[Any, Quant
         yield group
 
 
-def read_state(state: dict[str, Any], read: Callable[[dict[str, Any]], None]) -> None:
+def read_state(
+    state: dict[str, Any],
+    read: Callable[[dict[str, Any]], None],
+    agree_on_count: Callable[[int], int] = lambda count: count,
+) -> None:
     """Fill a nested state dict in place through ``read``, its :class:`QuantizedEntry` values a group at a time.
 
     ``read(part)`` fills ``part`` (a state dict of the same nesting) in place, e.g. with one ``dcp.load``. It is
     called once with the entries taken out of ``state`` (and put back after), then once per group of entries with
     float32 buffers, which are quantized into the live state and freed before the next group is read.
+
+    Ranks may group differently (their shards, and which of them are quantized, differ), but a collective ``read``
+    must run as often on each: ``agree_on_count(groups)`` returns the count all ranks use (their largest), and a rank
+    with fewer groups reads nothing in the remaining calls.
     """
     entries = _take_entries(state, ())
     try:
@@ -159,7 +167,9 @@ def read_state(state: dict[str, Any], read: Callable[[dict[str, Any]], None]) ->
     finally:
         for path, entry in entries.items():
             _nested({path: entry}, into=state)
-    for group in entry_groups(entries):
+    groups = list(entry_groups(entries))
+    groups += [{}] * (agree_on_count(len(groups)) - len(groups))
+    for group in groups:
         buffers = {path: entry.empty_values() for path, entry in group.items()}
         read(_nested(buffers))
         for path, entry in group.items():
