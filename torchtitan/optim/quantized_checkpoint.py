@@ -7,8 +7,9 @@ every state before DCP writes anything would raise the device's peak by 4 bytes 
 
 - saving: the optimizers' state dict holds a :class:`QuantizedEntry` per quantized state. DCP plans it as the float32
   tensor (or DTensor shard) it stands for, and :class:`QuantizedStateSavePlanner` dequantizes it when the writer
-  asks for its data, which the writer copies to the host and drops before the next one. An async save stages each
-  entry to host memory (pinned where CUDA is available) one at a time, before the background write starts;
+  asks for its data, which the writer copies to the host and drops before the next one (DCP keeps a rank's host
+  copies until its file is written: host memory, like an async save's staging). An async save stages each entry to
+  host memory (pinned where CUDA is available) one at a time, before the background write starts;
 - loading: :func:`read_state` reads the quantized states in groups of at most the largest one's float32 size
   (one DCP load per group, into float32 buffers) and quantizes each group into the live state before the next.
 """
