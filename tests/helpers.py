@@ -115,6 +115,15 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def max_over_ranks(count: int) -> int:
+    """The largest ``count`` of all ranks (itself without a process group): for ``read_state(agree_on_count=...)``."""
+    if not dist.is_initialized():
+        return count
+    value = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Whole copies of the parameters, by canonical name (the same names however the model is wrapped)."""
     return {canonical_name(name): full(p).detach().clone() for name, p in model.named_parameters()}

@@ -293,6 +293,9 @@ def test_command_line_prints_a_table_and_writes_json(tmp_path):
         assert o["peak"] >= o["params"] + o["optimizer_state"]
         row = next(line for line in result.stdout.splitlines() if line.startswith(o["label"] + " "))
         assert f"{o['peak'] / 2**20:.2f}" in row  # a small model is reported in MiB
+        # A save after the step holds the weights, gradients and optimizer state (no activations).
+        assert o["params"] + o["gradients"] + o["optimizer_state"] <= o["checkpoint_save_peak"] < o["peak"]
+        assert f"{o['checkpoint_save_peak'] / 2**20:.2f}" in row
     assert "FSDP 2 x TP 2" in result.stdout
     assert "not included:" in result.stdout and data["not_included"]
 

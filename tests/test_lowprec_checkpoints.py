@@ -1,7 +1,8 @@
 """Adam-mini with low-precision momentum (bf16, 8-bit, 4-bit): DCP checkpoints saved on 2 FSDP ranks load on 1 and
 on 3, through the trainer's optimizer container and its safe reader.
 
-A checkpoint holds plain tensors only (bf16 ``m`` as bf16, quantized ``m`` dequantized to float32, nothing of
+Saved and loaded as the trainer does (quantized states written and read one group at a time). A checkpoint holds
+plain tensors only (bf16 ``m`` as bf16, quantized ``m`` dequantized to float32, nothing of
 torchao's), the loaded state equals the saved one (bf16 exactly; quantized within one re-quantization, bound below),
 and training continues from it as the uninterrupted run does.
 
@@ -24,10 +25,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from tests.distributed import run_workers
-from tests.helpers import full, job_config, meta_model
+from tests.helpers import full, job_config, max_over_ranks, meta_model
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
+from torchtitan.optim.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_state
 from torchtitan.optim.state_storage import is_quantized
 
 torchao_optim = pytest.importorskip("torchao.optim", reason="needs torchao for quantized momentum (the lowbit extra)")
@@ -89,20 +91,26 @@ def _weights(net) -> dict[str, torch.Tensor]:
 
 
 def _full_state(optimizers) -> dict[str, torch.Tensor]:
-    return {k: full(v).detach().clone() for k, v in optimizers.state_dict().items() if isinstance(v, torch.Tensor)}
+    state = plain_values(optimizers.state_dict())
+    return {k: full(v).detach().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def _load(net, optimizers, path: str, model_only: bool = False) -> None:
-    """As the trainer reads a checkpoint: DCP through the safe reader and planner, then into model and optimizer."""
-    state = {"model": net.state_dict()}
-    if not model_only:
-        state["optimizer"] = optimizers.state_dict()
+def _read(state: dict, path: str) -> None:
     dcp.load(
         state,
         storage_reader=SafeFileSystemReader(path),
         planner=SafeLoadPlanner(),
         no_dist=not torch.distributed.is_initialized(),
     )
+
+
+def _load(net, optimizers, path: str, model_only: bool = False) -> None:
+    """As the trainer reads a checkpoint: DCP through the safe reader and planner, then into model and optimizer,
+    quantized states a group at a time."""
+    state = {"model": net.state_dict()}
+    if not model_only:
+        state["optimizer"] = optimizers.state_dict()
+    read_state(state, lambda part: _read(part, path), agree_on_count=max_over_ranks)
     net.load_state_dict(state["model"])
     if not model_only:
         optimizers.load_state_dict(state["optimizer"])
@@ -122,7 +130,9 @@ def _save_on_two_ranks(rank: int, world_size: int, folder: str) -> bytes:
         optimizers = build_optimizers([net], _job(label))
         _train(net, optimizers, range(SAVE_AT), rank, world_size)
         dcp.save(
-            {"model": net.state_dict(), "optimizer": optimizers.state_dict()}, checkpoint_id=os.path.join(folder, label)
+            {"model": net.state_dict(), "optimizer": optimizers.state_dict()},
+            checkpoint_id=os.path.join(folder, label),
+            planner=QuantizedStateSavePlanner(),
         )
         saved = _full_state(optimizers)
         _train(net, optimizers, range(SAVE_AT, SAVE_AT + MORE_STEPS), rank, world_size)

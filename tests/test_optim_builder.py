@@ -26,6 +26,7 @@ from tests.helpers import (
     job_config,
     materialize,
     max_difference,
+    max_over_ranks,
     meta_model,
     tiny_model,
     to_numpy,
@@ -40,6 +41,7 @@ from torchtitan.optim import (
     torchao_adapter,
 )
 from torchtitan.optim.container import tensor_bytes
+from torchtitan.optim.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_state
 from torchtitan.optim.state_storage import is_quantized
 
 try:
@@ -399,12 +401,12 @@ def test_creating_state_early_does_not_change_training(name):
 
 
 def save(state: dict, path) -> None:
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(state, checkpoint_id=str(path), planner=QuantizedStateSavePlanner())
 
 
 def load_into(net: Transformer, optimizers: OptimizersContainer, path) -> None:
     state = {"model": net.state_dict(), "optimizer": optimizers.state_dict()}
-    dcp.load(state, checkpoint_id=str(path))
+    read_state(state, lambda part: dcp.load(part, checkpoint_id=str(path)), agree_on_count=max_over_ranks)
     net.load_state_dict(state["model"])
     optimizers.load_state_dict(state["optimizer"])
 
@@ -472,10 +474,10 @@ def test_low_bit_dcp_round_trip_and_resume(tmp_path):
     assert typical < 0.01 * 0.01  # mean drift under a hundredth of one step (lr 0.01) after 3 steps
 
     # Saved state reloads to the same values (quantizing a dequantized state again is lossless up to rounding).
-    state = optimizers.state_dict()
+    state = plain_values(optimizers.state_dict())
     again = build_optimizers([tiny_model(LOW_BIT, torch.float32)], job_config("--optimizer.name", "AdamW8bit"))
     again.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
-    reloaded = again.state_dict()
+    reloaded = plain_values(again.state_dict())
     for key in (k for k in state if k.endswith(("exp_avg", "exp_avg_sq"))):
         scale = state[key].abs().max().clamp(min=1e-12)
         assert (reloaded[key] - state[key]).abs().max() <= 0.01 * scale, key
@@ -511,8 +513,8 @@ def _fsdp_resume_worker(rank: int, world_size: int, name: str, args: ModelArgs, 
     state_bytes = optimizers.state_bytes()
     train(net, optimizers, range(3), rank=rank)
     state = optimizers.state_dict()
-    dcp.save({"model": net.state_dict(), "optimizer": state}, checkpoint_id=path)
-    saved = {k: full(v).clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    save({"model": net.state_dict(), "optimizer": state}, path)
+    saved = {k: full(v).clone() for k, v in plain_values(state).items() if isinstance(v, torch.Tensor)}
     train(net, optimizers, range(3, 5), rank=rank)
     uninterrupted = weights(net)
 
@@ -549,7 +551,7 @@ def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) 
     net = tiny_model(args, dtype, seed=7)
     optimizers = build_optimizers([net], job_config(*_run_argv(name), "--optimizer.lr", "0.01"))
     load_into(net, optimizers, path)
-    return optimizers.state_dict()
+    return plain_values(optimizers.state_dict())
 
 
 EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16")

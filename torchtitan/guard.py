@@ -22,6 +22,7 @@ import math
 from typing import Any, Iterable, Optional
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtitan.collectives import any_rank
 from torchtitan.errors import DivergenceError
@@ -33,19 +34,34 @@ def tensors_are_finite(tensors: Iterable[Any]) -> bool:
     """True if no floating-point tensor among ``tensors`` (this rank's shards) holds a NaN or an infinity.
 
     One foreach max-abs per device and dtype: it is NaN or infinite exactly when a value is, and never overflows.
+    Float8 parts (an FP8 state's codes) have no norm kernel everywhere: each is widened to float32 alone.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    float8_maxima: list[torch.Tensor] = []
     for value in tensors:
         if not isinstance(value, torch.Tensor):
             continue
-        local = local_tensor(value).detach()
-        if local.is_floating_point() and local.numel() > 0:
-            groups.setdefault((local.device, local.dtype), []).append(local)
-    for group in groups.values():
-        maxima = torch._foreach_norm(group, ord=math.inf)
-        if not bool(torch.isfinite(torch.stack(maxima)).all()):
-            return False
-    return True
+        for local in _plain_parts(local_tensor(value).detach()):
+            if not (local.is_floating_point() and local.numel() > 0):
+                continue
+            if local.element_size() == 1:
+                float8_maxima.append(torch.linalg.vector_norm(local.float(), ord=math.inf).cpu())
+            else:
+                groups.setdefault((local.device, local.dtype), []).append(local)
+    all_maxima = [torch.stack(torch._foreach_norm(group, ord=math.inf)) for group in groups.values()]
+    if float8_maxima:
+        all_maxima.append(torch.stack(float8_maxima))
+    return all(bool(torch.isfinite(maxima).all()) for maxima in all_maxima)
+
+
+def _plain_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor, or the plain tensors inside a wrapper subclass: a quantized state's values (codes looked up in a
+    finite table, times block scales) are finite exactly when its floating-point parts are."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    inner_names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in inner_names]
+    return [part for t in inner if isinstance(t, torch.Tensor) for part in _plain_parts(t)]
 
 
 def state_tensors(state: Any) -> Iterable[Any]:

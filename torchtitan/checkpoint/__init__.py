@@ -49,6 +49,10 @@ kept from one save to the next): the state is copied to CPU memory on the callin
 written by a background thread over a dedicated gloo process group (so its collectives never interleave with the
 training loop's). A save waits for the previous one before starting; ``close()`` waits for the last one.
 
+Quantized optimizer state (the low-bit optimizers) is saved as plain float32 tensors made one at a time, and loaded a
+group at a time (``torchtitan.optim.quantized_checkpoint``): a save or load never holds a float32 copy of all of it on
+the device.
+
 Job facts: every checkpoint also holds a small plain record of the job that wrote it (optimizer, optional state dtype,
 model flavor, parameter count and a digest of the parameter names and shapes). A load compares it first, so a
 checkpoint of another optimizer or model is refused with one line saying what it holds and what the job expects.

@@ -46,7 +46,7 @@ from torchtitan.checkpoint.safe_reading import (
     SafeFileSystemReader,
     SafeLoadPlanner,
 )
-from torchtitan.collectives import any_rank
+from torchtitan.collectives import all_reduce_scalar
 from torchtitan.errors import UserError
 from torchtitan.guard import (
     DivergenceError,
@@ -56,6 +56,12 @@ from torchtitan.guard import (
 )
 from torchtitan.logging import logger
 from torchtitan.optim.builder import OPTION_RULES, resolve_optimizer_name, state_signature
+from torchtitan.optim.quantized_checkpoint import (
+    QuantizedEntry,
+    QuantizedStateSavePlanner,
+    read_state,
+    stage_entries,
+)
 from torchtitan.utils import DTYPES
 
 MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER = "model", "optimizer", "lr_schedulers", "dataloader"
@@ -391,22 +397,31 @@ class CheckpointManager:
         begin = time.perf_counter()
         final = step_folder(self.folder, step)
         state = self._state_to_save()
-        self._refuse_non_finite({MODEL: state[MODEL], OPTIMIZER: state[OPTIMIZER]}, step)
+        optimizer_tensors = {k: v.source if isinstance(v, QuantizedEntry) else v for k, v in state[OPTIMIZER].items()}
+        self._refuse_non_finite({MODEL: state[MODEL], OPTIMIZER: optimizer_tensors}, step)
         temporary = temporary_name(final, self._shared_token())
         os.makedirs(temporary, exist_ok=True)
         writer = FileSystemWriter(temporary)
         self._last_saved_step = step
         if self.async_enabled:
+            # Quantized optimizer states are copied to host memory here, one at a time; DCP stages the rest.
+            state = stage_entries(state)
             with _single_process_quiet():
                 extra = {"async_stager": self._stager} if self._stager is not None else {}
-                result = dcp.async_save(state, storage_writer=writer, process_group=self._group, **extra)
+                result = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    planner=QuantizedStateSavePlanner(),
+                    process_group=self._group,
+                    **extra,
+                )
             # Newer torch may return a response whose upload_completion is the future to wait on.
             future = getattr(result, "upload_completion", result)
             self._pending = (future, temporary, final)
             logger.info(f"checkpoint: step {step} staged in {time.perf_counter() - begin:.2f} s, writing in background")
             return
         with _single_process_quiet():
-            dcp.save(state, storage_writer=writer, process_group=self._group)
+            dcp.save(state, storage_writer=writer, planner=QuantizedStateSavePlanner(), process_group=self._group)
         self._publish_everywhere(temporary, final)
         logger.info(f"checkpoint: saved step {step} in {time.perf_counter() - begin:.2f} s")
 
@@ -568,8 +583,8 @@ class CheckpointManager:
         self._check_matches(path, metadata, state, plain_names)
         for name in plain_names:
             state[name] = torch.empty(metadata.state_dict_metadata[name].size, dtype=torch.uint8)
-        with _single_process_quiet():
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
+        # Quantized optimizer states are read after the rest, a group at a time (never all as float32 at once).
+        read_state(state, lambda part: self._read_part(path, part), agree_on_count=self._max_over_ranks)
 
         for part, part_state in zip(self.model_parts, part_states):
             set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
@@ -581,6 +596,13 @@ class CheckpointManager:
             self.data_loader.load_state_dict(plain[DATALOADER])
         for name, obj in self.states.items():
             obj.load_state_dict(plain[name])
+
+    def _read_part(self, path: str, state: dict[str, Any]) -> None:
+        """Fill ``state`` in place from the checkpoint at ``path`` (DCP reads only the keys given)."""
+        with _single_process_quiet():
+            dcp.load(
+                state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=self._group
+            )
 
     def _check_matches(
         self, path: str, metadata: Any, state: dict[str, Any], plain_names: list[str], model_only: bool = False
@@ -648,7 +670,12 @@ class CheckpointManager:
             dist.barrier(group=self._group)
 
     def _any_rank(self, flag: bool) -> bool:
-        return any_rank(flag, torch.device("cpu"), self._group) if self._group is not None else flag
+        return bool(self._max_over_ranks(int(flag)))
+
+    def _max_over_ranks(self, count: int) -> int:
+        if self._group is None:
+            return count
+        return int(all_reduce_scalar(count, "max", self._group, torch.device("cpu")))
 
     def _shared_token(self) -> str:
         """A random suffix for temporary folders, the same on every rank (rank 0 draws it)."""

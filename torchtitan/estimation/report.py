@@ -14,7 +14,7 @@ NOT_INCLUDED = (
     "CUDA context and library workspaces (cuBLAS, cuDNN, attention kernels' scratch)",
     "the process-group backend's buffers (NCCL's; on CPU, gloo's temporary copies of gathered tensors)",
     "caching-allocator fragmentation and reserved-but-unused blocks (see torch.cuda.max_memory_reserved)",
-    "the data loader, checkpoint staging and profiler buffers",
+    "the data loader, the host memory a checkpoint is staged in, and profiler buffers",
 )
 
 
@@ -51,6 +51,7 @@ def format_table(e: Estimate) -> str:
         "optimizer state",
         "activations",
         "peak",
+        "peak saving",
         f"state vs {baseline.label if baseline else '-'}",
         "peak during",
     )
@@ -70,6 +71,7 @@ def format_table(e: Estimate) -> str:
                 amount(o.optimizer_state),
                 amount(o.activations),
                 amount(o.peak),
+                amount(o.checkpoint_save_peak),
                 f"{ratio:.2f}x",
                 o.peak_phase,
             )
@@ -87,6 +89,10 @@ def format_table(e: Estimate) -> str:
         "clipping, optimizer step); the columns are not simultaneous, activations are freed as gradients appear."
     )
     lines.append("activations: what the forward pass keeps for backward, logits included.")
+    lines.append(
+        "peak saving: the most live tensor memory while a checkpoint is saved after a step (parameters, gradients, "
+        "optimizer state, and a low-bit optimizer's float32 values of one state tensor at a time)."
+    )
     lines += [f"note: {note}" for note in e.notes]
     lines.append("not included: " + "; ".join(NOT_INCLUDED) + ".")
     return "\n".join(lines)

@@ -40,6 +40,7 @@ from torchtitan.optim.builder import (
 )
 from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.hyperparameters import OPTIONAL_OPTIONS
+from torchtitan.optim.quantized_checkpoint import QuantizedEntry
 from torchtitan.optim.torchao_adapter import import_torchao_optim
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
@@ -64,6 +65,7 @@ class OptimizerEstimate:
     peak_breakdown: dict[str, int]
     state_source: str
     options: dict[str, Any] = field(default_factory=dict)  # the optional [optimizer] options it was built with
+    checkpoint_save_peak: int = 0  # the most live tensor memory while a checkpoint is saved after the step
 
     @property
     def label(self) -> str:
@@ -278,6 +280,24 @@ def _phase_hooks(tracker: LiveMemoryTracker, model: nn.Module, optimizers, measu
             handle.remove()
 
 
+def checkpoint_save_peak(model: nn.Module, optimizers, round_to: int) -> int:
+    """The most live tensor memory while the checkpoint manager saves after the step (gradients still held).
+
+    DCP's writer asks for each tensor's data in turn and copies it to host memory (not counted here) before the
+    next: model weights and plain state are written from where they live, and a quantized state's data is its
+    float32 values, made by ``QuantizedStateSavePlanner`` and dropped once copied. That is replayed here.
+    """
+    tracker = LiveMemoryTracker(round_to=round_to)
+    tracker.track_existing(itertools.chain(model.parameters(), model.buffers()), PARAMS)
+    tracker.track_existing((p.grad for p in model.parameters()), TRANSIENT)
+    tracker.track_existing(_optimizer_state_tensors(optimizers), OPTIMIZER_STATE)
+    with tracker, tracker.in_phase("checkpoint save"):
+        for value in optimizers.state_dict().values():
+            if isinstance(value, QuantizedEntry):
+                value.local_values()
+    return tracker.peak
+
+
 def _state_source(name: str) -> str:
     source = "created by the optimizer's own code on fake tensors"
     if name in _LOW_BIT:
@@ -315,6 +335,7 @@ def estimate_optimizer(
     with _phase_hooks(tracker, model, optimizers, measured), torch.compiler.set_stance("force_eager"), tracker:
         training.train_step(model, optimizers, batches, parallel_dims, job_config, device)
     gradients = sum(tensor_bytes(p.grad) for p in model.parameters())
+    save_peak = checkpoint_save_peak(model, optimizers, round_to)
     estimate = OptimizerEstimate(
         optimizer=optimizers.name,
         params=sum(tensor_bytes(p) for p in model.parameters()),
@@ -330,6 +351,7 @@ def estimate_optimizer(
             for key in OPTIONAL_OPTIONS
             if getattr(job_config.optimizer, key) is not None
         },
+        checkpoint_save_peak=save_peak,
     )
     for p in model.parameters():
         p.grad = None

@@ -18,7 +18,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from torchtitan.optim.quantized_checkpoint import QuantizedEntry, entries_for_quantized
 from torchtitan.optim.state_init import initialise_state
+from torchtitan.optim.torchao_adapter import quantized_state_kept
 
 # Flattened keys ("state.<param fqn>.exp_avg") let DCP match state to parameters by name, whatever the sharding.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -54,14 +56,22 @@ class OptimizersContainer:
             optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """Flattened state of all parts, keyed by parameter name: DCP saves it and reshards it on load."""
+        """Flattened state of all parts, keyed by parameter name: DCP saves it and reshards it on load.
+
+        Quantized states are :class:`QuantizedEntry` objects, which DCP writes as float32 one tensor at a time (with
+        ``QuantizedStateSavePlanner``) and which ``read_state`` reads back; ``plain_values`` makes them tensors.
+        """
         state: dict[str, Any] = {}
         for model, optimizer in zip(self.model_parts, self.optimizers):
             initialise_state(optimizer)
-            state.update(get_optimizer_state_dict(model, optimizer, options=_FLAT))
+            with quantized_state_kept(optimizer):
+                state.update(entries_for_quantized(get_optimizer_state_dict(model, optimizer, options=_FLAT)))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a flat state: plain tensors (quantized states as float32, quantized again here), or the entries of
+        ``state_dict()`` whose values ``read_state`` already put in place."""
+        state_dict = {k: v.source if isinstance(v, QuantizedEntry) else v for k, v in state_dict.items()}
         for model, optimizer in zip(self.model_parts, self.optimizers):
             # A fresh optimizer has no state to load into yet; create it (as zeros) first.
             initialise_state(optimizer)

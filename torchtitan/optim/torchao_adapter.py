@@ -3,9 +3,9 @@ checkpoints of plain tensors.
 
 The low-bit AdamW variants come from torchao (the ``lowbit`` extra). Their quantized moments are written to
 checkpoints as plain float32 tensors shaped like the parameter and quantized again on load, so a low-bit checkpoint
-reshards across world sizes like an AdamW one and loads without torchao's tensor classes (saving briefly holds
-that float32 copy of the state). AdamMini8bit/4bit store their momentum in torchao's quantized classes too and use
-the same hooks.
+reshards across world sizes like an AdamW one and loads without torchao's tensor classes. AdamMini8bit/4bit store
+their momentum in torchao's quantized classes too and use the same hooks. The trainer's checkpoints make those
+float32 values one tensor at a time (``quantized_checkpoint``), never all at once.
 """
 
 from __future__ import annotations
@@ -115,7 +115,9 @@ def portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:
                     if is_quantized(value) and name in incoming
                 }
                 for name, value in live.items():
-                    value.copy_(incoming[name])
+                    # A quantized incoming value is the live state itself, already loaded in place (group by group).
+                    if not is_quantized(incoming[name]):
+                        value.copy_(incoming[name])
                 if live:
                     live_quantized[param] = live
 
@@ -129,7 +131,24 @@ def portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.register_load_state_dict_post_hook(restore_quantized_state)
 
 
+# Optimizers whose state_dict() keeps the live quantized tensors, for a caller that makes their float32 values one
+# at a time (torchtitan.optim.quantized_checkpoint).
+_keeping_quantized: set[int] = set()
+
+
+@contextlib.contextmanager
+def quantized_state_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """While the block runs, ``optimizer.state_dict()`` holds the live quantized tensors instead of float32 copies."""
+    _keeping_quantized.add(id(optimizer))
+    try:
+        yield
+    finally:
+        _keeping_quantized.discard(id(optimizer))
+
+
 def _dequantize_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    if id(optimizer) in _keeping_quantized:
+        return state_dict
     # The per-parameter dicts in state_dict are the optimizer's own: build new ones rather than edit them.
     state_dict["state"] = {
         index: {key: dequantized(v) if is_quantized(v) else v for key, v in param_state.items()}
