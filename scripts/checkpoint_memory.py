@@ -29,8 +29,8 @@ from torchtitan.config_manager import JobConfig  # noqa: E402
 from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
 from torchtitan.optim import build_optimizers  # noqa: E402
 from torchtitan.optim.quantized_checkpoint import QuantizedEntry  # noqa: E402
+from torchtitan.tools.gpu_check import low_bit_names  # noqa: E402
 
-LOW_BIT = ("AdamMini8bit", "AdamMini4bit", "AdamW8bit", "AdamW4bit", "AdamWFp8")
 RISE_LIMIT = 2.5  # times the largest quantized state tensor's float32 bytes (2.25 expected for 4-bit)
 ALLOCATOR_SLACK = 32 * 2**20  # the caching allocator's block rounding and DCP's small buffers
 # ~0.5B parameters: the embedding (32000 x 2048) is the largest tensor, a small part of all the state.
@@ -91,7 +91,7 @@ def measure(name: str, args: ModelArgs, device: torch.device, async_save: bool) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--optimizers", default=",".join(("AdamW", *LOW_BIT)))
+    parser.add_argument("--optimizers", default=",".join(("AdamW", *low_bit_names())))
     parser.add_argument("--async-save", action="store_true", help="save with checkpoint.async_mode = async")
     parser.add_argument("--dry-run", action="store_true", help="a tiny model on CPU; nothing is measured")
     options = parser.parse_args(argv)

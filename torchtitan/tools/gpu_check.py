@@ -24,15 +24,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
 import gc
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -135,9 +132,10 @@ def optimizer_specs(kinds: Optional[list[str]] = None) -> list[str]:
 
 
 def low_bit_names() -> list[str]:
-    from torchtitan.optim.builder import OPTIMIZERS
+    """The registry's optimizers with quantized state (those that take a quantization block size)."""
+    from torchtitan.optim.builder import BLOCK_SIZE, OPTIMIZERS
 
-    return [name for name in OPTIMIZERS if name.endswith("bit")]
+    return [name for name, kind in OPTIMIZERS.items() if BLOCK_SIZE in kind.options]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -426,62 +424,22 @@ def step_async_checkpoint(ctx: Context) -> StepResult:
 
 
 def step_checkpoint_memory(ctx: Context) -> StepResult:
-    """Peak memory above the trained state while CheckpointManager saves and loads, per low-bit optimizer."""
-    from torchtitan import training
-    from torchtitan.checkpoint import CheckpointManager
-    from torchtitan.lr_scheduling import build_lr_schedulers
-    from torchtitan.optim import build_optimizers
-
-    sizes = ctx.sizes
-    device = sizes.device
-    names = [n for n in low_bit_names() if ctx.optimizers is None or n in ctx.optimizers]
-    built = _build(sizes, sizes.small_flavor, "--training.compile", "false")
-    rows = []
-    for name in names:
-        folder = tempfile.mkdtemp(prefix=f"ckpt-{name}-", dir=ctx.out)
-        job = _job(
-            sizes,
-            sizes.small_flavor,
-            "--optimizer.name",
-            name,
-            "--checkpoint.enable_checkpoint",
-            "true",
-            "--checkpoint.folder",
-            folder,
-            "--training.steps",
-            "1",
-        )
-        optimizers = build_optimizers([built.model], job)
-        batches = _random_batches(sizes, built.args.vocab_size)
-        training.train_step(built.model, optimizers, batches, built.parallel_dims, job, device)
-        for p in built.model.parameters():
-            p.grad = None
-        manager = CheckpointManager(
-            data_loader=_Position(),
-            model_parts=[built.model],
-            optimizers=optimizers,
-            lr_schedulers=build_lr_schedulers(optimizers, job),
-            states={"train_state": training.TrainState()},
-            job_config=job,
-        )
-        row: dict[str, Any] = {"optimizer": name}
-        for what, action in (("save", functools.partial(manager.save, 1, force=True)), ("load", manager.load)):
-            _free(device)
-            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            action()
-            _sync(device)
-            peaks = _peaks(device)
-            if peaks["peak allocated GiB"] is not None:
-                row[f"{what}: peak allocated above state GiB"] = round(peaks["peak allocated GiB"] - before / GIB, 2)
-                row[f"{what}: peak reserved GiB"] = peaks["peak reserved GiB"]
-            else:
-                row[f"{what}"] = "done"
-        manager.close()
-        del manager, optimizers
-        shutil.rmtree(folder)  # a ~1B model's checkpoints would fill the disk over the optimizers
-        _free(device)
-        rows.append(row)
-    return StepResult(rows=rows, notes=["synchronous DCP save and load of model, optimizer and schedule"])
+    """Peak allocated memory above the state while CheckpointManager saves and loads, per low-bit optimizer (and
+    AdamW as the float32 reference), synchronous and asynchronous: ``scripts/checkpoint_memory.py``, which fails
+    when a rise exceeds its bound (about one quantized tensor in float32)."""
+    names = ["AdamW", *low_bit_names()]
+    names = [n for n in names if ctx.optimizers is None or n in ctx.optimizers]
+    if not names:
+        return StepResult(notes=["no AdamW or low-bit optimizer selected"])
+    text = []
+    for extra in ([], ["--async-save"]):
+        command = [sys.executable, str(REPO_ROOT / "scripts" / "checkpoint_memory.py"), "--optimizers", ",".join(names)]
+        command += extra + (["--dry-run"] if ctx.dry_run else [])
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=_env(ctx))
+        text.append(f"$ checkpoint_memory.py {' '.join(command[2:])}\n{done.stdout}{done.stderr}")
+        if done.returncode != 0:
+            raise RuntimeError("\n".join(text))
+    return StepResult(text="\n".join(text))
 
 
 def step_gpu_tests(ctx: Context) -> StepResult:
@@ -509,16 +467,6 @@ def gpu_test_files() -> list[str]:
         if "skipif" in text and "cuda.is_available()" in text:
             found.append(str(path.relative_to(REPO_ROOT)))
     return found
-
-
-class _Position:
-    """A data loader's place in its stream, for checkpoints written outside train.py."""
-
-    def state_dict(self) -> dict[str, int]:
-        return {"position": 0}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        pass
 
 
 def _env(ctx: Context) -> dict[str, str]:
