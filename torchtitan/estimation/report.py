@@ -85,7 +85,10 @@ def format_table(e: Estimate) -> str:
         "peak: the most live tensor memory at any moment of one training step (forward, loss, backward with "
         "clipping, optimizer step); the columns are not simultaneous, activations are freed as gradients appear."
     )
-    lines.append("activations: what the forward pass keeps for backward, logits included.")
+    lines.append(
+        "activations: what the forward pass keeps for backward up to the final norm; the loss (its logits, whole or "
+        "one chunk at a time: loss.num_chunks) counts in the peak."
+    )
     lines += [f"note: {note}" for note in e.notes]
     lines.append("not included: " + "; ".join(NOT_INCLUDED) + ".")
     return "\n".join(lines)
