@@ -120,8 +120,16 @@ def _assert_close(estimate, measured: dict, what: str, tolerance: tuple[float, f
         assert o.optimizer_state == real["state"]
 
 
-def test_single_process_estimate_matches_a_real_cpu_step():
-    job = _job("--memory_estimation.world_size", "1", "--memory_estimation.optimizers", "AdamW,AdamMini")
+@pytest.mark.parametrize("loss_chunks", ["1", "4"])
+def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks):
+    job = _job(
+        "--memory_estimation.world_size",
+        "1",
+        "--memory_estimation.optimizers",
+        "AdamW,AdamMini",
+        "--loss.num_chunks",
+        loss_chunks,
+    )
     estimate = estimate_memory(job)
     measured = _measure_real_steps(job, 1, None, ["AdamW", "AdamMini"], seed=0)
     _assert_close(estimate, measured, "1 process", ONE_PROCESS_TOLERANCE)
