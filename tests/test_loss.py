@@ -88,3 +88,11 @@ def test_more_chunks_than_tokens_is_refused():
     args = ["--training.seq_len", "16", "--validation.enable", "--validation.batch_size", "1", "--loss.num_chunks"]
     with pytest.raises(UserError, match="exceeds the 16 tokens of a validation micro-batch"):
         job_config(*args, "17")
+
+
+def test_a_second_backward_is_refused_rather_than_giving_no_gradient():
+    inputs, labels = batch()
+    loss = tiny_model()(inputs, labels=labels, loss_chunks=3)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward runs once"):
+        loss.backward()

@@ -8,9 +8,9 @@ any other forward.
 
 Chunking without recomputation: while a chunk's logits are alive, its gradients with respect to the hidden states and
 the output weight are taken at once (autograd over the cross-entropy, then the two matmuls of the projection's
-backward, the weight's accumulated in place). Forward keeps those two gradients, each the size of its input, and
-backward only scales them by the incoming gradient. Every matmul runs once, as with whole logits; the cost is a
-weight-sized gradient held from the end of forward, where whole logits would be held instead.
+backward, the weight's accumulated in place in its own dtype). Forward keeps those two gradients, each the size of
+its input, and backward only scales them by the incoming gradient. Every matmul runs once, as with whole logits; the
+cost is a weight-sized gradient held from the end of forward, where whole logits would be held instead.
 """
 
 from __future__ import annotations
@@ -76,10 +76,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Kept on ctx rather than saved: they are results, not inputs to recompute from, and backward frees them.
         ctx.grad_hidden = torch.cat(grad_hidden_chunks) if need_hidden else None
         ctx.grad_weight = grad_weight
+        ctx.consumed = False
         return total
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.consumed:
+            raise RuntimeError("the chunked loss's backward runs once (its gradients are scaled in place)")
+        ctx.consumed = True
         grad_hidden, grad_weight = ctx.grad_hidden, ctx.grad_weight
         ctx.grad_hidden = ctx.grad_weight = None
         if grad_hidden is not None:
