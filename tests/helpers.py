@@ -167,16 +167,15 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def adamw_step(model: Transformer, inputs, labels, loss_context=contextlib.nullcontext) -> dict:
-    """One forward, backward and foreach-AdamW step.
+def adamw_step(model: Transformer, inputs, labels, loss_context=contextlib.nullcontext, loss_chunks: int = 1) -> dict:
+    """One forward, backward and foreach-AdamW step, the loss over ``loss_chunks`` chunks of tokens.
 
     Returns the mean cross-entropy ("loss"), and the whole gradients ("grads") and updated weights ("weights") keyed
     by canonical parameter name. foreach AdamW fails when DTensor and plain parameters are mixed, so the step also
     checks that tensor parallelism left no plain parameter behind.
     """
     with loss_context():
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+        loss = model(inputs, labels=labels, loss_chunks=loss_chunks)
         loss.backward()
     gradients = grads(model)
     torch.optim.AdamW(model.parameters(), lr=LR, foreach=True).step()

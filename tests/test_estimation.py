@@ -120,10 +120,19 @@ def _assert_close(estimate, measured: dict, what: str, tolerance: tuple[float, f
         assert o.optimizer_state == real["state"]
 
 
-def test_single_process_estimate_matches_a_real_cpu_step():
-    job = _job("--memory_estimation.world_size", "1", "--memory_estimation.optimizers", "AdamW,AdamMini")
+# The chunked loss (4 chunks) with one optimizer: the loss's memory does not depend on the optimizer.
+@pytest.mark.parametrize("loss_chunks, optimizers", [("1", "AdamW,AdamMini"), ("4", "AdamW")])
+def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers):
+    job = _job(
+        "--memory_estimation.world_size",
+        "1",
+        "--memory_estimation.optimizers",
+        optimizers,
+        "--loss.num_chunks",
+        loss_chunks,
+    )
     estimate = estimate_memory(job)
-    measured = _measure_real_steps(job, 1, None, ["AdamW", "AdamMini"], seed=0)
+    measured = _measure_real_steps(job, 1, None, optimizers.split(","), seed=0)
     _assert_close(estimate, measured, "1 process", ONE_PROCESS_TOLERANCE)
 
 

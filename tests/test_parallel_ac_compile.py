@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.helpers import adamw_step, batch, job_config, materialize, meta_model
+from tests.helpers import adamw_step, batch, grads, job_config, materialize, meta_model
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
 from torchtitan.parallelisms.activation_checkpoint import checkpointed_layer_indices
 
@@ -85,4 +85,11 @@ def test_op_policy_recomputes_less_than_full_checkpointing():
 def test_compiled_blocks_compute_the_same_step():
     model = _model(torch.float32, training={"compile": True})
     assert all(type(block).__name__ == "OptimizedModule" for block in model.layers.values())
-    _assert_same_step(adamw_step(model, *batch()), _plain_step(torch.float32), rtol=1e-5, atol=1e-7)
+    # The chunked loss after compiled blocks first (gradients only, the weights unchanged), then the whole step.
+    inputs, labels = batch()
+    chunked_loss = model(inputs, labels=labels, loss_chunks=5)
+    chunked_loss.backward()
+    chunked = {"loss": chunked_loss.item(), "grads": grads(model)}
+    model.zero_grad(set_to_none=True)
+    _assert_same_step(adamw_step(model, inputs, labels), _plain_step(torch.float32), rtol=1e-5, atol=1e-7)
+    _assert_same_step(chunked, _plain_step(torch.float32), rtol=1e-5, atol=1e-7)

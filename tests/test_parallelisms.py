@@ -50,6 +50,8 @@ from torchtitan.parallelisms import (
 GRAD_TOLERANCE = dict(rtol=1e-10, atol=1e-12)
 WEIGHT_TOLERANCE = dict(rtol=0.0, atol=1e-10)
 
+CHUNKS = {"num_chunks": 5}
+
 # layout name -> (world size, (dp_replicate, dp_shard, tp), job config sections)
 LAYOUTS = {
     "fsdp2": (2, (1, -1, 1), {}),
@@ -66,6 +68,16 @@ LAYOUTS = {
     "fsdp2_x_tp2": (4, (1, 2, 2), {}),
     "hsdp2x2": (4, (2, 2, 1), {}),
     "hsdp2x2_x_tp1": (4, (2, -1, 1), {"activation_checkpoint": {"mode": "selective", "selective_ac_option": "2"}}),
+    # The chunked loss (5 uneven chunks of each rank's tokens) against the same one-process, whole-logits reference.
+    "fsdp2_chunked_loss_full_ac": (2, (1, 2, 1), {"loss": CHUNKS, "activation_checkpoint": {"mode": "full"}}),
+    "tp2_chunked_loss": (2, (1, 1, 2), {"loss": CHUNKS}),
+    "tp2_gathered_logits_chunked_loss": (2, (1, 1, 2), {"loss": CHUNKS, "training": {"disable_loss_parallel": True}}),
+    "fsdp2_x_tp2_chunked_loss_op_ac": (
+        4,
+        (1, 2, 2),
+        {"loss": CHUNKS, "activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"}},
+    ),
+    "hsdp2x2_chunked_loss": (4, (2, 2, 1), {"loss": CHUNKS}),
 }
 
 
@@ -78,7 +90,8 @@ def _run_layout(world_size: int, degrees, sections) -> dict:
     inputs, labels = batch()
     share = len(inputs) // dp_degree
     rows = slice(dp_rank * share, (dp_rank + 1) * share)
-    result = adamw_step(model, inputs[rows], labels[rows], lambda: loss_parallel_context(dims, config))
+    context = functools.partial(loss_parallel_context, dims, config)
+    result = adamw_step(model, inputs[rows], labels[rows], context, config.loss.num_chunks)
     # The global loss is the mean over data-parallel ranks (equal shares); FSDP averages gradients the same way.
     loss = torch.tensor([result["loss"]], dtype=torch.float64)
     if dims.dp_enabled:

@@ -64,6 +64,7 @@ def run_case(
     optimizer: str,
     max_norm: float,
     gather_logits: bool = False,
+    loss_chunks: int = 1,
 ) -> dict:
     """One train_step of a fresh model; loss (global mean), logged grad norm, full gradients and weights."""
     config = job_config(
@@ -73,6 +74,7 @@ def run_case(
             "disable_loss_parallel": gather_logits,
         },
         optimizer={"name": "AdamW", "lr": LR},
+        loss={"num_chunks": loss_chunks},
     )
     dims = ParallelDims(*degrees, world_size, enable_loss_parallel=not gather_logits)
     mesh = dims.build_mesh("cpu")
@@ -109,8 +111,13 @@ CASES = [
     ("sgd_clipped", 1, "SGD", CLIP),
     ("sgd_accum2_clipped", 2, "SGD", CLIP),
 ]
-# layout -> (dp_replicate, dp_shard, tp), whether TP gathers the logits instead of a parallel loss
-LAYOUTS = {"fsdp2": ((1, 2, 1), False), "tp2": ((1, 1, 2), False), "tp2_gathered_logits": ((1, 1, 2), True)}
+# layout -> (dp_replicate, dp_shard, tp), whether TP gathers the logits instead of a parallel loss, loss chunks
+LAYOUTS = {
+    "fsdp2": ((1, 2, 1), False, 1),
+    "tp2": ((1, 1, 2), False, 1),
+    "tp2_gathered_logits": ((1, 1, 2), True, 1),
+    "tp2_chunked_loss": ((1, 1, 2), False, 5),
+}
 GPU_PRECISION = "gpu_precision"  # every layout also runs gpu_precision_case
 
 
@@ -141,10 +148,10 @@ def gpu_precision_case(degrees: tuple[int, int, int], world_size: int) -> dict:
 
 def _cases_on_layouts(rank: int, world_size: int) -> dict:
     results = {
-        layout: {name: run_case(degrees, world_size, a, opt, norm, gather) for name, a, opt, norm in CASES}
-        for layout, (degrees, gather) in LAYOUTS.items()
+        layout: {name: run_case(degrees, world_size, a, opt, norm, gather, chunks) for name, a, opt, norm in CASES}
+        for layout, (degrees, gather, chunks) in LAYOUTS.items()
     }
-    for layout, (degrees, _) in LAYOUTS.items():
+    for layout, (degrees, _, _) in LAYOUTS.items():
         results[layout][GPU_PRECISION] = gpu_precision_case(degrees, world_size)
     return results
 
@@ -153,6 +160,7 @@ def _cases_on_layouts(rank: int, world_size: int) -> dict:
 def one_process() -> dict:
     cases = {name: run_case((1, 1, 1), 1, a, opt, norm) for name, a, opt, norm in CASES}
     cases["adamw_accum4"] = run_case((1, 1, 1), 1, 4, "AdamW", 0.0)
+    cases["adamw_accum4_chunked_loss"] = run_case((1, 1, 1), 1, 4, "AdamW", 0.0, loss_chunks=5)
     return cases
 
 
@@ -189,7 +197,7 @@ def assert_same_step(got: dict, want: dict) -> None:
 # Gradient accumulation
 
 
-@pytest.mark.parametrize("accumulated", ["adamw_accum2", "adamw_accum4"])
+@pytest.mark.parametrize("accumulated", ["adamw_accum2", "adamw_accum4", "adamw_accum4_chunked_loss"])
 def test_accumulation_equals_one_big_batch_in_one_process(one_process, accumulated):
     assert_same_step(one_process[accumulated], one_process["adamw"])
     # The step changed the weights: equal updates are not equal because nothing moved.

@@ -195,6 +195,10 @@ LAYOUTS = {
     "fsdp2_full_ac": (2, (1, 2, 1), [4, 8], {"activation_checkpoint": {"mode": "full"}}),
     "fsdp2_x_tp2": (4, (1, 2, 2), [8, 4], {}),
     "hsdp2x2": (4, (2, 2, 1), [5, 3, 2, 2], {}),
+    # The chunked loss, as training computes it (5 uneven chunks of each batch's tokens).
+    "one_process_chunked_loss": (1, (1, 1, 1), [12], {"loss": {"num_chunks": 5}}),
+    "tp2_chunked_loss": (2, (1, 1, 2), [12], {"loss": {"num_chunks": 5}}),
+    "fsdp2_x_tp2_chunked_loss": (4, (1, 2, 2), [8, 4], {"loss": {"num_chunks": 5}}),
 }
 
 
@@ -202,13 +206,14 @@ def _validate_layout(world_size: int, name: str) -> dict:
     _, degrees, shares, sections = LAYOUTS[name]
     dims = ParallelDims(*degrees, world_size, enable_loss_parallel=True)
     mesh = dims.build_mesh("cpu")
-    model = materialize(parallelize_llama(meta_model(), mesh, dims, job_config(**sections)))
+    config = job_config(**sections)
+    model = materialize(parallelize_llama(meta_model(), mesh, dims, config))
     dp_rank, _ = dims.dp_rank_and_degree(mesh)
     start = sum(shares[:dp_rank])
     mine = [(x[start : start + shares[dp_rank]], y[start : start + shares[dp_rank]]) for x, y in validation_batches()]
     dp_group = dims.dp_mesh(mesh).get_group() if dims.dp_enabled else None
     rng_before = torch.get_rng_state()
-    loss, tokens = validation_loss(model, mine, dims, dp_group, torch.device("cpu"))
+    loss, tokens = validation_loss(model, mine, dims, dp_group, torch.device("cpu"), config.loss.num_chunks)
     return {
         "loss": loss,
         "tokens": tokens,

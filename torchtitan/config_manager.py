@@ -154,6 +154,16 @@ class Training:
 
 
 @dataclass
+class Loss:
+    num_chunks: int = opt(
+        1,
+        "output projection and cross-entropy over this many chunks of each micro-batch's tokens, so that the whole "
+        "(tokens x vocabulary) logits never exist at once; 1 computes them whole",
+        gt=0,
+    )
+
+
+@dataclass
 class Validation:
     enable: bool = opt(False, "evaluate the loss on held-out data every validation.freq steps and at the last step")
     freq: int = opt(100, "evaluate every N optimizer steps (and at the last step)", gt=0)
@@ -314,6 +324,7 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     optimizer: Optimizer = field(default_factory=Optimizer)
     training: Training = field(default_factory=Training)
+    loss: Loss = field(default_factory=Loss)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
@@ -359,6 +370,7 @@ class JobConfig:
             raise UserError(f"training.dataset_path '{t.dataset_path}' does not exist; point it at a file or folder")
         self._validate_validation()
         self._refuse_options_that_do_nothing()
+        self._validate_loss()
         initial = self.checkpoint.initial_load_path
         if initial is not None and not os.path.isdir(initial):
             raise UserError(
@@ -452,6 +464,18 @@ class JobConfig:
                 f"training.tensor_parallel_degree {t.tensor_parallel_degree} does not divide validation.seq_len "
                 f"{v.seq_len}; pick a length it divides"
             )
+
+    def _validate_loss(self) -> None:
+        t, v = self.training, self.validation
+        micro_batches = {"training": t.batch_size * t.seq_len}
+        if v.enable:
+            micro_batches["validation"] = (v.batch_size or t.batch_size) * (v.seq_len or t.seq_len)
+        for what, tokens in micro_batches.items():
+            if self.loss.num_chunks > tokens:
+                raise UserError(
+                    f"loss.num_chunks {self.loss.num_chunks} exceeds the {tokens} tokens of a {what} micro-batch "
+                    "(batch_size x seq_len); lower it"
+                )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

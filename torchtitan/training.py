@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.guard import DivergenceGuard
-from torchtitan.loss import cross_entropy
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.parallelisms import ParallelDims, loss_parallel_context, parallelize_llama
 from torchtitan.utils import DTYPES, clip_grad_norm_
@@ -99,7 +98,7 @@ def train_step(
         inputs, labels = next(batches)
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with loss_parallel_context(parallel_dims):
-            loss = cross_entropy(model(inputs), labels) / t.gradient_accumulation_steps
+            loss = model(inputs, labels=labels, loss_chunks=job_config.loss.num_chunks) / t.gradient_accumulation_steps
             loss.backward()
         if isinstance(loss, DTensor):
             loss = loss.full_tensor()

@@ -24,7 +24,6 @@ from torchtitan.datasets import DocumentSplit, build_hf_data_loader, resolve_dat
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
-from torchtitan.loss import cross_entropy
 from torchtitan.parallelisms import ParallelDims, loss_parallel_context
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -115,12 +114,14 @@ def validation_loss(
     parallel_dims: ParallelDims,
     dp_group: Optional[dist.ProcessGroup],
     device: torch.device,
+    loss_chunks: int = 1,
 ) -> tuple[float, int]:
     """(mean loss per token over all data-parallel ranks' batches, token count) without gradients.
 
     Every rank sums its tokens' losses and counts its tokens; one all-reduce over the data-parallel group adds
     them up, so the mean weighs every token alike, not every rank. Tensor-parallel ranks hold the same batches
-    and compute the same (replicated) loss, so they take no part in the sum.
+    and compute the same (replicated) loss, so they take no part in the sum. The loss is computed as in training,
+    over ``loss_chunks`` chunks of tokens.
     """
     was_training = model.training
     model.eval()  # our Llama has no dropout: eval mode changes no number, it only says what this is
@@ -129,7 +130,7 @@ def validation_loss(
         for inputs, labels in batches:
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             with loss_parallel_context(parallel_dims):
-                loss = cross_entropy(model(inputs), labels)
+                loss = model(inputs, labels=labels, loss_chunks=loss_chunks)
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()
             totals[0] += loss.to(torch.float64) * labels.numel()
@@ -158,6 +159,7 @@ class Validator:
         self.parallel_dims = parallel_dims
         self.dp_group = dp_group
         self.device = device
+        self.loss_chunks = job_config.loss.num_chunks
         self.batches = load_validation_batches(job_config, tokenizer, dp_rank, dp_degree, dp_group, device)
 
     def due(self, step: int) -> bool:
@@ -165,7 +167,9 @@ class Validator:
 
     def run(self, model: torch.nn.Module) -> tuple[dict[str, float], int]:
         """({"validation/loss", "validation/perplexity"}, tokens evaluated over all ranks)."""
-        loss, tokens = validation_loss(model, self.batches, self.parallel_dims, self.dp_group, self.device)
+        loss, tokens = validation_loss(
+            model, self.batches, self.parallel_dims, self.dp_group, self.device, self.loss_chunks
+        )
         perplexity = float(torch.tensor(loss, dtype=torch.float64).exp())  # inf rather than an overflow error
         return {"validation/loss": loss, "validation/perplexity": perplexity}, tokens
 

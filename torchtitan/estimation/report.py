@@ -88,7 +88,10 @@ def format_table(e: Estimate) -> str:
         "peak: the most live tensor memory at any moment of one training step (forward, loss, backward with "
         "clipping, optimizer step); the columns are not simultaneous, activations are freed as gradients appear."
     )
-    lines.append("activations: what the forward pass keeps for backward, logits included.")
+    lines.append(
+        "activations: what the forward pass keeps for backward up to the final norm; the loss (its logits, whole or "
+        "one chunk at a time: loss.num_chunks) counts in the peak."
+    )
     lines.append(
         "peak saving: the most live tensor memory while a checkpoint is saved after a step (parameters, gradients, "
         "optimizer state, and a low-bit optimizer's float32 values of one state tensor at a time)."

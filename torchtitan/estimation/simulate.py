@@ -258,7 +258,9 @@ def _phase_hooks(tracker: LiveMemoryTracker, model: nn.Module, optimizers, measu
         tracker.phase = "forward"
         measured["transient_before_forward"] = tracker.live[TRANSIENT]
 
-    def after_forward(module, args, output):
+    def after_trunk(module, args, output):
+        # The model's forward ends with the loss (output projection and cross-entropy) after its final norm; the
+        # loss's backward ends when the final norm's output has its gradient.
         measured["activations"] = tracker.live[TRANSIENT] - measured["transient_before_forward"]
         tracker.phase = "loss"
         if isinstance(output, torch.Tensor) and output.requires_grad:
@@ -270,7 +272,10 @@ def _phase_hooks(tracker: LiveMemoryTracker, model: nn.Module, optimizers, measu
     def after_step(*_):
         tracker.phase = "after step"
 
-    handles = [model.register_forward_pre_hook(before_forward), model.register_forward_hook(after_forward)]
+    handles = [
+        model.register_forward_pre_hook(before_forward),
+        model.norm.register_forward_hook(after_trunk),
+    ]
     for opt in optimizers.optimizers:
         handles += [opt.register_step_pre_hook(before_step), opt.register_step_post_hook(after_step)]
     try:

@@ -187,6 +187,7 @@ def apply_tensor_parallel(
             ),
         },
     )
+    model.loss_parallel = loss_parallel
     colwise, rowwise, prepare_input = _tp_styles(float8)
     block_plan = {
         "attention_norm": SequenceParallel(),

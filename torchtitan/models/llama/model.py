@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.loss import chunked_cross_entropy, cross_entropy
 from torchtitan.models.norm_types import NORM_TYPES
 from torchtitan.models.roles import (
     ATTN_OUT,
@@ -225,6 +226,8 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     param_roles = {"tok_embeddings.weight": EMBEDDING, "output.weight": OUTPUT}
+    # Set by the tensor-parallel plan when the logits stay vocabulary-sharded for a vocabulary-parallel loss.
+    loss_parallel = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -237,11 +240,23 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, loss_chunks: int = 1
+    ) -> torch.Tensor:
+        """Logits of ``tokens`` (batch, seq); with ``labels``, the mean cross-entropy instead, its output
+        projection run ``loss_chunks`` chunks of tokens at a time (see ``torchtitan.loss``).
+
+        The loss is part of the forward so that FSDP2 gathers the output weight for it like any other weight.
+        """
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        if labels is None:
+            return self.output(h)
+        if loss_chunks == 1:
+            return cross_entropy(self.output(h), labels)
+        return chunked_cross_entropy(h, self.output.weight, labels, loss_chunks, loss_parallel=self.loss_parallel)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

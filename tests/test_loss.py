@@ -1,0 +1,98 @@
+"""The chunked loss computes what whole logits compute, without the whole logits.
+
+float64 on the tiny Llama of tests/helpers.py: chunking changes only the order of floating-point sums, so loss and
+gradients agree with whole logits to 1e-9 relative (observed: ~1e-15). The parallel layouts (FSDP, TP with the
+vocabulary-parallel and the gathered loss, FSDP x TP, HSDP, with activation checkpointing) are checked in
+tests/test_parallelisms.py, gradient accumulation in tests/test_train_step.py, compile in
+tests/test_parallel_ac_compile.py, validation in tests/test_validation.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.helpers import TINY, batch, grads, job_config, tiny_model
+from torchtitan.errors import UserError
+from torchtitan.loss import chunk_bounds
+
+TOLERANCE = dict(rtol=1e-9, atol=0.0)
+
+
+def _loss_and_grads(loss_chunks: int, scale: float = 1.0) -> tuple[float, dict]:
+    model = tiny_model()
+    inputs, labels = batch()
+    loss = model(inputs, labels=labels, loss_chunks=loss_chunks)
+    (loss * scale).backward()
+    return loss.item(), grads(model)
+
+
+@pytest.mark.parametrize("loss_chunks", [2, 5, 96])  # 96: one token per chunk
+def test_chunked_loss_and_gradients_equal_whole_logits(loss_chunks):
+    whole_loss, whole_grads = _loss_and_grads(1, scale=0.25)  # a scaled loss, as gradient accumulation makes
+    loss, chunked_grads = _loss_and_grads(loss_chunks, scale=0.25)
+    assert loss == pytest.approx(whole_loss, rel=1e-9)
+    assert chunked_grads.keys() == whole_grads.keys()
+    for name, grad in chunked_grads.items():
+        torch.testing.assert_close(grad, whole_grads[name], **TOLERANCE, msg=name)
+    assert whole_grads["output.weight"].abs().sum() > 0 and whole_grads["tok_embeddings.weight"].abs().sum() > 0
+
+
+def test_chunked_loss_without_gradients_equals_whole_logits():
+    model = tiny_model()
+    inputs, labels = batch()
+    with torch.no_grad():
+        whole = model(inputs, labels=labels)
+        chunked = model(inputs, labels=labels, loss_chunks=7)
+    assert not chunked.requires_grad
+    assert chunked.item() == pytest.approx(whole.item(), rel=1e-12)
+
+
+class _LargestLogits(TorchDispatchMode):
+    """The most rows of any tensor with the vocabulary as last dimension (logits, probabilities, their gradients),
+    the output weight's (dim, vocab) transpose aside."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.vocab, self.dim, self.rows = vocab, dim, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == self.vocab:
+                rows = t.numel() // self.vocab
+                self.rows = max(self.rows, rows if rows != self.dim else 0)
+        return out
+
+
+@pytest.mark.parametrize("loss_chunks, rows", [(1, 96), (4, 24), (5, 20)])
+def test_logits_exist_one_chunk_at_a_time_forward_and_backward(loss_chunks, rows):
+    model = tiny_model()
+    inputs, labels = batch()
+    assert inputs.numel() == 96 and TINY.dim not in (96, 24, 20)
+    with _LargestLogits(TINY.vocab_size, TINY.dim) as seen:
+        model(inputs, labels=labels, loss_chunks=loss_chunks).backward()
+    assert seen.rows == rows
+
+
+def test_chunks_cover_the_tokens_in_order_with_sizes_within_one():
+    assert chunk_bounds(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert chunk_bounds(3, 3) == [(0, 1), (1, 2), (2, 3)]
+    assert chunk_bounds(8, 1) == [(0, 8)]
+
+
+def test_more_chunks_than_tokens_is_refused():
+    with pytest.raises(UserError, match="loss.num_chunks 33 exceeds the 32 tokens of a training micro-batch"):
+        job_config("--training.batch_size", "2", "--training.seq_len", "16", "--loss.num_chunks", "33")
+    args = ["--training.seq_len", "16", "--validation.enable", "--validation.batch_size", "1", "--loss.num_chunks"]
+    with pytest.raises(UserError, match="exceeds the 16 tokens of a validation micro-batch"):
+        job_config(*args, "17")
+
+
+def test_a_second_backward_is_refused_rather_than_giving_no_gradient():
+    inputs, labels = batch()
+    loss = tiny_model()(inputs, labels=labels, loss_chunks=3)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward runs once"):
+        loss.backward()
