@@ -96,3 +96,21 @@ def test_a_second_backward_is_refused_rather_than_giving_no_gradient():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward runs once"):
         loss.backward()
+
+
+def test_chunked_loss_under_autocast_computes_in_its_dtype_with_float32_gradients():
+    """A one-GPU bf16 job runs its forward, the loss included, under autocast (CPU autocast stands in for CUDA's):
+    the chunks compute in bfloat16, as whole logits do, and the float32 weights get float32 gradients."""
+    results = {}
+    for loss_chunks in (1, 4):
+        model = tiny_model().float()
+        inputs, labels = batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(inputs, labels=labels, loss_chunks=loss_chunks)
+        loss.backward()
+        results[loss_chunks] = (loss.item(), grads(model))
+    (whole_loss, whole_grads), (loss, chunked_grads) = results[1], results[4]
+    assert loss == pytest.approx(whole_loss, rel=2e-2)
+    for name, grad in chunked_grads.items():
+        assert grad.dtype == torch.float32, name
+        torch.testing.assert_close(grad, whole_grads[name], rtol=0.1, atol=2e-3, msg=name)

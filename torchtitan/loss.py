@@ -112,6 +112,16 @@ def chunked_cross_entropy(
     ``loss_parallel``: vocabulary-sharded logits go to the vocabulary-parallel cross-entropy (inside
     ``loss_parallel()``) rather than being gathered.
     """
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Under autocast (bf16 compute without FSDP) the projection computes in autocast's dtype, as nn.Linear's
+        # would: cast both operands once (the casts' backward returns float32 gradients to the float32 weights) and
+        # run the chunks with autocast off, so that the in-place weight-gradient sums see one dtype.
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return chunked_cross_entropy(
+                hidden.to(dtype), weight.to(dtype), labels, num_chunks, loss_parallel=loss_parallel
+            )
     hidden = _replicated(hidden).flatten(0, 1)
     labels = labels.flatten()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):

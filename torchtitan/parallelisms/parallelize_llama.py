@@ -227,8 +227,9 @@ def _fsdp_policy(job_config: JobConfig) -> MixedPrecisionPolicy:
 
 def apply_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
     """Run ``model``'s forward under autocast to ``dtype``: matmuls compute in it from float32 master weights,
-    whose gradients stay float32. The loss (outside the forward) and backward run outside autocast, as torch
-    recommends; state-dict names are untouched (the forward is wrapped, not the module)."""
+    whose gradients stay float32. The loss is part of the forward: cross-entropy runs in float32 (at least), and
+    the chunked loss computes its projection in ``dtype`` (``torchtitan.loss``). Backward runs outside autocast, as
+    torch recommends; state-dict names are untouched (the forward is wrapped, not the module)."""
     forward = model.forward
 
     @functools.wraps(forward)
