@@ -161,10 +161,10 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
         "--memory_estimation.world_size",
         "8",
         "--memory_estimation.optimizers",
-        "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit",
+        "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit,Muon",
     )
     estimate = estimate_memory(job)
-    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit = estimate.optimizers
+    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit, muon = estimate.optimizers
     assert adam_mini_bf16.label == "AdamMini:state_dtype=bfloat16" and adam_mini_bf16.options == {
         "state_dtype": "bfloat16"
     }
@@ -179,6 +179,10 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     assert adamw.params == 4 * sum(local_numels)
     # AdamW: two float32 moments per element and a float32 step counter per parameter.
     assert adamw.optimizer_state == 2 * 4 * sum(local_numels) + 4 * len(local_numels)
+    # Muon: one float32 momentum per element of a hidden matrix; AdamW's two moments and a step for the rest.
+    hidden = [".attention.w" in name or ".feed_forward." in name for name, _ in model.named_parameters()]
+    muon_state = sum((4 if h else 8) * n for h, n in zip(hidden, local_numels)) + 4 * hidden.count(False)
+    assert muon.optimizer_state == muon_state
     # Adam-mini keeps the first moment whole and one second moment per block: about half.
     assert 0.49 < adam_mini.optimizer_state / adamw.optimizer_state < 0.52
     # 4-bit moments: an eighth of AdamW's, plus scales and the small tensors kept in float32.

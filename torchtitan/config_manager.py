@@ -223,7 +223,7 @@ class MemoryEstimation:
 
     world_size: int = opt(8, "estimation.py: number of ranks to simulate", gt=0)
     optimizers: str = opt(
-        "AdamW,AdamMini,AdamMini:state_dtype=bfloat16,AdamMini8bit,AdamMini4bit,AdamW4bit",
+        "AdamW,AdamMini,AdamMini:state_dtype=bfloat16,AdamMini8bit,AdamMini4bit,AdamW4bit,Muon",
         "estimation.py: comma-separated optimizers to estimate, each NAME or NAME:option=value[:option=value] "
         "with [optimizer] options (AdamMini:state_dtype=bfloat16)",
     )
