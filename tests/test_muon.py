@@ -24,6 +24,7 @@ from torchtitan.optim.muon import (
     split_hidden_matrices,
 )
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))
 HIDDEN = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2")
 
 
@@ -32,8 +33,10 @@ def muon_job(*argv: str):
 
 
 def loss_steps(model: torch.nn.Module, step, steps: int = 4) -> None:
+    device = next(model.parameters()).device
     for i in range(steps):
         tokens = torch.randint(0, TINY.vocab_size, (2, SEQ_LEN + 1), generator=torch.Generator().manual_seed(i))
+        tokens = tokens.to(device)
         F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
         step()
         model.zero_grad()
@@ -41,9 +44,10 @@ def loss_steps(model: torch.nn.Module, step, steps: int = 4) -> None:
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is in torch 2.12 and later")
 @pytest.mark.parametrize("adjust_lr", [MATCH_RMS_ADAMW, ORIGINAL])
-def test_one_process_equals_torch_muon_and_adamw(adjust_lr):
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_one_process_equals_torch_muon_and_adamw(adjust_lr, device):
     """float32 weights, bfloat16 Newton–Schulz (torch's): the same operations, so the same bits (to 1e-5 at most)."""
-    ours = tiny_model(dtype=torch.float32)
+    ours = tiny_model(dtype=torch.float32).to(device)
     reference = copy.deepcopy(ours)
     optimizers = build_optimizers([ours], muon_job("--optimizer.adjust_lr", adjust_lr))
     matrices, others = split_hidden_matrices(reference.named_parameters(), reference.named_param_roles())
