@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["ShardedMatrix", "sharded_matrix", "orthogonalize_sharded"]
@@ -82,10 +82,12 @@ def _group_over(mesh: Any, dims: tuple[int, ...]) -> Any:
     key = (mesh, dims)
     if key not in _GROUPS:
         others = [d for d in range(mesh.ndim) if d not in dims]
-        ranks = mesh.mesh.permute(*others, *dims).reshape(-1, math.prod(mesh.mesh.shape[d] for d in dims))
+        with unset_fake_temporarily():  # the mesh's rank table is real, also in a memory estimate's fake mode
+            ranks = mesh.mesh.permute(*others, *dims).reshape(-1, math.prod(mesh.mesh.shape[d] for d in dims))
+            ranks = ranks.tolist()
         mine = None
         # Every rank creates every group, in the same order, as torch.distributed requires.
-        for members in ranks.tolist():
+        for members in ranks:
             group = dist.new_group(members)
             if dist.get_rank() in members:
                 mine = group
@@ -94,7 +96,8 @@ def _group_over(mesh: Any, dims: tuple[int, ...]) -> Any:
 
 
 def _coordinates(mesh: Any, global_rank: int) -> list[int]:
-    return [int(c) for c in (mesh.mesh == global_rank).nonzero()[0]]
+    with unset_fake_temporarily():
+        return [int(c) for c in (mesh.mesh == global_rank).nonzero()[0]]
 
 
 def _combined(coordinates: list[int], dims: list[int], mesh_shape: tuple[int, ...]) -> int:
