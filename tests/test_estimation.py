@@ -262,7 +262,7 @@ def test_command_line_prints_a_table_and_writes_json(tmp_path):
             "--training.tensor_parallel_degree",
             "2",
             "--memory_estimation.optimizers",
-            "AdamW,adam_mini,adam_mini:state_dtype=bfloat16",
+            "AdamW,adam_mini,adam_mini:state_dtype=bfloat16,muon",
             "--memory_estimation.vocab_size",
             str(VOCAB),
             "--memory_estimation.json",
@@ -275,8 +275,8 @@ def test_command_line_prints_a_table_and_writes_json(tmp_path):
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     assert data["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
-    assert [o["optimizer"] for o in data["optimizers"]] == ["AdamW", "AdamMini", "AdamMini"]
-    assert [o["options"] for o in data["optimizers"]] == [{}, {}, {"state_dtype": "bfloat16"}]
+    assert [o["optimizer"] for o in data["optimizers"]] == ["AdamW", "AdamMini", "AdamMini", "Muon"]
+    assert [o["options"] for o in data["optimizers"]] == [{}, {}, {"state_dtype": "bfloat16"}, {}]
     assert data["optimizers"][2]["label"] == "AdamMini:state_dtype=bfloat16"
     for o in data["optimizers"]:
         assert o["peak"] >= o["params"] + o["optimizer_state"]
