@@ -42,7 +42,7 @@ def loss_steps(model: torch.nn.Module, step, steps: int = 4) -> None:
         model.zero_grad()
 
 
-@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is in torch 2.12 and later")
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon to compare with")
 @pytest.mark.parametrize("adjust_lr", [MATCH_RMS_ADAMW, ORIGINAL])
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_one_process_equals_torch_muon_and_adamw(adjust_lr, device):

@@ -1,7 +1,7 @@
 """Muon: orthogonalised momentum for the hidden matrices, AdamW for every other weight.
 
-``torch.optim.Muon``'s update (torch >= 2.12; written here, so that it runs on every torch we support and on
-sharded parameters) for each hidden matrix ``p`` with gradient ``g``::
+``torch.optim.Muon``'s update (written here: not every torch we support has it, and ours also runs on sharded
+parameters) for each hidden matrix ``p`` with gradient ``g``::
 
     m <- lerp(m, g, 1 - momentum)
     u <- lerp(g, m, momentum)                     (Nesterov; plain momentum uses u = m)
