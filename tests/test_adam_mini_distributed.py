@@ -3,7 +3,7 @@ the rank count), tensor parallel, FSDP x TP and HSDP on 2 x 2 all equal the one-
 too, and with 8-bit momentum under HSDP and FSDP x TP, up to its blocks' rounding); an FSDP step sends
 only per-block sums (one all-reduce, no all-gather); a DCP checkpoint saved on 2 ranks resumes exactly on 1 and 3.
 
-Muon rides the same launches: FSDP2 on 2 and 3 ranks, TP, FSDP x TP and HSDP equal one process (float64
+Muon rides the same launches: FSDP2 on 2 and 3 ranks, TP, FSDP x TP (2 x 2, 3 x 2) and HSDP equal one process (float64
 Newton–Schulz); a step's collectives are the owner rounds of ``muon_distributed`` (counted, with the entries
 sent); its checkpoint saved on 2 ranks resumes exactly on 1 and 3.
 
@@ -242,8 +242,9 @@ def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str 
         runs["muon_resume"] = _attempt(
             lambda: _resume(_parallel_model("fsdp", world_size), _muon_path(resume_dir), muon_for)
         )
-    if world_size == 4:
+    if world_size in (4, 6):  # 6: 3 x 2, the TP shards of key/value weights cut unevenly by FSDP
         runs["muon_fsdp_tp"] = _attempt(_train_muon, "fsdp_tp", world_size, STEPS)
+    if world_size == 4:
         runs["muon_hsdp"] = _attempt(_train_muon, "hsdp", world_size, STEPS)
         runs["muon_comm_fsdp_tp"] = _attempt(_collectives_of_one_step, "fsdp_tp", world_size, muon_for)
     return runs
@@ -472,7 +473,14 @@ def test_8bit_momentum_hsdp_and_fsdp_tp_equal_single_process(world4, single_proc
 
 @pytest.mark.parametrize(
     "world_name, layout",
-    [("world2", "fsdp"), ("world3", "fsdp"), ("world2", "tp"), ("world4", "fsdp_tp"), ("world4", "hsdp")],
+    [
+        ("world2", "fsdp"),
+        ("world3", "fsdp"),
+        ("world2", "tp"),
+        ("world4", "fsdp_tp"),
+        ("world4", "hsdp"),
+        ("world6", "fsdp_tp"),
+    ],
 )
 def test_muon_parallel_run_equals_single_process(request, single_process, world_name, layout):
     params = _result(request.getfixturevalue(world_name), f"muon_{layout}")
