@@ -125,16 +125,7 @@ def _build_adam(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
 
 def _build_muon(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
     """Muon on the hidden matrices; AdamW, exactly as ``optimizer.name = "AdamW"`` has it, on everything else."""
-    from torchtitan.optim.muon import (
-        DEFAULT_MOMENTUM,
-        DEFAULT_NESTEROV,
-        DEFAULT_NS_DTYPE,
-        DEFAULT_NS_STEPS,
-        MATCH_RMS_ADAMW,
-        Muon,
-        log_split,
-        split_hidden_matrices,
-    )
+    from torchtitan.optim.muon import Muon, log_split, split_hidden_matrices
 
     roles = model.named_param_roles() if hasattr(model, "named_param_roles") else None
     matrices, others = split_hidden_matrices(model.named_parameters(), roles)
@@ -144,17 +135,14 @@ def _build_muon(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
             "MLP weights, by declared role or name); use AdamW for this model"
         )
     log_split(matrices, others)
+    # Options left unset take Muon's own defaults; [optimizer] names them as Muon's constructor does.
+    chosen = {name: getattr(hp, name) for name in (*MUON_OPTIONS, STATE_DTYPE) if getattr(hp, name) is not None}
     return Muon(
         [p for _, p in matrices],
         lr=hp.lr,
         weight_decay=hp.weight_decay,
-        momentum=DEFAULT_MOMENTUM if hp.momentum is None else hp.momentum,
-        nesterov=DEFAULT_NESTEROV if hp.nesterov is None else hp.nesterov,
-        ns_steps=DEFAULT_NS_STEPS if hp.ns_steps is None else hp.ns_steps,
-        ns_dtype=hp.ns_dtype or DEFAULT_NS_DTYPE,
-        adjust_lr=hp.adjust_lr or MATCH_RMS_ADAMW,
-        state_dtype=hp.state_dtype or "float32",
         others=_adamw_over([p for _, p in others], hp) if others else None,
+        **chosen,
     )
 
 
