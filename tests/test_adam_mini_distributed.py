@@ -58,6 +58,7 @@ STEPS = 5
 # The fused back end and bfloat16 momentum, each checked like the default (foreach, float64 momentum).
 VARIANTS = {"fused": ("implementation", FUSED), "bfloat16": ("momentum_storage", BFLOAT16)}
 SAVE_AT, RESUME_STEPS = 3, 3
+MUON_STEPS = 3  # several steps, each bit for bit; Muon's runs share the launches, so they are kept short
 # For 8-bit momentum: every shard under HSDP 2 x 2 and FSDP x TP 2 x 2 is whole rows of a 256-entry block and at
 # least 4096 entries, so every matrix's momentum is quantized on every rank.
 WIDE = ModelArgs(
@@ -233,9 +234,9 @@ def _muon_path(checkpoint_dir: str) -> str:
 def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
     runs: dict[str, tuple[bool, Any]] = {}
     if world_size in (2, 3):
-        runs["muon_fsdp"] = _attempt(_train_muon, "fsdp", world_size, STEPS)
+        runs["muon_fsdp"] = _attempt(_train_muon, "fsdp", world_size, MUON_STEPS)
     if world_size == 2:
-        runs["muon_tp"] = _attempt(_train_muon, "tp", world_size, STEPS)
+        runs["muon_tp"] = _attempt(_train_muon, "tp", world_size, MUON_STEPS)
         runs["muon_comm_fsdp"] = _attempt(_collectives_of_one_step, "fsdp", world_size, muon_for)
         runs["muon_save"] = _attempt(_save_checkpoint, world_size, _muon_path(checkpoint_dir), muon_for)
     if world_size == 3:
@@ -243,9 +244,9 @@ def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str 
             lambda: _resume(_parallel_model("fsdp", world_size), _muon_path(resume_dir), muon_for)
         )
     if world_size in (4, 6):  # 6: 3 x 2, the TP shards of key/value weights cut unevenly by FSDP
-        runs["muon_fsdp_tp"] = _attempt(_train_muon, "fsdp_tp", world_size, STEPS)
+        runs["muon_fsdp_tp"] = _attempt(_train_muon, "fsdp_tp", world_size, MUON_STEPS)
     if world_size == 4:
-        runs["muon_hsdp"] = _attempt(_train_muon, "hsdp", world_size, STEPS)
+        runs["muon_hsdp"] = _attempt(_train_muon, "hsdp", world_size, MUON_STEPS)
         runs["muon_comm_fsdp_tp"] = _attempt(_collectives_of_one_step, "fsdp_tp", world_size, muon_for)
     return runs
 
@@ -348,7 +349,7 @@ def single_process():
         },
         "wide": _train("single", 1, STEPS, args=WIDE),
         f"wide_{INT8}": _train("single", 1, STEPS, args=WIDE, momentum_storage=INT8),
-        "muon": _train_muon("single", 1, STEPS),
+        "muon": _train_muon("single", 1, MUON_STEPS),
         "muon_uninterrupted": _train_muon("single", 1, SAVE_AT + RESUME_STEPS),
     }
 

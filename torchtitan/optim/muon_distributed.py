@@ -111,7 +111,8 @@ def sharded_matrix(param: DTensor) -> Optional[ShardedMatrix]:
     """Where ``param``'s pieces live, or None when no mesh dimension splits it (every rank holds it whole)."""
     mesh, placements = param.device_mesh, param.placements
     split = [_split_dim(placement) for placement in placements]
-    dims = tuple(d for d, s in enumerate(split) if s is not None)
+    # A mesh dimension of one rank splits nothing.
+    dims = tuple(d for d, s in enumerate(split) if s is not None and mesh.shape[d] > 1)
     if not dims:
         return None
     group = _group_over(mesh, dims)
