@@ -1,6 +1,7 @@
-"""Time ``step()`` of every AdamMini variant (foreach, fused; float32, bf16, 8-bit, 4-bit momentum) and bf16-state
-AdamW against AdamW (fused and foreach) and, when installed, the official adam-mini 1.1.1, on the parameters of a
-Llama in one process; also count kernel launches (profiler) and compare optimizer-state bytes.
+"""Time ``step()`` of every AdamMini variant (foreach, fused; float32, bf16, 8-bit, 4-bit momentum), bf16-state
+AdamW and Muon (bfloat16 and float32 Newton–Schulz; fused AdamW for its other weights) against AdamW (fused and
+foreach) and, when installed, the official adam-mini 1.1.1, on the parameters of a Llama in one process; also
+count kernel launches (profiler) and compare optimizer-state bytes.
 
     python benchmarks/bench_optimizers.py                 # CUDA when available, else CPU
     python benchmarks/bench_optimizers.py --device cpu --steps 5
@@ -29,6 +30,7 @@ from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
 from torchtitan.optim import AdamMini  # noqa: E402
 from torchtitan.optim.adamw_low_precision import LowPrecisionAdam  # noqa: E402
 from torchtitan.optim.container import tensor_bytes  # noqa: E402
+from torchtitan.optim.muon import Muon, split_hidden_matrices  # noqa: E402
 
 # ~106M parameters: Llama 3 shapes (GQA, SwiGLU) at GPT-2-small width with a 32k vocabulary.
 BENCH_ARGS = ModelArgs(dim=768, n_layers=8, n_heads=12, n_kv_heads=4, vocab_size=32000, multiple_of=256)
@@ -72,6 +74,15 @@ def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimiz
             **options,
         )
 
+    def muon(**options) -> Callable[[], torch.optim.Optimizer]:
+        def build() -> torch.optim.Optimizer:
+            matrices, others = split_hidden_matrices(model.named_parameters(), model.named_param_roles())
+            rest = torch.optim.AdamW([p for _, p in others], **HYPER, fused=True)
+            lr, weight_decay = HYPER["lr"], HYPER["weight_decay"]
+            return Muon([p for _, p in matrices], lr=lr, weight_decay=weight_decay, others=rest, **options)
+
+        return build
+
     candidates: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "AdamW (fused)": lambda: torch.optim.AdamW(model.parameters(), **HYPER, fused=True),
         "AdamW (foreach)": lambda: torch.optim.AdamW(model.parameters(), **HYPER, foreach=True),
@@ -81,6 +92,8 @@ def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimiz
         "AdamMini bf16 m (fused)": adam_mini(implementation="fused", momentum_storage="bfloat16"),
         "AdamMini8bit (fused)": adam_mini(implementation="fused", momentum_storage="int8"),
         "AdamMini4bit (fused)": adam_mini(implementation="fused", momentum_storage="int4"),
+        "Muon (bf16 NS)": muon(),
+        "Muon (fp32 NS)": muon(ns_dtype="float32"),
     }
     official = _official_adam_mini(model)
     if official is not None:

@@ -41,7 +41,7 @@ from torchtitan.config_manager import JobConfig
 from torchtitan.lr_scheduling import SchedulersContainer
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.models.roles import canonical_name
-from torchtitan.optim import AdamMini
+from torchtitan.optim import AdamMini, build_optimizers
 from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.partition import PER_ROW
 
@@ -230,6 +230,12 @@ def adam_mini_for(model: Transformer, **options) -> AdamMini:
         n_kv_heads=args.n_kv_heads,
         param_roles=model.named_param_roles(),
     )
+
+
+def muon_for(model: torch.nn.Module, *argv: str) -> torch.optim.Optimizer:
+    """Muon as the builder makes it, with HYPER's lr and float64 Newton–Schulz (exact across layouts), plus ``argv``."""
+    argv = ("--optimizer.name", "Muon", "--optimizer.lr", str(HYPER["lr"]), "--optimizer.ns_dtype", "float64", *argv)
+    return build_optimizers([model], job_config(*argv)).optimizers[0]
 
 
 def run_single_process(

@@ -3,6 +3,10 @@ the rank count), tensor parallel, FSDP x TP and HSDP on 2 x 2 all equal the one-
 too, and with 8-bit momentum under HSDP and FSDP x TP, up to its blocks' rounding); an FSDP step sends
 only per-block sums (one all-reduce, no all-gather); a DCP checkpoint saved on 2 ranks resumes exactly on 1 and 3.
 
+Muon rides the same launches: FSDP2 on 2 and 3 ranks, TP, FSDP x TP (2 x 2, 3 x 2) and HSDP equal one process (float64
+Newton–Schulz); a step's collectives are the owner rounds of ``muon_distributed`` (counted, with the entries
+sent); its checkpoint saved on 2 ranks resumes exactly on 1 and 3.
+
 Each world size is spawned once (module fixtures) and runs several layouts; a layout's failure is returned as its
 traceback so that only that layout's test fails."""
 
@@ -10,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import io
+import math
+import os
 import traceback
 from typing import Any, Callable
 
@@ -38,6 +44,7 @@ from tests.helpers import (
     fsdp,
     grad_from_values,
     max_difference,
+    muon_for,
     run_single_process,
     tiny_model,
     weights,
@@ -51,6 +58,7 @@ STEPS = 5
 # The fused back end and bfloat16 momentum, each checked like the default (foreach, float64 momentum).
 VARIANTS = {"fused": ("implementation", FUSED), "bfloat16": ("momentum_storage", BFLOAT16)}
 SAVE_AT, RESUME_STEPS = 3, 3
+MUON_STEPS = 3  # several steps, each bit for bit; Muon's runs share the launches, so they are kept short
 # For 8-bit momentum: every shard under HSDP 2 x 2 and FSDP x TP 2 x 2 is whole rows of a 256-entry block and at
 # least 4096 entries, so every matrix's momentum is quantized on every rank.
 WIDE = ModelArgs(
@@ -138,6 +146,15 @@ def _train_on_loss(model: torch.nn.Module, rank: int, world_size: int, steps: in
     return weights(model)
 
 
+def _train_muon(layout: str, world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    model = _parallel_model(layout, world_size)
+    optimizer = muon_for(model)
+    for step in range(steps):
+        _set_grads(model, step)
+        optimizer.step()
+    return weights(model)
+
+
 def _train(
     layout: str, world_size: int, steps: int, value_blocks: str = PER_ROW, args: ModelArgs = TINY, **options
 ) -> dict[str, torch.Tensor]:
@@ -161,12 +178,14 @@ class _CollectiveSizes(CommDebugMode):
             if func._overloadpacket in self.comm_registry:
                 sent = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
                 self.sizes.append((str(func._overloadpacket).rsplit(".", 1)[-1], sent))
+            elif func._overloadpacket is torch.ops.c10d.alltoall_base_:  # (output, input, group, splits...)
+                self.sizes.append(("alltoall_base_", args[1].numel()))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _collectives_of_one_step(layout: str, world_size: int, **options) -> dict[str, Any]:
+def _collectives_of_one_step(layout: str, world_size: int, make: Callable = adam_mini_for, **options) -> dict[str, Any]:
     model = _parallel_model(layout, world_size)
-    optimizer = adam_mini_for(model, **options)
+    optimizer = make(model, **options)
     _set_grads(model, 0)
     optimizer.step()  # builds the state
     _set_grads(model, 1)
@@ -176,9 +195,9 @@ def _collectives_of_one_step(layout: str, world_size: int, **options) -> dict[st
     return {"counts": counts, "sizes": comm.sizes, "smallest_param": min(p.numel() for p in model.parameters())}
 
 
-def _save_checkpoint(world_size: int, path: str) -> dict[str, torch.Tensor]:
+def _save_checkpoint(world_size: int, path: str, make: Callable = adam_mini_for) -> dict[str, torch.Tensor]:
     model = _parallel_model("fsdp", world_size)
-    optimizer = adam_mini_for(model)
+    optimizer = make(model)
     for step in range(SAVE_AT):
         _set_grads(model, step)
         optimizer.step()
@@ -188,9 +207,9 @@ def _save_checkpoint(world_size: int, path: str) -> dict[str, torch.Tensor]:
     return weights(model)
 
 
-def _resume(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
+def _resume(model: torch.nn.Module, path: str, make: Callable = adam_mini_for) -> dict[str, torch.Tensor]:
     """Load the checkpoint at ``path`` into a fresh optimizer on ``model`` and continue RESUME_STEPS steps."""
-    optimizer = adam_mini_for(model)
+    optimizer = make(model)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
     set_model_state_dict(model, state["model"])
@@ -206,6 +225,30 @@ def _attempt(fn: Callable, *args) -> tuple[bool, Any]:
         return True, fn(*args)
     except Exception:  # noqa: BLE001 - returned to the parent, which fails only this layout's test
         return False, traceback.format_exc()
+
+
+def _muon_path(checkpoint_dir: str) -> str:
+    return os.path.join(checkpoint_dir, "muon")
+
+
+def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
+    runs: dict[str, tuple[bool, Any]] = {}
+    if world_size in (2, 3):
+        runs["muon_fsdp"] = _attempt(_train_muon, "fsdp", world_size, MUON_STEPS)
+    if world_size == 2:
+        runs["muon_tp"] = _attempt(_train_muon, "tp", world_size, MUON_STEPS)
+        runs["muon_comm_fsdp"] = _attempt(_collectives_of_one_step, "fsdp", world_size, muon_for)
+        runs["muon_save"] = _attempt(_save_checkpoint, world_size, _muon_path(checkpoint_dir), muon_for)
+    if world_size == 3:
+        runs["muon_resume"] = _attempt(
+            lambda: _resume(_parallel_model("fsdp", world_size), _muon_path(resume_dir), muon_for)
+        )
+    if world_size in (4, 6):  # 6: 3 x 2, the TP shards of key/value weights cut unevenly by FSDP
+        runs["muon_fsdp_tp"] = _attempt(_train_muon, "fsdp_tp", world_size, MUON_STEPS)
+    if world_size == 4:
+        runs["muon_hsdp"] = _attempt(_train_muon, "hsdp", world_size, MUON_STEPS)
+        runs["muon_comm_fsdp_tp"] = _attempt(_collectives_of_one_step, "fsdp_tp", world_size, muon_for)
+    return runs
 
 
 def _world_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
@@ -238,6 +281,7 @@ def _world_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str
             runs[f"{layout}_{INT8}"] = _attempt(
                 functools.partial(_train, layout, world_size, STEPS, args=WIDE, momentum_storage=INT8)
             )
+    runs.update(_muon_runs(rank, world_size, checkpoint_dir, resume_dir))
     if world_size == 6:
         runs.pop("fsdp")
         runs["fsdp_tp"] = _attempt(_train, "fsdp_tp", world_size, STEPS)
@@ -305,6 +349,8 @@ def single_process():
         },
         "wide": _train("single", 1, STEPS, args=WIDE),
         f"wide_{INT8}": _train("single", 1, STEPS, args=WIDE, momentum_storage=INT8),
+        "muon": _train_muon("single", 1, MUON_STEPS),
+        "muon_uninterrupted": _train_muon("single", 1, SAVE_AT + RESUME_STEPS),
     }
 
 
@@ -419,3 +465,56 @@ def test_8bit_momentum_hsdp_and_fsdp_tp_equal_single_process(world4, single_proc
             assert 0.1 * noise < (value - unquantized[name]).abs().max().item() < 1.5 * noise, name
         else:
             assert (value - single[name]).abs().max().item() < 1e-10, name
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Muon
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world_name, layout",
+    [
+        ("world2", "fsdp"),
+        ("world3", "fsdp"),
+        ("world2", "tp"),
+        ("world4", "fsdp_tp"),
+        ("world4", "hsdp"),
+        ("world6", "fsdp_tp"),
+    ],
+)
+def test_muon_parallel_run_equals_single_process(request, single_process, world_name, layout):
+    params = _result(request.getfixturevalue(world_name), f"muon_{layout}")
+    assert max_difference(params, single_process["muon"]) < 1e-9
+    assert max_difference(single_process["muon"], weights(tiny_model())) > 1e-3  # it trained
+
+
+def _hidden_matrices() -> list[torch.Tensor]:
+    from torchtitan.optim.muon import split_hidden_matrices
+
+    model = tiny_model()
+    return [p for _, p in split_hidden_matrices(model.named_parameters(), model.named_param_roles())[0]]
+
+
+@pytest.mark.parametrize("world_name, layout, ranks", [("world2", "fsdp", 2), ("world4", "fsdp_tp", 4)])
+def test_muon_step_sends_each_matrix_to_one_owner_and_back(request, world_name, layout, ranks):
+    """Owner rounds: 2 all-to-alls per round of ``ranks`` matrices. Rank 0 sends its piece of every matrix and, for
+    each matrix it owns (every ``ranks``-th), every rank's piece of the result: the whole matrix."""
+    comm = _result(request.getfixturevalue(world_name), f"muon_comm_{layout}")
+    matrices = _hidden_matrices()
+    total = sum(p.numel() for p in matrices)
+    owned = sum(p.numel() for p in matrices[::ranks])
+    gather_everything = total * (ranks - 1) // ranks
+    print(
+        f"Muon {layout} {ranks} ranks: {comm['counts']}; rank 0 sends {comm['sizes']} of {total} matrix entries; "
+        f"gathering every matrix would receive {gather_everything} per rank in {len(matrices)} all-gathers"
+    )
+    assert comm["counts"] == {"alltoall_base_": 2 * math.ceil(len(matrices) / ranks)}
+    assert sum(size for _, size in comm["sizes"]) == total // ranks + owned  # even shards of the tiny matrices
+
+
+def test_muon_checkpoint_from_2_ranks_resumes_exactly_on_1_and_3_ranks(world2, world3, checkpoint_dir, single_process):
+    _result(world2, "muon_save")
+    resumed = _resume(tiny_model(seed=7), _muon_path(checkpoint_dir), muon_for)
+    assert max_difference(resumed, single_process["muon_uninterrupted"]) < 1e-9
+    assert max_difference(_result(world3, "muon_resume"), single_process["muon_uninterrupted"]) < 1e-9

@@ -170,10 +170,10 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
         "--memory_estimation.world_size",
         "8",
         "--memory_estimation.optimizers",
-        "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit",
+        "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit,Muon",
     )
     estimate = estimate_memory(job)
-    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit = estimate.optimizers
+    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit, muon = estimate.optimizers
     assert adam_mini_bf16.label == "AdamMini:state_dtype=bfloat16" and adam_mini_bf16.options == {
         "state_dtype": "bfloat16"
     }
@@ -188,6 +188,10 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     assert adamw.params == 4 * sum(local_numels)
     # AdamW: two float32 moments per element and a float32 step counter per parameter.
     assert adamw.optimizer_state == 2 * 4 * sum(local_numels) + 4 * len(local_numels)
+    # Muon: one float32 momentum per element of a hidden matrix; AdamW's two moments and a step for the rest.
+    hidden = [".attention.w" in name or ".feed_forward." in name for name, _ in model.named_parameters()]
+    muon_state = sum((4 if h else 8) * n for h, n in zip(hidden, local_numels)) + 4 * hidden.count(False)
+    assert muon.optimizer_state == muon_state
     # Adam-mini keeps the first moment whole and one second moment per block: about half.
     assert 0.49 < adam_mini.optimizer_state / adamw.optimizer_state < 0.52
     # 4-bit moments: an eighth of AdamW's, plus scales and the small tensors kept in float32.
@@ -282,7 +286,7 @@ def test_command_line_prints_a_table_and_writes_json(tmp_path):
             "--training.tensor_parallel_degree",
             "2",
             "--memory_estimation.optimizers",
-            "AdamW,adam_mini,adam_mini:state_dtype=bfloat16",
+            "AdamW,adam_mini,adam_mini:state_dtype=bfloat16,muon",
             "--memory_estimation.vocab_size",
             str(VOCAB),
             "--memory_estimation.json",
@@ -295,8 +299,8 @@ def test_command_line_prints_a_table_and_writes_json(tmp_path):
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     assert data["degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
-    assert [o["optimizer"] for o in data["optimizers"]] == ["AdamW", "AdamMini", "AdamMini"]
-    assert [o["options"] for o in data["optimizers"]] == [{}, {}, {"state_dtype": "bfloat16"}]
+    assert [o["optimizer"] for o in data["optimizers"]] == ["AdamW", "AdamMini", "AdamMini", "Muon"]
+    assert [o["options"] for o in data["optimizers"]] == [{}, {}, {"state_dtype": "bfloat16"}, {}]
     assert data["optimizers"][2]["label"] == "AdamMini:state_dtype=bfloat16"
     for o in data["optimizers"]:
         assert o["peak"] >= o["params"] + o["optimizer_state"]

@@ -41,6 +41,7 @@ from torchtitan.optim import (
     torchao_adapter,
 )
 from torchtitan.optim.container import tensor_bytes
+from torchtitan.optim.muon import Muon
 from torchtitan.optim.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_state
 from torchtitan.optim.state_storage import is_quantized
 
@@ -114,6 +115,8 @@ def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
         low_bit("AdamMini8bit", "AdamMini8bit"),
         low_bit("adam_mini_8bit", "AdamMini8bit"),
         low_bit("Adam-mini-4bit", "AdamMini4bit"),
+        ("Muon", "Muon"),
+        ("muon", "Muon"),
     ],
 )
 def test_every_name_and_alias_builds_its_optimizer(given, canonical):
@@ -127,6 +130,7 @@ def test_every_name_and_alias_builds_its_optimizer(given, canonical):
         "AdamMini": AdamMini,
         "AdamMini8bit": AdamMini,
         "AdamMini4bit": AdamMini,
+        "Muon": Muon,
     }.get(canonical)
     assert isinstance(optimizer, expected or getattr(torchao_optim, canonical))
     if canonical == "Adam":
@@ -270,6 +274,13 @@ def test_implementation_sets_torch_flags(name, implementation, flags):
             "AdamWFp8", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to AdamWFp8"
         ),
         low_bit("AdamW4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamW4bit"),
+        ("AdamW", ["--optimizer.momentum", "0.9"], "optimizer.momentum does not apply to AdamW \\(only to Muon\\)"),
+        ("AdamMini", ["--optimizer.ns_dtype", "float64"], "optimizer.ns_dtype does not apply to AdamMini"),
+        ("Adam", ["--optimizer.nesterov", "false"], "optimizer.nesterov does not apply to Adam"),
+        ("AdamW", ["--optimizer.ns_steps", "3"], "optimizer.ns_steps does not apply to AdamW"),
+        ("AdamW", ["--optimizer.adjust_lr", "original"], "optimizer.adjust_lr does not apply to AdamW"),
+        ("Muon", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to Muon"),
+        ("Muon", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to Muon"),
     ],
 )
 def test_options_that_do_not_apply_are_rejected(name, argv, fragment):
@@ -322,7 +333,7 @@ def test_adam_mini_needs_a_model_that_knows_its_shape():
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit"))
+@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit", "Muon"))
 def test_lambda_lr_drives_every_optimizer_including_tensor_lr(name):
     optimizers = build_optimizers(
         [tiny_model(), tiny_model(seed=1)], job_config("--optimizer.name", name, "--optimizer.lr", "0.2")
@@ -334,7 +345,9 @@ def test_lambda_lr_drives_every_optimizer_including_tensor_lr(name):
         seen.extend(float(group["lr"]) for group in optimizers.param_groups)
         for scheduler in schedulers:
             scheduler.step()
-    assert seen == pytest.approx([0.2, 0.2, 0.2, 0.2, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05], rel=1e-6)
+    per_step = len(optimizers.param_groups)  # Muon: its group and its AdamW part's, per model part
+    expected = [0.2] * 2 * per_step + [0.1] * 2 * per_step + [0.05] * per_step
+    assert seen == pytest.approx(expected, rel=1e-6)
     if name == "AdamW8bit":
         # torchao refuses a float lr; the scheduler must update its tensor in place.
         assert all(group["lr"] is obj for group, obj in zip(optimizers.param_groups, lr_objects))
@@ -364,6 +377,15 @@ def test_state_bytes_on_the_debug_model_shape_without_allocating():
     assert sizes["AdamMini"] <= 0.51 * sizes["AdamW"]
 
 
+def test_muon_state_bytes_are_one_momentum_per_hidden_matrix_and_adamw_for_the_rest():
+    args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=2048)
+    net = meta_model(args, torch.float32)
+    hidden = sum(p.numel() for name, p in net.named_parameters() if ".attention.w" in name or ".feed_forward." in name)
+    rest = sum(p.numel() for p in net.parameters()) - hidden
+    steps = 4 * sum(1 for name, _ in net.named_parameters() if "layers." not in name or "norm" in name)
+    assert meta_state_bytes(("Muon",))["Muon"] == 4 * hidden + 8 * rest + steps
+
+
 @needs_torchao
 def test_low_bit_state_bytes_on_the_debug_model_shape_without_allocating():
     sizes = meta_state_bytes(("AdamW", *LOW_BIT_NAMES))
@@ -387,7 +409,7 @@ def test_tensor_bytes_counts_quantized_parts():
 # Checkpoints (one process)
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon"])
 def test_creating_state_early_does_not_change_training(name):
     """state_dict()/state_bytes() before the first step create the state; training must not notice."""
     job = job_config("--optimizer.name", name, "--optimizer.lr", "0.01", "--optimizer.weight_decay", "0.1")
@@ -442,7 +464,7 @@ def resume_run(name: str, args: ModelArgs, dtype: torch.dtype, path) -> tuple[di
     return weights(net), resumed_weights, resumed(False)[0], container
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon"])
 def test_dcp_resume_equals_uninterrupted_run(name, tmp_path):
     uninterrupted, resumed, without_state, _ = resume_run(name, TINY, torch.float64, tmp_path)
     assert max_difference(uninterrupted, resumed) == 0.0
@@ -554,7 +576,7 @@ def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) 
     return plain_values(optimizers.state_dict())
 
 
-EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16")
+EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16", "Muon")
 
 
 def _fsdp_resume_workers(

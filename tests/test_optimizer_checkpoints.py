@@ -104,12 +104,13 @@ def test_warm_start_from_adamw_weights_into_a_fresh_adam_mini(adamw_dump, monkey
     assert decode_plain(saved["train_state"].numpy().tobytes())["step"] == 2
 
 
-def test_resume_from_another_optimizers_checkpoint_is_one_line(adamw_dump, monkeypatch, capsys):
+@pytest.mark.parametrize("name", ["AdamMini", "Muon"])
+def test_resume_from_another_optimizers_checkpoint_is_one_line(adamw_dump, monkeypatch, capsys, name):
     import train as train_module
 
     dump = adamw_dump
     before = sorted(p.name for p in (dump / "checkpoint" / "AdamW").iterdir())
-    runs_before = len(metrics(dump, "AdamMini"))
+    runs_before = len(metrics(dump, name))
     # An explicit folder keeps its meaning: here it is AdamW's.
     argv = [
         "train.py",
@@ -117,7 +118,7 @@ def test_resume_from_another_optimizers_checkpoint_is_one_line(adamw_dump, monke
         "--job.dump_folder",
         str(dump),
         "--optimizer.name",
-        "AdamMini",
+        name,
         "--checkpoint.folder",
         "checkpoint/AdamW",
     ]
@@ -128,8 +129,8 @@ def test_resume_from_another_optimizers_checkpoint_is_one_line(adamw_dump, monke
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and err.rstrip().endswith(lines[0]) and "Traceback" not in err, err[-3000:]
     path = str(dump / "checkpoint" / "AdamW" / "step-4")
-    assert lines[0].startswith(f"error: checkpoint '{path}' was written by AdamW; this job uses AdamMini; ")
+    assert lines[0].startswith(f"error: checkpoint '{path}' was written by AdamW; this job uses {name}; ")
     assert f"--checkpoint.initial_load_path {path}" in lines[0] and "optimizer.state" not in lines[0]
     assert len(lines[0]) - 2 * len(path) < 300
     assert sorted(p.name for p in (dump / "checkpoint" / "AdamW").iterdir()) == before  # nothing lost or overwritten
-    assert len(metrics(dump, "AdamMini")) == runs_before
+    assert len(metrics(dump, name)) == runs_before

@@ -40,7 +40,7 @@ def trained(tmp_path_factory, debug_run):
     return get
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "AdamW8bit", "AdamW4bit", "AdamWFp8"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "AdamW8bit", "AdamW4bit", "AdamWFp8", "Muon"])
 def test_each_optimizer_trains(trained, name):
     path = trained(name)
     values = losses(path)
@@ -51,8 +51,10 @@ def test_each_optimizer_trains(trained, name):
 
 
 def test_state_bytes_ratios(trained):
-    measured = {name: state_bytes(trained(name)) for name in ["AdamW", "AdamMini", "AdamW8bit", "AdamW4bit"]}
+    measured = {name: state_bytes(trained(name)) for name in ["AdamW", "AdamMini", "AdamW8bit", "AdamW4bit", "Muon"]}
     assert measured["AdamMini"] <= 0.51 * measured["AdamW"]
+    # Muon: one moment for the hidden matrices, AdamW's two for the embedding, output and norms.
+    assert 0.5 * measured["AdamW"] < measured["Muon"] <= 0.75 * measured["AdamW"]
     assert measured["AdamW8bit"] <= 0.35 * measured["AdamW"]
     assert measured["AdamW4bit"] <= 0.25 * measured["AdamW"]
 
@@ -153,6 +155,7 @@ def test_low_bit_resume_within_quantization_noise(tmp_path, monkeypatch):
         (["--optimizer.lr", "-0.1"], "optimizer.lr"),
         (["--optimizer.eps", "-1e-8"], "optimizer.eps"),
         (["--optimizer.value_blocks", "per_tensor"], "value_blocks"),
+        (["--optimizer.ns_steps", "3"], "optimizer.ns_steps does not apply to AdamW (only to Muon)"),
     ],
 )
 def test_bad_optimizer_input(tmp_path, args, message, monkeypatch, capsys):

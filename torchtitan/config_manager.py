@@ -72,7 +72,7 @@ class Optimizer:
     name: str = opt(
         "AdamW",
         "optimizer: AdamW, Adam, AdamMini, AdamMini8bit, AdamMini4bit, AdamW8bit, AdamW4bit, "
-        "AdamWFp8 (case-insensitive)",
+        "AdamWFp8, Muon (case-insensitive)",
     )
     # lr, beta1, beta2, eps and weight_decay are checked by torchtitan.optim.hyperparameters (torch.optim's rules).
     lr: float = opt(8e-4, "peak learning rate")
@@ -88,7 +88,8 @@ class Optimizer:
     )
     state_dtype: Optional[str] = opt(
         None,
-        "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment (unset: float32)",
+        "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment; Muon: its momentum and its "
+        "AdamW part's moments (unset: float32)",
         choices=("float32", "bfloat16"),
     )
     # AdamMini only.
@@ -101,6 +102,21 @@ class Optimizer:
     block_size: Optional[int] = opt(None, "low-bit AdamW and AdamMini: quantization block size", gt=0)
     bf16_stochastic_round: Optional[bool] = opt(
         None, "low-bit AdamW: stochastic rounding of the updated weights (needs training.param_dtype bfloat16)"
+    )
+    # Muon only (its AdamW part takes lr, beta1, beta2, eps, weight_decay, implementation and state_dtype).
+    momentum: Optional[float] = opt(None, "Muon: momentum of the hidden matrices (unset: 0.95)", ge=0.0, lt=1.0)
+    nesterov: Optional[bool] = opt(None, "Muon: Nesterov momentum (unset: true)")
+    ns_steps: Optional[int] = opt(None, "Muon: Newton-Schulz iterations (unset: 5)", gt=0, lt=100)
+    ns_dtype: Optional[str] = opt(
+        None,
+        "Muon: dtype of the Newton-Schulz iteration (unset: bfloat16, as torch.optim.Muon)",
+        choices=("bfloat16", "float32", "float64"),
+    )
+    adjust_lr: Optional[str] = opt(
+        None,
+        "Muon: lr scale of a matrix update: match_rms_adamw (0.2 sqrt(max dim): optimizer.lr means what it means "
+        "for AdamW) or original (sqrt(max(1, rows/cols))); unset: match_rms_adamw",
+        choices=("match_rms_adamw", "original"),
     )
 
 
@@ -298,7 +314,7 @@ class MemoryEstimation:
 
     world_size: int = opt(8, "estimation.py: number of ranks to simulate", gt=0)
     optimizers: str = opt(
-        "AdamW,AdamMini,AdamMini:state_dtype=bfloat16,AdamMini8bit,AdamMini4bit,AdamW4bit",
+        "AdamW,AdamMini,AdamMini:state_dtype=bfloat16,AdamMini8bit,AdamMini4bit,AdamW4bit,Muon",
         "estimation.py: comma-separated optimizers to estimate, each NAME or NAME:option=value[:option=value] "
         "with [optimizer] options (AdamMini:state_dtype=bfloat16)",
     )

@@ -21,6 +21,7 @@ from torchtitan.optim.hyperparameters import (
     BF16_STOCHASTIC_ROUND,
     BLOCK_SIZE,
     IMPLEMENTATION,
+    MUON_OPTIONS,
     STATE_DTYPE,
     VALUE_BLOCKS,
     Hyperparameters,
@@ -65,7 +66,9 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 # Optimizer factories (one per canonical name)
 
 
-def _low_precision_adam(model: nn.Module, hp: Hyperparameters, decoupled: bool) -> Optional[torch.optim.Optimizer]:
+def _low_precision_adam(
+    params: list[nn.Parameter], hp: Hyperparameters, decoupled: bool
+) -> Optional[torch.optim.Optimizer]:
     """AdamW/Adam with bfloat16 moments (our compiled step: torch's kernels need moments in the parameter's dtype)."""
     if hp.state_dtype in (None, "float32"):
         return None
@@ -77,7 +80,7 @@ def _low_precision_adam(model: nn.Module, hp: Hyperparameters, decoupled: bool) 
     from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
 
     return LowPrecisionAdam(
-        trainable_parameters(model),
+        params,
         lr=hp.lr,
         betas=hp.betas,
         eps=hp.eps,
@@ -87,12 +90,13 @@ def _low_precision_adam(model: nn.Module, hp: Hyperparameters, decoupled: bool) 
     )
 
 
-def _build_adamw(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
-    low_precision = _low_precision_adam(model, hp, decoupled=True)
+def _adamw_over(params: list[nn.Parameter], hp: Hyperparameters) -> torch.optim.Optimizer:
+    """AdamW as ``optimizer.name = "AdamW"`` makes it, over ``params`` (all of a model's, or Muon's others)."""
+    low_precision = _low_precision_adam(params, hp, decoupled=True)
     if low_precision is not None:
         return low_precision
     return torch.optim.AdamW(
-        trainable_parameters(model),
+        params,
         lr=hp.lr,
         betas=hp.betas,
         eps=hp.eps,
@@ -101,8 +105,12 @@ def _build_adamw(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer
     )
 
 
+def _build_adamw(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
+    return _adamw_over(trainable_parameters(model), hp)
+
+
 def _build_adam(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
-    low_precision = _low_precision_adam(model, hp, decoupled=False)
+    low_precision = _low_precision_adam(trainable_parameters(model), hp, decoupled=False)
     if low_precision is not None:
         return low_precision
     return torch.optim.Adam(
@@ -112,6 +120,29 @@ def _build_adam(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
         eps=hp.eps,
         weight_decay=hp.weight_decay,
         **implementation_flags(hp.implementation),
+    )
+
+
+def _build_muon(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
+    """Muon on the hidden matrices; AdamW, exactly as ``optimizer.name = "AdamW"`` has it, on everything else."""
+    from torchtitan.optim.muon import Muon, log_split, split_hidden_matrices
+
+    roles = model.named_param_roles() if hasattr(model, "named_param_roles") else None
+    matrices, others = split_hidden_matrices(model.named_parameters(), roles)
+    if not matrices:
+        raise UserError(
+            f"Muon found no hidden matrices in {type(model).__name__} (2-D query, key, value, attention output or "
+            "MLP weights, by declared role or name); use AdamW for this model"
+        )
+    log_split(matrices, others)
+    # Options left unset take Muon's own defaults; [optimizer] names them as Muon's constructor does.
+    chosen = {name: getattr(hp, name) for name in (*MUON_OPTIONS, STATE_DTYPE) if getattr(hp, name) is not None}
+    return Muon(
+        [p for _, p in matrices],
+        lr=hp.lr,
+        weight_decay=hp.weight_decay,
+        others=_adamw_over([p for _, p in others], hp) if others else None,
+        **chosen,
     )
 
 
@@ -229,6 +260,8 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
         OptimizerKind("AdamW8bit", _low_bit_factory("AdamW8bit"), _LOW_BIT_OPTIONS),
         OptimizerKind("AdamW4bit", _low_bit_factory("AdamW4bit"), _LOW_BIT_OPTIONS),
         OptimizerKind("AdamWFp8", _low_bit_factory("AdamWFp8"), _LOW_BIT_OPTIONS),
+        # implementation and state_dtype apply to its AdamW part as to AdamW (state_dtype also to the momentum).
+        OptimizerKind("Muon", _build_muon, frozenset({IMPLEMENTATION, STATE_DTYPE, *MUON_OPTIONS})),
     )
 }
 

@@ -21,7 +21,9 @@ IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE = (
     "bf16_stochastic_round",
     "state_dtype",
 )
-OPTIONAL_OPTIONS = (IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE)
+MOMENTUM, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR = "momentum", "nesterov", "ns_steps", "ns_dtype", "adjust_lr"
+MUON_OPTIONS = (MOMENTUM, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR)
+OPTIONAL_OPTIONS = (IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE) + MUON_OPTIONS
 
 # How messages name the checked values: the job config's keys by default.
 CONFIG_KEYS = {
@@ -70,6 +72,11 @@ class Hyperparameters:
     block_size: Optional[int] = None
     bf16_stochastic_round: Optional[bool] = None
     state_dtype: Optional[str] = None
+    momentum: Optional[float] = None
+    nesterov: Optional[bool] = None
+    ns_steps: Optional[int] = None
+    ns_dtype: Optional[str] = None
+    adjust_lr: Optional[str] = None
 
     @classmethod
     def from_job_config(cls, job_config: Any) -> "Hyperparameters":
@@ -84,6 +91,7 @@ class Hyperparameters:
             block_size=o.block_size,
             bf16_stochastic_round=o.bf16_stochastic_round,
             state_dtype=o.state_dtype,
+            **{name: getattr(o, name) for name in MUON_OPTIONS},
         )
 
     def options_set(self) -> set[str]:

@@ -1,0 +1,290 @@
+"""Muon: orthogonalised momentum for the hidden matrices, AdamW for every other weight.
+
+``torch.optim.Muon``'s update (written here: not every torch we support has it, and ours also runs on sharded
+parameters) for each hidden matrix ``p`` with gradient ``g``::
+
+    m <- lerp(m, g, 1 - momentum)
+    u <- lerp(g, m, momentum)                     (Nesterov; plain momentum uses u = m)
+    o <- NS(u)                                     (quintic Newton–Schulz, ns_steps iterations, in ns_dtype)
+    p <- p * (1 - lr * weight_decay) - lr * scale(p.shape) * o
+
+``scale`` is ``0.2 sqrt(max(rows, cols))`` (``match_rms_adamw``: the update's RMS matches AdamW's, so ``lr`` and
+``weight_decay`` mean what they mean for AdamW) or ``sqrt(max(1, rows / cols))`` (``original``). Hidden matrices
+are the 2-D weights inside the transformer blocks (query, key, value, attention output, feed-forward, by the
+model's declared roles or the name rules); the embedding, the output projection, norms and everything else go to
+an AdamW built exactly as ``optimizer.name = "AdamW"`` builds it. Both are one ``torch.optim.Optimizer``: the
+Muon group first, then AdamW's groups, with one state dict, so schedulers, checkpoints and memory reports see
+one optimizer.
+
+Sharded matrices (FSDP2, TP, both, HSDP) are orthogonalised whole, once per step, by the ranks that split them in
+turn (``muon_distributed``); everything else is local. The state is ``momentum_buffer`` shaped like the
+parameter (a DTensor exactly when the parameter is one), so checkpoints reshard across world sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from torchtitan.errors import UserError
+from torchtitan.models.roles import ATTN_OUT, KEY, MLP, QUERY, VALUE, canonical_name
+from torchtitan.optim.muon_distributed import ShardedMatrix, orthogonalize_sharded, sharded_matrix
+from torchtitan.optim.partition import role_from_name
+from torchtitan.optim.state_storage import BFLOAT16, FLOAT32, keep_bfloat16_on_load, new_state, read_state
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Muon", "newton_schulz", "lr_scale", "split_hidden_matrices"]
+
+# Keller Jordan's quintic Newton–Schulz coefficients and epsilon, as torch.optim.Muon uses them.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+DEFAULT_MOMENTUM, DEFAULT_NESTEROV, DEFAULT_NS_STEPS = 0.95, True, 5
+MATCH_RMS_ADAMW, ORIGINAL = "match_rms_adamw", "original"
+ADJUST_LR_CHOICES = (MATCH_RMS_ADAMW, ORIGINAL)
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+DEFAULT_NS_DTYPE = "bfloat16"
+# Roles of the matrices Muon orthogonalises: the 2-D weights inside the transformer blocks.
+HIDDEN_MATRIX_ROLES = frozenset({QUERY, KEY, VALUE, ATTN_OUT, MLP})
+# State keys (torch.optim.Muon's and AdamW's), kept in bfloat16 across a load when state_dtype is bfloat16.
+MOMENTUM_BUFFER = "momentum_buffer"
+_BFLOAT16_KEYS = (MOMENTUM_BUFFER, "exp_avg", "exp_avg_sq")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The math, as functions
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def newton_schulz(update: Tensor, steps: int, dtype: torch.dtype, coefficients=NS_COEFFICIENTS) -> Tensor:
+    """An approximately orthogonal matrix with ``update``'s singular vectors: quintic Newton–Schulz in ``dtype``.
+
+    The iteration runs on the wide orientation (the Gram matrix is the smaller one) after scaling to Frobenius
+    norm 1 (so the spectral norm is at most 1); the operations are torch.optim.Muon's, in its order, so that the
+    same dtype gives the same bits.
+    """
+    a, b, c = coefficients
+    tall = update.shape[0] > update.shape[1]
+    x = update.to(dtype)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=NS_EPS)
+    for _ in range(steps):
+        gram = x @ x.T
+        polynomial = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, polynomial, x, beta=a)
+    return x.T if tall else x
+
+
+def lr_scale(shape: tuple[int, ...], adjust_lr: str) -> float:
+    """The factor on ``lr`` for a matrix of ``shape`` (its global shape, however it is sharded)."""
+    rows, cols = shape[0], shape[1]
+    if adjust_lr == MATCH_RMS_ADAMW:
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
+def momentum_updates(grads: list[Tensor], buffers: list[Tensor], momentum: float, nesterov: bool) -> list[Tensor]:
+    """Advance the momentum buffers (in place, whatever their storage) and return the updates to orthogonalise."""
+    updates = []
+    for grad, buffer in zip(grads, buffers):
+        m = read_state(buffer, grad.dtype)
+        m.lerp_(grad, 1 - momentum)
+        if m is not buffer:
+            buffer.copy_(m)  # rounds to the storage dtype
+        updates.append(grad.lerp(m, momentum) if nesterov else m)
+    return updates
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which weights are hidden matrices
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def split_hidden_matrices(
+    named_parameters: Iterable[tuple[str, Tensor]], param_roles: Optional[Mapping[str, str]] = None
+) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]]]:
+    """(hidden matrices, everything else) of the trainable parameters, by declared role, else by name rules."""
+    roles = {canonical_name(name): role for name, role in (param_roles or {}).items()}
+    matrices, others = [], []
+    for name, p in named_parameters:
+        if not p.requires_grad:
+            continue
+        role = roles.get(canonical_name(name)) or role_from_name(name)
+        (matrices if role in HIDDEN_MATRIX_ROLES and p.dim() == 2 else others).append((name, p))
+    return matrices, others
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The optimizer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over ``matrices`` (2-D weights, plain tensors or DTensors), stepped with ``others`` (e.g. AdamW over
+    every other weight).
+
+    Args:
+        matrices: the hidden matrices (see :func:`split_hidden_matrices`).
+        lr, weight_decay: as for AdamW; weight decay is decoupled (``p * (1 - lr * weight_decay)``).
+        momentum, nesterov, ns_steps: as torch.optim.Muon (0.95, True, 5).
+        ns_dtype: dtype of the Newton–Schulz iteration: ``"bfloat16"`` (torch's), ``"float32"`` or ``"float64"``.
+        adjust_lr: ``"match_rms_adamw"`` (default) or ``"original"``, see the module docstring.
+        state_dtype: storage of the momentum: ``"float32"`` (like the parameter) or ``"bfloat16"``.
+        others: an optimizer over the remaining parameters, or None. Its param groups follow the Muon group in
+            ``param_groups`` and its state lives in this optimizer's ``state``.
+    """
+
+    def __init__(
+        self,
+        matrices: Iterable[Tensor],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = DEFAULT_MOMENTUM,
+        nesterov: bool = DEFAULT_NESTEROV,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        ns_dtype: str = DEFAULT_NS_DTYPE,
+        adjust_lr: str = MATCH_RMS_ADAMW,
+        state_dtype: str = FLOAT32,
+        others: Optional[torch.optim.Optimizer] = None,
+    ):
+        matrices = list(matrices)
+        _check_arguments(matrices, lr, weight_decay, momentum, ns_steps, ns_dtype, adjust_lr, state_dtype)
+        muon_group = {
+            "params": matrices,
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": float(momentum),
+            "nesterov": bool(nesterov),
+            "ns_steps": int(ns_steps),
+            "ns_dtype": ns_dtype,
+            "adjust_lr": adjust_lr,
+            # Weight decay scales with lr: the state initialisation's zero step may leave it on.
+            "decoupled_weight_decay": True,
+        }
+        # No defaults: the groups carry every value, and AdamW's groups take none of Muon's keys.
+        super().__init__([muon_group] + (list(others.param_groups) if others is not None else []), {})
+        self.others = others
+        self.state_dtype = state_dtype
+        if state_dtype == BFLOAT16:
+            keep_bfloat16_on_load(self, _BFLOAT16_KEYS)
+        self._matrices: dict[Tensor, Optional[ShardedMatrix]] = {}
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._muon_step(self.param_groups[0])
+        if self.others is not None:
+            # The same group dicts and state (a load replaces both with new objects).
+            self.others.param_groups = self.param_groups[1:]
+            self.others.state = self.state
+            self.others.step()
+        return loss
+
+    def _muon_step(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        for p in params:
+            if not self.state[p]:
+                self.state[p][MOMENTUM_BUFFER] = new_state(p, self.state_dtype)
+        grads = [_local(_grad_like_param(p)) for p in params]
+        buffers = [_local(self.state[p][MOMENTUM_BUFFER]) for p in params]
+        updates = momentum_updates(grads, buffers, group["momentum"], group["nesterov"])
+        orthogonal = self._orthogonalize(params, updates, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
+        lr = float(group["lr"])
+        for p, o in zip(params, orthogonal):
+            local = _local(p)
+            local.mul_(1 - lr * group["weight_decay"])
+            local.add_(o, alpha=-lr * lr_scale(p.shape, group["adjust_lr"]))
+
+    def _orthogonalize(self, params: list[Tensor], updates: list[Tensor], steps: int, dtype: torch.dtype):
+        """Newton–Schulz of every whole matrix: locally where a rank holds it whole, else shared by its ranks."""
+
+        def orthogonalize(update: Tensor) -> Tensor:
+            return newton_schulz(update, steps, dtype)
+
+        results: list[Optional[Tensor]] = [None] * len(params)
+        sharded = []
+        for i, p in enumerate(params):
+            matrix = self._sharded_matrix(p)
+            if matrix is None:
+                results[i] = orthogonalize(updates[i])
+            else:
+                sharded.append((i, matrix))
+        if sharded:
+            indices, matrices = zip(*sharded)
+            pieces = orthogonalize_sharded([updates[i] for i in indices], list(matrices), orthogonalize, dtype)
+            for i, piece in zip(indices, pieces):
+                results[i] = piece
+        return results
+
+    def _sharded_matrix(self, p: Tensor) -> Optional[ShardedMatrix]:
+        if not isinstance(p, DTensor):
+            return None
+        if p not in self._matrices:
+            self._matrices[p] = sharded_matrix(p)
+        return self._matrices[p]
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _grad_like_param(p: Tensor) -> Tensor:
+    grad = p.grad
+    if grad.is_sparse:
+        raise UserError("Muon does not support sparse gradients")
+    if isinstance(grad, DTensor) and grad.placements != p.placements:
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad
+
+
+def _check_arguments(
+    matrices: list[Tensor],
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    ns_steps: int,
+    ns_dtype: str,
+    adjust_lr: str,
+    state_dtype: str,
+) -> None:
+    if not matrices:
+        raise UserError("Muon got no hidden matrices (2-D query, key, value, attention output or MLP weights)")
+    for p in matrices:
+        if p.dim() != 2:
+            raise UserError(f"Muon orthogonalises 2-D matrices only; got a parameter of shape {tuple(p.shape)}")
+    if not isinstance(lr, Tensor) and not lr >= 0.0:
+        raise UserError(f"Muon lr must be at least 0; got {lr}")
+    if not weight_decay >= 0.0:
+        raise UserError(f"Muon weight_decay must be at least 0; got {weight_decay}")
+    if not 0.0 <= momentum < 1.0:
+        raise UserError(f"Muon momentum must be in [0, 1); got {momentum}")
+    if not 0 < ns_steps < 100:
+        raise UserError(f"Muon ns_steps must be in 1..99; got {ns_steps}")
+    if ns_dtype not in NS_DTYPES:
+        raise UserError(f"Muon ns_dtype must be one of {', '.join(NS_DTYPES)}; got {ns_dtype!r}")
+    if adjust_lr not in ADJUST_LR_CHOICES:
+        raise UserError(f"Muon adjust_lr must be one of {', '.join(ADJUST_LR_CHOICES)}; got {adjust_lr!r}")
+    if state_dtype not in (FLOAT32, BFLOAT16):
+        raise UserError(f"Muon state_dtype must be float32 or bfloat16; got {state_dtype!r}")
+
+
+def log_split(matrices: list[tuple[str, Tensor]], others: list[tuple[str, Tensor]]) -> None:
+    """One line: what Muon orthogonalises and what AdamW takes."""
+    logger.info(
+        "Muon: %d hidden matrices (%s parameters) orthogonalised; %d other tensors (%s parameters) with AdamW",
+        len(matrices),
+        f"{sum(p.numel() for _, p in matrices):,}",
+        len(others),
+        f"{sum(p.numel() for _, p in others):,}",
+    )

@@ -1,0 +1,207 @@
+"""Newton–Schulz for sharded matrices: each matrix made whole on one rank, orthogonalised there once, sent back.
+
+Muon orthogonalises every hidden matrix as a whole, while FSDP2, tensor parallelism or both leave each rank a piece
+of it. This module owns all of Muon's communication. The ranks that split a matrix (its *group*: the mesh
+dimensions whose placements shard it, e.g. FSDP's ranks, TP's, or both) share the work round-robin: the ``j``-th
+matrix of a group is owned by group rank ``j mod S`` and the matrices go in rounds of ``S``. In a round
+
+1. every rank sends its pieces of the round's matrices to their owners (one ``all_to_all_single``),
+2. each owner assembles its matrix and runs Newton–Schulz on it,
+3. each owner sends every rank its piece of the result (a second ``all_to_all_single``).
+
+So every matrix is orthogonalised once per group (not on every rank), a rank holds at most one whole matrix (plus
+the iteration's temporaries) at a time, and a step costs ``2 * ceil(M / S)`` collectives for the ``M`` matrices of
+a group, each rank sending and receiving about ``2 N / S`` entries for the group's ``N`` entries in all, in the
+Newton–Schulz dtype (bfloat16 by default: casting a piece commutes with assembling the matrix). Gathering every
+matrix on every rank instead would receive ``N (S - 1) / S`` entries per rank and repeat all ``M`` iterations on
+each. HSDP replicas each hold the same pieces and do their group's work alike (their gradients are already equal).
+
+Where a rank's rows and columns sit in the whole matrix is found once per matrix by gathering small tags (as
+Adam-mini finds its query/key rows): that follows the layout FSDP2 really uses, uneven and strided shards
+included. Every collective runs on the parameters' own device, so NCCL gets CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+__all__ = ["ShardedMatrix", "sharded_matrix", "orthogonalize_sharded"]
+
+
+def _split_dim(placement: Any) -> Optional[int]:
+    """The tensor dimension a placement splits (``Shard`` or FSDP's strided shard), or None."""
+    if placement.is_replicate() or placement.is_partial():
+        return None
+    return getattr(placement, "dim", None)
+
+
+def _on_vector(placement: Any, dim: int) -> Any:
+    """``placement`` for a vector indexing dimension ``dim`` of the matrix: the same split, or Replicate."""
+    if _split_dim(placement) != dim:
+        return Replicate()
+    if dim == 0:
+        return placement
+    split_factor = getattr(placement, "split_factor", None)
+    return Shard(0) if split_factor is None else type(placement)(0, split_factor=split_factor)
+
+
+@dataclass(eq=False)
+class ShardedMatrix:
+    """Where the pieces of one 2-D DTensor live: per rank of its group, the global rows and columns it holds."""
+
+    shape: tuple[int, int]
+    group: Any  # the process group of the ranks that split the matrix
+    rows: list[Tensor]  # rows[k]: global row indices of group rank k's piece, ascending, on the parameter's device
+    cols: list[Tensor]
+
+    @property
+    def group_size(self) -> int:
+        return len(self.rows)
+
+    def piece_numel(self, group_rank: int) -> int:
+        return self.rows[group_rank].numel() * self.cols[group_rank].numel()
+
+
+# Process groups over several mesh dimensions, made once per (mesh, dimensions).
+_GROUPS: dict[tuple, Any] = {}
+
+
+def _group_over(mesh: Any, dims: tuple[int, ...]) -> Any:
+    """The process group of this rank's neighbours along mesh dimensions ``dims`` (all other coordinates equal)."""
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    key = (mesh, dims)
+    if key not in _GROUPS:
+        others = [d for d in range(mesh.ndim) if d not in dims]
+        with unset_fake_temporarily():  # the mesh's rank table is real, also in a memory estimate's fake mode
+            ranks = mesh.mesh.permute(*others, *dims).reshape(-1, math.prod(mesh.mesh.shape[d] for d in dims))
+            ranks = ranks.tolist()
+        mine = None
+        # Every rank creates every group, in the same order, as torch.distributed requires.
+        for members in ranks:
+            group = dist.new_group(members)
+            if dist.get_rank() in members:
+                mine = group
+        _GROUPS[key] = mine
+    return _GROUPS[key]
+
+
+def _coordinates(mesh: Any, global_rank: int) -> list[int]:
+    with unset_fake_temporarily():
+        return [int(c) for c in (mesh.mesh == global_rank).nonzero()[0]]
+
+
+def _combined(coordinates: list[int], dims: list[int], mesh_shape: tuple[int, ...]) -> int:
+    tag = 0
+    for d in dims:
+        tag = tag * mesh_shape[d] + coordinates[d]
+    return tag
+
+
+def sharded_matrix(param: DTensor) -> Optional[ShardedMatrix]:
+    """Where ``param``'s pieces live, or None when no mesh dimension splits it (every rank holds it whole)."""
+    mesh, placements = param.device_mesh, param.placements
+    split = [_split_dim(placement) for placement in placements]
+    # A mesh dimension of one rank splits nothing.
+    dims = tuple(d for d, s in enumerate(split) if s is not None and mesh.shape[d] > 1)
+    if not dims:
+        return None
+    group = _group_over(mesh, dims)
+    size = dist.get_world_size(group)
+    local = param.to_local()
+    if local.is_meta or is_fake(local):
+        # No values to gather: every piece is taken to be this rank's shape (memory estimates need only sizes).
+        rows = [torch.arange(local.shape[0], device=local.device)] * size
+        cols = [torch.arange(local.shape[1], device=local.device)] * size
+        return ShardedMatrix(tuple(param.shape), group, rows, cols)
+    coordinates = [_coordinates(mesh, dist.get_global_rank(group, k)) for k in range(size)]
+    rows = _pieces_along(param, 0, [d for d in dims if split[d] == 0], coordinates)
+    cols = _pieces_along(param, 1, [d for d in dims if split[d] == 1], coordinates)
+    return ShardedMatrix(tuple(param.shape), group, rows, cols)
+
+
+def _pieces_along(param: DTensor, dim: int, dims: list[int], coordinates: list[list[int]]) -> list[Tensor]:
+    """Per group rank, the global indices along ``dim`` that its piece holds (ascending)."""
+    mesh = param.device_mesh
+    local = param.to_local()
+    length = param.shape[dim]
+    if not dims:
+        whole = torch.arange(length, device=local.device)
+        return [whole] * len(coordinates)
+    mine = _combined(_coordinates(mesh, dist.get_rank()), dims, mesh.shape)
+    tags = torch.full((local.shape[dim],), mine, dtype=torch.int64, device=local.device)
+    placements = [_on_vector(placement, dim) for placement in param.placements]
+    everyone = DTensor.from_local(tags, mesh, placements, run_check=False, shape=(length,), stride=(1,)).full_tensor()
+    by_tag: dict[int, Tensor] = {}
+    pieces = []
+    for coordinate in coordinates:
+        tag = _combined(coordinate, dims, mesh.shape)
+        if tag not in by_tag:
+            by_tag[tag] = (everyone == tag).nonzero().flatten()
+        pieces.append(by_tag[tag])
+    found = (everyone == mine).sum().item()
+    if found != local.shape[dim]:
+        raise RuntimeError(f"found {found} of this rank's {local.shape[dim]} indices along dimension {dim}")
+    return pieces
+
+
+def orthogonalize_sharded(
+    updates: list[Tensor], matrices: list[ShardedMatrix], orthogonalize: Callable[[Tensor], Tensor], dtype: torch.dtype
+) -> list[Tensor]:
+    """``orthogonalize`` applied to every whole matrix whose local pieces are ``updates``; returns the local pieces
+    of the results (in ``dtype``, shaped like ``updates``).
+
+    Every rank of a group must pass that group's matrices in the same order (they do: the optimizer's order).
+    """
+    results: list[Optional[Tensor]] = [None] * len(updates)
+    by_group: dict[Any, list[int]] = defaultdict(list)
+    for index, matrix in enumerate(matrices):
+        by_group[matrix.group].append(index)
+    for group, indices in by_group.items():
+        size = matrices[indices[0]].group_size
+        for start in range(0, len(indices), size):
+            _round(indices[start : start + size], updates, matrices, group, orthogonalize, dtype, results)
+    return results
+
+
+def _round(
+    indices: list[int],
+    updates: list[Tensor],
+    matrices: list[ShardedMatrix],
+    group: Any,
+    orthogonalize: Callable[[Tensor], Tensor],
+    dtype: torch.dtype,
+    results: list[Optional[Tensor]],
+) -> None:
+    """One round: group rank k owns ``indices[k]``; pieces go to owners, results come back."""
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    device = updates[indices[0]].device
+    pieces_out = [updates[i].to(dtype).reshape(-1) for i in indices]
+    sent = [piece.numel() for piece in pieces_out] + [0] * (size - len(indices))
+    owned = matrices[indices[me]] if me < len(indices) else None
+    received = [owned.piece_numel(q) for q in range(size)] if owned is not None else [0] * size
+    inbox = torch.empty(sum(received), dtype=dtype, device=device)
+    dist.all_to_all_single(inbox, torch.cat(pieces_out), received, sent, group=group)
+    if owned is not None:
+        whole = torch.empty(owned.shape, dtype=dtype, device=device)
+        for q, piece in enumerate(inbox.split(received)):
+            whole[owned.rows[q].unsqueeze(1), owned.cols[q]] = piece.view(owned.rows[q].numel(), owned.cols[q].numel())
+        result = orthogonalize(whole).to(dtype)
+        del whole
+        outbox = torch.cat([result[owned.rows[q].unsqueeze(1), owned.cols[q]].reshape(-1) for q in range(size)])
+        del result
+    else:
+        outbox = torch.empty(0, dtype=dtype, device=device)
+    returned = torch.empty(sum(sent), dtype=dtype, device=device)
+    dist.all_to_all_single(returned, outbox, sent, received, group=group)
+    for i, piece in zip(indices, returned.split(sent)):
+        results[i] = piece.view(updates[i].shape)
