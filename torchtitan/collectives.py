@@ -76,3 +76,12 @@ def set_collective_timeout(seconds: int, mesh) -> None:
     groups = [dist.group.WORLD, *(mesh.get_all_groups() if mesh is not None else [])]
     for group in groups:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def all_to_all(outbox: torch.Tensor, send_counts: list[int], receive_counts: list[int], group) -> torch.Tensor:
+    """Send ``outbox``'s consecutive pieces of ``send_counts`` entries to the ranks of ``group`` in order and return
+    what they sent here, ``receive_counts`` entries from each, in a 1-D tensor on ``outbox``'s own device (the
+    weights' device: a CUDA tensor under NCCL)."""
+    inbox = torch.empty(sum(receive_counts), dtype=outbox.dtype, device=outbox.device)
+    dist.all_to_all_single(inbox, outbox, receive_counts, send_counts, group=group)
+    return inbox

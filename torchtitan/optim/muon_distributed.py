@@ -34,6 +34,8 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from torchtitan.collectives import all_to_all
+
 __all__ = ["ShardedMatrix", "sharded_matrix", "orthogonalize_sharded"]
 
 
@@ -189,8 +191,7 @@ def _round(
     sent = [piece.numel() for piece in pieces_out] + [0] * (size - len(indices))
     owned = matrices[indices[me]] if me < len(indices) else None
     received = [owned.piece_numel(q) for q in range(size)] if owned is not None else [0] * size
-    inbox = torch.empty(sum(received), dtype=dtype, device=device)
-    dist.all_to_all_single(inbox, torch.cat(pieces_out), received, sent, group=group)
+    inbox = all_to_all(torch.cat(pieces_out), sent, received, group)
     if owned is not None:
         whole = torch.empty(owned.shape, dtype=dtype, device=device)
         for q, piece in enumerate(inbox.split(received)):
@@ -201,7 +202,6 @@ def _round(
         del result
     else:
         outbox = torch.empty(0, dtype=dtype, device=device)
-    returned = torch.empty(sum(sent), dtype=dtype, device=device)
-    dist.all_to_all_single(returned, outbox, sent, received, group=group)
+    returned = all_to_all(outbox, received, sent, group)
     for i, piece in zip(indices, returned.split(sent)):
         results[i] = piece.view(updates[i].shape)
