@@ -87,6 +87,7 @@ def main(job_config: JobConfig) -> None:
     checkpoint.load(step=job_config.checkpoint.load_step)
 
     metric_logger = build_metric_logger(job_config, optimizers.name, rank)
+    optimizers.initialise_state()  # a fresh run's state exists from the start (measured, and checkpointable)
     state_bytes = all_reduce_scalar(torch.tensor(float(optimizers.state_bytes())), "sum", _world_group())
     metric_logger.log({"optimizer/state_bytes": state_bytes}, train_state.step)
     logger.info(f"optimizer: {optimizers.name}, state {state_bytes / 2**20:,.1f} MiB over all ranks")

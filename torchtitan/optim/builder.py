@@ -66,24 +66,29 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _low_precision_adam(model: nn.Module, hp: Hyperparameters, decoupled: bool) -> Optional[torch.optim.Optimizer]:
-    """AdamW/Adam with bfloat16 moments (our compiled step: torch's kernels need moments in the parameter's dtype)."""
-    if hp.state_dtype in (None, "float32"):
+    """AdamW/Adam with moments in a dtype other than the weights': bfloat16 moments, or the float32 moments that
+    ``state_dtype`` promises for bfloat16 weights (our compiled step: torch's kernels keep moments in the weights'
+    dtype). None where torch's own optimizer keeps what ``state_dtype`` says."""
+    params = trainable_parameters(model)
+    state_dtype = hp.state_dtype or "float32"
+    low_precision_weights = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    if state_dtype == "float32" and not low_precision_weights:
         return None
     if hp.implementation is not None:
         raise UserError(
-            f"optimizer.implementation chooses torch's kernels, which keep float32 state; remove it "
-            f"to use optimizer.state_dtype = {hp.state_dtype} (a compiled step of its own)"
+            f"optimizer.implementation chooses torch's kernels, which keep the moments in the weights' dtype; remove "
+            f"it to get {state_dtype} moments (optimizer.state_dtype) from a compiled step of our own"
         )
     from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
 
     return LowPrecisionAdam(
-        trainable_parameters(model),
+        params,
         lr=hp.lr,
         betas=hp.betas,
         eps=hp.eps,
         weight_decay=hp.weight_decay,
         decoupled=decoupled,
-        state_dtype=hp.state_dtype,
+        state_dtype=state_dtype,
     )
 
 

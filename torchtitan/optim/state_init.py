@@ -63,7 +63,7 @@ def _decoupled_weight_decay(optimizer: torch.optim.Optimizer, group: dict[str, A
 
     Such decay may stay on during the zero step, which spares torchao a recompile for a changed constant.
     """
-    return group.get("decoupled_weight_decay") is True or getattr(optimizer, "is_adamw", False) is True
+    return group.get("decoupled_weight_decay") is True or getattr(optimizer, "decoupled_weight_decay", False) is True
 
 
 def _reset_step(state: dict[str, Any]) -> None:
