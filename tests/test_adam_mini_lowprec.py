@@ -149,6 +149,34 @@ def test_fused_float64_equals_foreach_and_compiles_once():
     assert max_difference(weights(model), foreach) < 1e-14
 
 
+def _unique_graphs() -> int:
+    return dict(torch._dynamo.utils.counters["stats"]).get("unique_graphs", 0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("--optimizer.name", "AdamMini"), ("--optimizer.name", "Adam", "--optimizer.state_dtype", "bfloat16")],
+    ids=["AdamMini", "Adam bf16"],
+)
+def test_compiled_step_compiles_once_through_state_creation_steps_and_a_load(argv):
+    """State creation (weight decay on at lr 0), steps, state_bytes() and a load all run the first graphs."""
+    from torchtitan.optim import build_optimizers
+
+    job = job_config(*argv, "--optimizer.lr", "0.01", "--optimizer.weight_decay", "0.1")
+    optimizers = build_optimizers([float32_model()], job)
+    torch._dynamo.reset()  # graphs that earlier tests compiled for the same shapes are compiled here again
+    torch._dynamo.utils.counters.clear()
+    optimizers.initialise_state()
+    compiled = _unique_graphs()
+    assert compiled >= 1 and optimizers.state_bytes() > 0
+    _train(optimizers.model_parts[0], optimizers, 2)
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizers.state_dict().items()}
+    resumed = build_optimizers([float32_model(seed=3)], job)
+    resumed.load_state_dict(saved)
+    _train(resumed.model_parts[0], resumed, 1)
+    assert _unique_graphs() == compiled
+
+
 def test_bfloat16_state_dict_round_trip_continues_bit_exactly():
     uninterrupted_model = float32_model()
     uninterrupted = _train(
@@ -276,6 +304,67 @@ def test_low_precision_adam_step_equals_torch_and_rounds_moments_stochastically(
     assert relative < 1e-6, relative  # the same algorithm as torch's kernels
     rounded_reference = _adam_run(decoupled, "float32", after_step=_round_moments_to_bfloat16)
     assert max_difference(_adam_run(decoupled, "bfloat16"), rounded_reference) == 0.0
+
+
+def _decaying_gradients(optimizer, param: torch.nn.Parameter) -> None:
+    """300 steps of gradients of about 1, then 2500 of about 0.01 (per-entry scales in [0.5, 2]): a moment that
+    fails to decay ends far above float32's."""
+    scale = torch.exp(torch.empty(param.shape).uniform_(-0.69, 0.69, generator=torch.Generator().manual_seed(0)))
+    for step in range(2800):
+        param.grad = scale * (1.0 if step < 300 else 0.01)
+        optimizer.step()
+
+
+def _median_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() / b.float()).median().item()
+
+
+def test_bfloat16_second_moment_decays_like_float32():
+    """AdamW/Adam's update function (what their compiled step runs), eagerly: bfloat16 v against float32 v."""
+    from torchtitan.optim.adamw_low_precision import _local_adam_steps
+
+    scale = torch.exp(torch.empty(16, 16).uniform_(-0.69, 0.69, generator=torch.Generator().manual_seed(0)))
+    moments = {dtype: (torch.zeros(16, 16, dtype=dtype), torch.zeros(16, 16, dtype=dtype)) for dtype in BOTH}
+    zero, one = torch.tensor(0.0), torch.tensor(1.0)
+    for step in range(1, 2801):
+        g = scale * (1.0 if step <= 300 else 0.01)
+        for m, v in moments.values():
+            _local_adam_steps([torch.zeros(16, 16)], [g], [m], [v], [zero], [one], [torch.tensor(step)], one,
+                              0.9, 0.999, 1e-8, None)  # fmt: skip
+    # Rounded to nearest, v * 0.999 rounds back to v: it would end 12x too large.
+    assert 0.8 <= _median_ratio(moments[torch.bfloat16][1], moments[torch.float32][1]) <= 1.25
+
+
+BOTH = (torch.float32, torch.bfloat16)
+
+
+def test_adam_mini_bfloat16_momentum_decays_like_float32_at_beta1_0_99():
+    moments = {}
+    for storage in ("float32", "bfloat16"):
+        param = torch.nn.Parameter(torch.zeros(16, 16))
+        optimizer = AdamMini(
+            [("layers.0.feed_forward.w1.weight", param)],
+            lr=0.0,
+            betas=(0.99, 0.95),
+            dim=16,
+            n_heads=2,
+            momentum_storage=storage,
+            implementation="foreach",
+        )
+        _decaying_gradients(optimizer, param)
+        moments[storage] = optimizer.state[param]["m"]
+    # Rounded to nearest, m stops moving once 1% of its distance to g is under half a bfloat16 step: 1.44x.
+    assert 0.8 <= _median_ratio(moments["bfloat16"], moments["float32"]) <= 1.25
+
+
+def test_stochastic_rounding_is_unbiased_and_repeatable():
+    value = torch.linspace(0.1, 10.0, 4096)
+    rounded = [round_to_bfloat16_stochastically(value, torch.tensor(step)).float() for step in range(256)]
+    mean = torch.stack(rounded).mean(0)
+    assert ((mean - value).abs() / value).max() < 2e-3  # a bfloat16 step is 4e-3 to 8e-3 of the value
+    assert ((mean - value) / value).mean().abs() < 1e-4
+    assert not torch.equal(rounded[0], rounded[1])  # the step salts the rounding ...
+    assert torch.equal(rounded[3], round_to_bfloat16_stochastically(value, torch.tensor(3)).float())  # ... only it
 
 
 def test_adamw_bfloat16_state_from_the_config_is_half_and_resumes_exactly():

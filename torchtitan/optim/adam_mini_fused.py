@@ -6,6 +6,7 @@ grouping, slices and per-parameter plans are worked out once per parameter set a
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -43,11 +44,13 @@ def _fused_plan(layout: BlockLayout, weight_decay: float) -> _FusedPlan:
 
 
 def _as_block_rows(t: Tensor, plan: _FusedPlan) -> Tensor:
+    # Sizes spelt out rather than -1: an empty local shard (FSDP2 gives the last ranks none of a short tensor's rows)
+    # has 0 rows of a known width.
     if plan.rule == PER_TENSOR:
-        return t.reshape(1, -1)
+        return t.reshape(1, t.numel())
     if plan.heads:
-        return t.reshape(plan.heads, -1)
-    return t.reshape(t.shape[0], -1)
+        return t.reshape(plan.heads, t.numel() // plan.heads)
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
 def _fused_steps(

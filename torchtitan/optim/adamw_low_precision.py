@@ -33,17 +33,18 @@ def _local_adam_steps(
     beta1: float,
     beta2: float,
     eps: float,
-    l2: float,
+    l2: Optional[Tensor],
 ) -> None:
     """Adam's elementwise update for a list of local tensors; ``step_sizes[i]`` is lr / (1 - beta1**t).
 
     The math runs in ``decay``'s dtype (at least float32); the new moments are used unrounded and written back
-    rounded by their storage, the rounding salted by the step count ``steps[i]``.
+    rounded by their storage, the rounding salted by the step count ``steps[i]``. ``l2`` is Adam's weight decay
+    (added to the gradient; a tensor, so that state creation's zero compiles the same graph), None for AdamW.
     """
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         weights = p.to(decay.dtype)
         g = g.to(decay.dtype)
-        if l2:
+        if l2 is not None:
             g = g + l2 * weights
         m_new = m.to(decay.dtype).lerp(g, 1 - beta1)
         v_new = v.to(decay.dtype) * beta2 + (1 - beta2) * g * g
@@ -116,7 +117,7 @@ class LowPrecisionAdam(torch.optim.Optimizer):
         decay = (1 - lr * group["weight_decay"] if decoupled else torch.ones((), dtype=torch.float64)).to(
             dtype=dtype, device=device
         )
-        l2 = 0.0 if decoupled else group["weight_decay"]
+        l2 = None if decoupled else torch.tensor(group["weight_decay"], dtype=dtype).to(device)
         grads = [_local(p.grad) for p in params]
         exp_avgs, exp_avg_sqs = [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states]
 
