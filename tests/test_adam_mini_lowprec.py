@@ -367,6 +367,44 @@ def test_stochastic_rounding_is_unbiased_and_repeatable():
     assert torch.equal(rounded[3], round_to_bfloat16_stochastically(value, torch.tensor(3)).float())  # ... only it
 
 
+@pytest.mark.parametrize(
+    "name, state_dtype, keys, dtype",
+    [
+        ("AdamW", None, ("exp_avg", "exp_avg_sq"), torch.float32),
+        ("Adam", "float32", ("exp_avg", "exp_avg_sq"), torch.float32),
+        ("AdamW", "bfloat16", ("exp_avg", "exp_avg_sq"), torch.bfloat16),
+        ("AdamMini", None, ("m", "v"), torch.float32),
+        ("AdamMini", "bfloat16", ("m",), torch.bfloat16),
+    ],
+)
+def test_state_dtype_holds_for_bfloat16_weights(name, state_dtype, keys, dtype):
+    """bfloat16 weights get float32 state unless state_dtype says otherwise (and AdamMini's v is always float32)."""
+    from torchtitan.optim import build_optimizers
+
+    argv = ("--optimizer.name", name) + (("--optimizer.state_dtype", state_dtype) if state_dtype else ())
+    model = tiny_model(TINY, torch.bfloat16)
+    optimizers = build_optimizers([model], job_config(*argv, "--optimizer.implementation", "foreach")
+                                  if name == "AdamMini" else job_config(*argv))  # fmt: skip
+    set_synthetic_grads(model, 0)
+    before = weights(model)
+    with torch.compiler.set_stance("force_eager"):  # the same math, without compiling for one step
+        optimizers.step()
+    for state in optimizers.optimizers[0].state.values():
+        assert all(state[key].dtype == dtype for key in keys)
+        assert "v" not in state or state["v"].dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert max_difference(weights(model), before) > 0.0
+
+
+def test_torch_kernels_for_bfloat16_weights_are_refused():
+    # torch's kernels would keep bfloat16 moments, not the float32 that state_dtype (unset) promises.
+    from torchtitan.optim import build_optimizers
+
+    job = job_config("--optimizer.name", "AdamW", "--optimizer.implementation", "fused")
+    with pytest.raises(UserError, match="optimizer.implementation"):
+        build_optimizers([tiny_model(TINY, torch.bfloat16)], job)
+
+
 def test_adamw_bfloat16_state_from_the_config_is_half_and_resumes_exactly():
     from torchtitan.optim import build_optimizers
 
