@@ -183,8 +183,8 @@ def _schedule(
 ) -> tuple[list[tuple], list[_FusedPlan]]:
     """Groups (dtype, device, step, slices of parameter indices) and per-parameter plans for a fused step.
 
-    They depend only on the parameters' layouts and storage, so they are worked out once and kept on the first
-    layout while its step keeps the same parameters (all on one step count, as usual): no per-step Python work
+    They depend only on the parameters' layouts and storage, so they are worked out once and kept for the
+    first layout while its step keeps the same parameters (all on one step count, as usual): no per-step Python work
     proportional to the parameter count beyond building the lists.
     """
     uniform = len(set(step_counts)) == 1
