@@ -1,7 +1,8 @@
 """How to store Adam's moments in bfloat16: round-to-nearest, stochastic rounding, or compensated (a bf16 value plus
 a bf16 error term), against float32 state. Prints quality (against a float32 moment), state bytes and speed.
 
-    python benchmarks/bf16_momentum_rounding.py
+    python benchmarks/bf16_momentum_rounding.py                      # quality, bytes and CPU speed
+    python benchmarks/bf16_momentum_rounding.py --speed-only cuda    # the speed ratios on a GPU
 
 Quality, second moment ``v <- beta2 * v + (1 - beta2) * g**2``: 300 steps of unit gradients then 2500 of 0.01 (the
 gradient shrinks, ``v`` must decay), on 10^5 entries (gradients scaled per entry by log-uniform factors in [0.5, 2],
@@ -12,6 +13,7 @@ Speed: the compiled ``v`` update on 2^22 entries per storage, time relative to f
 Stochastic rounding is ``torchtitan.optim.state_storage.round_to_bfloat16_stochastically`` (what the optimizers use).
 """
 
+import sys
 import time
 
 import torch
@@ -107,28 +109,40 @@ def _v_step(v_hi, v_lo, g, step, kind: str, beta2: float = 0.999):
             v_lo.copy_(value - v_hi.float())
 
 
-def speed(n: int = 1 << 22, repeats: int = 30) -> None:
-    g = torch.randn(n)
-    step = torch.tensor(1)
+def speed(device: str = "cpu", n: int = 1 << 22, repeats: int = 30) -> None:
+    g = torch.randn(n, device=device)
+    step = torch.tensor(1, device=device)
     times = {}
     for kind in KINDS:
         storage = Storage(kind, (n,))
-        lo = storage.lo if storage.lo is not None else torch.zeros(1, dtype=torch.bfloat16)
+        storage.hi = storage.hi.to(device)
+        storage.lo = storage.lo.to(device) if storage.lo is not None else None
+        lo = storage.lo if storage.lo is not None else torch.zeros(1, dtype=torch.bfloat16, device=device)
         compiled = torch.compile(_v_step, fullgraph=True, dynamic=False)
         for _ in range(3):
             compiled(storage.hi, lo, g, step, kind)
+        _synchronize(device)
         start = time.perf_counter()
         for _ in range(repeats):
             compiled(storage.hi, lo, g, step, kind)
+        _synchronize(device)
         times[kind] = (time.perf_counter() - start) / repeats
         print(f"v stored as {kind}: {storage.bytes_per_entry()} bytes per entry")
     print(
-        "speed of the compiled v update, relative to float32 storage: "
+        f"speed of the compiled v update on {device}, relative to float32 storage: "
         + ", ".join(f"{kind} {times[kind] / times['float32']:.2f}x" for kind in KINDS[1:])
     )
 
 
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
-    second_moment_quality()
-    first_moment_quality()
-    speed()
+    if len(sys.argv) == 3 and sys.argv[1] == "--speed-only":
+        speed(sys.argv[2])
+    else:
+        second_moment_quality()
+        first_moment_quality()
+        speed()
