@@ -399,10 +399,15 @@ def test_state_dtype_holds_for_bfloat16_weights(name, state_dtype, keys, dtype):
 def test_torch_kernels_for_bfloat16_weights_are_refused():
     # torch's kernels would keep bfloat16 moments, not the float32 that state_dtype (unset) promises.
     from torchtitan.optim import build_optimizers
+    from torchtitan.optim.builder import Hyperparameters, check_hyperparameters, resolve_optimizer_name
 
     job = job_config("--optimizer.name", "AdamW", "--optimizer.implementation", "fused")
     with pytest.raises(UserError, match="optimizer.implementation"):
         build_optimizers([tiny_model(TINY, torch.bfloat16)], job)
+    kind, hp = resolve_optimizer_name("AdamW"), Hyperparameters.from_job_config(job)
+    check_hyperparameters(kind, hp, "float32")
+    with pytest.raises(UserError, match="optimizer.implementation"):  # preflight's check, before any worker
+        check_hyperparameters(kind, hp, "bfloat16")
 
 
 def test_adamw_bfloat16_state_from_the_config_is_half_and_resumes_exactly():

@@ -76,7 +76,8 @@ class Optimizer:
     )
     state_dtype: Optional[str] = opt(
         None,
-        "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment (unset: float32)",
+        "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment (unset: float32, also for bfloat16 "
+        "weights; bfloat16 is stochastically rounded)",
         choices=("float32", "bfloat16"),
     )
     # AdamMini only.
