@@ -378,22 +378,34 @@ def test_stochastic_rounding_is_unbiased_and_repeatable():
     ],
 )
 def test_state_dtype_holds_for_bfloat16_weights(name, state_dtype, keys, dtype):
-    """bfloat16 weights get float32 state unless state_dtype says otherwise (and AdamMini's v is always float32)."""
+    """bfloat16 weights get float32 state unless state_dtype says otherwise (and AdamMini's v is always float32),
+    also after a load (torch's load casts state to the weights' dtype). Eager: the same math, without compiling."""
+    with torch.compiler.set_stance("force_eager"):
+        _check_state_dtypes_for_bfloat16_weights(name, state_dtype, keys, dtype)
+
+
+def _check_state_dtypes_for_bfloat16_weights(name, state_dtype, keys, dtype):
     from torchtitan.optim import build_optimizers
 
     argv = ("--optimizer.name", name) + (("--optimizer.state_dtype", state_dtype) if state_dtype else ())
     model = tiny_model(TINY, torch.bfloat16)
-    optimizers = build_optimizers([model], job_config(*argv, "--optimizer.implementation", "foreach")
-                                  if name == "AdamMini" else job_config(*argv))  # fmt: skip
+    optimizers_job = job_config(*argv, *(("--optimizer.implementation", "foreach") if name == "AdamMini" else ()))
+    optimizers = build_optimizers([model], optimizers_job)
     set_synthetic_grads(model, 0)
     before = weights(model)
-    with torch.compiler.set_stance("force_eager"):  # the same math, without compiling for one step
-        optimizers.step()
-    for state in optimizers.optimizers[0].state.values():
-        assert all(state[key].dtype == dtype for key in keys)
-        assert "v" not in state or state["v"].dtype == torch.float32
+    optimizers.step()
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert max_difference(weights(model), before) > 0.0
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizers.state_dict().items()}
+    tensors = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]
+    resumed = build_optimizers([tiny_model(TINY, torch.bfloat16, seed=3)], optimizers_job)
+    resumed.load_state_dict(saved)  # torch's load casts state to the weights' dtype; ours keeps its own
+    for optimizer in (optimizers.optimizers[0], resumed.optimizers[0]):
+        for state in optimizer.state.values():
+            assert all(state[key].dtype == dtype for key in keys)
+            assert "v" not in state or state["v"].dtype == torch.float32
+    loaded = resumed.state_dict()
+    assert max_difference({k: loaded[k] for k in tensors}, {k: saved[k] for k in tensors}) == 0.0
 
 
 def test_torch_kernels_for_bfloat16_weights_are_refused():

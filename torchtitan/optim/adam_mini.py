@@ -55,7 +55,7 @@ from torchtitan.optim.state_storage import (
     FLOAT32,
     INT4,
     INT8,
-    keep_bfloat16_on_load,
+    keep_state_dtypes_on_load,
     new_state,
 )
 
@@ -196,8 +196,9 @@ class AdamMini(torch.optim.Optimizer):
         # Decoupled (scales with lr): state initialisation keeps it on at lr 0, so its step compiles the same graphs.
         self.decoupled_weight_decay = True
         self.momentum_storage, self.block_size, self.implementation = momentum_storage, block_size, implementation
-        if momentum_storage == BFLOAT16:
-            keep_bfloat16_on_load(self, ("m",))
+        # v is float32 always; quantized m is restored by its own hooks (torchao_adapter.portable_quantized_state).
+        kept = {"v": FLOAT32} if momentum_storage in (INT8, INT4) else {"m": momentum_storage, "v": FLOAT32}
+        keep_state_dtypes_on_load(self, kept)
         self._layouts: dict[Tensor, BlockLayout] = {p: layout_for(p, plan) for p, plan in zip(params, plans)}
         _log_partition(plans, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, verbose=verbose)
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
-from torchtitan.optim.state_storage import BFLOAT16, at_least_float32, keep_bfloat16_on_load, new_state, write_state
+from torchtitan.optim.state_storage import BFLOAT16, at_least_float32, keep_state_dtypes_on_load, new_state, write_state
 
 
 def _local_adam_steps(
@@ -77,8 +77,7 @@ class LowPrecisionAdam(torch.optim.Optimizer):
         )
         self.decoupled_weight_decay = decoupled  # read by state initialisation
         self.state_dtype = state_dtype
-        if state_dtype == BFLOAT16:
-            keep_bfloat16_on_load(self, ("exp_avg", "exp_avg_sq"))
+        keep_state_dtypes_on_load(self, {"exp_avg": state_dtype, "exp_avg_sq": state_dtype})
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:

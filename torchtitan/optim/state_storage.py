@@ -51,7 +51,7 @@ def new_state(param: Tensor, storage: str, block_size: int | None = None, signed
 
 def _quantized_zeros(local: Tensor, storage: str, block_size: int, signed: bool) -> Tensor:
     if local.numel() < MIN_QUANTIZED_NUMEL or local.numel() % block_size:
-        return torch.zeros_like(local)
+        return torch.zeros_like(local, dtype=at_least_float32(local.dtype))
     from torchtitan.optim.torchao_adapter import import_torchao_optim
 
     import_torchao_optim()  # a clear error when torchao is missing
@@ -121,18 +121,30 @@ def round_to_bfloat16_stochastically(value: Tensor, salt: Tensor) -> Tensor:
     return ((bits + noise.to(torch.int32)) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
-def keep_bfloat16_on_load(optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> None:
-    """Keep ``keys`` of every parameter's state in bfloat16 across ``optimizer.load_state_dict``.
+def keep_state_dtypes_on_load(optimizer: torch.optim.Optimizer, storages: dict[str, str]) -> None:
+    """Keep the state ``{key: storage}`` (FLOAT32 or BFLOAT16) in its own dtype across ``load_state_dict``.
 
-    torch's ``load_state_dict`` casts floating-point state to the parameter's dtype; bfloat16 values widen and
-    narrow back exactly, so a resumed run continues bit for bit.
+    torch's ``load_state_dict`` casts floating-point state to the parameter's dtype: float32 state of bfloat16
+    weights would come back rounded to bfloat16. The incoming tensors are kept aside before that cast and put back in
+    the storage's dtype after it (bfloat16 values pass through float32 exactly), so a resumed run continues bit for
+    bit.
     """
+    incoming: dict[Tensor, dict[str, Tensor]] = {}
 
-    def narrow(optimizer: torch.optim.Optimizer) -> None:
-        for state in optimizer.state.values():
-            for key in keys:
-                value = state.get(key)
-                if isinstance(value, Tensor) and value.dtype in (torch.float32, torch.float64):
-                    state[key] = value.to(torch.bfloat16)
+    def keep_incoming(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        incoming.clear()
+        for saved_group, group in zip(state_dict["param_groups"], optimizer.param_groups):
+            for index, param in zip(saved_group["params"], group["params"]):
+                saved = state_dict["state"].get(index, {})
+                incoming[param] = {key: saved[key] for key in storages if isinstance(saved.get(key), Tensor)}
 
-    optimizer.register_load_state_dict_post_hook(narrow)
+    def restore_dtypes(optimizer: torch.optim.Optimizer) -> None:
+        for param, values in incoming.items():
+            state = optimizer.state[param]
+            for key, value in values.items():
+                dtype = torch.bfloat16 if storages[key] == BFLOAT16 else at_least_float32(param.dtype)
+                state[key] = value.to(dtype=dtype, device=state[key].device)
+        incoming.clear()
+
+    optimizer.register_load_state_dict_pre_hook(keep_incoming)
+    optimizer.register_load_state_dict_post_hook(restore_dtypes)
