@@ -108,6 +108,7 @@ def main(job_config: JobConfig) -> None:
     # One start time for every rank, so that per-rank metric folders (metrics.rank_0_only off) share a run folder.
     run_started = all_reduce_scalar(time.time(), "max", _world_group(), device)
     metric_logger = build_metric_logger(job_config, optimizers.name, rank, when=run_started)
+    optimizers.initialise_state()  # a fresh run's state exists from the start (measured, and checkpointable)
     state_bytes = all_reduce_scalar(optimizers.state_bytes(), "sum", _world_group(), device)
     metric_logger.log({"optimizer/state_bytes": state_bytes}, train_state.step)
     logger.info(f"optimizer: {optimizers.name}, state {state_bytes / 2**20:,.1f} MiB over all ranks")

@@ -1,37 +1,148 @@
-"""Round-to-nearest or stochastic rounding for Adam-mini's bf16 momentum: the error of a bf16 m against a float32 m
-after 300 steps of m <- lerp(m, g, 1 - beta1), on 10^6 entries whose gradients are a fixed direction plus unit noise.
+"""How to store Adam's moments in bfloat16: round-to-nearest, stochastic rounding, or compensated (a bf16 value plus
+a bf16 error term), against float32 state. Prints quality (against a float32 moment), state bytes and speed.
 
-    python benchmarks/bf16_momentum_rounding.py
+    python benchmarks/bf16_momentum_rounding.py                      # quality, bytes and CPU speed
+    python benchmarks/bf16_momentum_rounding.py --speed-only cuda    # the speed ratios on a GPU
+
+Quality, second moment ``v <- beta2 * v + (1 - beta2) * g**2``: 300 steps of unit gradients then 2500 of 0.01 (the
+gradient shrinks, ``v`` must decay), on 10^5 entries (gradients scaled per entry by log-uniform factors in [0.5, 2],
+so entries differ); the ratio bf16 ``v`` / float32 ``v`` at the end, median and 1st/99th percentiles.
+Quality, first moment ``m <- lerp(m, g, 1 - beta1)``: 300 steps of gradients = fixed direction + unit noise on 10^6
+entries (relative error and mean bias against float32), then the same decay test as for ``v`` with ``m``.
+Speed: the compiled ``v`` update on 2^22 entries per storage, time relative to float32 storage in this process.
+Stochastic rounding is ``torchtitan.optim.state_storage.round_to_bfloat16_stochastically`` (what the optimizers use).
 """
+
+import sys
+import time
 
 import torch
 
+from torchtitan.optim.state_storage import round_to_bfloat16_stochastically
+
 torch.manual_seed(0)
-n = 1_000_000
-mean = torch.randn(n) * 0.5  # a persistent gradient direction plus noise
 
 
-def sr(x):  # stochastic rounding of float32 to bfloat16
-    bits = x.view(torch.int32)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32)
-    return ((bits + noise) & -65536).view(torch.float32)
+class Storage:
+    """A state kept as ``kind``; ``write(x, step)`` stores float32 ``x``, ``read()`` gives float32 back."""
+
+    def __init__(self, kind: str, shape):
+        self.kind = kind
+        dtype = torch.float32 if kind == "float32" else torch.bfloat16
+        self.hi = torch.zeros(shape, dtype=dtype)
+        self.lo = torch.zeros(shape, dtype=torch.bfloat16) if kind == "compensated" else None
+
+    def read(self) -> torch.Tensor:
+        value = self.hi.float()
+        return value + self.lo.float() if self.lo is not None else value
+
+    def write(self, x: torch.Tensor, step: int) -> None:
+        if self.kind == "stochastic":
+            self.hi.copy_(round_to_bfloat16_stochastically(x, torch.tensor(step)))
+        elif self.kind == "compensated":
+            self.hi.copy_(x)
+            self.lo.copy_(x - self.hi.float())
+        else:
+            self.hi.copy_(x)
+
+    def bytes_per_entry(self) -> int:
+        return self.hi.element_size() + (self.lo.element_size() if self.lo is not None else 0)
 
 
-m32 = torch.zeros(n)
-rtn = torch.zeros(n)
-srm = torch.zeros(n)
-for beta1 in (0.9, 0.95):
-    m32.zero_()
-    rtn.zero_()
-    srm.zero_()
-    for _ in range(300):
-        g = mean + torch.randn(n)
-        m32.lerp_(g, 1 - beta1)
-        rtn = rtn.lerp(g, 1 - beta1).bfloat16().float()
-        srm = sr(srm.lerp(g, 1 - beta1))
-    rel = lambda a: ((a - m32).norm() / m32.norm()).item()
-    bias = lambda a: ((a - m32).mean() / m32.abs().mean()).item()
+KINDS = ("float32", "nearest", "stochastic", "compensated")
+
+
+def decay_test(update, n: int = 100_000) -> dict[str, torch.Tensor]:
+    """Final states after 300 steps of unit-scale gradients and 2500 of 0.01 (per-entry scales in [0.5, 2])."""
+    scale = torch.exp(torch.empty(n).uniform_(-0.69, 0.69))
+    states = {kind: Storage(kind, (n,)) for kind in KINDS}
+    for step in range(1, 2801):
+        g = scale * (1.0 if step <= 300 else 0.01)
+        for state in states.values():
+            state.write(update(state.read(), g), step)
+    return {kind: state.read() for kind, state in states.items()}
+
+
+def ratio_line(label: str, final: dict[str, torch.Tensor]) -> str:
+    parts = []
+    for kind in KINDS[1:]:
+        ratio = final[kind] / final["float32"]
+        q = torch.quantile(ratio, torch.tensor([0.01, 0.5, 0.99])).tolist()
+        parts.append(f"{kind} {q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}]")
+    return f"{label}: bf16/float32 median [1%, 99%]: " + "; ".join(parts)
+
+
+def second_moment_quality() -> None:
+    for beta2 in (0.95, 0.99, 0.999):
+        final = decay_test(lambda v, g, beta2=beta2: v * beta2 + (1 - beta2) * g * g)
+        print(ratio_line(f"v, beta2={beta2}, decay test", final))
+
+
+def first_moment_quality(n: int = 1_000_000) -> None:
+    direction = torch.randn(n) * 0.5
+    for beta1 in (0.9, 0.95, 0.99):
+        states = {kind: Storage(kind, (n,)) for kind in KINDS}
+        for step in range(1, 301):
+            g = direction + torch.randn(n)
+            for state in states.values():
+                state.write(state.read().lerp(g, 1 - beta1), step)
+        m32 = states["float32"].read()
+        cells = []
+        for kind in KINDS[1:]:
+            m = states[kind].read()
+            error = ((m - m32).norm() / m32.norm()).item()
+            bias = ((m - m32).mean() / m32.abs().mean()).item()
+            cells.append(f"{kind} {error:.2e} (bias {bias:+.1e})")
+        print(f"m, beta1={beta1}, noisy gradients, 300 steps: relative error " + "; ".join(cells))
+        final = decay_test(lambda m, g, beta1=beta1: m.lerp(g, 1 - beta1), n=100_000)
+        print(ratio_line(f"m, beta1={beta1}, decay test", final))
+
+
+def _v_step(v_hi, v_lo, g, step, kind: str, beta2: float = 0.999):
+    value = v_hi.float() + (v_lo.float() if kind == "compensated" else 0.0)
+    value = value * beta2 + (1 - beta2) * g * g
+    if kind == "stochastic":
+        v_hi.copy_(round_to_bfloat16_stochastically(value, step))
+    else:
+        v_hi.copy_(value)
+        if kind == "compensated":
+            v_lo.copy_(value - v_hi.float())
+
+
+def speed(device: str = "cpu", n: int = 1 << 22, repeats: int = 30) -> None:
+    g = torch.randn(n, device=device)
+    step = torch.tensor(1, device=device)
+    times = {}
+    for kind in KINDS:
+        storage = Storage(kind, (n,))
+        storage.hi = storage.hi.to(device)
+        storage.lo = storage.lo.to(device) if storage.lo is not None else None
+        lo = storage.lo if storage.lo is not None else torch.zeros(1, dtype=torch.bfloat16, device=device)
+        compiled = torch.compile(_v_step, fullgraph=True, dynamic=False)
+        for _ in range(3):
+            compiled(storage.hi, lo, g, step, kind)
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            compiled(storage.hi, lo, g, step, kind)
+        _synchronize(device)
+        times[kind] = (time.perf_counter() - start) / repeats
+        print(f"v stored as {kind}: {storage.bytes_per_entry()} bytes per entry")
     print(
-        f"beta1={beta1}: relative error of m after 300 steps: round-to-nearest {rel(rtn):.2e} "
-        f"(mean bias {bias(rtn):+.1e}), stochastic {rel(srm):.2e} (mean bias {bias(srm):+.1e})"
+        f"speed of the compiled v update on {device}, relative to float32 storage: "
+        + ", ".join(f"{kind} {times[kind] / times['float32']:.2f}x" for kind in KINDS[1:])
     )
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--speed-only":
+        speed(sys.argv[2])
+    else:
+        second_moment_quality()
+        first_moment_quality()
+        speed()

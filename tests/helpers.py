@@ -148,6 +148,12 @@ def to_numpy(value):
     return (value.float() if value.dtype == torch.bfloat16 else value).numpy().copy()
 
 
+def initial_state_bytes(optimizers) -> int:
+    """An optimizers container's bytes of state as a fresh run has them (created first, as train.py does)."""
+    optimizers.initialise_state()
+    return optimizers.state_bytes()
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of an optimizer's state on this rank (meta and fake tensors count their size)."""
     return sum(tensor_bytes(value) for state in optimizer.state.values() for value in state.values())

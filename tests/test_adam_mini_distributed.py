@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (
@@ -39,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 
 from tests.distributed import run_workers
 from tests.helpers import (
+    HYPER,
     TINY,
     adam_mini_for,
     fsdp,
@@ -50,6 +52,7 @@ from tests.helpers import (
     weights,
 )
 from torchtitan.models.llama import ModelArgs
+from torchtitan.optim import AdamMini
 from torchtitan.optim.adam_mini import FUSED
 from torchtitan.optim.partition import PER_ROW, PER_TENSOR
 from torchtitan.optim.state_storage import BFLOAT16, INT8
@@ -153,6 +156,29 @@ def _train_muon(layout: str, world_size: int, steps: int) -> dict[str, torch.Ten
         _set_grads(model, step)
         optimizer.step()
     return weights(model)
+
+
+# Fewer rows than 3 ranks: FSDP2 gives the last rank an empty shard of every parameter (per_row, per_tensor and
+# per_element blocks).
+EMPTY_SHARD_ROLES = {"proj.weight": "mlp", "proj.bias": "bias", "norm.weight": "norm", "norm.bias": "bias"}
+
+
+def _train_with_empty_shards(world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    """The fused step on a two-row module; FSDP2-sharded over ``world_size`` ranks when more than one."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential()
+    module.add_module("proj", torch.nn.Linear(8, 2))
+    module.add_module("norm", torch.nn.LayerNorm(2))
+    module.double()
+    if world_size > 1:
+        fully_shard(module, mesh=init_device_mesh("cpu", (world_size,)))
+    optimizer = AdamMini(
+        module.named_parameters(), **HYPER, dim=8, n_heads=1, param_roles=EMPTY_SHARD_ROLES, implementation=FUSED
+    )
+    for step in range(steps):
+        _set_grads(module, step)
+        optimizer.step()
+    return weights(module)
 
 
 def _train(
@@ -267,6 +293,7 @@ def _world_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str
         runs["fsdp_per_tensor_values"] = _attempt(_train, "fsdp", world_size, STEPS, PER_TENSOR)
         runs["comm_fsdp"] = _attempt(_collectives_of_one_step, "fsdp", world_size)
         runs["resume"] = _attempt(lambda: _resume(_parallel_model("fsdp", world_size), resume_dir))
+        runs["empty_shards"] = _attempt(_train_with_empty_shards, world_size, STEPS)
         for option, value in VARIANTS.values():
             runs[f"fsdp_{value}"] = _attempt(functools.partial(_train, "fsdp", world_size, STEPS, **{option: value}))
     if world_size == 4:
@@ -429,6 +456,11 @@ def test_fused_and_bfloat16_momentum_parallel_runs_equal_single_process(
 ):
     params = _result(request.getfixturevalue(world_name), f"{layout}_{variant}")
     assert max_difference(params, single_process[variant]) < 1e-10
+
+
+def test_fused_step_with_empty_local_shards_equals_single_process(world3):
+    # The last of 3 ranks holds no row of any parameter, yet takes part in the block sums' all-reduce.
+    assert max_difference(_result(world3, "empty_shards"), _train_with_empty_shards(1, STEPS)) < 1e-10
 
 
 def test_fused_fsdp_tp_equals_single_process(world4, single_process):

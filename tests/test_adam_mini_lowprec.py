@@ -12,6 +12,7 @@ import torch
 from tests.helpers import (
     TINY,
     adam_mini_for,
+    initial_state_bytes,
     job_config,
     max_difference,
     meta_model,
@@ -24,7 +25,7 @@ from torchtitan.errors import UserError
 from torchtitan.models.llama import Transformer, llama3_configs
 from torchtitan.optim import AdamMini
 from torchtitan.optim.state_init import initialise_state
-from torchtitan.optim.state_storage import is_quantized
+from torchtitan.optim.state_storage import is_quantized, round_to_bfloat16_stochastically
 from torchtitan.optim.torchao_adapter import portable_quantized_state
 
 # Wide enough that some matrices reach torchao's 4096-entry threshold for quantized state.
@@ -48,13 +49,20 @@ def _train(model, optimizer, steps: int, after_step=None, lrs=None) -> dict[str,
     return weights(model)
 
 
-def _round_momentum_to_bfloat16(optimizer: AdamMini) -> None:
+def _round_to_bfloat16(optimizer, keys: tuple[str, ...]) -> None:
+    """Round a float32 reference's state as bfloat16 storage does: stochastically, salted by the step count."""
     for state in optimizer.state.values():
-        state["m"].copy_(state["m"].bfloat16())
+        for key in keys:
+            rounded = round_to_bfloat16_stochastically(state[key], state["step"].to(torch.int64))
+            state[key].copy_(rounded)
+
+
+def _round_momentum_to_bfloat16(optimizer: AdamMini) -> None:
+    _round_to_bfloat16(optimizer, ("m",))
 
 
 @pytest.mark.parametrize("implementation", ["foreach", "fused"])
-def test_bfloat16_momentum_equals_float32_update_with_m_rounded_to_nearest_each_step(implementation):
+def test_bfloat16_momentum_equals_float32_update_with_m_rounded_stochastically_each_step(implementation):
     model = float32_model()
     optimizer = adam_mini_for(model, momentum_storage="bfloat16", implementation=implementation)
     got = _train(model, optimizer, STEPS)
@@ -139,6 +147,34 @@ def test_fused_float64_equals_foreach_and_compiles_once():
     # embedding, output and final norm, and every other layer's); no recompile when the lr changes.
     assert 1 <= counts[0] <= 3 and counts[-1] == counts[0], counts
     assert max_difference(weights(model), foreach) < 1e-14
+
+
+def _unique_graphs() -> int:
+    return dict(torch._dynamo.utils.counters["stats"]).get("unique_graphs", 0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("--optimizer.name", "AdamMini"), ("--optimizer.name", "Adam", "--optimizer.state_dtype", "bfloat16")],
+    ids=["AdamMini", "Adam bf16"],
+)
+def test_compiled_step_compiles_once_through_state_creation_steps_and_a_load(argv):
+    """State creation (weight decay on at lr 0), steps, state_bytes() and a load all run the first graphs."""
+    from torchtitan.optim import build_optimizers
+
+    job = job_config(*argv, "--optimizer.lr", "0.01", "--optimizer.weight_decay", "0.1")
+    optimizers = build_optimizers([float32_model()], job)
+    torch._dynamo.reset()  # graphs that earlier tests compiled for the same shapes are compiled here again
+    torch._dynamo.utils.counters.clear()
+    optimizers.initialise_state()
+    compiled = _unique_graphs()
+    assert compiled >= 1 and optimizers.state_bytes() > 0
+    _train(optimizers.model_parts[0], optimizers, 2)
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizers.state_dict().items()}
+    resumed = build_optimizers([float32_model(seed=3)], job)
+    resumed.load_state_dict(saved)
+    _train(resumed.model_parts[0], resumed, 1)
+    assert _unique_graphs() == compiled
 
 
 def test_bfloat16_state_dict_round_trip_continues_bit_exactly():
@@ -257,13 +293,11 @@ def _adam_run(decoupled: bool, state_dtype: str, steps: int = STEPS, after_step=
 
 
 def _round_moments_to_bfloat16(optimizer) -> None:
-    for state in optimizer.state.values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[key].copy_(state[key].bfloat16())
+    _round_to_bfloat16(optimizer, ("exp_avg", "exp_avg_sq"))
 
 
 @pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam"])
-def test_low_precision_adam_step_equals_torch_and_rounds_moments_to_nearest(decoupled):
+def test_low_precision_adam_step_equals_torch_and_rounds_moments_stochastically(decoupled):
     torch_run = _adam_run(decoupled, "torch")
     ours_float32 = _adam_run(decoupled, "float32")
     relative = max(((ours_float32[n] - torch_run[n]).abs().max() / torch_run[n].abs().max()).item() for n in torch_run)
@@ -272,13 +306,130 @@ def test_low_precision_adam_step_equals_torch_and_rounds_moments_to_nearest(deco
     assert max_difference(_adam_run(decoupled, "bfloat16"), rounded_reference) == 0.0
 
 
+def _decaying_gradients(optimizer, param: torch.nn.Parameter) -> torch.Tensor:
+    """300 steps of gradients of about 1, then 2500 of about 0.01 (per-entry scales in [0.5, 2]): a moment that
+    fails to decay ends far above float32's. Returns the per-entry scales."""
+    scale = torch.exp(torch.empty(param.shape).uniform_(-0.69, 0.69, generator=torch.Generator().manual_seed(0)))
+    for step in range(2800):
+        param.grad = scale * (1.0 if step < 300 else 0.01)
+        optimizer.step()
+    return scale
+
+
+def _median_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() / b.float()).median().item()
+
+
+def test_bfloat16_second_moment_decays_like_float32():
+    """AdamW/Adam's update function (what their compiled step runs), eagerly: bfloat16 v against float32 v."""
+    from torchtitan.optim.adamw_low_precision import _local_adam_steps
+
+    scale = torch.exp(torch.empty(16, 16).uniform_(-0.69, 0.69, generator=torch.Generator().manual_seed(0)))
+    moments = {dtype: (torch.zeros(16, 16, dtype=dtype), torch.zeros(16, 16, dtype=dtype)) for dtype in BOTH}
+    zero, one = torch.tensor(0.0), torch.tensor(1.0)
+    for step in range(1, 2801):
+        g = scale * (1.0 if step <= 300 else 0.01)
+        for m, v in moments.values():
+            _local_adam_steps([torch.zeros(16, 16)], [g], [m], [v], [zero], [one], [torch.tensor(step)], one,
+                              0.9, 0.999, 1e-8, None)  # fmt: skip
+    # Rounded to nearest, v * 0.999 rounds back to v: it would end 12x too large.
+    assert 0.8 <= _median_ratio(moments[torch.bfloat16][1], moments[torch.float32][1]) <= 1.25
+
+
+BOTH = (torch.float32, torch.bfloat16)
+
+
+def test_adam_mini_bfloat16_momentum_decays_like_float32_at_beta1_0_99():
+    param = torch.nn.Parameter(torch.zeros(16, 16))
+    optimizer = AdamMini(
+        [("layers.0.feed_forward.w1.weight", param)],
+        lr=0.0,
+        betas=(0.99, 0.95),
+        dim=16,
+        n_heads=2,
+        momentum_storage="bfloat16",
+        implementation="foreach",
+    )
+    scale = _decaying_gradients(optimizer, param)
+    # Exact m (an exponential average of two constant stretches), in float64.
+    kept = 0.99**2500
+    exact = scale.double() * ((1 - 0.99**300) * kept + 0.01 * (1 - kept))
+    # Rounded to nearest, m stops moving once 1% of its distance to g is under half a bfloat16 step: 1.44x.
+    assert 0.8 <= _median_ratio(optimizer.state[param]["m"], exact) <= 1.25
+
+
+def test_stochastic_rounding_is_unbiased_and_repeatable():
+    value = torch.linspace(0.1, 10.0, 4096)
+    rounded = [round_to_bfloat16_stochastically(value, torch.tensor(step)).float() for step in range(256)]
+    mean = torch.stack(rounded).mean(0)
+    assert ((mean - value).abs() / value).max() < 2e-3  # a bfloat16 step is 4e-3 to 8e-3 of the value
+    assert ((mean - value) / value).mean().abs() < 1e-4
+    assert not torch.equal(rounded[0], rounded[1])  # the step salts the rounding ...
+    assert torch.equal(rounded[3], round_to_bfloat16_stochastically(value, torch.tensor(3)).float())  # ... only it
+
+
+@pytest.mark.parametrize(
+    "name, state_dtype, keys, dtype",
+    [
+        ("AdamW", None, ("exp_avg", "exp_avg_sq"), torch.float32),
+        ("Adam", "float32", ("exp_avg", "exp_avg_sq"), torch.float32),
+        ("AdamW", "bfloat16", ("exp_avg", "exp_avg_sq"), torch.bfloat16),
+        ("AdamMini", None, ("m", "v"), torch.float32),
+        ("AdamMini", "bfloat16", ("m",), torch.bfloat16),
+    ],
+)
+def test_state_dtype_holds_for_bfloat16_weights(name, state_dtype, keys, dtype):
+    """bfloat16 weights get float32 state unless state_dtype says otherwise (and AdamMini's v is always float32),
+    also after a load (torch's load casts state to the weights' dtype). Eager: the same math, without compiling."""
+    with torch.compiler.set_stance("force_eager"):
+        _check_state_dtypes_for_bfloat16_weights(name, state_dtype, keys, dtype)
+
+
+def _check_state_dtypes_for_bfloat16_weights(name, state_dtype, keys, dtype):
+    from torchtitan.optim import build_optimizers
+
+    argv = ("--optimizer.name", name) + (("--optimizer.state_dtype", state_dtype) if state_dtype else ())
+    model = tiny_model(TINY, torch.bfloat16)
+    optimizers_job = job_config(*argv, *(("--optimizer.implementation", "foreach") if name == "AdamMini" else ()))
+    optimizers = build_optimizers([model], optimizers_job)
+    set_synthetic_grads(model, 0)
+    before = weights(model)
+    optimizers.step()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert max_difference(weights(model), before) > 0.0
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizers.state_dict().items()}
+    tensors = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]
+    resumed = build_optimizers([tiny_model(TINY, torch.bfloat16, seed=3)], optimizers_job)
+    resumed.load_state_dict(saved)  # torch's load casts state to the weights' dtype; ours keeps its own
+    for optimizer in (optimizers.optimizers[0], resumed.optimizers[0]):
+        for state in optimizer.state.values():
+            assert all(state[key].dtype == dtype for key in keys)
+            assert "v" not in state or state["v"].dtype == torch.float32
+    loaded = resumed.state_dict()
+    assert max_difference({k: loaded[k] for k in tensors}, {k: saved[k] for k in tensors}) == 0.0
+
+
+def test_torch_kernels_for_bfloat16_weights_are_refused():
+    # torch's kernels would keep bfloat16 moments, not the float32 that state_dtype (unset) promises.
+    from torchtitan.optim import build_optimizers
+    from torchtitan.optim.builder import Hyperparameters, check_hyperparameters, resolve_optimizer_name
+
+    job = job_config("--optimizer.name", "AdamW", "--optimizer.implementation", "fused")
+    with pytest.raises(UserError, match="optimizer.implementation"):
+        build_optimizers([tiny_model(TINY, torch.bfloat16)], job)
+    kind, hp = resolve_optimizer_name("AdamW"), Hyperparameters.from_job_config(job)
+    check_hyperparameters(kind, hp, "float32")
+    with pytest.raises(UserError, match="optimizer.implementation"):  # preflight's check, before any worker
+        check_hyperparameters(kind, hp, "bfloat16")
+
+
 def test_adamw_bfloat16_state_from_the_config_is_half_and_resumes_exactly():
     from torchtitan.optim import build_optimizers
 
     job = job_config("--optimizer.name", "AdamW", "--optimizer.state_dtype", "bfloat16", "--optimizer.lr", "0.01")
-    plain = build_optimizers([float32_model()], job_config("--optimizer.name", "AdamW")).state_bytes()
+    plain = initial_state_bytes(build_optimizers([float32_model()], job_config("--optimizer.name", "AdamW")))
     optimizers = build_optimizers([float32_model()], job)
-    assert optimizers.state_bytes() <= 0.51 * plain
+    assert initial_state_bytes(optimizers) <= 0.51 * plain
     model = optimizers.model_parts[0]
     _train(model, optimizers, STEPS)
     saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizers.state_dict().items()}

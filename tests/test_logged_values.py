@@ -17,7 +17,7 @@ import pytest
 from tests.distributed import memory_tag
 from tests.helpers import DEBUG_RUN, PER_STEP_TAGS, metric_rows, run_dir, train
 from torchtitan.config_manager import JobConfig
-from torchtitan.lr_scheduling import lr_factor
+from torchtitan.lr_scheduling import lr_factor, schedule_options
 from torchtitan.tools.compare_runs import main as compare_main
 
 EXTRA = ["--training.steps", "5", "--training.gradient_accumulation_steps", "2", "--metrics.log_freq", "2"]
@@ -91,9 +91,7 @@ def test_values_are_what_the_job_implies(run):
     previous = 0
     for step, row in sorted(per_step(run).items()):
         # The lr the step trained with: the schedule's value for this step.
-        expected_lr = job.optimizer.lr * lr_factor(
-            step, warmup_steps=t.warmup_steps, total_steps=t.steps, decay_type=t.decay_type, lr_min=t.lr_min
-        )
+        expected_lr = job.optimizer.lr * lr_factor(step, **schedule_options(t))
         assert row["lr"] == pytest.approx(expected_lr, rel=1e-12), step
         assert row["throughput/tokens_seen"] == step * tokens_per_step
         # One process: the mean and the max over ranks are that process's loss.

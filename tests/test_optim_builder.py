@@ -23,6 +23,7 @@ from tests.helpers import (
     TINY,
     fsdp,
     full,
+    initial_state_bytes,
     job_config,
     materialize,
     max_difference,
@@ -364,7 +365,7 @@ def meta_state_bytes(names) -> dict[str, int]:
     sizes = {}
     for name in names:
         net = meta_model(args, torch.float32)
-        sizes[name] = build_optimizers([net], job_config("--optimizer.name", name)).state_bytes()
+        sizes[name] = initial_state_bytes(build_optimizers([net], job_config("--optimizer.name", name)))
         assert all(p.device.type == "meta" and p.grad is None for p in net.parameters())
     return sizes
 
@@ -415,7 +416,7 @@ def test_creating_state_early_does_not_change_training(name):
     job = job_config("--optimizer.name", name, "--optimizer.lr", "0.01", "--optimizer.weight_decay", "0.1")
     plain_net, early_net = tiny_model(), tiny_model()
     plain, early = build_optimizers([plain_net], job), build_optimizers([early_net], job)
-    assert early.state_bytes() > 0 and early.state_dict()
+    assert initial_state_bytes(early) > 0 and early.state_dict()
     assert max_difference(weights(plain_net), weights(early_net)) == 0.0  # creating state moved nothing
     train(plain_net, plain, range(3))
     train(early_net, early, range(3))
@@ -505,9 +506,9 @@ def test_low_bit_dcp_round_trip_and_resume(tmp_path):
         assert (reloaded[key] - state[key]).abs().max() <= 0.01 * scale, key
 
     # Real (not meta) 8-bit state is about a quarter of AdamW's on the same model.
-    adamw = build_optimizers(
-        [tiny_model(LOW_BIT, torch.float32)], job_config("--optimizer.name", "AdamW")
-    ).state_bytes()
+    adamw = initial_state_bytes(
+        build_optimizers([tiny_model(LOW_BIT, torch.float32)], job_config("--optimizer.name", "AdamW"))
+    )
     assert optimizers.state_bytes() < 0.4 * adamw
 
 
@@ -532,7 +533,7 @@ def _fsdp_resume_worker(rank: int, world_size: int, name: str, args: ModelArgs, 
     job = job_config(*_run_argv(name), "--optimizer.lr", "0.01")
     net = _fsdp_model(args, dtype, seed=0)
     optimizers = build_optimizers([net], job)
-    state_bytes = optimizers.state_bytes()
+    state_bytes = initial_state_bytes(optimizers)
     train(net, optimizers, range(3), rank=rank)
     state = optimizers.state_dict()
     save({"model": net.state_dict(), "optimizer": state}, path)
@@ -607,7 +608,7 @@ def test_fsdp_two_ranks_resume_exactly_and_reshard_to_one(name, fsdp_exact_runs)
     ranks = [run[name] for run in runs]
     for result in ranks:
         assert max_difference(result["uninterrupted"], result["resumed"]) == 0.0
-    single = build_optimizers([tiny_model()], job_config(*_run_argv(name))).state_bytes()
+    single = initial_state_bytes(build_optimizers([tiny_model()], job_config(*_run_argv(name))))
     # Each rank holds about half the state (AdamMini keeps a few per-tensor numbers on every rank).
     assert all(0.45 * single <= r["state_bytes"] <= 0.55 * single for r in ranks)
     loaded = _single_process_state(name, TINY, torch.float64, os.path.join(folder, name))
@@ -635,9 +636,9 @@ def test_fsdp_two_ranks_low_bit_resume_and_reshard(name, fsdp_low_bit_runs):
         assert resumed_error < 0.1 * max_difference(result["uninterrupted"], result["without_state"])
         drift = [(result["uninterrupted"][k] - result["resumed"][k]).abs().mean().item() for k in result["resumed"]]
         assert sum(drift) / len(drift) < 0.01 * 0.01  # mean drift under a hundredth of one step (lr 0.01)
-    single = build_optimizers(
-        [tiny_model(LOW_BIT, torch.float32)], job_config("--optimizer.name", "AdamW")
-    ).state_bytes()
+    single = initial_state_bytes(
+        build_optimizers([tiny_model(LOW_BIT, torch.float32)], job_config("--optimizer.name", "AdamW"))
+    )
     assert all(r["state_bytes"] < 0.2 * single for r in ranks)  # 8-bit and half the parameters
     loaded = _single_process_state(name, LOW_BIT, torch.float32, os.path.join(folder, name))
     for key, value in ranks[0]["saved"].items():

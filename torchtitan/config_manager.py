@@ -89,7 +89,7 @@ class Optimizer:
     state_dtype: Optional[str] = opt(
         None,
         "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment; Muon: its momentum and its "
-        "AdamW part's moments (unset: float32)",
+        "AdamW part's moments (unset: float32, also for bfloat16 weights; bfloat16 is stochastically rounded)",
         choices=("float32", "bfloat16"),
     )
     # AdamMini only.
@@ -132,8 +132,22 @@ class Training:
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", gt=0)
     steps: int = opt(10000, "optimizer steps to train", gt=0)
     warmup_steps: int = opt(200, "linear warmup steps", ge=0)
-    decay_type: str = opt("linear", "lr decay after warmup", choices=("linear", "cosine", "constant"))
-    lr_min: float = opt(0.0, "lr floor as a fraction of the peak lr", ge=0.0, le=1.0)
+    decay_type: str = opt(
+        "linear", "lr decay after warmup (sqrt: 1 - sqrt(progress))", choices=("linear", "cosine", "sqrt", "constant")
+    )
+    decay_ratio: Optional[float] = opt(
+        None,
+        "share of training.steps that decay, at the end (warmup-stable-decay: the peak lr in between); "
+        "unset: every step after warmup decays",
+        gt=0.0,
+        le=1.0,
+    )
+    lr_min: float = opt(
+        0.0,
+        "lr floor as a fraction of the peak lr, reached one step after the last (so every step trains)",
+        ge=0.0,
+        le=1.0,
+    )
     max_norm: float = opt(1.0, "gradient clipping by global norm; 0 disables clipping", ge=0.0)
     max_skipped_steps: int = opt(
         3,
@@ -376,10 +390,12 @@ class JobConfig:
 
     def validate(self) -> None:
         """Checks that span several keys; per-key ranges are checked from the field metadata."""
-        from torchtitan.optim.hyperparameters import Hyperparameters  # torch-free, like this module
+        from torchtitan.lr_scheduling import check_schedule, schedule_options  # torch-free, like this module
+        from torchtitan.optim.hyperparameters import Hyperparameters
 
         Hyperparameters.from_job_config(self).check()
         t = self.training
+        check_schedule(**schedule_options(t))
         if t.data_parallel_shard_degree == 0:
             raise UserError("training.data_parallel_shard_degree must be -1 (fill) or a positive integer")
         if t.dataset_path is not None and not os.path.exists(t.dataset_path):

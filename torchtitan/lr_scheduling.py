@@ -1,31 +1,91 @@
-"""Learning-rate schedules: linear warmup, then linear, cosine or no decay down to a floor.
+"""Learning-rate schedules: linear warmup, an optional stable phase, then linear, cosine, sqrt or no decay down to a
+floor.
 
 The schedule is a pure function of the step; ``build_lr_schedulers`` wraps it in one ``LambdaLR`` per optimizer so
 that checkpoints carry the scheduler position like any other state.
+
+Conventions (steps count from 1 to ``total_steps``):
+
+- warmup: step ``s <= warmup_steps`` gets ``s / warmup_steps`` of the peak lr (the first step already trains);
+- warmup-stable-decay: with ``decay_ratio`` set, the last ``round(decay_ratio * total_steps)`` steps decay and the
+  steps between warmup and them keep the peak lr; unset, every step after warmup decays;
+- decay: the ``i``-th of ``D`` decaying steps is at ``progress = i / (D + 1)``, so the lr would reach ``lr_min``
+  one step after the last one: with ``lr_min = 0`` the last step still trains (at ``1 / (D + 1)`` of the peak for
+  linear decay);
+- shapes of the decay from 1 to ``lr_min``: linear ``1 - progress``, cosine ``(1 + cos(pi * progress)) / 2``,
+  sqrt ``1 - sqrt(progress)``.
+
+This module imports torch only to build the schedulers, so that the job config can check a schedule
+(:func:`check_schedule`) without it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import Any, Optional
 
-from torch.optim.lr_scheduler import LambdaLR
+from torchtitan.errors import UserError
+
+DECAY_TYPES = ("linear", "cosine", "sqrt", "constant")
+
+_SHAPES = {
+    "linear": lambda progress: 1.0 - progress,
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    "sqrt": lambda progress: 1.0 - math.sqrt(progress),
+}
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, lr_min: float) -> float:
-    """Multiplier of the peak lr for training step ``step`` (1-based)."""
+def decay_steps(*, warmup_steps: int, total_steps: int, decay_ratio: Optional[float]) -> int:
+    """How many of the last steps decay: ``round(decay_ratio * total_steps)``, or all after warmup when unset."""
+    if decay_ratio is None:
+        return max(0, total_steps - warmup_steps)
+    return round(decay_ratio * total_steps)
+
+
+def check_schedule(
+    *, warmup_steps: int, total_steps: int, decay_type: str, lr_min: float, decay_ratio: Optional[float]
+) -> None:
+    """UserError (one line) for a schedule whose options contradict each other or would change nothing."""
+    if decay_type not in DECAY_TYPES:
+        raise UserError(f"training.decay_type must be one of {', '.join(DECAY_TYPES)}, not {decay_type!r}")
+    if decay_ratio is None:
+        return
+    if decay_type == "constant":
+        raise UserError("training.decay_ratio has no effect with training.decay_type constant; remove one of them")
+    decaying = decay_steps(warmup_steps=warmup_steps, total_steps=total_steps, decay_ratio=decay_ratio)
+    if decaying < 1:
+        raise UserError(f"training.decay_ratio {decay_ratio} of {total_steps} steps leaves no step to decay; raise it")
+    if warmup_steps + decaying > total_steps:
+        raise UserError(
+            f"training.warmup_steps {warmup_steps} plus {decaying} decay steps (training.decay_ratio {decay_ratio}) "
+            f"exceed training.steps {total_steps}; lower one of them"
+        )
+
+
+def lr_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay_type: str,
+    lr_min: float,
+    decay_ratio: Optional[float] = None,
+) -> float:
+    """Multiplier of the peak lr for training step ``step`` (1-based); see the module's conventions."""
     if step <= warmup_steps:
         return step / warmup_steps
-    if decay_type == "constant" or total_steps <= warmup_steps:
+    if decay_type == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
-    if decay_type == "linear":
-        shape = 1.0 - progress
-    elif decay_type == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
+    shape = _SHAPES.get(decay_type)
+    if shape is None:
         raise ValueError(f"unknown decay type {decay_type!r}")
-    return lr_min + (1.0 - lr_min) * shape
+    decaying = decay_steps(warmup_steps=warmup_steps, total_steps=total_steps, decay_ratio=decay_ratio)
+    into_decay = step - (total_steps - decaying)
+    if into_decay <= 0:
+        return 1.0  # the stable phase
+    progress = min(1.0, into_decay / (decaying + 1))
+    return lr_min + (1.0 - lr_min) * shape(progress)
 
 
 def _lambda(last_epoch: int, **kwargs) -> float:
@@ -36,7 +96,7 @@ def _lambda(last_epoch: int, **kwargs) -> float:
 class SchedulersContainer:
     """One LambdaLR per optimizer, stepped together."""
 
-    def __init__(self, schedulers: list[LambdaLR]):
+    def __init__(self, schedulers: list):
         self.schedulers = schedulers
 
     def step(self) -> None:
@@ -75,9 +135,19 @@ def _set_lr(group: dict, value: float) -> None:
         group["lr"] = value
 
 
-def build_lr_schedulers(optimizers, job_config) -> SchedulersContainer:
-    t = job_config.training
-    schedule = functools.partial(
-        _lambda, warmup_steps=t.warmup_steps, total_steps=t.steps, decay_type=t.decay_type, lr_min=t.lr_min
+def schedule_options(training: Any) -> dict[str, Any]:
+    """``lr_factor``'s keyword arguments from ``[training]``."""
+    return dict(
+        warmup_steps=training.warmup_steps,
+        total_steps=training.steps,
+        decay_type=training.decay_type,
+        lr_min=training.lr_min,
+        decay_ratio=training.decay_ratio,
     )
+
+
+def build_lr_schedulers(optimizers, job_config) -> SchedulersContainer:
+    from torch.optim.lr_scheduler import LambdaLR
+
+    schedule = functools.partial(_lambda, **schedule_options(job_config.training))
     return SchedulersContainer([LambdaLR(opt, schedule) for opt in optimizers.optimizers])

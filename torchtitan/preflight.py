@@ -48,7 +48,7 @@ def preflight(job_config: JobConfig, world_size: int):
     parallel_dims = ParallelDims.from_job_config(job_config, world_size)
     # The optimizer's name and options (one that does not apply is an error), before any model is built.
     check_hyperparameters(
-        resolve_optimizer_name(job_config.optimizer.name), Hyperparameters.from_job_config(job_config)
+        resolve_optimizer_name(job_config.optimizer.name), Hyperparameters.from_job_config(job_config), t.param_dtype
     )
     resolve_dataset(t.dataset, t.dataset_path)
     if job_config.validation.enable:

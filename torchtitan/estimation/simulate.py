@@ -324,7 +324,8 @@ def estimate_optimizer(
     parameters start as plain new tensors there, later as resized storages), and the estimate is of a steady step.
     """
     optimizers = build_optimizers([model], job_config)
-    state_bytes = optimizers.state_bytes()  # creates the state with the optimizer's own code
+    optimizers.initialise_state()  # with the optimizer's own code
+    state_bytes = optimizers.state_bytes()
     device = torch.device("cpu")
     if warm_up:
         with torch.compiler.set_stance("force_eager"):

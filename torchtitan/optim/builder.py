@@ -31,9 +31,12 @@ from torchtitan.optim.torchao_adapter import low_bit_class, portable_quantized_s
 _LOW_BIT_OPTIONS = frozenset({BLOCK_SIZE, BF16_STOCHASTIC_ROUND})
 
 
-def check_hyperparameters(kind: "OptimizerKind", hp: Hyperparameters) -> None:
-    """Raise UserError for values torch's Adam refuses and for options the chosen optimizer does not take."""
+def check_hyperparameters(kind: "OptimizerKind", hp: Hyperparameters, weights_dtype: Optional[str] = None) -> None:
+    """Raise UserError for values torch's Adam refuses and for options the chosen optimizer does not take
+    (``weights_dtype``: ``training.param_dtype``, where known)."""
     hp.check()
+    if kind.name in ("AdamW", "Adam") and weights_dtype == "bfloat16":
+        _check_own_step_for_bfloat16_weights(hp)
     for option in sorted(hp.options_set() - kind.options):
         users = sorted(k.name for k in OPTIMIZERS.values() if option in k.options)
         raise UserError(
@@ -69,14 +72,14 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 def _low_precision_adam(
     params: list[nn.Parameter], hp: Hyperparameters, decoupled: bool
 ) -> Optional[torch.optim.Optimizer]:
-    """AdamW/Adam with bfloat16 moments (our compiled step: torch's kernels need moments in the parameter's dtype)."""
-    if hp.state_dtype in (None, "float32"):
+    """AdamW/Adam with moments in a dtype other than the weights': bfloat16 moments, or the float32 moments that
+    ``state_dtype`` promises for bfloat16 weights (our compiled step: torch's kernels keep moments in the weights'
+    dtype). None where torch's own optimizer keeps what ``state_dtype`` says."""
+    state_dtype = hp.state_dtype or "float32"
+    low_precision_weights = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    if state_dtype == "float32" and not low_precision_weights:
         return None
-    if hp.implementation is not None:
-        raise UserError(
-            f"optimizer.implementation chooses torch's kernels, which keep float32 state; remove it "
-            f"to use optimizer.state_dtype = {hp.state_dtype} (a compiled step of its own)"
-        )
+    _check_own_step_for_bfloat16_weights(hp)
     from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
 
     return LowPrecisionAdam(
@@ -86,8 +89,17 @@ def _low_precision_adam(
         eps=hp.eps,
         weight_decay=hp.weight_decay,
         decoupled=decoupled,
-        state_dtype=hp.state_dtype,
+        state_dtype=state_dtype,
     )
+
+
+def _check_own_step_for_bfloat16_weights(hp: Hyperparameters) -> None:
+    """Moments in a dtype other than the weights' come from our compiled step, never from torch's kernels."""
+    if hp.implementation is not None:
+        raise UserError(
+            f"optimizer.implementation chooses torch's kernels, which keep the moments in the weights' dtype; remove "
+            f"it to get {hp.state_dtype or 'float32'} moments (optimizer.state_dtype) from a compiled step of our own"
+        )
 
 
 def _adamw_over(params: list[nn.Parameter], hp: Hyperparameters) -> torch.optim.Optimizer:

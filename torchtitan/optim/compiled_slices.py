@@ -1,4 +1,4 @@
-"""Cutting an optimizer's parameter list into slices that share compiled graphs.
+"""Cutting an optimizer's parameter list into slices that share compiled graphs, and running a compiled step so.
 
 A compiled step over a list of tensors is specialised on every tensor's shape, so one graph over a whole model
 compiles code for every parameter (minutes for a few hundred tensors). A model's parameters repeat, though: every
@@ -9,7 +9,11 @@ once and reused by every other layer, for the cost of one compiled call per laye
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 def repeating_slices(members: Sequence[int], signatures: Sequence[Hashable]) -> list[list[int]]:
@@ -27,3 +31,31 @@ def repeating_slices(members: Sequence[int], signatures: Sequence[Hashable]) -> 
         columns[signature].append(member)
     depth = Counter(len(column) for column in columns.values()).most_common(1)[0][0]
     return [[member for column in columns.values() for member in column[j::depth]] for j in range(depth)]
+
+
+class CompiledStep:
+    """A local optimizer step over lists of tensors, compiled once per distinct slice and reused.
+
+    ``fn`` is compiled whole (``fullgraph``) with static shapes (the fastest code; the shapes never change, so the
+    inputs' sizes need no checking), into an inductor cache folder of its own (``cache_tag``). Meta and fake tensors
+    (memory estimates) run ``fn`` eagerly, as does a step under a user's dispatch mode (debugging, CommDebugMode),
+    which torch.compile cannot run under.
+    """
+
+    def __init__(self, fn: Callable[..., None], cache_tag: str, **inductor_options: Any):
+        self.eager = fn
+        self.compiled = torch.compile(
+            fn, fullgraph=True, dynamic=False, options={"size_asserts": False, **inductor_options}
+        )
+        self.cache_tag = cache_tag
+
+    def run(self, slices: Iterable[list[int]], arguments: Callable[[list[int]], tuple], tensors: Sequence[Any]) -> None:
+        """Call the step once per slice with ``arguments(slice)``; ``tensors`` tell whether it can be compiled."""
+        from torchtitan.optim.torchao_adapter import separate_compile_cache
+
+        dataless = any(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
+        step = self.eager if dataless or _get_current_dispatch_mode() is not None else self.compiled
+        # A model's few distinct slices are a few graphs each; dynamo's default limit per function is lower.
+        with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache(self.cache_tag):
+            for part in slices:
+                step(*arguments(part))

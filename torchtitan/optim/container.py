@@ -2,7 +2,8 @@
 
 ``step``/``zero_grad`` for the loop, ``optimizers`` (each a plain ``torch.optim.Optimizer`` with
 ``param_groups[i]["lr"]``) for one scheduler per optimizer, a flattened DCP-ready ``state_dict`` that reshards
-across world sizes, and ``state_bytes`` for memory reporting.
+across world sizes, ``initialise_state`` to create the state before the first step (as that step would), and
+``state_bytes`` for memory reporting.
 """
 
 from __future__ import annotations
@@ -77,16 +78,33 @@ class OptimizersContainer:
             initialise_state(optimizer)
             set_optimizer_state_dict(model, optimizer, state_dict, options=_FLAT)
 
+    def initialise_state(self) -> None:
+        """Create the state that optimizers create on their first step, as a fresh optimizer would have it.
+
+        This runs one step with zero gradients at lr 0 (compiling the step where the optimizer compiles it) and
+        changes no parameter; a no-op where the state exists. See ``state_init.initialise_state``.
+        """
+        for optimizer in self.optimizers:
+            initialise_state(optimizer)
+
     def state_bytes(self) -> int:
         """This rank's bytes of optimizer state (local shards only; meta and fake tensors count their size).
 
-        State that optimizers create on their first step is created here (as a fresh optimizer would have it).
+        Counts the state that exists: call ``initialise_state()`` first for the size before the first step.
         """
-        total = 0
-        for optimizer in self.optimizers:
-            initialise_state(optimizer)
-            total += sum(tensor_bytes(value) for state in optimizer.state.values() for value in state.values())
-        return total
+        missing = [i for i, optimizer in enumerate(self.optimizers) if _has_params(optimizer) and not optimizer.state]
+        if missing:
+            raise RuntimeError(f"optimizers {missing} have no state yet; call initialise_state() before state_bytes()")
+        return sum(
+            tensor_bytes(value)
+            for optimizer in self.optimizers
+            for state in optimizer.state.values()
+            for value in state.values()
+        )
+
+
+def _has_params(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.requires_grad for group in optimizer.param_groups for p in group["params"])
 
 
 def tensor_bytes(value: Any) -> int:

@@ -36,6 +36,7 @@ from torchtitan.models.roles import ATTN_OUT, KEY, MLP, QUERY, VALUE, canonical_
 from torchtitan.optim.muon_distributed import ShardedMatrix, orthogonalize_sharded, sharded_matrix
 from torchtitan.optim.partition import role_from_name
 from torchtitan.optim.state_storage import BFLOAT16, FLOAT32, keep_bfloat16_on_load, new_state, read_state
+from torchtitan.utils import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -196,13 +197,13 @@ class Muon(torch.optim.Optimizer):
         for p in params:
             if not self.state[p]:
                 self.state[p][MOMENTUM_BUFFER] = new_state(p, self.state_dtype)
-        grads = [_local(_grad_like_param(p)) for p in params]
-        buffers = [_local(self.state[p][MOMENTUM_BUFFER]) for p in params]
+        grads = [local_tensor(_grad_like_param(p)) for p in params]
+        buffers = [local_tensor(self.state[p][MOMENTUM_BUFFER]) for p in params]
         updates = momentum_updates(grads, buffers, group["momentum"], group["nesterov"])
         orthogonal = self._orthogonalize(params, updates, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
         lr = float(group["lr"])
         for p, o in zip(params, orthogonal):
-            local = _local(p)
+            local = local_tensor(p)
             local.mul_(1 - lr * group["weight_decay"])
             local.add_(o, alpha=-lr * lr_scale(p.shape, group["adjust_lr"]))
 
@@ -233,10 +234,6 @@ class Muon(torch.optim.Optimizer):
         if p not in self._matrices:
             self._matrices[p] = sharded_matrix(p)
         return self._matrices[p]
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _grad_like_param(p: Tensor) -> Tensor:

@@ -61,9 +61,10 @@ def _is_dataless(t: torch.Tensor) -> bool:
 def _decoupled_weight_decay(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     """Whether weight decay scales with lr (AdamW-style), so that lr 0 already stops it.
 
-    Such decay may stay on during the zero step, which spares torchao a recompile for a changed constant.
+    Such decay may stay on during the zero step, so that the step compiles the graphs the training steps use (torchao's
+    and ours: AdamMini and LowPrecisionAdam set ``decoupled_weight_decay``), not a variant for a changed constant.
     """
-    return group.get("decoupled_weight_decay") is True or getattr(optimizer, "is_adamw", False) is True
+    return group.get("decoupled_weight_decay") is True or getattr(optimizer, "decoupled_weight_decay", False) is True
 
 
 def _reset_step(state: dict[str, Any]) -> None:

@@ -1,8 +1,9 @@
 """How an optimizer's per-element state is stored: float32, bfloat16, or 8-/4-bit block-quantized (torchao).
 
 Storage is a property of the state tensor, not of the update: an update reads a state as a plain tensor of the
-compute dtype (``read_state``), does its math there, and writes the result back with ``copy_``, which rounds to the
-storage (round-to-nearest for bfloat16; blockwise quantization for the torchao tensors). The quantized tensors are
+compute dtype (``read_state``), does its math there, and writes the result back (``write_state``), which rounds to
+the storage (stochastic rounding for bfloat16; blockwise quantization for the torchao tensors). "float32" state is
+float32 whatever the weights' dtype (float64 for float64 weights). The quantized tensors are
 torchao's ``OptimState8bit`` / ``OptimState4bit`` (the ones its AdamW8bit/AdamW4bit keep), wrapped in a DTensor
 exactly when the parameter is one.
 """
@@ -23,6 +24,12 @@ DEFAULT_BLOCK_SIZE = {INT8: 256, INT4: 128}  # torchao's defaults for its 8- and
 MIN_QUANTIZED_NUMEL = 4096
 
 
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """What "float32" state means: float32 whatever the weights' dtype, float64 for float64 weights (the reference
+    precision of our tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def new_state(param: Tensor, storage: str, block_size: int | None = None, signed: bool = True) -> Tensor:
     """Zeros shaped like ``param`` (a DTensor with its layout when ``param`` is one), stored as ``storage``."""
     local = param.to_local() if isinstance(param, DTensor) else param
@@ -31,7 +38,7 @@ def new_state(param: Tensor, storage: str, block_size: int | None = None, signed
     elif storage == BFLOAT16:
         out = torch.zeros_like(local, dtype=torch.bfloat16, memory_format=torch.preserve_format)
     elif storage == FLOAT32:
-        out = torch.zeros_like(local, memory_format=torch.preserve_format)  # like the parameter
+        out = torch.zeros_like(local, dtype=at_least_float32(local.dtype), memory_format=torch.preserve_format)
     else:
         raise ValueError(f"unknown state storage {storage!r}")
     if not isinstance(param, DTensor):
@@ -44,7 +51,7 @@ def new_state(param: Tensor, storage: str, block_size: int | None = None, signed
 
 def _quantized_zeros(local: Tensor, storage: str, block_size: int, signed: bool) -> Tensor:
     if local.numel() < MIN_QUANTIZED_NUMEL or local.numel() % block_size:
-        return torch.zeros_like(local)
+        return torch.zeros_like(local, dtype=at_least_float32(local.dtype))
     from torchtitan.optim.torchao_adapter import import_torchao_optim
 
     import_torchao_optim()  # a clear error when torchao is missing
@@ -59,6 +66,14 @@ def is_quantized(value: Any) -> bool:
     """A torchao quantized state tensor (possibly a DTensor shard of one)."""
     local = value.to_local() if isinstance(value, DTensor) else value
     return is_traceable_wrapper_subclass(local) and callable(getattr(local, "dequantize", None))
+
+
+def write_state(stored: Tensor, value: Tensor, step: Tensor) -> None:
+    """Store ``value`` into the local state ``stored``: bfloat16 rounds stochastically (``step`` salts the rounding,
+    see :func:`round_to_bfloat16_stochastically`), quantized state quantizes, float state copies."""
+    if stored.dtype == torch.bfloat16 and value.dtype != torch.bfloat16:
+        value = round_to_bfloat16_stochastically(value, step)
+    stored.copy_(value)
 
 
 def read_state(local: Tensor, dtype: torch.dtype) -> Tensor:
@@ -78,18 +93,58 @@ def dequantized(value: Tensor) -> Tensor:
     )
 
 
-def keep_bfloat16_on_load(optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> None:
-    """Keep ``keys`` of every parameter's state in bfloat16 across ``optimizer.load_state_dict``.
+_LOW_32_BITS = 0xFFFFFFFF
 
-    torch's ``load_state_dict`` casts floating-point state to the parameter's dtype; bfloat16 values widen and
-    narrow back exactly, so a resumed run continues bit for bit.
+
+def _hash32(x: Tensor) -> Tensor:
+    """A well-mixed 32-bit hash of int64 ``x`` (values below 2**32); multipliers under 2**31 keep products in int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _LOW_32_BITS
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _LOW_32_BITS
+    return x ^ (x >> 16)
+
+
+def round_to_bfloat16_stochastically(value: Tensor, salt: Tensor) -> Tensor:
+    """``value`` rounded to bfloat16, up or down with odds by distance, so that the rounding is unbiased.
+
+    Round-to-nearest loses any change below half a bfloat16 step (1/512 of the value): ``v * 0.999`` rounds back
+    to ``v``, so a slowly decaying moment never decays. Stochastic rounding keeps such changes on average. The
+    random bits are a hash of the value's float32 bits and ``salt`` (an int64 tensor that changes every step, e.g.
+    the step count): no generator state, so a resumed run and every world size round exactly alike.
     """
+    bits = value.to(torch.float32).view(torch.int32)
+    unsigned = bits.to(torch.int64) & _LOW_32_BITS
+    noise = _hash32(unsigned ^ _hash32(salt.to(torch.int64) & _LOW_32_BITS)) & 0xFFFF
+    # Adding up to one bfloat16 step to the bits, then dropping the 16 low bits, rounds the magnitude up with
+    # probability (dropped bits) / 2**16.
+    return ((bits + noise.to(torch.int32)) & -65536).view(torch.float32).to(torch.bfloat16)
 
-    def narrow(optimizer: torch.optim.Optimizer) -> None:
-        for state in optimizer.state.values():
-            for key in keys:
-                value = state.get(key)
-                if isinstance(value, Tensor) and value.dtype in (torch.float32, torch.float64):
-                    state[key] = value.to(torch.bfloat16)
 
-    optimizer.register_load_state_dict_post_hook(narrow)
+def keep_state_dtypes_on_load(optimizer: torch.optim.Optimizer, storages: dict[str, str]) -> None:
+    """Keep the state ``{key: storage}`` (FLOAT32 or BFLOAT16) in its own dtype across ``load_state_dict``.
+
+    torch's ``load_state_dict`` casts floating-point state to the parameter's dtype: float32 state of bfloat16
+    weights would come back rounded to bfloat16. The incoming tensors are kept aside before that cast and put back in
+    the storage's dtype after it (bfloat16 values pass through float32 exactly), so a resumed run continues bit for
+    bit.
+    """
+    incoming: dict[Tensor, dict[str, Tensor]] = {}
+
+    def keep_incoming(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        incoming.clear()
+        for saved_group, group in zip(state_dict["param_groups"], optimizer.param_groups):
+            for index, param in zip(saved_group["params"], group["params"]):
+                saved = state_dict["state"].get(index, {})
+                incoming[param] = {key: saved[key] for key in storages if isinstance(saved.get(key), Tensor)}
+
+    def restore_dtypes(optimizer: torch.optim.Optimizer) -> None:
+        for param, values in incoming.items():
+            state = optimizer.state[param]
+            for key, value in values.items():
+                dtype = torch.bfloat16 if storages[key] == BFLOAT16 else at_least_float32(param.dtype)
+                state[key] = value.to(dtype=dtype, device=state[key].device)
+        incoming.clear()
+
+    optimizer.register_load_state_dict_pre_hook(keep_incoming)
+    optimizer.register_load_state_dict_post_hook(restore_dtypes)
