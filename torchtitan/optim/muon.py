@@ -35,7 +35,14 @@ from torchtitan.errors import UserError
 from torchtitan.models.roles import ATTN_OUT, KEY, MLP, QUERY, VALUE, canonical_name
 from torchtitan.optim.muon_distributed import ShardedMatrix, orthogonalize_sharded, sharded_matrix
 from torchtitan.optim.partition import role_from_name
-from torchtitan.optim.state_storage import BFLOAT16, FLOAT32, keep_bfloat16_on_load, new_state, read_state
+from torchtitan.optim.state_storage import (
+    BFLOAT16,
+    FLOAT32,
+    keep_state_dtypes_on_load,
+    new_state,
+    read_state,
+    write_state,
+)
 from torchtitan.utils import local_tensor
 
 logger = logging.getLogger(__name__)
@@ -54,7 +61,7 @@ DEFAULT_NS_DTYPE = "bfloat16"
 HIDDEN_MATRIX_ROLES = frozenset({QUERY, KEY, VALUE, ATTN_OUT, MLP})
 # State keys (torch.optim.Muon's and AdamW's), kept in bfloat16 across a load when state_dtype is bfloat16.
 MOMENTUM_BUFFER = "momentum_buffer"
-_BFLOAT16_KEYS = (MOMENTUM_BUFFER, "exp_avg", "exp_avg_sq")
+_STATE_KEYS = (MOMENTUM_BUFFER, "exp_avg", "exp_avg_sq")  # Muon's and its AdamW part's
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -90,14 +97,19 @@ def lr_scale(shape: tuple[int, ...], adjust_lr: str) -> float:
     return math.sqrt(max(1, rows / cols))
 
 
-def momentum_updates(grads: list[Tensor], buffers: list[Tensor], momentum: float, nesterov: bool) -> list[Tensor]:
-    """Advance the momentum buffers (in place, whatever their storage) and return the updates to orthogonalise."""
+def momentum_updates(
+    grads: list[Tensor], buffers: list[Tensor], momentum: float, nesterov: bool, step: int = 0
+) -> list[Tensor]:
+    """Advance the momentum buffers (in place, whatever their storage) and return the updates to orthogonalise.
+
+    A buffer stored in another dtype gets the new momentum through ``write_state`` (bfloat16: rounded
+    stochastically, salted by ``step``, so that a decaying momentum still decays); the update uses it unrounded."""
     updates = []
     for grad, buffer in zip(grads, buffers):
         m = read_state(buffer, grad.dtype)
         m.lerp_(grad, 1 - momentum)
         if m is not buffer:
-            buffer.copy_(m)  # rounds to the storage dtype
+            write_state(buffer, m, torch.tensor(step, dtype=torch.int64, device=m.device))
         updates.append(grad.lerp(m, momentum) if nesterov else m)
     return updates
 
@@ -172,8 +184,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__([muon_group] + (list(others.param_groups) if others is not None else []), {})
         self.others = others
         self.state_dtype = state_dtype
-        if state_dtype == BFLOAT16:
-            keep_bfloat16_on_load(self, _BFLOAT16_KEYS)
+        # torch's load casts state to the weights' dtype; keep each state in the dtype state_dtype says.
+        keep_state_dtypes_on_load(self, {key: state_dtype for key in _STATE_KEYS})
         self._matrices: dict[Tensor, Optional[ShardedMatrix]] = {}
 
     @torch.no_grad()
@@ -199,7 +211,9 @@ class Muon(torch.optim.Optimizer):
                 self.state[p][MOMENTUM_BUFFER] = new_state(p, self.state_dtype)
         grads = [local_tensor(_grad_like_param(p)) for p in params]
         buffers = [local_tensor(self.state[p][MOMENTUM_BUFFER]) for p in params]
-        updates = momentum_updates(grads, buffers, group["momentum"], group["nesterov"])
+        # A count of Muon steps in the group (saved with it): the salt of bfloat16 momentum's stochastic rounding.
+        group["steps"] = group.get("steps", 0) + 1
+        updates = momentum_updates(grads, buffers, group["momentum"], group["nesterov"], group["steps"])
         orthogonal = self._orthogonalize(params, updates, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
         lr = float(group["lr"])
         for p, o in zip(params, orthogonal):
