@@ -43,6 +43,8 @@ def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
     for name in ["AdamW", *gpu_check.low_bit_names()]:
         assert saved.count(f"\n{name} ") == 2, saved  # a table row in the synchronous and the asynchronous run
     assert "fused AdamW" in report["steps"]["bench_optimizers"]["text"]
+    listed = [row["result"] for row in report["steps"]["component_checks"]["rows"]]
+    assert listed == ["listed (dry run)"] * len(gpu_check.component_commands(out))
     markdown = (out / "gpu_check.md").read_text()
     for name in gpu_check.STEPS:
         assert f"## {name}: ok" in markdown
@@ -55,6 +57,10 @@ def test_plan_follows_the_registry():
         assert variant in specs
     assert gpu_check.optimizer_specs(["AdamMini4bit"]) == ["AdamMini4bit"]
     assert "tests/test_estimation_cuda.py" in gpu_check.gpu_test_files()
+    # The component checks name scripts that exist (the list cannot outlive a renamed benchmark).
+    scripts = [command[1] for _, command in gpu_check.component_commands(ROOT) if command[1].endswith(".py")]
+    assert "benchmarks/bench_loss.py" in scripts and "train.py" in scripts
+    assert all((ROOT / script).is_file() for script in scripts), scripts
 
 
 def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path, monkeypatch):

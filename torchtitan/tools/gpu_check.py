@@ -442,6 +442,73 @@ def step_checkpoint_memory(ctx: Context) -> StepResult:
     return StepResult(text="\n".join(text))
 
 
+def component_commands(out: Path) -> list[tuple[str, list[str]]]:
+    """(what it checks, command) of the GPU checks that other parts of the project ship as their own scripts."""
+    python = sys.executable
+    hf_dump = str(out / "hf-roundtrip")
+    debug = ["train.py", "--job.config_file", "train_configs/debug_model.toml", "--training.steps", "4"]
+    return [
+        (
+            "chunked loss at 8B shapes (2 blocks): tokens/s and peak, 1 vs 8 chunks",
+            [
+                python,
+                "benchmarks/bench_loss.py",
+                "--device",
+                "cuda",
+                "--job.config_file",
+                "train_configs/llama3_8b.toml",
+            ]
+            + ["--training.param_dtype", "bfloat16", "--n_layers", "2", "--chunks", "1,8", "--rounds", "10"],
+        ),
+        (
+            "bf16 stochastic rounding: compiled on CUDA equals eager on CPU",
+            [
+                python,
+                "-c",
+                "import torch; from torchtitan.optim.state_storage import round_to_bfloat16_stochastically as r; "
+                "x = torch.randn(1 << 20, device='cuda'); s = torch.tensor(7, device='cuda'); "
+                "c = torch.compile(r, fullgraph=True, dynamic=False); "
+                "assert torch.equal(c(x, s).cpu(), r(x.cpu(), s.cpu())); print('equal')",
+            ],
+        ),
+        (
+            "bf16 state rounding: speed on the GPU",
+            [python, "benchmarks/bf16_momentum_rounding.py", "--speed-only", "cuda"],
+        ),
+        ("data loader: tokens/s per rank at 1 and 4 simulated ranks", [python, "benchmarks/bench_data_loader.py"]),
+        (
+            "Hugging Face export of a bf16 run with a fused RMSNorm and time-based pinned async saves",
+            [python, *debug, "--job.dump_folder", hf_dump, "--model.norm_type", "fused_rmsnorm"]
+            + ["--checkpoint.enable_checkpoint", "--checkpoint.interval_type", "seconds", "--checkpoint.interval", "1"]
+            + ["--checkpoint.async_mode", "async_with_pinned_mem", "--checkpoint.last_save_in_hf"]
+            + ["--checkpoint.export_dtype", "bfloat16", "--training.gc_freq", "2"],
+        ),
+        (
+            "Hugging Face import of that export, with a compiled RMSNorm",
+            [python, *debug, "--job.dump_folder", hf_dump + "-import", "--model.norm_type", "compiled_rmsnorm"]
+            + ["--checkpoint.initial_load_path", f"{hf_dump}/checkpoint/AdamW/step-4-hf"]
+            + ["--checkpoint.initial_load_in_hf"],
+        ),
+    ]
+
+
+def step_component_checks(ctx: Context) -> StepResult:
+    """The GPU checks of the chunked loss, bf16 state rounding, the data loader and Hugging Face weights, each its
+    own command (listed, not run, in a dry run: they need CUDA)."""
+    rows = []
+    for what, command in component_commands(ctx.out):
+        shown = " ".join(command[1:])
+        if ctx.dry_run:
+            rows.append({"check": what, "command": shown, "result": "listed (dry run)"})
+            continue
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=_env(ctx))
+        tail = " / ".join((done.stdout + done.stderr).strip().splitlines()[-6:])
+        rows.append(
+            {"check": what, "command": shown, "result": "ok" if done.returncode == 0 else "FAILED", "output": tail}
+        )
+    return StepResult(rows=rows)
+
+
 def step_gpu_tests(ctx: Context) -> StepResult:
     files = gpu_test_files()
     if ctx.dry_run:
@@ -484,6 +551,7 @@ STEPS: dict[str, Callable[[Context], StepResult]] = {
     "float8": step_float8,
     "async_checkpoint": step_async_checkpoint,
     "checkpoint_memory": step_checkpoint_memory,
+    "component_checks": step_component_checks,
     "gpu_tests": step_gpu_tests,
 }
 
