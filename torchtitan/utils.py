@@ -10,12 +10,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan.errors import UserError
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def local_tensor(value: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; any other tensor as it is."""
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+def grad_like_param(p: torch.Tensor, optimizer_name: str) -> torch.Tensor:
+    """``p``'s dense gradient laid out as ``p`` (a DTensor gradient may come back with other placements)."""
+    grad = p.grad
+    if grad.is_sparse:
+        raise UserError(f"{optimizer_name} does not support sparse gradients; use a dense embedding")
+    if isinstance(grad, DTensor) and grad.placements != p.placements:
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad
 
 
 def init_distributed(timeout_seconds: int) -> tuple[torch.device, int, int]:

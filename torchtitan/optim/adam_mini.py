@@ -33,7 +33,6 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import UserError
 from torchtitan.models.roles import KEY, QUERY
@@ -58,7 +57,7 @@ from torchtitan.optim.state_storage import (
     keep_state_dtypes_on_load,
     new_state,
 )
-from torchtitan.utils import local_tensor
+from torchtitan.utils import grad_like_param, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +214,7 @@ class AdamMini(torch.optim.Optimizer):
                 if not state:
                     self._init_state(p, state, layout)
                 params.append(p)
-                grads.append(_grad_like_param(p))
+                grads.append(grad_like_param(p, "AdamMini"))
                 exp_avgs.append(state["m"])
                 second_moments.append(state["v"])
                 steps.append(state["step"])
@@ -248,15 +247,6 @@ class AdamMini(torch.optim.Optimizer):
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
         state["m"] = new_state(p, self.momentum_storage, self.block_size)
         state["v"] = new_second_moment(p, layout)
-
-
-def _grad_like_param(p: Tensor) -> Tensor:
-    grad = p.grad
-    if grad.is_sparse:
-        raise UserError("AdamMini does not support sparse gradients; use a dense embedding")
-    if isinstance(grad, DTensor) and grad.placements != p.placements:
-        grad = grad.redistribute(p.device_mesh, p.placements)
-    return grad
 
 
 def _named_trainable(named_parameters: Any) -> list[tuple[str, Tensor]]:

@@ -43,7 +43,7 @@ from torchtitan.optim.state_storage import (
     read_state,
     write_state,
 )
-from torchtitan.utils import local_tensor
+from torchtitan.utils import grad_like_param, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class Muon(torch.optim.Optimizer):
         for p in params:
             if not self.state[p]:
                 self.state[p][MOMENTUM_BUFFER] = new_state(p, self.state_dtype)
-        grads = [local_tensor(_grad_like_param(p)) for p in params]
+        grads = [local_tensor(grad_like_param(p, "Muon")) for p in params]
         buffers = [local_tensor(self.state[p][MOMENTUM_BUFFER]) for p in params]
         # A count of Muon steps in the group (saved with it): the salt of bfloat16 momentum's stochastic rounding.
         group["steps"] = group.get("steps", 0) + 1
@@ -248,15 +248,6 @@ class Muon(torch.optim.Optimizer):
         if p not in self._matrices:
             self._matrices[p] = sharded_matrix(p)
         return self._matrices[p]
-
-
-def _grad_like_param(p: Tensor) -> Tensor:
-    grad = p.grad
-    if grad.is_sparse:
-        raise UserError("Muon does not support sparse gradients")
-    if isinstance(grad, DTensor) and grad.placements != p.placements:
-        grad = grad.redistribute(p.device_mesh, p.placements)
-    return grad
 
 
 def _check_arguments(
