@@ -42,16 +42,34 @@ def test_identical_runs_give_identical_losses_and_the_seed_matters(debug_run, tm
 
 @pytest.fixture(scope="module")
 def one_process_float64(tmp_path_factory):
-    path = tmp_path_factory.mktemp("one")
-    train(path, "--training.batch_size", "4", "--training.param_dtype", "float64", cpu=True)
-    return losses(path)
+    """One process's float64 losses on the global batch of 4 sequences that ``readers`` data readers deal out.
+
+    Each data-parallel rank reads its own share of the documents (one reader per rank and loader worker), so a
+    layout with N data-parallel ranks sees what one process with N loader workers sees when it takes one micro-batch
+    from each worker in turn: batch 4 / N, N accumulation steps (the same mean over the same 4 sequences)."""
+    found = {}
+
+    def losses_with(readers: int) -> list[float]:
+        if readers not in found:
+            path = tmp_path_factory.mktemp(f"one-{readers}-readers")
+            batch = ["--training.batch_size", str(4 // readers), "--training.gradient_accumulation_steps", str(readers)]
+            train(path, *batch, "--training.data_workers", str(readers), "--training.param_dtype", "float64", cpu=True)
+            found[readers] = losses(path)
+        return found[readers]
+
+    return losses_with
 
 
 @pytest.mark.parametrize(
     "nproc, layout",
     [
         (2, ["--training.batch_size", "2"]),  # FSDP over 2 ranks
-        (2, ["--training.tensor_parallel_degree", "2", "--training.batch_size", "4"]),  # TP 2 (loss parallel)
+        # TP 2 (loss parallel); two loader workers, so that it reads as the two data-parallel ranks of fsdp2 do.
+        (
+            2,
+            ["--training.tensor_parallel_degree", "2", "--training.batch_size", "2"]
+            + ["--training.gradient_accumulation_steps", "2", "--training.data_workers", "2"],
+        ),
         # FSDP 2 x TP 2; the training timeout (after the first step) goes to every group and changes no number.
         (
             4,
@@ -69,15 +87,16 @@ def one_process_float64(tmp_path_factory):
     ids=["fsdp2", "tp2", "fsdp2_x_tp2", "hsdp2x2"],
 )
 def test_parallel_layouts_match_one_process(tmp_path, one_process_float64, nproc, layout):
-    # Same global batch (4 sequences), so every layout sees exactly the data one process sees; float64 makes the
-    # only difference the order of floating-point sums, far below rel 1e-9. On CPU everywhere: on a GPU, FSDP
-    # computes in training.mixed_precision_param, which a float64 comparison cannot absorb.
+    # Same global batch (4 sequences from the same data readers), so every layout sees exactly the data one process
+    # sees; float64 makes the only difference the order of floating-point sums, far below rel 1e-9. On CPU
+    # everywhere: on a GPU, FSDP computes in training.mixed_precision_param, which a float64 comparison cannot absorb.
     proc = train(tmp_path, "--training.param_dtype", "float64", *layout, nproc=nproc, cpu=True)
     if "--comm.train_timeout_seconds" in layout:
         assert "collectives: timeout 600 s from now on" in proc.stderr
     two = losses(tmp_path)
     assert two[-1] < two[0]
-    assert two == pytest.approx(one_process_float64, rel=1e-9)
+    readers = 4 if "--training.data_parallel_replicate_degree" in layout else 2  # data-parallel ranks x workers
+    assert two == pytest.approx(one_process_float64(readers), rel=1e-9)
 
 
 BAD_INPUT = [

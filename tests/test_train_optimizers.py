@@ -61,9 +61,10 @@ def test_state_bytes_ratios(trained):
 
 @pytest.mark.parametrize("name", ["AdamMini"])
 def test_two_fsdp_processes(tmp_path, name):
-    # 2 ranks of 2 sequences see the global batch one process of 4 sequences sees: the same losses, up to float32
-    # summation order on CPU, or FSDP's bf16 compute (training.mixed_precision_param) on GPUs. (AdamW's FSDP run
-    # against one process, in float64, is tests/test_train.py's fsdp2 layout.)
+    # 2 ranks of 2 sequences see the global batch one process sees when it takes 2 micro-batches of 2 sequences from
+    # 2 loader workers (each rank, like each worker, reads its own share of the documents): the same losses, up to
+    # float32 summation order on CPU, or FSDP's bf16 compute (training.mixed_precision_param) on GPUs. (AdamW's FSDP
+    # run against one process, in float64, is tests/test_train.py's fsdp2 layout.)
     train(tmp_path / "two", "--optimizer.name", name, "--training.steps", "4", nproc=2)
     on_gpus = uses_cuda(2)
     train(
@@ -73,7 +74,11 @@ def test_two_fsdp_processes(tmp_path, name):
         "--training.steps",
         "4",
         "--training.batch_size",
-        "4",
+        "2",
+        "--training.gradient_accumulation_steps",
+        "2",
+        "--training.data_workers",
+        "2",
         cpu=not on_gpus,
     )
     values = losses(tmp_path / "two")

@@ -242,6 +242,9 @@ OPTION_RULES: dict[str, OptionRule] = {
     STATE_DTYPE: OptionRule(shapes_state=True, unset_means="float32"),
     VALUE_BLOCKS: OptionRule(shapes_state=True, unset_means="per_row"),
     BLOCK_SIZE: OptionRule(shapes_state=True),
+    # Muon's update rule (momentum, Nesterov, Newton-Schulz steps and dtype, lr scale): one momentum buffer whatever
+    # they are.
+    **{option: OptionRule(shapes_state=False) for option in MUON_OPTIONS},
 }
 
 
