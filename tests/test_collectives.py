@@ -142,6 +142,9 @@ def test_helpers_without_a_process_group_return_the_value():
     cpu = torch.device("cpu")
     assert collectives.all_reduce_scalar(2.5, "mean", None, cpu) == 2.5
     assert collectives.all_reduce_scalar(torch.tensor(3), "sum", None, cpu) == 3.0
+    # Python numbers keep float64 precision: a time stamp (the run folder's name) and a large byte count.
+    assert collectives.all_reduce_scalar(1796142047.25, "max", None, cpu) == 1796142047.25
+    assert collectives.all_reduce_scalar(123_456_789_012, "sum", None, cpu) == 123_456_789_012
     assert collectives.any_rank(torch.tensor(True), cpu) is True
     assert collectives.any_rank(False, cpu) is False
     with pytest.raises(ValueError, match="unknown reduction"):

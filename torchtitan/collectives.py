@@ -27,7 +27,10 @@ def all_reduce_scalar(
     ``group`` is None (nothing to reduce over, e.g. no data parallelism) or there is no process group."""
     if op not in _OPS:
         raise ValueError(f"unknown reduction {op!r}; one of {sorted(_OPS)}")
-    t = torch.as_tensor(value).detach().reshape(1).to(device=device, dtype=torch.float64, copy=True)
+    # A Python number goes straight to float64: through torch's default float32 a time stamp or a byte count
+    # would lose its low digits (a time of day to within about two minutes).
+    value = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+    t = value.detach().reshape(1).to(device=device, dtype=torch.float64, copy=True)
     if group is None or not dist.is_initialized():
         return float(t.item())
     dist.all_reduce(t, op=_OPS[op], group=group)
