@@ -38,6 +38,7 @@ from torchtitan.optim.partition import role_from_name
 from torchtitan.optim.state_storage import (
     BFLOAT16,
     FLOAT32,
+    at_least_float32,
     keep_state_dtypes_on_load,
     new_state,
     read_state,
@@ -102,14 +103,20 @@ def momentum_updates(
 ) -> list[Tensor]:
     """Advance the momentum buffers (in place, whatever their storage) and return the updates to orthogonalise.
 
-    A buffer stored in another dtype gets the new momentum through ``write_state`` (bfloat16: rounded
-    stochastically, salted by ``step``, so that a decaying momentum still decays); the update uses it unrounded."""
+    The math runs in at least float32, whatever the weights' dtype. A buffer stored in another dtype gets the new
+    momentum through ``write_state`` (bfloat16: rounded stochastically, salted by ``step``, so that a decaying
+    momentum still decays); the update uses it unrounded."""
     updates = []
+    salt = None
     for grad, buffer in zip(grads, buffers):
-        m = read_state(buffer, grad.dtype)
+        dtype = at_least_float32(grad.dtype)
+        grad = grad.to(dtype)
+        m = read_state(buffer, dtype)
         m.lerp_(grad, 1 - momentum)
         if m is not buffer:
-            write_state(buffer, m, torch.tensor(step, dtype=torch.int64, device=m.device))
+            if salt is None or salt.device != m.device:
+                salt = torch.tensor(step, dtype=torch.int64, device=m.device)
+            write_state(buffer, m, salt)
         updates.append(grad.lerp(m, momentum) if nesterov else m)
     return updates
 
@@ -148,7 +155,8 @@ class Muon(torch.optim.Optimizer):
         momentum, nesterov, ns_steps: as torch.optim.Muon (0.95, True, 5).
         ns_dtype: dtype of the Newton–Schulz iteration: ``"bfloat16"`` (torch's), ``"float32"`` or ``"float64"``.
         adjust_lr: ``"match_rms_adamw"`` (default) or ``"original"``, see the module docstring.
-        state_dtype: storage of the momentum: ``"float32"`` (like the parameter) or ``"bfloat16"``.
+        state_dtype: storage of the momentum: ``"float32"`` (at least: float64 for float64 weights, float32 for
+            bfloat16 weights) or ``"bfloat16"`` (rounded stochastically).
         others: an optimizer over the remaining parameters, or None. Its param groups follow the Muon group in
             ``param_groups`` and its state lives in this optimizer's ``state``.
     """
@@ -207,13 +215,16 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return
         for p in params:
-            if not self.state[p]:
-                self.state[p][MOMENTUM_BUFFER] = new_state(p, self.state_dtype)
+            state = self.state[p]
+            if not state:
+                # A CPU step count like AdamW's: the salt of bfloat16 momentum's stochastic rounding.
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
+                state[MOMENTUM_BUFFER] = new_state(p, self.state_dtype)
+            state["step"] += 1
         grads = [local_tensor(grad_like_param(p, "Muon")) for p in params]
         buffers = [local_tensor(self.state[p][MOMENTUM_BUFFER]) for p in params]
-        # A count of Muon steps in the group (saved with it): the salt of bfloat16 momentum's stochastic rounding.
-        group["steps"] = group.get("steps", 0) + 1
-        updates = momentum_updates(grads, buffers, group["momentum"], group["nesterov"], group["steps"])
+        step = int(self.state[params[0]]["step"])  # every matrix steps together
+        updates = momentum_updates(grads, buffers, group["momentum"], group["nesterov"], step)
         orthogonal = self._orthogonalize(params, updates, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
         lr = float(group["lr"])
         for p, o in zip(params, orthogonal):
