@@ -105,9 +105,7 @@ def main(job_config: JobConfig) -> None:
         return
     checkpoint.load(step=job_config.checkpoint.load_step)
 
-    # One start time for every rank, so that per-rank metric folders (metrics.rank_0_only off) share a run folder.
-    run_started = all_reduce_scalar(time.time(), "max", _world_group(), device)
-    metric_logger = build_metric_logger(job_config, optimizers.name, rank, when=run_started)
+    metric_logger = build_metric_logger(job_config, optimizers.name, rank, _world_group())
     optimizers.initialise_state()  # a fresh run's state exists from the start (measured, and checkpointable)
     state_bytes = all_reduce_scalar(optimizers.state_bytes(), "sum", _world_group(), device)
     metric_logger.log({"optimizer/state_bytes": state_bytes}, train_state.step)
@@ -125,9 +123,8 @@ def main(job_config: JobConfig) -> None:
         f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"
     )
     window_start, window_steps = time.perf_counter(), 0
-    garbage_collection = GarbageCollection(t.gc_freq)
     first_step = train_state.step + 1
-    with maybe_profile(job_config, train_state) as profiler:
+    with maybe_profile(job_config, train_state) as profiler, GarbageCollection(t.gc_freq) as garbage_collection:
         while train_state.step < t.steps:
             train_state.step += 1
             garbage_collection.run(train_state.step)
@@ -136,7 +133,7 @@ def main(job_config: JobConfig) -> None:
                 model, optimizers, batches, parallel_dims, job_config, device, guard, train_state.step
             )
             if train_state.step == first_step and job_config.comm.train_timeout_seconds is not None:
-                set_collective_timeout(job_config.comm.train_timeout_seconds, world_mesh)
+                set_collective_timeout(job_config.comm.train_timeout_seconds, world_mesh, dp_group)
                 logger.info(f"collectives: timeout {job_config.comm.train_timeout_seconds} s from now on")
             # A skipped step still consumes its batch and advances the schedule (see torchtitan/guard.py).
             lr_schedulers.step()
@@ -185,7 +182,6 @@ def main(job_config: JobConfig) -> None:
 
     checkpoint.close()
     metric_logger.close()
-    garbage_collection.close()
     logger.info("training done")
 
 

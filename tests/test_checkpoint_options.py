@@ -10,6 +10,7 @@ import pytest
 
 from tests.helpers import Trainer, assert_same_snapshot, job_config
 from tests.helpers import checkpoint_job as job
+from torchtitan import metrics
 from torchtitan.errors import UserError
 from torchtitan.garbage_collection import GarbageCollection
 from torchtitan.metrics import build_metric_logger, format_log_line
@@ -59,13 +60,12 @@ def test_seed_checkpoint_is_the_initial_state_and_needs_an_empty_folder(tmp_path
 def test_gc_freq_collects_on_chosen_steps_only(monkeypatch):
     collected = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation))
-    collection = GarbageCollection(3)
-    try:
-        assert not gc.isenabled()
-        for step in range(1, 8):
-            collection.run(step)
-    finally:
-        collection.close()
+    with pytest.raises(RuntimeError, match="a run that fails"):
+        with GarbageCollection(3) as collection:
+            assert not gc.isenabled()
+            for step in range(1, 8):
+                collection.run(step)
+            raise RuntimeError("a run that fails still gives automatic collection back")
     assert gc.isenabled() and collected == [1, 1, 1]  # at start, then steps 3 and 6
     GarbageCollection(0).run(3)
     assert len(collected) == 3
@@ -84,10 +84,16 @@ def test_color_printing_colours_the_log_line():
     assert coloured.replace("\033[39m", "").count("step:") == 1
 
 
-def test_metrics_of_every_rank_when_not_rank_0_only(tmp_path):
+def test_metrics_of_every_rank_when_not_rank_0_only(tmp_path, monkeypatch):
     config = job_config("--job.dump_folder", str(tmp_path), "--metrics.rank_0_only", "false")
-    loggers = [build_metric_logger(config, "AdamW", rank, when=1.7e9) for rank in (0, 1)]
-    assert loggers[1].run_dir == os.path.join(loggers[0].run_dir, "rank_1")
+    first = build_metric_logger(config, "AdamW", 0)
+    second = build_metric_logger(config, "AdamW", 0)  # the same second: a folder of its own
+    assert second.run_dir == first.run_dir + "-2"
+    # Rank 1 takes the folder rank 0 chose (what the gather over the world group returns), never its own guess.
+    monkeypatch.setattr(metrics, "all_gather_objects", lambda value, group: [second.run_dir, value])
+    loggers = [second, build_metric_logger(config, "AdamW", 1)]
+    assert loggers[1].run_dir == os.path.join(second.run_dir, "rank_1")
+    first.close()
     for logger in loggers:
         logger.log({"loss": 1.0}, 1)
         logger.close()

@@ -68,16 +68,17 @@ def all_gather_objects(value: Any, group: Optional[dist.ProcessGroup]) -> list[A
     return values
 
 
-def set_collective_timeout(seconds: int, mesh) -> None:
-    """From now on, ``seconds`` is the timeout of the default process group and of every group of ``mesh``.
+def set_collective_timeout(seconds: int, mesh, *groups: Optional[dist.ProcessGroup]) -> None:
+    """From now on, ``seconds`` is the timeout of the default process group, of every group of ``mesh`` and of
+    ``groups`` (groups made from the mesh that it does not list itself, such as HSDP's flattened data-parallel one).
 
     A barrier first, so that no rank still in its first step (under the longer start-up timeout) is cut short.
     """
     if not dist.is_initialized():
         return
     dist.barrier()
-    groups = [dist.group.WORLD, *(mesh.get_all_groups() if mesh is not None else [])]
-    for group in groups:
+    mesh_groups = mesh.get_all_groups() if mesh is not None else []
+    for group in [dist.group.WORLD, *mesh_groups, *(g for g in groups if g is not None)]:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from torchtitan.errors import UserError
 from torchtitan.legacy_config import LEGACY_KEYS, LEGACY_SECTIONS, translate
+from torchtitan.lr_scheduling import DECAY_TYPES
 from torchtitan.models.norm_types import NORM_TYPES, RMSNORM_TYPES
 
 if sys.version_info >= (3, 11):
@@ -132,9 +133,7 @@ class Training:
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", gt=0)
     steps: int = opt(10000, "optimizer steps to train", gt=0)
     warmup_steps: int = opt(200, "linear warmup steps", ge=0)
-    decay_type: str = opt(
-        "linear", "lr decay after warmup (sqrt: 1 - sqrt(progress))", choices=("linear", "cosine", "sqrt", "constant")
-    )
+    decay_type: str = opt("linear", "lr decay after warmup (sqrt: 1 - sqrt(progress))", choices=DECAY_TYPES)
     decay_ratio: Optional[float] = opt(
         None,
         "share of training.steps that decay, at the end (warmup-stable-decay: the peak lr in between); "

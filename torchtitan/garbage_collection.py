@@ -25,3 +25,9 @@ class GarbageCollection:
         """Give automatic collection back (tests and tools run several jobs in one process)."""
         if self.gc_freq > 0:
             gc.enable()
+
+    def __enter__(self) -> "GarbageCollection":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()  # also when the run stops with an error

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from torchtitan.collectives import all_gather_objects
 from torchtitan.logging import logger
 
 # Dense bf16 peak FLOP/s per device, for MFU, as (part of torch.cuda.get_device_name, FLOP/s): the first match
@@ -88,7 +89,8 @@ def run_dir_name(optimizer_name: str, when: Optional[float] = None) -> str:
 
 
 class MetricLogger:
-    """Writes scalars to TensorBoard and metrics.jsonl; a no-op on ranks other than 0."""
+    """Writes scalars to TensorBoard and metrics.jsonl; a no-op without a run folder (ranks other than 0, unless
+    ``metrics.rank_0_only`` is off)."""
 
     def __init__(self, run_dir: Optional[str], enable_tensorboard: bool):
         self.run_dir = run_dir
@@ -119,22 +121,29 @@ class MetricLogger:
             self.jsonl.close()
 
 
-def build_metric_logger(job_config, optimizer_name: str, rank: int, when: Optional[float] = None) -> MetricLogger:
-    """Rank 0's logger writes the run folder; with ``metrics.rank_0_only`` off every other rank writes ``rank_N``
-    inside it (``when``: the run's start time, the same on every rank, names the folder)."""
-    base = os.path.join(job_config.job.dump_folder, job_config.metrics.save_tb_folder)
+def build_metric_logger(job_config, optimizer_name: str, rank: int, group=None) -> MetricLogger:
+    """Rank 0's logger writes a new run folder; with ``metrics.rank_0_only`` off every other rank writes ``rank_N``
+    inside the folder rank 0 chose (shared over ``group``, the world: ranks never guess the name on their own)."""
+    rank_0_only = job_config.metrics.rank_0_only
+    if rank != 0 and rank_0_only:
+        return MetricLogger(None, False)
+    chosen = _new_run_dir(job_config, optimizer_name) if rank == 0 else None
+    if not rank_0_only:
+        chosen = all_gather_objects(chosen, group)[0]  # every rank calls this: rank 0's choice, everywhere
     if rank != 0:
-        if job_config.metrics.rank_0_only:
-            return MetricLogger(None, False)
-        run_dir = os.path.join(base, run_dir_name(optimizer_name, when), f"rank_{rank}")
-        return MetricLogger(run_dir, job_config.metrics.enable_tensorboard)
-    run_dir = os.path.join(base, run_dir_name(optimizer_name, when))
+        return MetricLogger(os.path.join(chosen, f"rank_{rank}"), job_config.metrics.enable_tensorboard)
+    logger.info(f"metrics go to {chosen}")
+    return MetricLogger(chosen, job_config.metrics.enable_tensorboard)
+
+
+def _new_run_dir(job_config, optimizer_name: str) -> str:
+    base = os.path.join(job_config.job.dump_folder, job_config.metrics.save_tb_folder)
+    run_dir = os.path.join(base, run_dir_name(optimizer_name))
     suffix = 1
     while os.path.exists(run_dir):  # two runs started in the same second never share a folder
         suffix += 1
-        run_dir = os.path.join(base, run_dir_name(optimizer_name, when) + f"-{suffix}")
-    logger.info(f"metrics go to {run_dir}")
-    return MetricLogger(run_dir, job_config.metrics.enable_tensorboard)
+        run_dir = os.path.join(base, run_dir_name(optimizer_name) + f"-{suffix}")
+    return run_dir
 
 
 # ANSI colours of the log line's fields (metrics.enable_color_printing).

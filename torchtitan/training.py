@@ -4,7 +4,7 @@
 step a run takes:
 
 * :func:`build_model`: the job's Llama 3 on the meta device, in the parameter dtype, parallelized (TP, activation
-  checkpointing, compile, FSDP2); no memory yet.
+  checkpointing, compile, FSDP2, or autocast for bf16 compute without FSDP); no memory yet.
 * :func:`init_model`: memory on a device and the initial weights (the same for every layout and world size).
 * :func:`train_step`: forward, loss, backward over the accumulation micro-batches (under HSDP, one all-reduce
   across replicas per step), gradient clipping, the divergence guard's decision, the optimizer step.

@@ -5,10 +5,11 @@ The order matters: float8 swaps ``nn.Linear`` modules, which the tensor-parallel
 and compile wrappers go around whole blocks; FSDP2 goes last, around the (wrapped) blocks and the root, so that its
 all-gathers run outside compiled and recomputed regions.
 
-With one process and no parallelism (``world_mesh is None``) only float8, activation checkpointing and compile are
-applied. On CUDA the model computes in ``training.mixed_precision_param`` over float32 master weights whatever the
-layout (:func:`mixed_precision_mode`): through FSDP2's policy (fp32 gradient reduction) when data parallelism is on,
-else through autocast around the model's forward (one GPU, TP only). On CPU it computes in its parameters' dtype.
+With one process and no parallelism (``world_mesh is None``) only float8, activation checkpointing, compile and (on
+CUDA) autocast are applied. On CUDA the model computes in ``training.mixed_precision_param`` over float32 master
+weights whatever the layout (:func:`mixed_precision_mode`): through FSDP2's policy (fp32 gradient reduction) when
+data parallelism is on, else through autocast around the model's forward (one GPU, TP only). On CPU it computes in
+its parameters' dtype.
 """
 
 from __future__ import annotations
@@ -234,7 +235,9 @@ def apply_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> No
 
     @functools.wraps(forward)
     def forward_under_autocast(*args, **kwargs):
-        with torch.autocast(device_type, dtype=dtype):
+        # No weight-cast cache: it would keep a low-precision copy of every weight until the forward ends, which
+        # activation checkpointing would otherwise free block by block (each weight is cast once per forward anyway).
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=False):
             return forward(*args, **kwargs)
 
     model.forward = forward_under_autocast
