@@ -188,9 +188,10 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     assert adamw.params == 4 * sum(local_numels)
     # AdamW: two float32 moments per element and a float32 step counter per parameter.
     assert adamw.optimizer_state == 2 * 4 * sum(local_numels) + 4 * len(local_numels)
-    # Muon: one float32 momentum per element of a hidden matrix; AdamW's two moments and a step for the rest.
+    # Muon: one float32 momentum per element of a hidden matrix, AdamW's two moments for the rest; a float32 step
+    # counter per parameter.
     hidden = [".attention.w" in name or ".feed_forward." in name for name, _ in model.named_parameters()]
-    muon_state = sum((4 if h else 8) * n for h, n in zip(hidden, local_numels)) + 4 * hidden.count(False)
+    muon_state = sum((4 if h else 8) * n for h, n in zip(hidden, local_numels)) + 4 * len(hidden)
     assert muon.optimizer_state == muon_state
     # Adam-mini keeps the first moment whole and one second moment per block: about half.
     assert 0.49 < adam_mini.optimizer_state / adamw.optimizer_state < 0.52
