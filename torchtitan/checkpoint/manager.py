@@ -449,6 +449,7 @@ class CheckpointManager:
         if self.rank == 0:
             self._publish_and_prune(temporary, final)
             logger.info(f"checkpoint: published {final}")
+        self._note_published(final)
 
     def _publish_everywhere(self, temporary: str, final: str) -> None:
         self._barrier()  # every rank has written its part
@@ -459,7 +460,6 @@ class CheckpointManager:
 
     def _publish_and_prune(self, temporary: str, final: str) -> None:
         publish(temporary, final)
-        self._note_published(final)
         match = STEP_FOLDER.match(os.path.basename(final))
         if not (self.keep_latest_k and match):
             return
