@@ -46,7 +46,7 @@ from torchtitan.checkpoint.safe_reading import (
     SafeFileSystemReader,
     SafeLoadPlanner,
 )
-from torchtitan.collectives import all_reduce_scalar
+from torchtitan.collectives import all_reduce_scalar, any_rank
 from torchtitan.errors import UserError
 from torchtitan.guard import (
     DivergenceError,
@@ -670,7 +670,8 @@ class CheckpointManager:
             dist.barrier(group=self._group)
 
     def _any_rank(self, flag: bool) -> bool:
-        return bool(self._max_over_ranks(int(flag)))
+        # Without our group (one process, or nothing to save) there is no one to ask: any_rank would use the world.
+        return flag if self._group is None else any_rank(flag, torch.device("cpu"), self._group)
 
     def _max_over_ranks(self, count: int) -> int:
         if self._group is None:
