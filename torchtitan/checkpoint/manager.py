@@ -482,16 +482,20 @@ class CheckpointManager:
             state[name] = torch.frombuffer(bytearray(encode_plain(value)), dtype=torch.uint8)
         return state
 
+    def _plain_objects(self) -> dict[str, Any]:
+        """The objects whose state is saved as JSON, by name: reading the names calls no ``state_dict()`` (the
+        data loader's is a collective and starts its workers)."""
+        objects: dict[str, Any] = {}
+        if self.lr_schedulers is not None:
+            objects[LR_SCHEDULERS] = self.lr_schedulers
+        if self.data_loader is not None:
+            objects[DATALOADER] = self.data_loader
+        objects.update(self.states)
+        return objects
+
     def _plain_states(self) -> dict[str, Any]:
         """Everything saved as JSON, identical on every rank (DCP writes it once)."""
-        plain: dict[str, Any] = {}
-        if self.lr_schedulers is not None:
-            plain[LR_SCHEDULERS] = self.lr_schedulers.state_dict()
-        if self.data_loader is not None:
-            plain[DATALOADER] = self.data_loader.state_dict()
-        for name, obj in self.states.items():
-            plain[name] = obj.state_dict()
-        return plain
+        return {name: obj.state_dict() for name, obj in self._plain_objects().items()}
 
     def _model_state(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
@@ -579,7 +583,7 @@ class CheckpointManager:
         }
         reader = SafeFileSystemReader(path)
         metadata = reader.read_metadata()
-        plain_names = list(self._plain_states())
+        plain_names = list(self._plain_objects())
         self._check_matches(path, metadata, state, plain_names)
         for name in plain_names:
             state[name] = torch.empty(metadata.state_dict_metadata[name].size, dtype=torch.uint8)
@@ -590,11 +594,7 @@ class CheckpointManager:
             set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
         self.optimizers.load_state_dict(optimizer_state)
         plain = {name: decode_plain(state[name].numpy().tobytes()) for name in plain_names}
-        if LR_SCHEDULERS in plain:
-            self.lr_schedulers.load_state_dict(plain[LR_SCHEDULERS])
-        if DATALOADER in plain:
-            self.data_loader.load_state_dict(plain[DATALOADER])
-        for name, obj in self.states.items():
+        for name, obj in self._plain_objects().items():
             obj.load_state_dict(plain[name])
 
     def _read_part(self, path: str, state: dict[str, Any]) -> None:
