@@ -265,7 +265,7 @@ class CheckpointManager:
         if not steps:
             if self._initial_load():
                 return True
-            self._warn_about_shared_folder()
+            self._warn_about_earlier_folders()
             logger.info(f"checkpoint: nothing to resume in {self.folder}; starting from scratch")
             return False
         chosen = requested if requested >= 0 else steps[-1]
@@ -548,8 +548,10 @@ class CheckpointManager:
         )
         return True
 
-    def _warn_about_shared_folder(self) -> None:
-        """Checkpoints in the shared folder of earlier versions are not resumed by default; say so once."""
+    def _warn_about_earlier_folders(self) -> None:
+        """Checkpoints in the default folders of earlier versions are not resumed by default; say so once: the
+        shared folder, and the folder named after the optimizer alone, which earlier versions used whatever its
+        state options (it may also be this optimizer's at its default state, so a warning, not a refusal)."""
         if not self.default_folder or self.rank != 0:
             return
         shared = os.path.dirname(self.folder)
@@ -559,6 +561,17 @@ class CheckpointManager:
                 f"checkpoint: {shared} holds checkpoints outside the per-optimizer folders (steps "
                 f"{', '.join(map(str, steps))}); they are not resumed: to resume them, pass --checkpoint.folder "
                 f"{DEFAULT_FOLDER} (and the optimizer that wrote them)"
+            )
+        bare_name = resolve_optimizer_name(self.job_config.optimizer.name).name
+        if os.path.basename(self.folder) == bare_name:
+            return
+        bare = os.path.join(shared, bare_name)
+        steps = complete_steps(bare)
+        if steps:
+            logger.warning(
+                f"checkpoint: {bare} holds checkpoints of {bare_name} (steps {', '.join(map(str, steps))}), which "
+                f"earlier versions wrote there whatever its state options; if this run wrote them, resume them with "
+                f"--checkpoint.folder {os.path.join(DEFAULT_FOLDER, bare_name)}"
             )
 
     def _load_model_from(self, path: str) -> Optional[dict[str, Any]]:
