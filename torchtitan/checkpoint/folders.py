@@ -35,7 +35,7 @@ TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights|-hf)?\.tmp-")
 REPLACED_FOLDER = re.compile(r"^\.(step-\d+(?:-weights|-hf)?)\.old-[0-9a-f]+$")  # an old copy set aside while replacing
 SUPERSEDED_FOLDER = "superseded"  # checkpoints of a branch that a resume from an older step abandoned
 BRANCH_MARKER = ".branch.json"  # the moves of an abandoned branch, written before they start
-DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optimizer
+DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optimizer state
 
 
 def resolve_folder(job_config: Any) -> str:

@@ -558,7 +558,7 @@ class CheckpointManager:
         steps = complete_steps(shared)
         if steps:
             logger.warning(
-                f"checkpoint: {shared} holds checkpoints outside the per-optimizer folders (steps "
+                f"checkpoint: {shared} holds checkpoints outside the per-optimizer-state folders (steps "
                 f"{', '.join(map(str, steps))}); they are not resumed: to resume them, pass --checkpoint.folder "
                 f"{DEFAULT_FOLDER} (and the optimizer that wrote them)"
             )
@@ -658,8 +658,8 @@ class CheckpointManager:
         if kind == "model":
             return "resume with the model settings that wrote it, or use another checkpoint.folder"
         return (
-            "use another checkpoint.folder (unset, each optimizer gets its own), or start from its model weights with "
-            f"a fresh optimizer: --checkpoint.initial_load_path {path} and an empty checkpoint.folder"
+            "use another checkpoint.folder (unset, each optimizer state gets its own), or start from its model "
+            f"weights with a fresh optimizer: --checkpoint.initial_load_path {path} and an empty checkpoint.folder"
         )
 
     def _read_facts(self, path: str, entries: dict[str, Any]) -> Optional[dict[str, Any]]:
