@@ -449,7 +449,7 @@ class CheckpointManager:
         if self.rank == 0:
             self._publish_and_prune(temporary, final)
             logger.info(f"checkpoint: published {final}")
-        self._note_published(final)
+        self._note_published(final)  # on every rank, for its resume hints: the save is complete, rank 0 names it
 
     def _publish_everywhere(self, temporary: str, final: str) -> None:
         self._barrier()  # every rank has written its part
