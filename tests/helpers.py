@@ -450,7 +450,7 @@ def warmup(step: int) -> float:
 
 def checkpoint_job(dump_folder: str, steps: int = 4, **checkpoint) -> JobConfig:
     """A job of ``steps`` steps saving into ``{dump_folder}/checkpoint``, with ``[checkpoint]`` options."""
-    # An explicit folder is used as given, with no per-optimizer subfolder.
+    # An explicit folder is used as given, with no per-optimizer-state subfolder.
     return job_config(
         job={"dump_folder": dump_folder},
         training={"steps": steps},

@@ -61,11 +61,11 @@ def test_keep_latest_k_never_prunes_the_checkpoint_just_written(tmp_path):
     assert trainer.checkpoint.resume_hint().startswith("the last finite checkpoint is step-2 ")
 
 
-def _replace_step(tmp_path, crash_after_renames: int | None, exchange: bool, monkeypatch) -> str:
-    """Publish a new step-3 over an old one, the process dying after ``crash_after_renames`` renames; then start
-    again (recover) and return what step-3 holds."""
+def _replace_step(tmp_path, crash_after_renames: int | None, exchange: bool, monkeypatch, name: str = "step-3") -> str:
+    """Publish a new ``name`` (a checkpoint or one of its exports) over an old one, the process dying after
+    ``crash_after_renames`` renames; then start again (recover) and return what ``name`` holds."""
     folder = str(tmp_path)
-    final, temporary = os.path.join(folder, "step-3"), folders.temporary_name(os.path.join(folder, "step-3"), "ab")
+    final, temporary = os.path.join(folder, name), folders.temporary_name(os.path.join(folder, name), "ab")
     fake_checkpoint(final, "old")
     fake_checkpoint(temporary, "new")
     if not exchange:
@@ -86,20 +86,31 @@ def _replace_step(tmp_path, crash_after_renames: int | None, exchange: bool, mon
     else:
         folders.publish(temporary, final)
     folders.recover(folder)
-    assert folders.complete_steps(folder) == [3] and os.listdir(folder) == ["step-3"]
+    assert folders.complete_steps(folder) == ([3] if name == "step-3" else []) and os.listdir(folder) == [name]
     return content(final)
 
 
+@pytest.mark.parametrize("name", ["step-3", "step-3-weights", "step-3-hf"])
 @pytest.mark.parametrize("crash_after_renames, expected", [(0, "old"), (1, "old"), (None, "new")])
 def test_replacing_a_step_without_an_atomic_exchange_survives_a_crash_between_the_renames(
-    tmp_path, monkeypatch, crash_after_renames, expected
+    tmp_path, monkeypatch, crash_after_renames, expected, name
 ):
-    assert _replace_step(tmp_path, crash_after_renames, False, monkeypatch) == expected
+    assert _replace_step(tmp_path, crash_after_renames, False, monkeypatch, name) == expected
 
 
 def test_replacing_a_step_swaps_in_one_exchange_where_the_system_has_one(tmp_path, monkeypatch):
-    if not folders._exchange(str(tmp_path), str(tmp_path)):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    if not folders._exchange(str(first), str(second)):
         pytest.skip("this system or file system has no atomic exchange (renameat2); the fallback is tested above")
+    first.rmdir()
+    second.rmdir()
+
+    def rename(src, dst):
+        raise AssertionError(f"renamed {src} to {dst}: the atomic exchange should have replaced the step alone")
+
+    monkeypatch.setattr(folders.os, "rename", rename)  # the fallback renames; the exchange never does
     assert _replace_step(tmp_path, None, True, monkeypatch) == "new"
 
 
@@ -108,6 +119,7 @@ def test_setting_a_branch_aside_is_finished_after_a_crash(tmp_path, monkeypatch)
     for step in (1, 2, 3):
         fake_checkpoint(os.path.join(folder, f"step-{step}"), str(step))
     fake_checkpoint(os.path.join(folder, "step-3-weights"), "weights")
+    fake_checkpoint(os.path.join(folder, "step-3-hf"), "hf")
     real_rename, renames = os.rename, []
 
     def rename(src, dst):
@@ -124,4 +136,4 @@ def test_setting_a_branch_aside_is_finished_after_a_crash(tmp_path, monkeypatch)
     folders.recover(folder)
     assert folders.complete_steps(folder) == [1] and sorted(os.listdir(folder)) == ["step-1", "superseded"]
     (aside,) = (tmp_path / "superseded").iterdir()
-    assert sorted(os.listdir(aside)) == ["step-2", "step-3", "step-3-weights"]
+    assert sorted(os.listdir(aside)) == ["step-2", "step-3", "step-3-hf", "step-3-weights"]

@@ -44,6 +44,25 @@ def test_async_with_pinned_memory_keeps_the_values_at_save_time(tmp_path):
     assert_same_snapshot(resumed.snapshot(), at_step_2)
 
 
+def test_an_async_save_is_noted_by_ranks_that_do_not_publish_it(tmp_path):
+    trainer = Trainer(job(str(tmp_path), steps=2, interval=2, async_mode="async"))
+    trainer.checkpoint.rank = 1  # as on a rank other than 0, which leaves publishing to rank 0
+    trainer.run(2)
+    assert trainer.checkpoint.last_finite_step() == 2
+    assert trainer.checkpoint.resume_hint().startswith("the last finite checkpoint is step-2 ")
+
+
+def test_resuming_reads_the_saved_names_without_asking_for_state(tmp_path, monkeypatch):
+    Trainer(job(str(tmp_path), steps=2, interval=2)).run(2)
+    resumed = Trainer(job(str(tmp_path), steps=2))
+
+    def state_dict():
+        raise AssertionError("the data loader's state_dict() is a collective that starts its workers")
+
+    monkeypatch.setattr(resumed.loader, "state_dict", state_dict)
+    assert resumed.checkpoint.load() and resumed.train_state.step == 2
+
+
 def test_seed_checkpoint_is_the_initial_state_and_needs_an_empty_folder(tmp_path):
     seeded = Trainer(job(str(tmp_path), create_seed_checkpoint=True))
     initial = seeded.snapshot()

@@ -3,6 +3,7 @@ checkpoint of another state is refused in one line, with or without the job fact
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from tests.helpers import job_config, tiny_model
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.checkpoint.folders import resolve_folder
+from torchtitan.checkpoint.safe_reading import METADATA_FILE
 from torchtitan.errors import UserError
 from torchtitan.optim import build_optimizers
 from torchtitan.optim.builder import OPTIMIZERS, OPTION_RULES, state_label
@@ -97,3 +99,33 @@ def test_checkpoint_of_another_optimizer_state_is_one_line(tmp_path, monkeypatch
         per_tensor.load()
     # The same state loads (explicit per_row is the unset value).
     assert _manager(str(tmp_path), "--optimizer.name", "AdamMini", "--optimizer.value_blocks", "per_row").load()
+
+
+def test_nothing_to_resume_names_the_folder_earlier_versions_used_for_every_state(tmp_path, caplog):
+    config = job_config(
+        "--job.dump_folder",
+        str(tmp_path),
+        "--checkpoint.enable_checkpoint",
+        "--optimizer.name",
+        "AdamMini",
+        "--optimizer.state_dtype",
+        "bfloat16",
+        "--optimizer.implementation",
+        "foreach",
+    )
+    model = tiny_model(dtype=torch.float32)
+    manager = CheckpointManager(None, [model], build_optimizers([model], config), None, {}, config)
+    assert manager.folder == os.path.join(str(tmp_path), "checkpoint", "AdamMini-state_dtype=bfloat16")
+    earlier = os.path.join(str(tmp_path), "checkpoint", "AdamMini")
+    with caplog.at_level(logging.WARNING):
+        assert not manager.load()
+    assert not [r for r in caplog.records if earlier in r.getMessage()]  # nothing there yet: nothing to say
+    os.makedirs(os.path.join(earlier, "step-5"))
+    with open(os.path.join(earlier, "step-5", METADATA_FILE), "w") as f:
+        f.write("an earlier version's")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert not manager.load()  # a warning, not a refusal: the folder may be the default state's
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"{earlier} holds checkpoints of AdamMini (steps 5)" in warning
+    assert warning.endswith(f"--checkpoint.folder {os.path.join('checkpoint', 'AdamMini')}")

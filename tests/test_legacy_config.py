@@ -186,6 +186,27 @@ def test_features_not_here_are_refused_in_one_line_saying_what_to_use(tmp_path, 
     assert "\n" not in message and "unknown" not in message and words in message
 
 
+@pytest.mark.parametrize(
+    "table, line",
+    [
+        ("training", 'enable_loss_parallel = "false"'),
+        ("training", "enable_loss_parallel = 0"),
+        ("optimizer", 'fused = "false"'),
+        ("optimizer", "fused = 1"),
+    ],
+)
+def test_renamed_bool_keys_refuse_other_values_in_one_line(tmp_path, table, line):
+    with pytest.raises(UserError) as error:
+        _load(tmp_path, f"[{table}]\n{line}\n")
+    message, key = str(error.value), f"{table}.{line.split(' = ')[0]}"
+    assert "\n" not in message and f"{key} expects bool" in message and "true or false" in message
+
+
+def test_renamed_bool_keys_refuse_other_values_from_the_command_line_too():
+    with pytest.raises(UserError, match="training.enable_loss_parallel expects bool, got str 'maybe'"):
+        JobConfig.parse_args(["--training.enable_loss_parallel", "maybe"])
+
+
 def test_ddp_replicates_over_the_data_parallel_ranks():
     config = job_config("--training.data_parallel_type", "ddp", "--training.tensor_parallel_degree", "2")
     dims = ParallelDims.from_job_config(config, world_size=8)

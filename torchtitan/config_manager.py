@@ -229,8 +229,9 @@ class Checkpoint:
     enable_checkpoint: bool = opt(False, "save and resume checkpoints")
     folder: Optional[str] = opt(
         None,
-        "checkpoint folder, relative to job.dump_folder unless absolute; unset: checkpoint/<optimizer name>, "
-        "so runs with different optimizers never share checkpoints",
+        "checkpoint folder, relative to job.dump_folder unless absolute; unset: checkpoint/<optimizer state>, the "
+        "optimizer's name plus each option that shapes its state and is not at its default (e.g. "
+        "checkpoint/AdamMini-state_dtype=bfloat16), so runs whose optimizer states differ never share checkpoints",
     )
     interval_type: str = opt(
         "steps",

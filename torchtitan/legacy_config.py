@@ -26,8 +26,13 @@ class LegacyKey:
     convert: Callable[[Any], Any] = lambda value: value
     accepted: tuple = ()  # values that describe what this project does; accepted without effect
     instead: str = ""  # for any other value: what is not available, and what to use instead
+    takes_bool: bool = False  # the value must be a bool: ``convert`` would read any other by its truth
 
     def apply(self, key: str, value: Any) -> list[tuple[str, Any]]:
+        if self.takes_bool and not isinstance(value, bool):
+            raise UserError(
+                f"{key} expects bool, got {type(value).__name__} {value!r}; set it to true or false (without quotes)"
+            )
         if self.target is not None:
             return [(self.target, self.convert(value))]
         if value in self.accepted and type(value) is type(self.accepted[0]):
@@ -44,7 +49,9 @@ _FLOAT8_ALL_GATHER = (
 LEGACY_KEYS: dict[str, LegacyKey] = {
     # [training], before the [float8] table existed (2024-07-30).
     "training.data_parallel_degree": LegacyKey("training.data_parallel_shard_degree"),
-    "training.enable_loss_parallel": LegacyKey("training.disable_loss_parallel", lambda enabled: not enabled),
+    "training.enable_loss_parallel": LegacyKey(
+        "training.disable_loss_parallel", lambda enabled: not enabled, takes_bool=True
+    ),
     "training.enable_float8_linear": LegacyKey("float8.enable_float8_linear"),
     "training.enable_fsdp_float8_all_gather": LegacyKey(accepted=(False,), instead=_FLOAT8_ALL_GATHER),
     "training.precompute_float8_dynamic_scale_for_fsdp": LegacyKey(accepted=(False,), instead=_FLOAT8_ALL_GATHER),
@@ -60,7 +67,7 @@ LEGACY_KEYS: dict[str, LegacyKey] = {
         for tensor in ("input", "weight", "grad_output")
     },
     # [optimizer]
-    "optimizer.fused": LegacyKey("optimizer.implementation", lambda fused: "fused" if fused else None),
+    "optimizer.fused": LegacyKey("optimizer.implementation", lambda fused: "fused" if fused else None, takes_bool=True),
     # [experimental]
     "experimental.pipeline_parallel_degree": LegacyKey(accepted=(1,), instead=_PIPELINE),
     "experimental.pipeline_parallel_split_points": LegacyKey(accepted=([],), instead=_PIPELINE),

@@ -53,9 +53,10 @@ Quantized optimizer state (the low-bit optimizers) is saved as plain float32 ten
 group at a time (``torchtitan.optim.quantized_checkpoint``): a save or load never holds a float32 copy of all of it on
 the device.
 
-Job facts: every checkpoint also holds a small plain record of the job that wrote it (optimizer, optional state dtype,
-model flavor, parameter count and a digest of the parameter names and shapes). A load compares it first, so a
-checkpoint of another optimizer or model is refused with one line saying what it holds and what the job expects.
+Job facts: every checkpoint also holds a small plain record of the job that wrote it (optimizer, the options that shape
+its state (``optim.builder.state_signature``), model flavor, parameter count and a digest of the parameter names and
+shapes). A load compares it first, so a checkpoint of another optimizer state or model is refused with one line saying
+what it holds and what the job expects.
 
 Warm start: ``checkpoint.initial_load_path`` names a checkpoint (a ``step-N`` folder, or a folder of them: the latest)
 to start from when the run's own folder holds none yet. With ``checkpoint.initial_load_model_only`` (the default)

@@ -32,10 +32,10 @@ from torchtitan.optim.builder import state_label
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights|-hf)?\.tmp-")
-REPLACED_FOLDER = re.compile(r"^\.(step-\d+(?:-weights)?)\.old-[0-9a-f]+$")  # an old copy set aside while replacing
+REPLACED_FOLDER = re.compile(r"^\.(step-\d+(?:-weights|-hf)?)\.old-[0-9a-f]+$")  # an old copy set aside while replacing
 SUPERSEDED_FOLDER = "superseded"  # checkpoints of a branch that a resume from an older step abandoned
 BRANCH_MARKER = ".branch.json"  # the moves of an abandoned branch, written before they start
-DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optimizer
+DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optimizer state
 
 
 def resolve_folder(job_config: Any) -> str:
@@ -139,8 +139,9 @@ def publish(temporary: str, final: str) -> None:
 
 
 def set_aside_newer(folder: str, kept_step: int) -> Optional[str]:
-    """Move the checkpoints newer than ``kept_step`` (and their weights exports) into ``superseded/``, so that the
-    branch resumed from ``kept_step`` is the only one saves and resumes see; the folder they went to, or None."""
+    """Move the checkpoints newer than ``kept_step`` (and their weights and Hugging Face exports) into
+    ``superseded/``, so that the branch resumed from ``kept_step`` is the only one saves and resumes see; the folder
+    they went to, or None."""
     newer = [step for step in complete_steps(folder) if step > kept_step]
     if not newer:
         return None
@@ -168,7 +169,7 @@ def finish_set_aside(folder: str) -> None:
     target = os.path.join(folder, plan["target"])
     os.makedirs(target, exist_ok=True)
     for step in plan["steps"]:
-        for path in (step_folder(folder, step), weights_folder(folder, step)):
+        for path in (step_folder(folder, step), weights_folder(folder, step), hf_folder(folder, step)):
             if os.path.exists(path):
                 os.rename(path, os.path.join(target, os.path.basename(path)))
     fsync_folder(target)

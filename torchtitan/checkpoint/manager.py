@@ -46,7 +46,7 @@ from torchtitan.checkpoint.safe_reading import (
     SafeFileSystemReader,
     SafeLoadPlanner,
 )
-from torchtitan.collectives import all_reduce_scalar
+from torchtitan.collectives import all_reduce_scalar, any_rank
 from torchtitan.errors import UserError
 from torchtitan.guard import (
     DivergenceError,
@@ -265,7 +265,7 @@ class CheckpointManager:
         if not steps:
             if self._initial_load():
                 return True
-            self._warn_about_shared_folder()
+            self._warn_about_earlier_folders()
             logger.info(f"checkpoint: nothing to resume in {self.folder}; starting from scratch")
             return False
         chosen = requested if requested >= 0 else steps[-1]
@@ -449,6 +449,7 @@ class CheckpointManager:
         if self.rank == 0:
             self._publish_and_prune(temporary, final)
             logger.info(f"checkpoint: published {final}")
+        self._note_published(final)  # on every rank, for its resume hints: the save is complete, rank 0 names it
 
     def _publish_everywhere(self, temporary: str, final: str) -> None:
         self._barrier()  # every rank has written its part
@@ -459,7 +460,6 @@ class CheckpointManager:
 
     def _publish_and_prune(self, temporary: str, final: str) -> None:
         publish(temporary, final)
-        self._note_published(final)
         match = STEP_FOLDER.match(os.path.basename(final))
         if not (self.keep_latest_k and match):
             return
@@ -482,16 +482,20 @@ class CheckpointManager:
             state[name] = torch.frombuffer(bytearray(encode_plain(value)), dtype=torch.uint8)
         return state
 
+    def _plain_objects(self) -> dict[str, Any]:
+        """The objects whose state is saved as JSON, by name: reading the names calls no ``state_dict()`` (the
+        data loader's is a collective and starts its workers)."""
+        objects: dict[str, Any] = {}
+        if self.lr_schedulers is not None:
+            objects[LR_SCHEDULERS] = self.lr_schedulers
+        if self.data_loader is not None:
+            objects[DATALOADER] = self.data_loader
+        objects.update(self.states)
+        return objects
+
     def _plain_states(self) -> dict[str, Any]:
         """Everything saved as JSON, identical on every rank (DCP writes it once)."""
-        plain: dict[str, Any] = {}
-        if self.lr_schedulers is not None:
-            plain[LR_SCHEDULERS] = self.lr_schedulers.state_dict()
-        if self.data_loader is not None:
-            plain[DATALOADER] = self.data_loader.state_dict()
-        for name, obj in self.states.items():
-            plain[name] = obj.state_dict()
-        return plain
+        return {name: obj.state_dict() for name, obj in self._plain_objects().items()}
 
     def _model_state(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
@@ -544,17 +548,30 @@ class CheckpointManager:
         )
         return True
 
-    def _warn_about_shared_folder(self) -> None:
-        """Checkpoints in the shared folder of earlier versions are not resumed by default; say so once."""
+    def _warn_about_earlier_folders(self) -> None:
+        """Checkpoints in the default folders of earlier versions are not resumed by default; say so once: the
+        shared folder, and the folder named after the optimizer alone, which earlier versions used whatever its
+        state options (it may also be this optimizer's at its default state, so a warning, not a refusal)."""
         if not self.default_folder or self.rank != 0:
             return
         shared = os.path.dirname(self.folder)
         steps = complete_steps(shared)
         if steps:
             logger.warning(
-                f"checkpoint: {shared} holds checkpoints outside the per-optimizer folders (steps "
+                f"checkpoint: {shared} holds checkpoints outside the per-optimizer-state folders (steps "
                 f"{', '.join(map(str, steps))}); they are not resumed: to resume them, pass --checkpoint.folder "
                 f"{DEFAULT_FOLDER} (and the optimizer that wrote them)"
+            )
+        bare_name = resolve_optimizer_name(self.job_config.optimizer.name).name
+        if os.path.basename(self.folder) == bare_name:
+            return
+        bare = os.path.join(shared, bare_name)
+        steps = complete_steps(bare)
+        if steps:
+            logger.warning(
+                f"checkpoint: {bare} holds checkpoints of {bare_name} (steps {', '.join(map(str, steps))}), which "
+                f"earlier versions wrote there whatever its state options; if this run wrote them, resume them with "
+                f"--checkpoint.folder {os.path.join(DEFAULT_FOLDER, bare_name)}"
             )
 
     def _load_model_from(self, path: str) -> Optional[dict[str, Any]]:
@@ -579,7 +596,7 @@ class CheckpointManager:
         }
         reader = SafeFileSystemReader(path)
         metadata = reader.read_metadata()
-        plain_names = list(self._plain_states())
+        plain_names = list(self._plain_objects())
         self._check_matches(path, metadata, state, plain_names)
         for name in plain_names:
             state[name] = torch.empty(metadata.state_dict_metadata[name].size, dtype=torch.uint8)
@@ -590,11 +607,7 @@ class CheckpointManager:
             set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
         self.optimizers.load_state_dict(optimizer_state)
         plain = {name: decode_plain(state[name].numpy().tobytes()) for name in plain_names}
-        if LR_SCHEDULERS in plain:
-            self.lr_schedulers.load_state_dict(plain[LR_SCHEDULERS])
-        if DATALOADER in plain:
-            self.data_loader.load_state_dict(plain[DATALOADER])
-        for name, obj in self.states.items():
+        for name, obj in self._plain_objects().items():
             obj.load_state_dict(plain[name])
 
     def _read_part(self, path: str, state: dict[str, Any]) -> None:
@@ -645,8 +658,8 @@ class CheckpointManager:
         if kind == "model":
             return "resume with the model settings that wrote it, or use another checkpoint.folder"
         return (
-            "use another checkpoint.folder (unset, each optimizer gets its own), or start from its model weights with "
-            f"a fresh optimizer: --checkpoint.initial_load_path {path} and an empty checkpoint.folder"
+            "use another checkpoint.folder (unset, each optimizer state gets its own), or start from its model "
+            f"weights with a fresh optimizer: --checkpoint.initial_load_path {path} and an empty checkpoint.folder"
         )
 
     def _read_facts(self, path: str, entries: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -670,7 +683,8 @@ class CheckpointManager:
             dist.barrier(group=self._group)
 
     def _any_rank(self, flag: bool) -> bool:
-        return bool(self._max_over_ranks(int(flag)))
+        # Without our group (one process, or nothing to save) there is no one to ask: any_rank would use the world.
+        return flag if self._group is None else any_rank(flag, torch.device("cpu"), self._group)
 
     def _max_over_ranks(self, count: int) -> int:
         if self._group is None:
