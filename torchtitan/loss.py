@@ -10,7 +10,9 @@ Chunking without recomputation: while a chunk's logits are alive, its gradients 
 the output weight are taken at once (autograd over the cross-entropy, then the two matmuls of the projection's
 backward, the weight's accumulated in place in its own dtype). Forward keeps those two gradients, each the size of
 its input, and backward only scales them by the incoming gradient. Every matmul runs once, as with whole logits; the
-cost is a weight-sized gradient held from the end of forward, where whole logits would be held instead.
+cost is a weight-sized gradient held from the end of forward, where whole logits would be held instead. The weight's
+gradient is summed in the weight's compute dtype: under bf16 mixed precision it is rounded once per chunk, where
+whole logits round it once.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,13 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def local_tensor(value: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; any other tensor as it is."""
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+def split_dim(placement) -> Optional[int]:
+    """The tensor dimension a DTensor placement splits (``Shard`` or FSDP's strided shard), or None."""
+    if placement.is_replicate() or placement.is_partial():
+        return None
+    return getattr(placement, "dim", None)
 
 
 def grad_like_param(p: torch.Tensor, optimizer_name: str) -> torch.Tensor:

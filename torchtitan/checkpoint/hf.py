@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torchtitan.errors import UserError
 from torchtitan.models.llama.model import ModelArgs
 from torchtitan.models.roles import canonical_name
+from torchtitan.utils import local_tensor
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -252,7 +253,7 @@ def load_hf_weights(model_state: dict[str, torch.Tensor], path: str, args: Model
             # Our row r of the weight is Hugging Face's row hf_row[r].
             hf_row = rows_from_hf(torch.arange(tensor.shape[0]).unsqueeze(1), heads).squeeze(1)
             rows = hf_row[rows]
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = local_tensor(tensor)
         with torch.no_grad():
             local.copy_(_read_rows(located[source], source, rows).view(local.shape))
 

@@ -60,9 +60,13 @@ def foreach_update(
         torch._foreach_mul_(decayed, 1 - lr * hyper.weight_decay)
     momenta = [read_state(m, p.dtype) for m, p in zip(exp_avgs, params)]  # m itself when float32 (or float64)
     torch._foreach_lerp_(momenta, grads, 1 - beta1)
+    salts: dict[tuple[int, torch.device], torch.Tensor] = {}  # one salt tensor per step count and device
     for stored, momentum, count in zip(exp_avgs, momenta, step_counts):
         if momentum is not stored:
-            write_state(stored, momentum, torch.tensor(int(count), device=momentum.device))
+            key = (int(count), momentum.device)
+            if key not in salts:
+                salts[key] = torch.tensor(key[0], device=key[1])
+            write_state(stored, momentum, salts[key])
     torch._foreach_addcmul_(params, momenta, scales, value=-1.0)
     for weight, p in zip(weights, params):
         if p is not weight:

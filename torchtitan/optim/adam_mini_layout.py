@@ -17,15 +17,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.optim.partition import PER_ELEMENT, PER_HEAD, PER_ROW, PER_TENSOR, BlockPlan
 from torchtitan.optim.state_storage import at_least_float32
+from torchtitan.utils import split_dim
 
 __all__ = ["BlockLayout", "layout_for", "new_second_moment"]
-
-
-def _split_dim(placement: Any) -> Optional[int]:
-    """The tensor dimension a placement splits (``Shard`` or FSDP's strided shard), or None."""
-    if placement.is_replicate() or placement.is_partial():
-        return None
-    return getattr(placement, "dim", None)
 
 
 @dataclass(eq=False)
@@ -82,7 +76,7 @@ def layout_for(param: Tensor, plan: BlockPlan) -> BlockLayout:
     """The BlockLayout of ``param`` (a plain tensor or a DTensor on any mesh)."""
     if not isinstance(param, DTensor):
         return BlockLayout(plan)
-    split = [_split_dim(placement) for placement in param.placements]
+    split = [split_dim(placement) for placement in param.placements]
     row_placements = tuple(pl if dim == 0 else Replicate() for pl, dim in zip(param.placements, split))
     if plan.rule == PER_ROW:
         # A row is whole on a rank unless a mesh dimension splits its columns (row-wise tensor parallelism).

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from torchtitan.optim.adam_mini_layout import BlockLayout
 from torchtitan.optim.partition import PER_HEAD, PER_ROW, PER_TENSOR
+from torchtitan.optim.state_storage import at_least_float32
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Hyper:
 
 def stat_dtype(t: Tensor) -> torch.dtype:
     # Sums of squares in at least float32, whatever the gradient's dtype.
-    return torch.promote_types(t.dtype, torch.float32)
+    return at_least_float32(t.dtype)
 
 
 def _local_block_sums(grad: Tensor, layout: BlockLayout) -> Tensor:

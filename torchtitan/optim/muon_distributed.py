@@ -35,20 +35,14 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan.collectives import all_to_all
+from torchtitan.utils import split_dim
 
 __all__ = ["ShardedMatrix", "sharded_matrix", "orthogonalize_sharded"]
 
 
-def _split_dim(placement: Any) -> Optional[int]:
-    """The tensor dimension a placement splits (``Shard`` or FSDP's strided shard), or None."""
-    if placement.is_replicate() or placement.is_partial():
-        return None
-    return getattr(placement, "dim", None)
-
-
 def _on_vector(placement: Any, dim: int) -> Any:
     """``placement`` for a vector indexing dimension ``dim`` of the matrix: the same split, or Replicate."""
-    if _split_dim(placement) != dim:
+    if split_dim(placement) != dim:
         return Replicate()
     if dim == 0:
         return placement
@@ -112,7 +106,7 @@ def _combined(coordinates: list[int], dims: list[int], mesh_shape: tuple[int, ..
 def sharded_matrix(param: DTensor) -> Optional[ShardedMatrix]:
     """Where ``param``'s pieces live, or None when no mesh dimension splits it (every rank holds it whole)."""
     mesh, placements = param.device_mesh, param.placements
-    split = [_split_dim(placement) for placement in placements]
+    split = [split_dim(placement) for placement in placements]
     # A mesh dimension of one rank splits nothing.
     dims = tuple(d for d, s in enumerate(split) if s is not None and mesh.shape[d] > 1)
     if not dims:

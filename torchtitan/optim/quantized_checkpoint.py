@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 
 from torchtitan.optim.state_storage import dequantized, is_quantized
+from torchtitan.utils import local_tensor
 
 _SAVED_DTYPE = torch.float32  # what a checkpoint holds for a quantized state
 
@@ -45,7 +46,7 @@ class QuantizedEntry:
 
     @property
     def local_source(self) -> Tensor:
-        return self.source.to_local() if isinstance(self.source, DTensor) else self.source
+        return local_tensor(self.source)
 
     @property
     def local_float32_bytes(self) -> int:
@@ -74,7 +75,7 @@ class QuantizedEntry:
 
     def quantize_from(self, values: Tensor) -> None:
         """Quantize ``values`` (float32, laid out like the source) into the live state."""
-        local = values.to_local() if isinstance(values, DTensor) else values
+        local = local_tensor(values)
         self.local_source.copy_(local)
 
     def staged(self) -> "QuantizedEntry":

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor import DTensor
+
+from torchtitan.utils import local_tensor
 
 
 @torch.no_grad()
@@ -54,7 +55,7 @@ def initialise_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _is_dataless(t: torch.Tensor) -> bool:
-    local = t.to_local() if isinstance(t, DTensor) else t
+    local = local_tensor(t)
     return local.device.type == "meta" or is_fake(local)
 
 

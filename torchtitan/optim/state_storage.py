@@ -17,6 +17,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from torchtitan.utils import local_tensor
+
 FLOAT32, BFLOAT16, INT8, INT4 = "float32", "bfloat16", "int8", "int4"
 STATE_DTYPES = (FLOAT32, BFLOAT16)  # what [optimizer] state_dtype offers
 DEFAULT_BLOCK_SIZE = {INT8: 256, INT4: 128}  # torchao's defaults for its 8- and 4-bit moments
@@ -32,7 +34,7 @@ def at_least_float32(dtype: torch.dtype) -> torch.dtype:
 
 def new_state(param: Tensor, storage: str, block_size: int | None = None, signed: bool = True) -> Tensor:
     """Zeros shaped like ``param`` (a DTensor with its layout when ``param`` is one), stored as ``storage``."""
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = local_tensor(param)
     if storage in (INT8, INT4):
         out = _quantized_zeros(local, storage, block_size or DEFAULT_BLOCK_SIZE[storage], signed)
     elif storage == BFLOAT16:
@@ -64,7 +66,7 @@ def _quantized_zeros(local: Tensor, storage: str, block_size: int, signed: bool)
 
 def is_quantized(value: Any) -> bool:
     """A torchao quantized state tensor (possibly a DTensor shard of one)."""
-    local = value.to_local() if isinstance(value, DTensor) else value
+    local = local_tensor(value)
     return is_traceable_wrapper_subclass(local) and callable(getattr(local, "dequantize", None))
 
 

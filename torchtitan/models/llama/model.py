@@ -30,6 +30,7 @@ from torchtitan.models.roles import (
     VALUE,
     canonical_name,
 )
+from torchtitan.utils import local_tensor
 
 
 @dataclass
@@ -323,7 +324,7 @@ def _is_norm(name: str) -> bool:
 def _init_whole(param: torch.Tensor, rule, seed: int) -> None:
     if param.device.type == "meta":
         return
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = local_tensor(param)
     generator = torch.Generator(device=local.device).manual_seed(seed)
     # Draw in float32 whatever the storage dtype, so float64 and float32 runs start from the same values.
     whole = torch.empty(param.shape, device=local.device, dtype=torch.float32)
