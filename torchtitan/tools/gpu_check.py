@@ -464,7 +464,7 @@ def component_commands(out: Path) -> list[tuple[str, list[str]]]:
                 "--job.config_file",
                 "train_configs/llama3_8b.toml",
             ]
-            + ["--training.param_dtype", "bfloat16", "--n_layers", "2", "--chunks", "1,8", "--rounds", "10"],
+            + ["--n_layers", "2", "--chunks", "1,8", "--rounds", "10"],
         ),
         (
             "bf16 stochastic rounding: compiled on CUDA equals eager on CPU",
