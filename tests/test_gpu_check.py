@@ -79,10 +79,12 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path, monkeypat
     assert "## broken: failed" in (tmp_path / "gpu_check.md").read_text()
 
 
-def test_unknown_step_or_optimizer_is_a_user_error():
+def test_unknown_step_or_optimizer_is_a_user_error(capsys):
     with pytest.raises(UserError, match="unknown nope"):
         gpu_check._names("nope", list(gpu_check.STEPS), "only")
     assert gpu_check.main(["--out", "/nonexistent/x", "--only", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --only: unknown nope;") and err.count("\n") == 1, err  # one line, no traceback
 
 
 def test_a_failing_or_hanging_component_check_fails_its_step(tmp_path, monkeypatch):

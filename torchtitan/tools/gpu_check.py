@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from torchtitan.config_manager import JobConfig
-from torchtitan.errors import UserError
+from torchtitan.errors import UserError, exit_code
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -676,6 +676,10 @@ def _names(value: Optional[str], valid: list[str], what: str) -> Optional[list[s
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    return exit_code(lambda: _main(argv))
+
+
+def _main(argv: Optional[list[str]]) -> int:
     from torchtitan.optim.builder import OPTIMIZERS
 
     parser = argparse.ArgumentParser(prog="gpu_check.sh", description=__doc__.split("\n\n")[0])
@@ -684,13 +688,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--only", default=None, help=f"comma-separated steps ({', '.join(STEPS)})")
     parser.add_argument("--optimizers", default=None, help="comma-separated registry names (default: all)")
     options = parser.parse_args(argv)
-    try:
-        only = _names(options.only, list(STEPS), "only")
-        optimizers = _names(options.optimizers, list(OPTIMIZERS), "optimizers")
-        report = run(Path(options.out), options.dry_run, only, optimizers)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    only = _names(options.only, list(STEPS), "only")
+    optimizers = _names(options.optimizers, list(OPTIMIZERS), "optimizers")
+    report = run(Path(options.out), options.dry_run, only, optimizers)
     failed = [name for name, step in report["steps"].items() if step["status"] != "ok"]
     print(
         f"gpu_check: report in {Path(options.out) / 'gpu_check.md'}"
