@@ -214,7 +214,7 @@ class _Model:
 
 def _build(sizes: Sizes, flavor: str, *extra: str) -> _Model:
     from torchtitan import training
-    from torchtitan.metrics import flops_per_token
+    from torchtitan.metrics import model_flops_per_token
     from torchtitan.parallelisms import ParallelDims
     from torchtitan.preflight import model_args_for
 
@@ -224,10 +224,7 @@ def _build(sizes: Sizes, flavor: str, *extra: str) -> _Model:
     model = training.build_model(job, args, dims, None, compute_device_type=sizes.device.type)
     training.init_model(model, sizes.device, job.training.seed)
     params = sum(p.numel() for p in model.parameters())
-    flops = flops_per_token(
-        params - args.vocab_size * args.dim, args.n_layers, args.n_heads, args.head_dim, job.training.seq_len
-    )
-    return _Model(job, model, args, dims, flops)
+    return _Model(job, model, args, dims, model_flops_per_token(params, args, job.training.seq_len))
 
 
 def _train(built: _Model, spec: str, sizes: Sizes, steps: Optional[tuple[int, int]] = None) -> dict[str, Any]:
