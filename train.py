@@ -31,10 +31,10 @@ from torchtitan.logging import init_logger, logger
 from torchtitan.lr_scheduling import build_lr_schedulers
 from torchtitan.metrics import (
     build_metric_logger,
-    flops_per_token,
     format_log_line,
     format_validation_line,
     memory_metrics,
+    model_flops_per_token,
     peak_flops,
     reset_peak_memory,
 )
@@ -112,9 +112,7 @@ def main(job_config: JobConfig) -> None:
     logger.info(f"optimizer: {optimizers.name}, state {state_bytes / 2**20:,.1f} MiB over all ranks")
 
     tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * dp_degree
-    # The embedding is a lookup, not a matmul: its parameters cost no FLOPs.
-    matmul_params = num_params - model_args.vocab_size * model_args.dim
-    flops = flops_per_token(matmul_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len)
+    flops = model_flops_per_token(num_params, model_args, t.seq_len)
     gpu_peak = peak_flops(device)
     batches = iter(data_loader)
     guard = DivergenceGuard(t.max_skipped_steps, device)

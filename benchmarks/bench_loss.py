@@ -3,7 +3,7 @@
     python benchmarks/bench_loss.py                                   # debug model (train_configs/debug_model.toml)
     python benchmarks/bench_loss.py --chunks 1,4,8 --rounds 30
     python benchmarks/bench_loss.py --device cuda --job.config_file train_configs/llama3_8b.toml \\
-        --training.param_dtype bfloat16 --n_layers 2                  # 8B shapes, 2 blocks (~1.5B parameters)
+        --n_layers 2                                                  # 8B shapes, 2 blocks (~1.5B parameters)
 
 The whole training step (``torchtitan.training.train_step``: forward, loss, backward, clipping, AdamW step) of the
 job's model on random tokens, one process, no parallelism. The variants take turns, one step each per round; the
@@ -32,6 +32,7 @@ from torchtitan.estimation.simulate import vocab_size  # noqa: E402
 from torchtitan.estimation.tracker import LiveMemoryTracker  # noqa: E402
 from torchtitan.optim import build_optimizers  # noqa: E402
 from torchtitan.parallelisms import ParallelDims  # noqa: E402
+from torchtitan.parallelisms.parallelize_llama import mixed_precision_mode  # noqa: E402
 from torchtitan.preflight import model_args_for  # noqa: E402
 
 GIB = 2**30
@@ -61,7 +62,8 @@ class Trainer:
             args = dataclasses.replace(args, n_layers=n_layers)
         self.job, self.device = job, device
         self.dims = ParallelDims(1, 1, 1, 1)
-        self.model = training.init_model(training.build_model(job, args, self.dims, None), device, job.training.seed)
+        model = training.build_model(job, args, self.dims, None, compute_device_type=device.type)
+        self.model = training.init_model(model, device, job.training.seed)
         self.optimizers = build_optimizers([self.model], job)
         self.batches = random_batches(job, vocab, device)
         self.params = sum(p.numel() for p in self.model.parameters())
@@ -104,10 +106,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     device = torch.device(options.device)
     trainer = Trainer(job, options.n_layers, device)
     t = job.training
+    compute = t.mixed_precision_param if mixed_precision_mode(trainer.dims, job, device.type) else t.param_dtype
     print(
         f"{job.model.flavor} ({trainer.params / 1e9:.2f}B parameters), batch {t.batch_size} x {t.seq_len}, "
-        f"{job.optimizer.name}, {t.param_dtype}, activation checkpointing {job.activation_checkpoint.mode}, "
-        f"on {device}"
+        f"{job.optimizer.name}, {t.param_dtype} weights, {compute} compute, "
+        f"activation checkpointing {job.activation_checkpoint.mode}, on {device}"
     )
     peaks = {n: trainer.peak_bytes(n) for n in chunks}
     for _ in range(options.warmup):

@@ -469,8 +469,6 @@ def hf_job(dump_folder: str, **checkpoint) -> JobConfig:
 
 def tiny_manager(model: Transformer, job: JobConfig) -> CheckpointManager:
     """A CheckpointManager of ``model`` alone, with the job's optimizer (no data loader, no schedules)."""
-    from torchtitan.optim import build_optimizers
-
     return CheckpointManager(
         data_loader=None,
         model_parts=[model],

@@ -9,12 +9,11 @@ import os
 import pytest
 import torch
 
-from tests.helpers import job_config, tiny_model
+from tests.helpers import job_config, tiny_manager, tiny_model
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.checkpoint.folders import resolve_folder
 from torchtitan.checkpoint.safe_reading import METADATA_FILE
 from torchtitan.errors import UserError
-from torchtitan.optim import build_optimizers
 from torchtitan.optim.builder import OPTIMIZERS, OPTION_RULES, state_label
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
@@ -79,7 +78,7 @@ def _manager(folder: str, *options: str) -> CheckpointManager:
         "foreach",  # no compile: this test is about the checkpoint
     )
     model = tiny_model(dtype=torch.float32)
-    return CheckpointManager(None, [model], build_optimizers([model], config), None, {}, config)
+    return tiny_manager(model, config)
 
 
 def test_checkpoint_of_another_optimizer_state_is_one_line(tmp_path, monkeypatch):

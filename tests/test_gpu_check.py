@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -78,7 +79,31 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path, monkeypat
     assert "## broken: failed" in (tmp_path / "gpu_check.md").read_text()
 
 
-def test_unknown_step_or_optimizer_is_a_user_error():
+def test_unknown_step_or_optimizer_is_a_user_error(capsys):
     with pytest.raises(UserError, match="unknown nope"):
         gpu_check._names("nope", list(gpu_check.STEPS), "only")
     assert gpu_check.main(["--out", "/nonexistent/x", "--only", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --only: unknown nope;") and err.count("\n") == 1, err  # one line, no traceback
+
+
+def test_a_failing_or_hanging_component_check_fails_its_step(tmp_path, monkeypatch):
+    stale = tmp_path / "hf-roundtrip" / "checkpoint"
+    stale.mkdir(parents=True)
+    commands = [
+        ("passes", [sys.executable, "-c", "print('fine')"]),
+        ("fails", [sys.executable, "-c", "print('about to fail'); raise SystemExit(1)"]),
+        ("hangs", [sys.executable, "-c", "import time; time.sleep(60)"]),
+    ]
+    monkeypatch.setattr(gpu_check, "component_commands", lambda out: commands)
+    monkeypatch.setattr(gpu_check, "COMMAND_TIMEOUT_S", 5)
+    ctx = gpu_check.Context(sizes=gpu_check.Sizes.for_run(dry_run=True), out=tmp_path, dry_run=False)
+    outcome = gpu_check.run_step("component_checks", ctx)
+    assert not stale.parent.exists()  # a rerun with the same --out starts the export afresh
+    assert outcome["status"] == "failed" and outcome["error"] == "2 of 3 runs failed (see the table)"
+    results = {row["check"]: (row["result"], row["output"]) for row in outcome["rows"]}
+    assert results == {
+        "passes": ("ok", "fine"),
+        "fails": (gpu_check.FAILED, "about to fail"),
+        "hangs": (gpu_check.FAILED, "(timed out after 5 s)"),
+    }

@@ -11,7 +11,8 @@ import pytest
 
 from tests.helpers import ROOT, TRAIN
 from torchtitan.cuda_allocator import DEFAULT_ALLOC_CONF, allocator_environ, allocator_setting
-from torchtitan.metrics import cuda_memory_metrics, format_log_line, peak_flops_for
+from torchtitan.metrics import cuda_memory_metrics, format_log_line, model_flops_per_token, peak_flops_for
+from torchtitan.models.llama import ModelArgs
 
 
 @pytest.mark.parametrize(
@@ -30,6 +31,12 @@ from torchtitan.metrics import cuda_memory_metrics, format_log_line, peak_flops_
 def test_mfu_peak_by_device_name(name, tflops):
     peak = peak_flops_for(name)
     assert (peak if peak is None else round(peak / 1e12)) == tflops
+
+
+def test_model_flops_count_every_parameter_but_the_embedding():
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=256)  # head_dim 8
+    # 6 x the 1000 non-embedding parameters, plus 12 x layers x heads x head_dim x sequence length for attention
+    assert model_flops_per_token(256 * 32 + 1000, args, seq_len=16) == 6 * 1000 + 12 * 2 * 4 * 8 * 16
 
 
 def test_memory_metrics_report_allocated_and_reserved_peaks():

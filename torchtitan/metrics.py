@@ -10,7 +10,7 @@ import json
 import os
 import resource
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -45,9 +45,11 @@ def peak_flops(device: torch.device) -> Optional[float]:
     return peak_flops_for(torch.cuda.get_device_name(device))
 
 
-def flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
-    """Training FLOPs per token: 6 per parameter plus causal attention's score and value products."""
-    return 6 * num_params + 12 * n_layers * n_heads * head_dim * seq_len
+def model_flops_per_token(num_params: int, model_args: Any, seq_len: int) -> int:
+    """Training FLOPs per token of a Llama (``model_args``: its ModelArgs) with ``num_params`` parameters: 6 per
+    parameter but the embedding's (a lookup, not a matmul) plus causal attention's score and value products."""
+    matmul_params = num_params - model_args.vocab_size * model_args.dim
+    return 6 * matmul_params + 12 * model_args.n_layers * model_args.n_heads * model_args.head_dim * seq_len
 
 
 def rss_gib() -> float:

@@ -28,6 +28,7 @@ import gc
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,13 +40,17 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from torchtitan.config_manager import JobConfig
-from torchtitan.errors import UserError
+from torchtitan.errors import UserError, exit_code
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 # Optimizers that also run with each implementation and with bf16 state; every registry name runs as it is.
 VARIANT_KINDS = ("AdamW", "AdamMini")
 VARIANT_OPTIONS = ("implementation=fused", "implementation=foreach", "state_dtype=bfloat16")
+# Seconds a command of a step may run before it is killed and counted as that step's (or check's) failure.
+COMMAND_TIMEOUT_S = 300
+PYTEST_TIMEOUT_S = 420
+FAILED = "FAILED"  # a component check's result when its command failed; fails the step
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -209,7 +214,7 @@ class _Model:
 
 def _build(sizes: Sizes, flavor: str, *extra: str) -> _Model:
     from torchtitan import training
-    from torchtitan.metrics import flops_per_token
+    from torchtitan.metrics import model_flops_per_token
     from torchtitan.parallelisms import ParallelDims
     from torchtitan.preflight import model_args_for
 
@@ -219,10 +224,7 @@ def _build(sizes: Sizes, flavor: str, *extra: str) -> _Model:
     model = training.build_model(job, args, dims, None, compute_device_type=sizes.device.type)
     training.init_model(model, sizes.device, job.training.seed)
     params = sum(p.numel() for p in model.parameters())
-    flops = flops_per_token(
-        params - args.vocab_size * args.dim, args.n_layers, args.n_heads, args.head_dim, job.training.seq_len
-    )
-    return _Model(job, model, args, dims, flops)
+    return _Model(job, model, args, dims, model_flops_per_token(params, args, job.training.seq_len))
 
 
 def _train(built: _Model, spec: str, sizes: Sizes, steps: Optional[tuple[int, int]] = None) -> dict[str, Any]:
@@ -380,6 +382,7 @@ def step_float8(ctx: Context) -> StepResult:
 def step_async_checkpoint(ctx: Context) -> StepResult:
     """train.py saves asynchronously at steps 2 and 4; a second run resumes from step 4 and trains to 6."""
     dump = ctx.out / "async_checkpoint"
+    shutil.rmtree(dump, ignore_errors=True)  # the first run must not resume from an earlier gpu_check's checkpoints
     common = [
         sys.executable,
         str(REPO_ROOT / "train.py"),
@@ -402,22 +405,22 @@ def step_async_checkpoint(ctx: Context) -> StepResult:
     rows = []
     for steps in (4, 6):
         started = time.perf_counter()
-        done = subprocess.run([*common, "--training.steps", str(steps)], capture_output=True, text=True, env=_env(ctx))
-        log = done.stdout + done.stderr
+        done = _run_command([*common, "--training.steps", str(steps)], ctx)
+        log = done.output
         (ctx.out / f"async_checkpoint_{steps}.log").write_text(log)
         resumed = "resumed from step 4" in log
         last_line = next((line for line in reversed(log.splitlines()) if "step:" in line), "")
         rows.append(
             {
                 "run": f"train to step {steps}",
-                "exit code": done.returncode,
+                "exit code": done.returncode,  # None: killed at the timeout
                 "resumed from step 4": resumed,
                 "seconds": round(time.perf_counter() - started, 1),
                 "last log line": last_line.split(" - ")[-1].strip()[:160],
             }
         )
-        if done.returncode != 0:
-            raise RuntimeError(f"train.py exited with {done.returncode}:\n{log[-3000:]}")
+        if not done.ok:
+            raise RuntimeError(f"train.py {done.how_it_ended()}:\n{log[-3000:]}")
     if not rows[1]["resumed from step 4"]:
         raise RuntimeError("the second run did not resume from the asynchronous checkpoint of step 4")
     return StepResult(rows=rows)
@@ -435,9 +438,9 @@ def step_checkpoint_memory(ctx: Context) -> StepResult:
     for extra in ([], ["--async-save"]):
         command = [sys.executable, str(REPO_ROOT / "scripts" / "checkpoint_memory.py"), "--optimizers", ",".join(names)]
         command += extra + (["--dry-run"] if ctx.dry_run else [])
-        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=_env(ctx))
-        text.append(f"$ checkpoint_memory.py {' '.join(command[2:])}\n{done.stdout}{done.stderr}")
-        if done.returncode != 0:
+        done = _run_command(command, ctx)
+        text.append(f"$ checkpoint_memory.py {' '.join(command[2:])}\n{done.output}")
+        if not done.ok:
             raise RuntimeError("\n".join(text))
     return StepResult(text="\n".join(text))
 
@@ -445,7 +448,7 @@ def step_checkpoint_memory(ctx: Context) -> StepResult:
 def component_commands(out: Path) -> list[tuple[str, list[str]]]:
     """(what it checks, command) of the GPU checks that other parts of the project ship as their own scripts."""
     python = sys.executable
-    hf_dump = str(out / "hf-roundtrip")
+    hf_dump, hf_import_dump = (str(folder) for folder in _hf_folders(out))
     debug = ["train.py", "--job.config_file", "train_configs/debug_model.toml", "--training.steps", "4"]
     return [
         (
@@ -458,7 +461,7 @@ def component_commands(out: Path) -> list[tuple[str, list[str]]]:
                 "--job.config_file",
                 "train_configs/llama3_8b.toml",
             ]
-            + ["--training.param_dtype", "bfloat16", "--n_layers", "2", "--chunks", "1,8", "--rounds", "10"],
+            + ["--n_layers", "2", "--chunks", "1,8", "--rounds", "10"],
         ),
         (
             "bf16 stochastic rounding: compiled on CUDA equals eager on CPU",
@@ -485,27 +488,33 @@ def component_commands(out: Path) -> list[tuple[str, list[str]]]:
         ),
         (
             "Hugging Face import of that export, with a compiled RMSNorm",
-            [python, *debug, "--job.dump_folder", hf_dump + "-import", "--model.norm_type", "compiled_rmsnorm"]
+            [python, *debug, "--job.dump_folder", hf_import_dump, "--model.norm_type", "compiled_rmsnorm"]
             + ["--checkpoint.initial_load_path", f"{hf_dump}/checkpoint/AdamW/step-4-hf"]
             + ["--checkpoint.initial_load_in_hf"],
         ),
     ]
 
 
+def _hf_folders(out: Path) -> tuple[Path, Path]:
+    """The dump folders of the component checks' Hugging Face export and import runs."""
+    return out / "hf-roundtrip", out / "hf-roundtrip-import"
+
+
 def step_component_checks(ctx: Context) -> StepResult:
     """The GPU checks of the chunked loss, bf16 state rounding, the data loader and Hugging Face weights, each its
-    own command (listed, not run, in a dry run: they need CUDA)."""
+    own command (listed, not run, in a dry run: they need CUDA); a command that fails or times out fails the step."""
+    if not ctx.dry_run:
+        for folder in _hf_folders(ctx.out):  # the export must not resume from an earlier gpu_check's checkpoints
+            shutil.rmtree(folder, ignore_errors=True)
     rows = []
     for what, command in component_commands(ctx.out):
         shown = " ".join(command[1:])
         if ctx.dry_run:
             rows.append({"check": what, "command": shown, "result": "listed (dry run)"})
             continue
-        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=_env(ctx))
-        tail = " / ".join((done.stdout + done.stderr).strip().splitlines()[-6:])
-        rows.append(
-            {"check": what, "command": shown, "result": "ok" if done.returncode == 0 else "FAILED", "output": tail}
-        )
+        done = _run_command(command, ctx)
+        tail = " / ".join(done.output.strip().splitlines()[-6:])
+        rows.append({"check": what, "command": shown, "result": "ok" if done.ok else FAILED, "output": tail})
     return StepResult(rows=rows)
 
 
@@ -513,16 +522,10 @@ def step_gpu_tests(ctx: Context) -> StepResult:
     files = gpu_test_files()
     if ctx.dry_run:
         return StepResult(rows=[{"test file": f, "result": "listed (dry run)"} for f in files])
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", *files],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=_env(ctx),
-    )
-    tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-    if done.returncode != 0:
-        raise RuntimeError(f"pytest exited with {done.returncode}:\n{tail}")
+    done = _run_command([sys.executable, "-m", "pytest", "-q", "-rs", *files], ctx, timeout=PYTEST_TIMEOUT_S)
+    tail = "\n".join(done.output.splitlines()[-30:])
+    if not done.ok:
+        raise RuntimeError(f"pytest {done.how_it_ended()}:\n{tail}")
     return StepResult(text=tail)
 
 
@@ -534,6 +537,37 @@ def gpu_test_files() -> list[str]:
         if "skipif" in text and "cuda.is_available()" in text:
             found.append(str(path.relative_to(REPO_ROOT)))
     return found
+
+
+@dataclass
+class _Done:
+    """How a step's command ended: its exit code (None: killed at the timeout) and its output."""
+
+    returncode: Optional[int]
+    output: str
+    timeout: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def how_it_ended(self) -> str:
+        if self.returncode is None:
+            return f"timed out after {self.timeout} s"
+        return f"exited with {self.returncode}"
+
+
+def _run_command(command: list[str], ctx: Context, timeout: Optional[float] = None) -> _Done:
+    """Run ``command`` in the repository root; past ``timeout`` seconds (default :data:`COMMAND_TIMEOUT_S`) it is
+    killed and the result says so."""
+    timeout = COMMAND_TIMEOUT_S if timeout is None else timeout
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=_env(ctx), timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        # What it printed so far (bytes on POSIX whatever ``text`` says).
+        partial = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (e.stdout, e.stderr))
+        return _Done(None, f"{partial}\n(timed out after {timeout} s)", timeout)
+    return _Done(done.returncode, done.stdout + done.stderr, timeout)
 
 
 def _env(ctx: Context) -> dict[str, str]:
@@ -565,7 +599,9 @@ def run_step(name: str, ctx: Context) -> dict[str, Any]:
     try:
         result = STEPS[name](ctx)
         outcome = {"status": "ok", "rows": result.rows, "notes": result.notes, "text": result.text}
-        broken = [row for row in result.rows if str(row.get("fits", "")).startswith("error")]
+        broken = [
+            row for row in result.rows if str(row.get("fits", "")).startswith("error") or row.get("result") == FAILED
+        ]
         if broken:  # the other rows were still measured
             outcome.update(status="failed", error=f"{len(broken)} of {len(result.rows)} runs failed (see the table)")
     except Exception as e:  # noqa: BLE001 - one step failing must not stop the others
@@ -637,6 +673,10 @@ def _names(value: Optional[str], valid: list[str], what: str) -> Optional[list[s
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    return exit_code(lambda: _main(argv))
+
+
+def _main(argv: Optional[list[str]]) -> int:
     from torchtitan.optim.builder import OPTIMIZERS
 
     parser = argparse.ArgumentParser(prog="gpu_check.sh", description=__doc__.split("\n\n")[0])
@@ -645,13 +685,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--only", default=None, help=f"comma-separated steps ({', '.join(STEPS)})")
     parser.add_argument("--optimizers", default=None, help="comma-separated registry names (default: all)")
     options = parser.parse_args(argv)
-    try:
-        only = _names(options.only, list(STEPS), "only")
-        optimizers = _names(options.optimizers, list(OPTIMIZERS), "optimizers")
-        report = run(Path(options.out), options.dry_run, only, optimizers)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    only = _names(options.only, list(STEPS), "only")
+    optimizers = _names(options.optimizers, list(OPTIMIZERS), "optimizers")
+    report = run(Path(options.out), options.dry_run, only, optimizers)
     failed = [name for name, step in report["steps"].items() if step["status"] != "ok"]
     print(
         f"gpu_check: report in {Path(options.out) / 'gpu_check.md'}"
