@@ -415,15 +415,16 @@ def _check_state_dtypes_for_bfloat16_weights(name, state_dtype, keys, dtype):
     assert max_difference({k: loaded[k] for k in tensors}, {k: saved[k] for k in tensors}) == 0.0
 
 
-def test_torch_kernels_for_bfloat16_weights_are_refused():
+@pytest.mark.parametrize("name", ["AdamW", "Muon"])  # Muon: its AdamW part
+def test_torch_kernels_for_bfloat16_weights_are_refused(name):
     # torch's kernels would keep bfloat16 moments, not the float32 that state_dtype (unset) promises.
     from torchtitan.optim import build_optimizers
     from torchtitan.optim.builder import Hyperparameters, check_hyperparameters, resolve_optimizer_name
 
-    job = job_config("--optimizer.name", "AdamW", "--optimizer.implementation", "fused")
+    job = job_config("--optimizer.name", name, "--optimizer.implementation", "fused")
     with pytest.raises(UserError, match="optimizer.implementation"):
         build_optimizers([tiny_model(TINY, torch.bfloat16)], job)
-    kind, hp = resolve_optimizer_name("AdamW"), Hyperparameters.from_job_config(job)
+    kind, hp = resolve_optimizer_name(name), Hyperparameters.from_job_config(job)
     check_hyperparameters(kind, hp, "float32")
     with pytest.raises(UserError, match="optimizer.implementation"):  # preflight's check, before any worker
         check_hyperparameters(kind, hp, "bfloat16")

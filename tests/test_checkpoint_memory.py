@@ -25,7 +25,7 @@ from torchtitan.guard import DivergenceError
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
 from torchtitan.optim.container import tensor_bytes
-from torchtitan.optim.quantized_checkpoint import QuantizedEntry, entry_groups, read_state
+from torchtitan.optim.quantized_checkpoint import QuantizedEntry, entry_groups, read_in_groups
 
 # An async save's background thread writes without a process group, as a single-process run should.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
@@ -196,7 +196,7 @@ def test_ranks_with_fewer_groups_read_nothing_in_the_extra_calls(tmp_path):
         dcp.load(part, storage_reader=SafeFileSystemReader(os.path.join(manager.folder, "step-1")))
 
     groups = len(list(entry_groups(_quantized(fresh))))
-    read_state(state, read, agree_on_count=lambda count: count + 2)
+    read_in_groups(state, read, agree_on_count=lambda count: count + 2)
     assert len(parts) == 1 + groups + 2 and parts[-2:] == [{}, {}]
     fresh.load_state_dict(state["optimizer"])
     _assert_requantized({k: entry.local_values() for k, entry in _quantized(fresh).items()}, saved)

@@ -113,7 +113,7 @@ def test_nothing_to_resume_names_the_folder_earlier_versions_used_for_every_stat
         "foreach",
     )
     model = tiny_model(dtype=torch.float32)
-    manager = CheckpointManager(None, [model], build_optimizers([model], config), None, {}, config)
+    manager = tiny_manager(model, config)
     assert manager.folder == os.path.join(str(tmp_path), "checkpoint", "AdamMini-state_dtype=bfloat16")
     earlier = os.path.join(str(tmp_path), "checkpoint", "AdamMini")
     with caplog.at_level(logging.WARNING):

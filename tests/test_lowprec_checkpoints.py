@@ -29,7 +29,7 @@ from tests.helpers import full, initial_state_bytes, job_config, max_over_ranks,
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
-from torchtitan.optim.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_state
+from torchtitan.optim.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_in_groups
 from torchtitan.optim.state_storage import is_quantized
 
 torchao_optim = pytest.importorskip("torchao.optim", reason="needs torchao for quantized momentum (the lowbit extra)")
@@ -110,7 +110,7 @@ def _load(net, optimizers, path: str, model_only: bool = False) -> None:
     state = {"model": net.state_dict()}
     if not model_only:
         state["optimizer"] = optimizers.state_dict()
-    read_state(state, lambda part: _read(part, path), agree_on_count=max_over_ranks)
+    read_in_groups(state, lambda part: _read(part, path), agree_on_count=max_over_ranks)
     net.load_state_dict(state["model"])
     if not model_only:
         optimizers.load_state_dict(state["optimizer"])

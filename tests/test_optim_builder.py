@@ -43,7 +43,7 @@ from torchtitan.optim import (
 )
 from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.muon import Muon
-from torchtitan.optim.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_state
+from torchtitan.optim.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_in_groups
 from torchtitan.optim.state_storage import is_quantized
 
 try:
@@ -432,7 +432,7 @@ def save(state: dict, path) -> None:
 
 def load_into(net: Transformer, optimizers: OptimizersContainer, path) -> None:
     state = {"model": net.state_dict(), "optimizer": optimizers.state_dict()}
-    read_state(state, lambda part: dcp.load(part, checkpoint_id=str(path)), agree_on_count=max_over_ranks)
+    read_in_groups(state, lambda part: dcp.load(part, checkpoint_id=str(path)), agree_on_count=max_over_ranks)
     net.load_state_dict(state["model"])
     optimizers.load_state_dict(state["optimizer"])
 

@@ -57,9 +57,9 @@ from torchtitan.guard import (
 from torchtitan.logging import logger
 from torchtitan.optim.builder import OPTION_RULES, resolve_optimizer_name, state_signature
 from torchtitan.optim.quantized_checkpoint import (
-    QuantizedEntry,
     QuantizedStateSavePlanner,
-    read_state,
+    entry_sources,
+    read_in_groups,
     stage_entries,
 )
 from torchtitan.utils import DTYPES
@@ -397,7 +397,7 @@ class CheckpointManager:
         begin = time.perf_counter()
         final = step_folder(self.folder, step)
         state = self._state_to_save()
-        optimizer_tensors = {k: v.source if isinstance(v, QuantizedEntry) else v for k, v in state[OPTIMIZER].items()}
+        optimizer_tensors = entry_sources(state[OPTIMIZER])
         self._refuse_non_finite({MODEL: state[MODEL], OPTIMIZER: optimizer_tensors}, step)
         temporary = temporary_name(final, self._shared_token())
         os.makedirs(temporary, exist_ok=True)
@@ -601,7 +601,7 @@ class CheckpointManager:
         for name in plain_names:
             state[name] = torch.empty(metadata.state_dict_metadata[name].size, dtype=torch.uint8)
         # Quantized optimizer states are read after the rest, a group at a time (never all as float32 at once).
-        read_state(state, lambda part: self._read_part(path, part), agree_on_count=self._max_over_ranks)
+        read_in_groups(state, lambda part: self._read_part(path, part), agree_on_count=self._max_over_ranks)
 
         for part, part_state in zip(self.model_parts, part_states):
             set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})

@@ -35,7 +35,7 @@ def check_hyperparameters(kind: "OptimizerKind", hp: Hyperparameters, weights_dt
     """Raise UserError for values torch's Adam refuses and for options the chosen optimizer does not take
     (``weights_dtype``: ``training.param_dtype``, where known)."""
     hp.check()
-    if kind.name in ("AdamW", "Adam") and weights_dtype == "bfloat16":
+    if kind.name in ("AdamW", "Adam", "Muon") and weights_dtype == "bfloat16":  # Muon: its AdamW part
         _check_own_step_for_bfloat16_weights(hp)
     for option in sorted(hp.options_set() - kind.options):
         users = sorted(k.name for k in OPTIMIZERS.values() if option in k.options)

@@ -10,7 +10,7 @@ every state before DCP writes anything would raise the device's peak by 4 bytes 
   asks for its data, which the writer copies to the host and drops before the next one (DCP keeps a rank's host
   copies until its file is written: host memory, like an async save's staging). An async save stages each entry to
   host memory (pinned where CUDA is available) one at a time, before the background write starts;
-- loading: :func:`read_state` reads the quantized states in groups of at most the largest one's float32 size
+- loading: :func:`read_in_groups` reads the quantized states in groups of at most the largest one's float32 size
   (one DCP load per group, into float32 buffers) and quantizes each group into the live state before the next.
 """
 
@@ -148,7 +148,7 @@ def entry_groups(entries: dict[Any, QuantizedEntry]) -> Iterator[dict[Any, Quant
         yield group
 
 
-def read_state(
+def read_in_groups(
     state: dict[str, Any],
     read: Callable[[dict[str, Any]], None],
     agree_on_count: Callable[[int], int] = lambda count: count,
@@ -201,6 +201,11 @@ def _nested(values: dict[tuple[str, ...], Any], into: dict[str, Any] | None = No
     return nested
 
 
+def entry_sources(state: dict[str, Any]) -> dict[str, Any]:
+    """A flat state with every :class:`QuantizedEntry` replaced by the live (quantized) tensor it stands for."""
+    return {key: value.source if isinstance(value, QuantizedEntry) else value for key, value in state.items()}
+
+
 def plain_values(state: dict[str, Any]) -> dict[str, Any]:
     """A flat state with every :class:`QuantizedEntry` made into its float32 tensor (small states and tests)."""
     return {
@@ -210,10 +215,11 @@ def plain_values(state: dict[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "QuantizedEntry",
+    "entry_sources",
     "QuantizedStateSavePlanner",
     "entries_for_quantized",
     "entry_groups",
-    "read_state",
+    "read_in_groups",
     "plain_values",
     "stage_entries",
 ]
