@@ -159,7 +159,7 @@ def _unique_graphs() -> int:
     ids=["AdamMini", "Adam bf16"],
 )
 def test_compiled_step_compiles_once_through_state_creation_steps_and_a_load(argv):
-    """State creation (weight decay on at lr 0), steps, state_bytes() and a load all run the first graphs."""
+    """State creation (weight decay on at lr 0), steps and a load all run the first graphs (state_bytes() runs none)."""
     from torchtitan.optim import build_optimizers
 
     job = job_config(*argv, "--optimizer.lr", "0.01", "--optimizer.weight_decay", "0.1")
