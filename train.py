@@ -23,7 +23,7 @@ from torchtitan import training
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.collectives import all_reduce_scalar, set_collective_timeout
 from torchtitan.config_manager import JobConfig
-from torchtitan.datasets import build_hf_data_loader
+from torchtitan.datasets.build import build_data_loader, dataset_record, write_dataset_record
 from torchtitan.errors import exit_code
 from torchtitan.garbage_collection import GarbageCollection
 from torchtitan.guard import DivergenceGuard
@@ -74,16 +74,15 @@ def main(job_config: JobConfig) -> None:
 
     optimizers = build_optimizers(model_parts, job_config)
     lr_schedulers = build_lr_schedulers(optimizers, job_config)
-    data_loader = build_hf_data_loader(
-        t.dataset,
-        t.dataset_path,
+    data_record = dataset_record(job_config, tokenizer)
+    logger.info(f"data: {data_record['source']}, fingerprint {data_record['fingerprint']}")
+    data_loader = build_data_loader(
+        job_config,
         tokenizer,
-        t.batch_size,
-        t.seq_len,
         dp_rank,
         dp_degree,
-        split=training_split(job_config),
-        workers=t.data_workers,
+        data_record["fingerprint"],
+        training_split(job_config),
         pin_memory=device.type == "cuda",
         group=_world_group(),
     )
@@ -106,6 +105,7 @@ def main(job_config: JobConfig) -> None:
     checkpoint.load(step=job_config.checkpoint.load_step)
 
     metric_logger = build_metric_logger(job_config, optimizers.name, rank, _world_group())
+    write_dataset_record(metric_logger.run_dir if rank == 0 else None, data_record)
     optimizers.initialise_state()  # a fresh run's state exists from the start (measured, and checkpointable)
     state_bytes = all_reduce_scalar(optimizers.state_bytes(), "sum", _world_group(), device)
     metric_logger.log({"optimizer/state_bytes": state_bytes}, train_state.step)

@@ -123,8 +123,22 @@ class Optimizer:
 
 @dataclass
 class Training:
-    dataset: str = opt("sample", "dataset: sample (bundled, offline), c4 (streamed from the hub) or text (local files)")
-    dataset_path: Optional[str] = opt(None, "local file or folder of text/json/jsonl/parquet files (any dataset)")
+    dataset: str = opt(
+        "sample",
+        "dataset: sample (bundled, offline), c4 (streamed from the hub), text (local files) or tokens (a folder "
+        "written by python -m torchtitan.tools.pretokenize)",
+    )
+    dataset_path: Optional[str] = opt(
+        None, "local file or folder of text/json/jsonl/parquet files (any dataset), or the tokens folder"
+    )
+    data_seed: int = opt(
+        0, "order of the windows of training.dataset 'tokens': a new permutation of them each epoch", ge=0
+    )
+    allow_data_change: bool = opt(
+        False,
+        "resume a checkpoint that read other data (another dataset fingerprint, data_seed, seq_len or held-out "
+        "split): its data position is dropped and this data is read from its start",
+    )
     batch_size: int = opt(8, "sequences per data-parallel rank per micro-batch", gt=0)
     data_workers: int = opt(
         1, "data-loader worker processes per rank that read and tokenize (0: in the training process)", ge=0
@@ -198,7 +212,7 @@ class Validation:
     freq: int = opt(100, "evaluate every N optimizer steps (and at the last step)", gt=0)
     steps: int = opt(10, "batches per evaluation (fewer if the validation data runs out first)", gt=0)
     dataset: Optional[str] = opt(
-        None, "validation data: sample, c4 or text; unset (or the training data): its held-out split"
+        None, "validation data: sample, c4, text or tokens; unset (or the training data): its held-out split"
     )
     dataset_path: Optional[str] = opt(None, "local file or folder of validation data (like training.dataset_path)")
     batch_size: Optional[int] = opt(
@@ -207,8 +221,8 @@ class Validation:
     seq_len: Optional[int] = opt(None, "tokens per sequence, at most training.seq_len; unset: training.seq_len", gt=0)
     held_out_every: int = opt(
         20,
-        "about 1 in N documents of the training data (by a hash of the text) is held out: never trained on, "
-        "even with validation off; 0 trains on every document",
+        "about 1 in N documents of the training data (by a hash of the text; for tokens data every N-th window) "
+        "is held out: never trained on, even with validation off; 0 trains on every document",
         ge=0,
     )
 
@@ -433,6 +447,17 @@ class JobConfig:
             raise UserError(
                 "checkpoint.initial_load_model_only applies to checkpoint.initial_load_path, which is unset; set "
                 "the path or remove the option"
+            )
+        t = self.training
+        if t.data_seed != Training().data_seed and t.dataset != "tokens":
+            raise UserError(
+                f"training.data_seed orders pre-tokenized data, but training.dataset is '{t.dataset}' (read in its "
+                "files' order); remove it, or pretokenize the data and use training.dataset 'tokens'"
+            )
+        if t.allow_data_change and not c.enable_checkpoint:
+            raise UserError(
+                "training.allow_data_change applies to resuming a checkpoint, which is off; add "
+                "--checkpoint.enable_checkpoint or remove training.allow_data_change"
             )
         if c.async_mode != defaults.async_mode and not c.enable_checkpoint:
             raise UserError(

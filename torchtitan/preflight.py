@@ -56,6 +56,12 @@ def preflight(job_config: JobConfig, world_size: int):
 
         validation_data(job_config)
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.tokenizer_type)
+    if t.dataset == "tokens":
+        from torchtitan.datasets.tokens import check_tokenizer, read_manifest
+
+        check_tokenizer(
+            read_manifest(t.dataset_path), t.dataset_path, job_config.model.tokenizer_path, tokenizer.fingerprint
+        )
     model_args = model_args_for(job_config, tokenizer.n_words)
     validate_model_for_parallelism(model_args, parallel_dims)
     if job_config.checkpoint.initial_load_in_hf:

@@ -12,7 +12,7 @@ layout, same dtype policy, loss parallel under TP) without gradients.
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torchtitan.collectives import all_reduce_scalar, all_reduce_sum_
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import DocumentSplit, build_hf_data_loader, resolve_dataset
 from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.datasets.tokens import check_tokenizer, read_manifest, validation_windows
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
 from torchtitan.parallelisms import ParallelDims, loss_parallel_context
@@ -74,24 +75,34 @@ def load_validation_batches(
     device = device or torch.device("cpu")
     name, path, split = validation_data(job_config)
     batch_size, seq_len = v.batch_size or t.batch_size, v.seq_len or t.seq_len
-    loader = build_hf_data_loader(
-        name,
-        path,
-        tokenizer,
-        batch_size,
-        seq_len,
-        dp_rank,
-        dp_degree,
-        infinite=False,
-        split=split,
-        section="validation",
-        workers=t.data_workers,
-        pin_memory=device.type == "cuda",
-    )
+    if name == "tokens":
+        check_tokenizer(read_manifest(path, "validation"), path, job_config.model.tokenizer_path, tokenizer.fingerprint)
+        # Held out: windows of training.seq_len + 1 tokens, as training cuts them (see torchtitan.datasets.tokens).
+        loader: Iterator[Batch] = validation_windows(
+            path, t.seq_len, seq_len, batch_size, dp_rank, dp_degree, split.every
+        )
+    else:
+        loader = iter(
+            build_hf_data_loader(
+                name,
+                path,
+                tokenizer,
+                batch_size,
+                seq_len,
+                dp_rank,
+                dp_degree,
+                infinite=False,
+                split=split,
+                section="validation",
+                workers=t.data_workers,
+                pin_memory=device.type == "cuda",
+            )
+        )
     batches = list(itertools.islice(loader, v.steps))
     fewest = -all_reduce_scalar(-len(batches), "max", dp_group, device)
     batches = batches[: int(fewest)]
-    what = f"the held-out split (about 1 in {split.every} documents)" if split.held_out else "the validation data"
+    unit = "windows" if name == "tokens" else "documents"
+    what = f"the held-out split (about 1 in {split.every} {unit})" if split.held_out else "the validation data"
     if not batches:
         raise UserError(
             f"{what} holds less than one batch of {batch_size} x {seq_len + 1} tokens for each data-parallel rank's "

@@ -62,7 +62,7 @@ from torchtitan.logging import logger
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA_DIR = REPO_ROOT / "assets" / "data" / "sample"
-DATASET_NAMES = ("c4", "sample", "text")
+DATASET_NAMES = ("c4", "sample", "text", "tokens")
 DEFAULT_HUB = "https://huggingface.co"
 HUB_CONNECT_TIMEOUT_S = 3.0
 ROWS_PER_READ = 64  # rows the dataset hands over at a time
@@ -201,12 +201,23 @@ def resolve_dataset(
 ) -> Optional[tuple[str, list[str], str]]:
     """Check ``{section}.dataset`` / ``{section}.dataset_path`` without reading any data.
 
-    Returns (datasets builder, files, description) for local data, or None for the c4 hub stream.
+    Returns (datasets builder, files, description) for local data, or None for the c4 hub stream; tokenized data
+    is ("tokens", [its folder], description).
     """
     if dataset_name not in DATASET_NAMES:
         raise UserError(f"{section}.dataset '{dataset_name}' is unknown; choose one of {', '.join(DATASET_NAMES)}")
     if dataset_path is None and dataset_name == "text":
         raise UserError(f"{section}.dataset 'text' needs {section}.dataset_path (a file or folder of text data)")
+    if dataset_name == "tokens":
+        if dataset_path is None:
+            raise UserError(
+                f"{section}.dataset 'tokens' needs {section}.dataset_path (a folder written by "
+                "python -m torchtitan.tools.pretokenize)"
+            )
+        from torchtitan.datasets.tokens import read_manifest
+
+        read_manifest(dataset_path, section)
+        return "tokens", [os.path.abspath(dataset_path)], f"{section}.dataset_path '{dataset_path}'"
     if dataset_path is None and dataset_name == "c4":
         return None
     description = f"{section}.dataset_path '{dataset_path}'"
@@ -219,6 +230,35 @@ def resolve_dataset(
         dataset_path, description = str(SAMPLE_DATA_DIR), f"the bundled sample dataset ({SAMPLE_DATA_DIR})"
     builder, files = local_data_files(dataset_path, dataset_name, section)
     return builder, files, description
+
+
+_FINGERPRINT_EDGE_BYTES = 1 << 16
+
+
+def text_fingerprint(dataset_name: str, dataset_path: Optional[str], tokenizer_fingerprint: str) -> Optional[str]:
+    """A fingerprint of local text data read with a tokenizer; None for the c4 hub stream (it can change unseen).
+
+    It covers the tokenizer file and every data file's name (relative to the data's folder), size and first and
+    last 64 KiB, so it costs no pass over the data; an edit inside a file that keeps its size is not seen (the
+    fingerprint of pre-tokenized data covers every token).
+    """
+    local = resolve_dataset(dataset_name, dataset_path)
+    if local is None:
+        return None
+    _, files, _ = local
+    root = os.path.commonpath([os.path.dirname(f) for f in files])
+    digest = hashlib.sha256(f"text {tokenizer_fingerprint}".encode())
+    for file in files:
+        size = os.path.getsize(file)
+        digest.update(f"\0{os.path.relpath(file, root)}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            if size <= 2 * _FINGERPRINT_EDGE_BYTES:
+                digest.update(f.read())
+                continue
+            digest.update(f.read(_FINGERPRINT_EDGE_BYTES))
+            f.seek(size - _FINGERPRINT_EDGE_BYTES)
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -476,6 +516,9 @@ class PackedTextDataset(IterableDataset):
         self.infinite = infinite
         self.split = split
         self._position = start_position()
+        # Positions by reader index, each taken by its reader's first pass (a resume at another layout of as many
+        # readers); afterwards, and in every other case, a reader goes on from ``_position``.
+        self.reader_starts: dict[int, dict[str, Any]] = {}
 
     def __iter__(self) -> Iterator[Any]:
         try:
@@ -486,6 +529,7 @@ class PackedTextDataset(IterableDataset):
             yield ReaderFailure(str(e))  # a worker's exception would reach the user wrapped in a traceback
 
     def _batches(self, reader: Reader) -> Iterator[Any]:
+        self._position = self.reader_starts.pop(reader.index, self._position)
         stream = TokenStream(self.source, self.tokenizer, self._position, self.infinite, self.split, reader)
         window = self.seq_len + 1
         while True:
@@ -500,13 +544,15 @@ class PackedTextDataset(IterableDataset):
             yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), (reader.index, dict(self._position))
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self._position)
+        reader = _this_reader(self.dp_rank, self.dp_world_size)
+        return dict(self.reader_starts.get(reader.index, self._position))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         missing = set(start_position()) - set(state_dict)
         if missing:
             raise ValueError(f"data loader state lacks {sorted(missing)}; it was not saved by this data loader")
         self._position = {key: state_dict[key] for key in start_position()}
+        self.reader_starts = {}
 
 
 def _keep_batch(batch: Any) -> Any:
@@ -528,15 +574,25 @@ class TextDataLoader:
     """This rank's ``(inputs, labels)`` batches, each a ``(batch_size, seq_len)`` LongTensor; checkpointable.
 
     ``workers`` loader processes tokenize off the training thread (0: in this process), each one reader.
-    ``state_dict()`` is the job's (every rank's readers, gathered over ``group``), the same on every rank.
-    Loaded on the same data-parallel degree and worker count it resumes exactly where the saved run was; on
-    another, every reader starts where the furthest saved reader was (see the module docstring).
+    ``state_dict()`` is the job's (every rank's readers, gathered over ``group``, and the data's ``fingerprint``),
+    the same on every rank. Loaded on the same number of readers it resumes exactly where the saved run was, each
+    reader at its own position, whatever the split into ranks and workers; on another, every reader starts where
+    the furthest saved reader was (see the module docstring). A checkpoint of other data (another fingerprint, or
+    tokenized data) is refused unless ``allow_data_change``, which starts this data from its beginning.
     """
 
     def __init__(
-        self, dataset: PackedTextDataset, workers: int, pin_memory: bool, group: Optional[dist.ProcessGroup]
+        self,
+        dataset: PackedTextDataset,
+        workers: int,
+        pin_memory: bool,
+        group: Optional[dist.ProcessGroup],
+        fingerprint: Optional[str] = None,
+        allow_data_change: bool = False,
     ) -> None:
         self.dataset = dataset
+        self.fingerprint = fingerprint
+        self._allow_data_change = allow_data_change
         self.workers = workers
         self.layout = {"dp_degree": dataset.dp_world_size, "workers": workers}
         self._group = group
@@ -578,9 +634,20 @@ class TextDataLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The job's loader state (a collective over ``group``: every rank calls it)."""
-        return merge_rank_states(all_gather_objects(self.rank_state(), self._group))
+        state = merge_rank_states(all_gather_objects(self.rank_state(), self._group))
+        return {**state, "fingerprint": self.fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved_fingerprint = state.get("fingerprint", self.fingerprint)  # checkpoints before fingerprints: unchecked
+        if state.get("kind") == "tokens" or saved_fingerprint != self.fingerprint:
+            from torchtitan.datasets.tokens import data_changed
+
+            was = "tokenized data" if state.get("kind") == "tokens" else f"fingerprint {saved_fingerprint}"
+            what = f"{was} then, fingerprint {self.fingerprint} now"
+            if not self._allow_data_change:
+                raise data_changed(what)
+            logger.info(f"data: the checkpoint read other data ({what}); training.allow_data_change: starting over")
+            return
         if "layout" not in state:
             raise UserError(
                 "the checkpoint's data position was saved by an earlier version (one stream read whole by every "
@@ -590,11 +657,22 @@ class TextDataLoader:
             self._loader.load_state_dict(state["ranks"][str(self.dataset.dp_rank)])
             self._positions = {str(r.index): state["readers"][str(r.index)] for r in self._readers}
             return
+        saved = state["layout"]
+        if len(state["readers"]) == len(self._readers) * self.dataset.dp_world_size:
+            # As many readers, split otherwise between ranks and workers: each reader is the same document subset.
+            self._positions = {str(r.index): dict(state["readers"][str(r.index)]) for r in self._readers}
+            self.dataset.reader_starts = {r.index: dict(self._positions[str(r.index)]) for r in self._readers}
+            self._loader = self._new_loader()
+            logger.info(
+                f"data: the checkpoint was read by {saved['dp_degree']} data-parallel rank(s) x {saved['workers']} "
+                f"worker(s), this job uses {self.layout['dp_degree']} x {self.workers}: as many readers, each "
+                "continues exactly at its own position"
+            )
+            return
         start = {**furthest_position(list(state["readers"].values())), "windows": 0}
         self.dataset.load_state_dict(start)
         self._loader = self._new_loader()  # its workers, if started (a state_dict() starts them), hold the old start
         self._positions = {str(r.index): dict(start) for r in self._readers}
-        saved = state["layout"]
         logger.info(
             f"data: the checkpoint was read by {saved['dp_degree']} data-parallel rank(s) x {saved['workers']} "
             f"worker(s), this job uses {self.layout['dp_degree']} x {self.workers}: every reader continues from "
@@ -617,12 +695,16 @@ def build_hf_data_loader(
     workers: int = 0,
     pin_memory: bool = False,
     group: Optional[dist.ProcessGroup] = None,
+    fingerprint: Optional[str] = None,
+    allow_data_change: bool = False,
 ) -> TextDataLoader:
     """A checkpointable loader of this rank's ``(inputs, labels)``, each a ``(batch_size, seq_len)`` LongTensor.
 
     ``split`` picks the documents read (all by default); ``section`` is the config table named in error messages;
     ``workers`` loader processes tokenize (0: this process); ``pin_memory`` pins batches for fast copies to a GPU;
-    ``group`` is the process group the loader's state is gathered over (None: one process).
+    ``group`` is the process group the loader's state is gathered over (None: one process); ``fingerprint`` names
+    the data in the checkpoint (``text_fingerprint``) and ``allow_data_change`` lets a checkpoint of other data
+    resume from this data's start.
     """
     source = load_documents(dataset_name, dataset_path, section)
     dataset = PackedTextDataset(
@@ -635,4 +717,4 @@ def build_hf_data_loader(
         infinite=infinite,
         split=split,
     )
-    return TextDataLoader(dataset, workers, pin_memory, group)
+    return TextDataLoader(dataset, workers, pin_memory, group, fingerprint, allow_data_change)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import os
 import re
 from abc import ABC, abstractmethod
@@ -31,11 +32,13 @@ _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+={0,2} [0-9]+\r?$")
 
 
 class Tokenizer(ABC):
-    """Text <-> token ids. ``n_words`` is the vocabulary size (the model's embedding rows)."""
+    """Text <-> token ids. ``n_words`` is the vocabulary size (the model's embedding rows); ``fingerprint`` is a
+    SHA-256 of the tokenizer file (16 hex digits), which tokenized data records."""
 
     n_words: int
     bos_id: int
     eos_id: int
+    fingerprint: str
 
     @abstractmethod
     def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
@@ -44,6 +47,15 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
         """The text of ``ids``."""
+
+
+def file_fingerprint(path: str) -> str:
+    """SHA-256 of a file's bytes, as 16 hex digits."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def llama3_special_tokens() -> list[str]:
@@ -121,6 +133,7 @@ class TikTokenizer(Tokenizer):
         import tiktoken
 
         ranks = read_tiktoken_ranks(path)
+        self.fingerprint = file_fingerprint(path)
         self.special_tokens = {token: len(ranks) + i for i, token in enumerate(llama3_special_tokens())}
         self._encoding = tiktoken.Encoding(
             name=os.path.basename(path),
@@ -157,6 +170,7 @@ class SentencePieceTokenizer(Tokenizer):
                 f"model.tokenizer_path '{path}' is not a sentencepiece model (it could not be parsed); "
                 "point it at a sentencepiece .model or tiktoken BPE file"
             ) from None
+        self.fingerprint = file_fingerprint(path)
         self.n_words = self._processor.vocab_size()
         self.bos_id = self._processor.bos_id()
         self.eos_id = self._processor.eos_id()

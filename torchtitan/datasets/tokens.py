@@ -1,0 +1,472 @@
+"""Pre-tokenized data: token shards on disk, read as a seeded permutation of fixed windows, exact at any reader count.
+
+A tokens folder (written by ``python -m torchtitan.tools.pretokenize``) holds ``shard_NNNNN.bin`` files and a
+``manifest.json``. A shard is a 64-byte header (the magic ``TTTOKNS1``, the bytes per token as a little-endian
+uint32, the token count as a little-endian uint64, zeros) followed by the tokens: uint16 when the vocabulary fits
+in 65,536 ids, else uint32. The shards, in order, are one token stream: every document with its BOS and EOS,
+exactly as the text loader tokenizes it. The manifest holds the documents, the tokens, the shards, the tokenizer's
+fingerprint, the source and the dataset's fingerprint (SHA-256 of the token bytes in order and their width).
+
+Reading (``training.dataset = "tokens"``): the stream is cut into windows of ``seq_len + 1`` tokens (the tail that
+fills no window is not read). With ``validation.held_out_every = N`` every N-th window (window ``0, N, 2N, ...``) is
+held out: training never reads it and validation reads only those. The training windows are read in an order fixed
+by ``training.data_seed``: a new permutation of them each epoch, computed window by window (a keyed Feistel
+permutation of the window indices), so no reader holds anything that grows with the dataset; the tokens are
+memory-mapped.
+
+Readers: a job of D data-parallel ranks with W loader workers each (W = 0 counts as one reader per rank) walks one
+global sequence of positions. Rank ``r``'s ``n``-th batch (in the order its loader hands them over) is positions
+``base + (n * D + r) * batch_size`` onwards, ``batch_size`` of them, and worker ``n mod W`` reads it. Position ``p``
+is window ``permutation(epoch)[p mod n]`` of epoch ``p // n`` (n training windows). After every rank has taken the
+same number of batches (at every step) the positions read are exactly the first ones: the state is one number, the
+windows read so far. A resume at any number of ranks, workers or batch size continues with the next position, so no
+window is read twice or skipped within an epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
+
+from torchtitan.collectives import all_gather_objects
+from torchtitan.errors import UserError
+from torchtitan.logging import logger
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+MAGIC = b"TTTOKNS1"
+HEADER_BYTES = 64
+_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The shard format
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return _DTYPES[2] if vocab_size <= 1 << 16 else _DTYPES[4]
+
+
+def shard_header(token_bytes: int, tokens: int) -> bytes:
+    header = MAGIC + token_bytes.to_bytes(4, "little") + tokens.to_bytes(8, "little")
+    return header + bytes(HEADER_BYTES - len(header))
+
+
+def read_shard_header(path: str) -> tuple[np.dtype, int]:
+    """(dtype, token count) of a shard; UserError if it is not one or is cut short."""
+    with open(path, "rb") as f:
+        header = f.read(HEADER_BYTES)
+    token_bytes = int.from_bytes(header[8:12], "little") if len(header) == HEADER_BYTES else 0
+    if header[:8] != MAGIC or token_bytes not in _DTYPES:
+        raise UserError(f"'{path}' is not a token shard (no {MAGIC.decode()} header); pretokenize the data again")
+    tokens = int.from_bytes(header[12:20], "little")
+    if os.path.getsize(path) != HEADER_BYTES + tokens * token_bytes:
+        raise UserError(f"token shard '{path}' is cut short or too long for its header; pretokenize the data again")
+    return _DTYPES[token_bytes], tokens
+
+
+class ShardWriter:
+    """Writes a token stream into shards of at most ``shard_tokens`` tokens; ``close()`` returns the manifest part."""
+
+    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int) -> None:
+        self.out, self.dtype, self.shard_tokens = out, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self.tokens = 0
+        self._digest = hashlib.sha256(f"tokens {dtype.str}".encode())
+        self._file = None
+        self._in_shard = 0
+
+    def add(self, tokens: np.ndarray) -> None:
+        tokens = tokens.astype(self.dtype, copy=False)
+        while tokens.size:
+            if self._file is None:
+                self._open()
+            take = min(tokens.size, self.shard_tokens - self._in_shard)
+            data = tokens[:take].tobytes()
+            self._file.write(data)
+            self._digest.update(data)
+            self._in_shard += take
+            self.tokens += take
+            tokens = tokens[take:]
+            if self._in_shard == self.shard_tokens:
+                self._close_shard()
+
+    def _open(self) -> None:
+        name = f"shard_{len(self.shards):05d}.bin"
+        self._file = open(self.out / name, "wb")
+        self._file.write(shard_header(self.dtype.itemsize, 0))  # the count is written when the shard is full
+        self.shards.append({"file": name, "tokens": 0})
+        self._in_shard = 0
+
+    def _close_shard(self) -> None:
+        self._file.seek(0)
+        self._file.write(shard_header(self.dtype.itemsize, self._in_shard))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self.shards[-1]["tokens"] = self._in_shard
+        self._file = None
+
+    def close(self) -> tuple[list[dict[str, Any]], str]:
+        """(shards, dataset fingerprint)."""
+        if self._file is not None:
+            self._close_shard()
+        return self.shards, self._digest.hexdigest()[:16]
+
+
+def read_manifest(path: str, section: str = "training") -> dict[str, Any]:
+    """The manifest of the tokens folder ``path`` (shards checked against it); UserError for anything else."""
+    manifest_path = Path(path) / MANIFEST
+    if not manifest_path.is_file():
+        raise UserError(
+            f"{section}.dataset_path '{path}' has no {MANIFEST}; {section}.dataset 'tokens' reads a folder written "
+            "by python -m torchtitan.tools.pretokenize"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"'{manifest_path}' cannot be read ({e}); pretokenize the data again") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise UserError(
+            f"'{manifest_path}' has format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}; "
+            "pretokenize the data again"
+        )
+    for shard in manifest["shards"]:
+        file = str(Path(path) / shard["file"])
+        if not os.path.isfile(file):
+            raise UserError(f"token shard '{file}' named in '{manifest_path}' is missing; pretokenize the data again")
+        dtype, tokens = read_shard_header(file)
+        if tokens != shard["tokens"] or dtype.str != manifest["dtype"]:
+            raise UserError(f"token shard '{file}' does not match '{manifest_path}'; pretokenize the data again")
+    return manifest
+
+
+def check_tokenizer(manifest: dict[str, Any], path: str, tokenizer_path: str, tokenizer_fingerprint: str) -> None:
+    """UserError unless the tokens were made by the job's tokenizer."""
+    made_with = manifest["tokenizer"]
+    if made_with["fingerprint"] != tokenizer_fingerprint:
+        raise UserError(
+            f"training.dataset_path '{path}' was tokenized with '{made_with['path']}' (fingerprint "
+            f"{made_with['fingerprint']}), but model.tokenizer_path is '{tokenizer_path}' (fingerprint "
+            f"{tokenizer_fingerprint}); pretokenize the data with model.tokenizer_path, or point it at that tokenizer"
+        )
+
+
+class TokenArray:
+    """The shards of a tokens folder as one read-only token sequence, memory-mapped on first read.
+
+    Pickling (a loader worker that is spawned) carries the paths only, never the tokens.
+    """
+
+    def __init__(self, path: str, manifest: dict[str, Any]) -> None:
+        self.files = [str(Path(path) / shard["file"]) for shard in manifest["shards"]]
+        counts = [shard["tokens"] for shard in manifest["shards"]]
+        self.starts = np.cumsum([0] + counts)
+        self.dtype = np.dtype(manifest["dtype"])
+        self._maps: Optional[list[np.memmap]] = None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_maps": None}
+
+    def _memmaps(self) -> list[np.memmap]:
+        if self._maps is None:
+            self._maps = [
+                np.memmap(file, dtype=self.dtype, mode="r", offset=HEADER_BYTES, shape=(int(n),))
+                for file, n in zip(self.files, np.diff(self.starts))
+            ]
+        return self._maps
+
+    def read(self, start: int, count: int, out: np.ndarray) -> None:
+        """Copy tokens ``[start, start + count)`` into ``out`` (any integer dtype)."""
+        maps = self._memmaps()
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        done = 0
+        while done < count:
+            offset = start + done - int(self.starts[shard])
+            take = min(count - done, len(maps[shard]) - offset)
+            out[done : done + take] = maps[shard][offset : offset + take]
+            done += take
+            shard += 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Windows: the held-out split and the seeded order
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer on uint64 arrays (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class WindowOrder:
+    """A permutation of ``range(n)`` fixed by ``(seed, epoch)``, computed for any indices without a table.
+
+    A four-round Feistel network over the smallest even number of bits that covers ``n``, whose round keys come
+    from numpy's SeedSequence of ``(seed, epoch)``; values at or past ``n`` are encrypted again until they fall
+    inside (cycle walking), which keeps it a permutation of ``range(n)``.
+    """
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, seed: int, epoch: int) -> None:
+        self.n = n
+        self.half = max(1, math.ceil(math.log2(max(n, 2)) / 2))
+        self.mask = np.uint64((1 << self.half) - 1)
+        self.keys = np.random.SeedSequence([seed, epoch]).generate_state(self.ROUNDS, dtype=np.uint64)
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(self.half), x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix(right ^ key) & self.mask)
+        return (left << np.uint64(self.half)) | right
+
+    def __call__(self, indices: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            out = self._encrypt(np.asarray(indices, dtype=np.uint64))
+            outside = out >= np.uint64(self.n)
+            while outside.any():
+                out[outside] = self._encrypt(out[outside])
+                outside = out >= np.uint64(self.n)
+        return out.astype(np.int64)
+
+
+class WindowSplit:
+    """Which windows of ``windows`` a stream reads: with ``every = N``, window ``w`` is held out when ``w % N == 0``.
+
+    ``window(i)`` is the ``i``-th window the stream reads, in index order; ``count`` is how many it reads.
+    """
+
+    def __init__(self, windows: int, every: int, held_out: bool) -> None:
+        self.every, self.held_out = every, held_out
+        if every == 0:
+            self.count = 0 if held_out else windows
+        else:
+            held = (windows + every - 1) // every
+            self.count = held if held_out else windows - held
+
+    def window(self, i: np.ndarray) -> np.ndarray:
+        if self.every == 0:
+            return i
+        if self.held_out:
+            return i * self.every
+        kept = self.every - 1
+        return (i // kept) * self.every + 1 + i % kept
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loaders
+
+
+class TokenWindows(IterableDataset):
+    """This rank's ``(inputs, labels)`` training batches, from global position ``base`` on (see the module docstring).
+
+    In a loader worker it reads the batches of that worker's turns.
+    """
+
+    def __init__(
+        self,
+        tokens: TokenArray,
+        *,
+        window: int,
+        batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        seed: int,
+        split: WindowSplit,
+        base: int = 0,
+    ) -> None:
+        self.tokens, self.window, self.batch_size = tokens, window, batch_size
+        self.dp_rank, self.dp_degree, self.seed, self.split, self.base = dp_rank, dp_degree, seed, split, base
+
+    def positions(self, n: int) -> np.ndarray:
+        """The global positions of this rank's ``n``-th batch."""
+        first = self.base + (n * self.dp_degree + self.dp_rank) * self.batch_size
+        return np.arange(first, first + self.batch_size, dtype=np.int64)
+
+    def windows_at(self, positions: np.ndarray) -> np.ndarray:
+        """The window index read at each global position."""
+        count = self.split.count
+        epochs, within = positions // count, positions % count
+        out = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            chosen = epochs == epoch
+            out[chosen] = self.split.window(WindowOrder(count, self.seed, int(epoch))(within[chosen]))
+        return out
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        n = worker
+        while True:
+            yield read_windows(self.tokens, self.windows_at(self.positions(n)), self.window)
+            n += workers
+
+
+def read_windows(tokens: TokenArray, windows: np.ndarray, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) LongTensors of the given windows of ``window`` tokens."""
+    batch = np.empty((len(windows), window), dtype=np.int64)
+    for row, w in enumerate(windows):
+        tokens.read(int(w) * window, window, batch[row])
+    batch_tensor = torch.from_numpy(batch)
+    return batch_tensor[:, :-1].contiguous(), batch_tensor[:, 1:].contiguous()
+
+
+def data_changed(what: str, allow_option: str = "training.allow_data_change") -> UserError:
+    return UserError(
+        f"the checkpoint was trained on other data than this job reads ({what}); resume on the checkpoint's data, "
+        f"or set {allow_option} to continue on this data from its start on purpose"
+    )
+
+
+class TokenDataLoader:
+    """This rank's ``(inputs, labels)`` training batches of a tokens folder; checkpointable by windows read.
+
+    ``state_dict()`` is the job's (gathered over ``group``: every rank calls it) and names the data it read: the
+    dataset fingerprint, the window length, ``training.data_seed`` and the held-out split.
+    """
+
+    def __init__(
+        self,
+        dataset: TokenWindows,
+        fingerprint: str,
+        workers: int,
+        pin_memory: bool,
+        group: Optional[dist.ProcessGroup],
+        allow_data_change: bool = False,
+    ) -> None:
+        self.dataset, self.fingerprint, self.workers = dataset, fingerprint, workers
+        self._pin_memory, self._group, self._allow = pin_memory, group, allow_data_change
+        self._taken = 0  # batches handed to training since base
+
+    def identity(self) -> dict[str, Any]:
+        d = self.dataset
+        return {
+            "kind": "tokens",
+            "fingerprint": self.fingerprint,
+            "window_tokens": d.window,
+            "data_seed": d.seed,
+            "held_out_every": d.split.every,
+        }
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        loader = DataLoader(
+            self.dataset,
+            batch_size=None,
+            num_workers=self.workers,
+            pin_memory=self._pin_memory,
+            generator=torch.Generator(),  # the loader never draws on the global torch RNG
+            persistent_workers=False,
+        )
+        for batch in loader:
+            self._taken += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        ranks = dict(all_gather_objects((self.dataset.dp_rank, self._taken), self._group))
+        if len(set(ranks.values())) > 1:
+            raise RuntimeError(f"data-parallel ranks took different numbers of batches: {ranks}")
+        read = self._taken * self.dataset.batch_size * self.dataset.dp_degree
+        return {**self.identity(), "windows": self.dataset.base + read}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.identity()
+        differs = [key for key in mine if state.get(key) != mine[key]]
+        if differs:
+            what = ", ".join(f"{key} {state.get(key)!r} then, {mine[key]!r} now" for key in differs)
+            if not self._allow:
+                raise data_changed(what)
+            logger.info(f"data: the checkpoint read other data ({what}); training.allow_data_change: starting over")
+            return
+        self.dataset.base, self._taken = int(state["windows"]), 0
+        epoch, within = divmod(self.dataset.base, self.dataset.split.count)
+        logger.info(f"data: resuming at window {within:,} of epoch {epoch} ({self.dataset.base:,} windows read)")
+
+
+def open_tokens(path: str, window: int, split_every: int, held_out: bool, section: str) -> tuple:
+    """(manifest, TokenArray, WindowSplit) of a tokens folder for windows of ``window`` tokens."""
+    manifest = read_manifest(path, section)
+    tokens = TokenArray(path, manifest)
+    split = WindowSplit(len(tokens) // window, split_every, held_out)
+    if split.count == 0:
+        which = "held-out " if held_out else ""
+        raise UserError(
+            f"{section}.dataset_path '{path}' holds {len(tokens):,} tokens: no {which}window of {window} tokens "
+            f"({section}.seq_len + 1){' outside the held-out split' if split_every and not held_out else ''}; "
+            "give more data or a shorter seq_len" + (", or lower validation.held_out_every" if held_out else "")
+        )
+    return manifest, tokens, split
+
+
+def build_tokens_data_loader(
+    path: str,
+    tokenizer: Any,
+    tokenizer_path: str,
+    batch_size: int,
+    seq_len: int,
+    dp_rank: int,
+    dp_degree: int,
+    *,
+    seed: int,
+    held_out_every: int,
+    workers: int = 0,
+    pin_memory: bool = False,
+    group: Optional[dist.ProcessGroup] = None,
+    allow_data_change: bool = False,
+) -> TokenDataLoader:
+    """A checkpointable loader of this rank's training windows of the tokens folder ``path``."""
+    manifest, tokens, split = open_tokens(path, seq_len + 1, held_out_every, False, "training")
+    check_tokenizer(manifest, path, tokenizer_path, tokenizer.fingerprint)
+    dataset = TokenWindows(
+        tokens,
+        window=seq_len + 1,
+        batch_size=batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        seed=seed,
+        split=split,
+    )
+    logger.info(
+        f"data: {path}: {len(tokens):,} tokens, {split.count:,} training windows of {seq_len + 1} tokens in the "
+        f"order of training.data_seed {seed} (fingerprint {manifest['fingerprint']})"
+    )
+    return TokenDataLoader(dataset, manifest["fingerprint"], workers, pin_memory, group, allow_data_change)
+
+
+def validation_windows(
+    path: str, train_seq_len: int, seq_len: int, batch_size: int, dp_rank: int, dp_degree: int, every: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's validation batches of a tokens folder, in index order, finite.
+
+    With ``every`` > 0 they come from the held-out windows of the training windows (``train_seq_len + 1`` tokens),
+    each cut into ``(train_seq_len + 1) // (seq_len + 1)`` validation windows; with 0, from all windows.
+    Validation window ``v`` goes to rank ``(v // batch_size) % dp_degree``.
+    """
+    train_window, window = train_seq_len + 1, seq_len + 1
+    _, tokens, split = open_tokens(path, train_window, every, every > 0, "validation")
+    pieces = train_window // window
+    total = split.count * pieces
+    first = dp_rank * batch_size
+    while first + batch_size <= total:
+        v = np.arange(first, first + batch_size, dtype=np.int64)
+        starts = split.window(v // pieces) * train_window + (v % pieces) * window
+        batch = np.empty((batch_size, window), dtype=np.int64)
+        for row, start in enumerate(starts):
+            tokens.read(int(start), window, batch[row])
+        batch_tensor = torch.from_numpy(batch)
+        yield batch_tensor[:, :-1].contiguous(), batch_tensor[:, 1:].contiguous()
+        first += batch_size * dp_degree
