@@ -124,6 +124,32 @@ class ShardWriter:
         return self.shards, self._digest.hexdigest()[:16]
 
 
+def write_manifest(
+    folder: Path, writer: ShardWriter, tokenizer: Any, tokenizer_path: str, source: str, documents: int
+) -> dict[str, Any]:
+    """Close ``writer`` and write the manifest of its shards into ``folder``; returns the manifest."""
+    shards, fingerprint = writer.close()
+    manifest = {
+        "format": FORMAT_VERSION,
+        "dtype": writer.dtype.str,
+        "documents": documents,
+        "tokens": writer.tokens,
+        "shards": shards,
+        "tokenizer": {
+            "path": os.path.abspath(tokenizer_path),
+            "fingerprint": tokenizer.fingerprint,
+            "vocab_size": tokenizer.n_words,
+        },
+        "source": source,
+        "fingerprint": fingerprint,
+    }
+    with open(folder / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return manifest
+
+
 def read_manifest(path: str, section: str = "training") -> dict[str, Any]:
     """The manifest of the tokens folder ``path`` (shards checked against it); UserError for anything else."""
     manifest_path = Path(path) / MANIFEST
@@ -364,6 +390,8 @@ class TokenDataLoader:
         }
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches from the first window not handed over yet (a new iterator goes on where the last one was)."""
+        self.dataset.base, self._taken = self._windows_read(), 0
         loader = DataLoader(
             self.dataset,
             batch_size=None,
@@ -380,8 +408,10 @@ class TokenDataLoader:
         ranks = dict(all_gather_objects((self.dataset.dp_rank, self._taken), self._group))
         if len(set(ranks.values())) > 1:
             raise RuntimeError(f"data-parallel ranks took different numbers of batches: {ranks}")
-        read = self._taken * self.dataset.batch_size * self.dataset.dp_degree
-        return {**self.identity(), "windows": self.dataset.base + read}
+        return {**self.identity(), "windows": self._windows_read()}
+
+    def _windows_read(self) -> int:
+        return self.dataset.base + self._taken * self.dataset.batch_size * self.dataset.dp_degree
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.identity()

@@ -5,16 +5,16 @@
 SOURCE is what ``training.dataset`` reads: ``sample`` (the bundled corpus), ``c4`` (streamed from the Hugging Face
 hub), a local file or folder of .txt / .json / .jsonl / .parquet files, or another Hugging Face dataset name
 (``owner/name``, with ``--hf-config``, ``--split`` and ``--text-field``). Every non-blank document is tokenized with
-BOS and EOS, exactly as the text loader does, in the source's order, by N processes (the main one reads, the others
-tokenize batches of documents; the order is kept). DIR gets the shards and ``manifest.json`` (format: see
-``torchtitan.datasets.tokens``); it is written into a temporary folder beside DIR and renamed at the end, so DIR
-either holds complete data or does not exist. An existing DIR is never overwritten.
+BOS and EOS, exactly as the text loader does, in the source's order: with N > 1, N processes tokenize batches of
+documents while this one reads and writes them in order (the bytes do not depend on N). DIR gets the shards and
+``manifest.json`` (format: see ``torchtitan.datasets.tokens``); it is written into a temporary folder beside DIR and
+renamed at the end, so DIR either holds complete data or does not exist. An existing DIR is never overwritten.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import collections
 import multiprocessing
 import os
 import shutil
@@ -30,6 +30,7 @@ from torchtitan.errors import UserError, exit_code
 
 DOCUMENTS_PER_TASK = 256
 DEFAULT_SHARD_TOKENS = 1 << 27
+IN_FLIGHT_PER_WORKER = 4  # batches of documents queued per process: memory stays bounded whatever the data's size
 
 _worker_tokenizer = None
 
@@ -55,6 +56,17 @@ def _batched(texts: Iterator[str], size: int) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
+
+
+def _in_order(pool: Any, batches: Iterator[list[str]], in_flight: int) -> Iterator[np.ndarray]:
+    """The tokens of each batch, in order, with at most ``in_flight`` batches handed to ``pool`` at a time."""
+    pending: collections.deque = collections.deque()
+    for batch in batches:
+        pending.append(pool.apply_async(_encode, (batch,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def source_documents(source: str, hf_config: Optional[str], split: str, text_field: str):
@@ -96,7 +108,7 @@ def pretokenize(
 ) -> dict[str, Any]:
     """Tokenize SOURCE into the tokens folder ``out``; returns its manifest."""
     from torchtitan.datasets.tokenizer import build_tokenizer
-    from torchtitan.datasets.tokens import FORMAT_VERSION, MANIFEST, ShardWriter, token_dtype
+    from torchtitan.datasets.tokens import ShardWriter, token_dtype, write_manifest
 
     target = Path(out)
     if target.exists():
@@ -110,7 +122,7 @@ def pretokenize(
     pool = None
     try:
         if workers > 1:  # started before any data is opened: the processes inherit no reader threads
-            pool = multiprocessing.get_context("fork").Pool(workers - 1, _start_worker, (tokenizer_path,))
+            pool = multiprocessing.get_context("fork").Pool(workers, _start_worker, (tokenizer_path,))
         documents, described = source_documents(source, hf_config, split, text_field)
         counted = [0]
 
@@ -126,28 +138,10 @@ def pretokenize(
             _start_worker(tokenizer_path)
             encoded: Iterator[np.ndarray] = map(_encode, batches)
         else:
-            encoded = pool.imap(_encode, batches)  # in order
+            encoded = _in_order(pool, batches, IN_FLIGHT_PER_WORKER * workers)
         for batch_tokens in encoded:
             writer.add(batch_tokens)
-        shards, fingerprint = writer.close()
-        manifest = {
-            "format": FORMAT_VERSION,
-            "dtype": dtype.str,
-            "documents": counted[0],
-            "tokens": writer.tokens,
-            "shards": shards,
-            "tokenizer": {
-                "path": os.path.abspath(tokenizer_path),
-                "fingerprint": tokenizer.fingerprint,
-                "vocab_size": tokenizer.n_words,
-            },
-            "source": described,
-            "fingerprint": fingerprint,
-        }
-        with open(temporary / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        manifest = write_manifest(temporary, writer, tokenizer, tokenizer_path, described, counted[0])
         os.rename(temporary, target)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -158,8 +152,8 @@ def pretokenize(
             pool.join()
     seconds = time.perf_counter() - started
     print(
-        f"wrote {manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({dtype.name}) in {len(shards)} "
-        f"shard(s) to {out} in {seconds:.1f} s; fingerprint {fingerprint}"
+        f"wrote {manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({dtype.name}) in "
+        f"{len(manifest['shards'])} shard(s) to {out} in {seconds:.1f} s; fingerprint {manifest['fingerprint']}"
     )
     return manifest
 
@@ -169,7 +163,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--source", required=True, help="sample, c4, a file or folder, or a Hugging Face dataset")
     parser.add_argument("--tokenizer", required=True, help="the tokenizer file (model.tokenizer_path of the runs)")
     parser.add_argument("--out", required=True, help="the new tokens folder (training.dataset_path of the runs)")
-    parser.add_argument("--workers", type=int, default=1, help="processes in all (default 1)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1: this one)")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard at most")
     parser.add_argument("--hf-config", default=None, help="a Hugging Face dataset's configuration name")
     parser.add_argument("--split", default="train", help="a Hugging Face dataset's split (default train)")
