@@ -234,6 +234,29 @@ def test_resume_on_another_world_size_reads_no_token_twice(new_world, tmp_path):
     assert skipped and not skipped & read_after
 
 
+@pytest.mark.parametrize("before, after", [((2, 1), (1, 2)), ((1, 2), (2, 1))], ids=["2x1-to-1x2", "1x2-to-2x1"])
+def test_resume_with_as_many_readers_in_another_layout_is_exact(tokenizer, before, after):
+    """(ranks, workers): reader i is the same document subset in both layouts, so each goes on where it was."""
+    batch_size, seq_len, taken, more = 2, 16, 3, 3
+    # Reader i of 2 alone (rank i of 2 without workers): its whole stream of batches.
+    per_reader = [take(sample_loader(tokenizer, batch_size, seq_len, i, 2), 2 * (taken + more)) for i in (0, 1)]
+    ranks, workers = before
+    saved = [sample_loader(tokenizer, batch_size, seq_len, r, ranks, workers=workers) for r in range(ranks)]
+    for loader in saved:
+        take(loader, taken)
+    state = job_state(saved)
+    read = {int(i): p["windows"] // batch_size for i, p in state["readers"].items()}  # batches per reader
+    ranks, workers = after
+    for rank in range(ranks):
+        resumed = sample_loader(tokenizer, batch_size, seq_len, rank, ranks, workers=workers)
+        resumed.load_state_dict(state)
+        readers = [rank * workers + w for w in range(workers)]
+        for step, (inputs, labels) in enumerate(take(resumed, more * workers)):
+            reader = readers[step % workers]
+            want_inputs, want_labels = per_reader[reader][read[reader] + step // workers]
+            assert torch.equal(inputs, want_inputs) and torch.equal(labels, want_labels), (reader, step)
+
+
 def test_resume_on_another_world_size_reaches_the_workers(tokenizer):
     """The checkpoint manager asks for a state before loading one, which starts workers; they must not keep the
     old start."""
