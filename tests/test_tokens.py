@@ -246,7 +246,7 @@ def test_workers_split_a_rank_and_pickle_no_tokens(tokenizer, tmp_path):
     assert workers == alone
     loader = tokens_loader(folder, tokenizer, 2, window - 1, 0, 1)
     next(iter(loader))
-    assert isinstance(loader.dataset.tokens._memmaps()[0], np.memmap)
+    assert isinstance(loader.dataset.tokens._memmaps()[0].base, np.memmap)  # the tokens stay on disk
     assert len(pickle.dumps(loader.dataset)) < 4096  # what a spawned worker receives: paths, not the tokens
 
 

@@ -25,6 +25,7 @@ window is read twice or skipped within an epoch.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -45,6 +46,7 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 MAGIC = b"TTTOKNS1"
 HEADER_BYTES = 64
+BATCHES_AT_ONCE = 32
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
@@ -198,8 +200,9 @@ class TokenArray:
         self.files = [str(Path(path) / shard["file"]) for shard in manifest["shards"]]
         counts = [shard["tokens"] for shard in manifest["shards"]]
         self.starts = np.cumsum([0] + counts)
+        self._shard_starts = [int(start) for start in self.starts]
         self.dtype = np.dtype(manifest["dtype"])
-        self._maps: Optional[list[np.memmap]] = None
+        self._maps: Optional[list[np.ndarray]] = None
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -207,13 +210,33 @@ class TokenArray:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_maps": None}
 
-    def _memmaps(self) -> list[np.memmap]:
+    def _memmaps(self) -> list[np.ndarray]:
         if self._maps is None:
             self._maps = [
-                np.memmap(file, dtype=self.dtype, mode="r", offset=HEADER_BYTES, shape=(int(n),))
+                # A plain array over the mapping: slicing it costs less than slicing a memmap.
+                np.memmap(file, dtype=self.dtype, mode="r", offset=HEADER_BYTES, shape=(int(n),)).view(np.ndarray)
                 for file, n in zip(self.files, np.diff(self.starts))
             ]
         return self._maps
+
+    def rows(self, starts: np.ndarray, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) LongTensors of ``len(starts)`` rows: row ``i`` of inputs is tokens ``[starts[i],
+        starts[i] + length - 1)``, of labels the same one token later."""
+        maps = self._memmaps()
+        inputs = np.empty((len(starts), length - 1), dtype=np.int64)
+        labels = np.empty((len(starts), length - 1), dtype=np.int64)
+        shard_starts = self._shard_starts
+        for row, start in enumerate(starts.tolist()):
+            shard = bisect.bisect_right(shard_starts, start) - 1
+            offset = start - shard_starts[shard]
+            if offset + length <= len(maps[shard]):
+                tokens = maps[shard][offset : offset + length]
+            else:  # the window crosses into the next shard(s)
+                tokens = np.empty(length, dtype=np.int64)
+                self.read(start, length, tokens)
+            inputs[row] = tokens[:-1]
+            labels[row] = tokens[1:]
+        return torch.from_numpy(inputs), torch.from_numpy(labels)
 
     def read(self, start: int, count: int, out: np.ndarray) -> None:
         """Copy tokens ``[start, start + count)`` into ``out`` (any integer dtype)."""
@@ -318,6 +341,12 @@ class TokenWindows(IterableDataset):
     ) -> None:
         self.tokens, self.window, self.batch_size = tokens, window, batch_size
         self.dp_rank, self.dp_degree, self.seed, self.split, self.base = dp_rank, dp_degree, seed, split, base
+        self._orders: dict[int, WindowOrder] = {}  # by epoch; a few numbers each
+
+    def order(self, epoch: int) -> WindowOrder:
+        if epoch not in self._orders:
+            self._orders = {epoch: WindowOrder(self.split.count, self.seed, epoch)}  # the last one only
+        return self._orders[epoch]
 
     def positions(self, n: int) -> np.ndarray:
         """The global positions of this rank's ``n``-th batch."""
@@ -328,28 +357,29 @@ class TokenWindows(IterableDataset):
         """The window index read at each global position."""
         count = self.split.count
         epochs, within = positions // count, positions % count
+        if epochs.min() == epochs.max():
+            return self.split.window(self.order(int(epochs[0]))(within))
         out = np.empty_like(positions)
         for epoch in np.unique(epochs):
             chosen = epochs == epoch
-            out[chosen] = self.split.window(WindowOrder(count, self.seed, int(epoch))(within[chosen]))
+            out[chosen] = self.split.window(self.order(int(epoch))(within[chosen]))
         return out
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         n = worker
-        while True:
-            yield read_windows(self.tokens, self.windows_at(self.positions(n)), self.window)
-            n += workers
+        while True:  # the windows of BATCHES_AT_ONCE batches are computed at once (numpy works per call)
+            batches = range(n, n + BATCHES_AT_ONCE * workers, workers)
+            windows = self.windows_at(np.concatenate([self.positions(b) for b in batches]))
+            for windows_of_batch in windows.reshape(BATCHES_AT_ONCE, self.batch_size):
+                yield read_windows(self.tokens, windows_of_batch, self.window)
+            n += BATCHES_AT_ONCE * workers
 
 
 def read_windows(tokens: TokenArray, windows: np.ndarray, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, labels) LongTensors of the given windows of ``window`` tokens."""
-    batch = np.empty((len(windows), window), dtype=np.int64)
-    for row, w in enumerate(windows):
-        tokens.read(int(w) * window, window, batch[row])
-    batch_tensor = torch.from_numpy(batch)
-    return batch_tensor[:, :-1].contiguous(), batch_tensor[:, 1:].contiguous()
+    return tokens.rows(windows * window, window)
 
 
 def data_changed(what: str, allow_option: str = "training.allow_data_change") -> UserError:
@@ -392,6 +422,13 @@ class TokenDataLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches from the first window not handed over yet (a new iterator goes on where the last one was)."""
         self.dataset.base, self._taken = self._windows_read(), 0
+        if self.workers == 0:  # read here: no loader machinery around a few memory copies
+            for inputs, labels in self.dataset:
+                if self._pin_memory:
+                    inputs, labels = inputs.pin_memory(), labels.pin_memory()
+                self._taken += 1
+                yield inputs, labels
+            return
         loader = DataLoader(
             self.dataset,
             batch_size=None,
@@ -494,9 +531,5 @@ def validation_windows(
     while first + batch_size <= total:
         v = np.arange(first, first + batch_size, dtype=np.int64)
         starts = split.window(v // pieces) * train_window + (v % pieces) * window
-        batch = np.empty((batch_size, window), dtype=np.int64)
-        for row, start in enumerate(starts):
-            tokens.read(int(start), window, batch[row])
-        batch_tensor = torch.from_numpy(batch)
-        yield batch_tensor[:, :-1].contiguous(), batch_tensor[:, 1:].contiguous()
+        yield tokens.rows(starts, window)
         first += batch_size * dp_degree
