@@ -529,3 +529,72 @@ def test_make_assets_reproduces_the_committed_assets(tmp_path):
     for relpath in relpaths:
         assert (out / relpath).read_bytes() == (ASSETS / relpath).read_bytes(), relpath
     assert 1_000_000 <= (ASSETS / make_assets.SAMPLE_RELPATH).stat().st_size <= 3_000_000
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Readers split by file
+
+
+def _files_folder(tmp_path: Path, files: int, per_file: int) -> tuple[Path, list[list[str]]]:
+    folder = tmp_path / "files"
+    folder.mkdir()
+    texts = [[f"file {f} document {d} " + "word " * (d % 5) for d in range(per_file)] for f in range(files)]
+    for f, file_texts in enumerate(texts):
+        _write_jsonl(folder / f"part{f:02d}.jsonl", file_texts)
+    return folder, texts
+
+
+def test_readers_divide_the_files_between_them_when_they_can(tokenizer, tmp_path, caplog):
+    folder, texts = _files_folder(tmp_path, files=4, per_file=30)
+    batch_size, seq_len = 2, 12
+    for rank in range(2):
+        counting = CountingTokenizer(tokenizer)
+        with caplog.at_level("INFO", logger="torchtitan"):
+            loader = build_hf_data_loader("text", str(folder), counting, batch_size, seq_len, rank, 2, infinite=False)
+        assert "4 files/shards, divided between 2 readers (2 each)" in caplog.text
+        got = [t for inputs, labels in loader for t in torch.cat([inputs, labels[:, -1:]], 1).flatten().tolist()]
+        own = [text for f in (rank, rank + 2) for text in texts[f]]
+        # It reads its own files' documents, all of them, and no other file's document.
+        assert counting.texts == own
+        stream = [i for text in own for i in tokenizer.encode(text, bos=True, eos=True)]
+        window = batch_size * (seq_len + 1)
+        assert got == stream[: len(stream) // window * window]
+        source = hf_datasets.load_documents("text", str(folder))
+        reader = hf_datasets.rank_readers(rank, 2, 0, source.shards)[0]
+        assert [text for text, _ in source.for_reader(reader).documents("")] == own
+
+
+def test_readers_that_cannot_divide_the_files_say_so_and_deal_documents(tokenizer, tmp_path, caplog):
+    folder, texts = _files_folder(tmp_path, files=4, per_file=30)
+    counting = CountingTokenizer(tokenizer)
+    with caplog.at_level("INFO", logger="torchtitan"):
+        loader = build_hf_data_loader("text", str(folder), counting, 2, 12, 1, 3, infinite=False)
+    lines = [r.getMessage() for r in caplog.records if "cannot divide evenly" in r.getMessage()]
+    assert len(lines) == 1 and "4 file(s)/shard(s), which 3 readers" in lines[0]
+    take(loader, 100)
+    in_order = [text for file_texts in texts for text in file_texts]
+    assert counting.texts == in_order[1::3][: len(counting.texts)] and counting.texts
+
+
+def test_readers_of_files_resume_exactly_at_the_same_reader_count(tokenizer, tmp_path):
+    folder, _ = _files_folder(tmp_path, files=4, per_file=40)
+    batch_size, seq_len, taken, more = 2, 12, 3, 4
+
+    def loader(rank, world, workers=0):
+        return build_hf_data_loader("text", str(folder), tokenizer, batch_size, seq_len, rank, world, workers=workers)
+
+    per_reader = [take(loader(i, 2), taken + more) for i in (0, 1)]
+    saved = [loader(rank, 2) for rank in range(2)]
+    for rank_loader in saved:
+        take(rank_loader, taken)
+    state = job_state(saved)
+    assert state["layout"]["by_shard"]
+    for rank in range(2):  # the same layout
+        resumed = loader(rank, 2)
+        resumed.load_state_dict(state)
+        for got, want in zip(take(resumed, more), per_reader[rank][taken:], strict=True):
+            assert torch.equal(got[0], want[0])
+    resumed = loader(0, 1, workers=2)  # as many readers, on one rank
+    resumed.load_state_dict(state)
+    for step, got in enumerate(take(resumed, 2 * more)):
+        assert torch.equal(got[0], per_reader[step % 2][taken + step // 2][0])

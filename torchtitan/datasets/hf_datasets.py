@@ -120,6 +120,20 @@ class DocumentSource:
         self.section = section  # the config table that named this data, for error messages
         self.from_hub = from_hub
 
+    @property
+    def shards(self) -> int:
+        """The files (or hub shards) the dataset reads, which readers can divide between them."""
+        return int(getattr(self.dataset, "n_shards", 1))
+
+    def for_reader(self, reader: "Reader") -> "DocumentSource":
+        """The documents of ``reader`` alone when it reads by shard (``reader.by_shard``), else all of them."""
+        if not reader.by_shard:
+            return self
+        from datasets.distributed import split_dataset_by_node
+
+        part = split_dataset_by_node(self.dataset, rank=reader.index, world_size=reader.count)
+        return DocumentSource(part, self.description, self.section, self.from_hub)
+
     def documents(self, start_state: str) -> Iterator[tuple[str, Callable[[], str]]]:
         """Documents after ``start_state`` (a JSON state from an earlier pass; "" starts at the beginning)."""
         if not self.from_hub:
@@ -343,29 +357,38 @@ def load_documents(dataset_name: str, dataset_path: Optional[str], section: str 
 @dataclass(frozen=True)
 class Reader:
     """One of the job's ``count`` readers: reader ``index`` tokenizes documents ``index``, ``index + count``, ...
+    of the whole stream, or, ``by_shard``, every document of its own files (shards ``index``, ``index + count``,
+    ...: see ``reads_by_shard``).
 
     A job has one reader per loader worker (or per rank without workers) on each data-parallel rank.
     """
 
     index: int = 0
     count: int = 1
+    by_shard: bool = False
 
     def owns(self, doc_index: int) -> bool:
-        return doc_index % self.count == self.index
+        return self.by_shard or doc_index % self.count == self.index
 
 
-def rank_readers(dp_rank: int, dp_degree: int, workers: int) -> list[Reader]:
+def reads_by_shard(shards: int, readers: int) -> bool:
+    """Whether readers divide the files (hub shards) between them: when there are several and they divide evenly."""
+    return readers > 1 and shards % readers == 0
+
+
+def rank_readers(dp_rank: int, dp_degree: int, workers: int, shards: int = 1) -> list[Reader]:
     """The readers of data-parallel rank ``dp_rank``: one per loader worker, or one without workers."""
     per_rank = max(1, workers)
-    return [Reader(dp_rank * per_rank + worker, dp_degree * per_rank) for worker in range(per_rank)]
+    by_shard = reads_by_shard(shards, dp_degree * per_rank)
+    return [Reader(dp_rank * per_rank + worker, dp_degree * per_rank, by_shard) for worker in range(per_rank)]
 
 
-def _this_reader(dp_rank: int, dp_degree: int) -> Reader:
+def _this_reader(dp_rank: int, dp_degree: int, shards: int) -> Reader:
     """The reader this process is: in a loader worker, the worker's own; else the rank's only one."""
     info = torch.utils.data.get_worker_info()
     if info is None:
-        return rank_readers(dp_rank, dp_degree, 0)[0]
-    return rank_readers(dp_rank, dp_degree, info.num_workers)[info.id]
+        return rank_readers(dp_rank, dp_degree, 0, shards)[0]
+    return rank_readers(dp_rank, dp_degree, info.num_workers, shards)[info.id]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -522,7 +545,7 @@ class PackedTextDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         try:
-            yield from self._batches(_this_reader(self.dp_rank, self.dp_world_size))
+            yield from self._batches(_this_reader(self.dp_rank, self.dp_world_size, self.source.shards))
         except UserError as e:
             if torch.utils.data.get_worker_info() is None:
                 raise
@@ -530,7 +553,8 @@ class PackedTextDataset(IterableDataset):
 
     def _batches(self, reader: Reader) -> Iterator[Any]:
         self._position = self.reader_starts.pop(reader.index, self._position)
-        stream = TokenStream(self.source, self.tokenizer, self._position, self.infinite, self.split, reader)
+        source = self.source.for_reader(reader)
+        stream = TokenStream(source, self.tokenizer, self._position, self.infinite, self.split, reader)
         window = self.seq_len + 1
         while True:
             tokens = stream.read(self.batch_size * window)
@@ -544,7 +568,7 @@ class PackedTextDataset(IterableDataset):
             yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), (reader.index, dict(self._position))
 
     def state_dict(self) -> dict[str, Any]:
-        reader = _this_reader(self.dp_rank, self.dp_world_size)
+        reader = _this_reader(self.dp_rank, self.dp_world_size, self.source.shards)
         return dict(self.reader_starts.get(reader.index, self._position))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -594,9 +618,19 @@ class TextDataLoader:
         self.fingerprint = fingerprint
         self._allow_data_change = allow_data_change
         self.workers = workers
-        self.layout = {"dp_degree": dataset.dp_world_size, "workers": workers}
+        shards = dataset.source.shards
+        self._readers = rank_readers(dataset.dp_rank, dataset.dp_world_size, workers, shards)
+        by_shard = self._readers[0].by_shard
+        self.layout = {"dp_degree": dataset.dp_world_size, "workers": workers, "by_shard": by_shard}
         self._group = group
-        self._readers = rank_readers(dataset.dp_rank, dataset.dp_world_size, workers)
+        readers = self._readers[0].count
+        if by_shard:
+            logger.info(f"data: {shards} files/shards, divided between {readers} readers ({shards // readers} each)")
+        elif readers > 1:
+            logger.info(
+                f"data: {dataset.source.description} has {shards} file(s)/shard(s), which {readers} readers cannot "
+                f"divide evenly: every reader walks through all its documents and tokenizes 1/{readers} of them"
+            )
         self._pin_memory = pin_memory
         self._positions = {str(r.index): start_position() for r in self._readers}
         self._loader = self._new_loader()
@@ -667,6 +701,18 @@ class TextDataLoader:
                 f"data: the checkpoint was read by {saved['dp_degree']} data-parallel rank(s) x {saved['workers']} "
                 f"worker(s), this job uses {self.layout['dp_degree']} x {self.workers}: as many readers, each "
                 "continues exactly at its own position"
+            )
+            return
+        if saved.get("by_shard") or self.layout["by_shard"]:
+            # Readers of files see streams of their own: no position of one means anything to another reader.
+            epoch = max(position["epoch"] for position in state["readers"].values()) + 1
+            self.dataset.load_state_dict(start_position(epoch))
+            self._loader = self._new_loader()
+            self._positions = {str(r.index): start_position(epoch) for r in self._readers}
+            logger.info(
+                f"data: the checkpoint was read by {len(state['readers'])} readers, this job has "
+                f"{len(self._readers) * self.dataset.dp_world_size}, and files are divided between readers: every "
+                f"reader starts epoch {epoch} (the rest of the saved epoch is skipped)"
             )
             return
         start = {**furthest_position(list(state["readers"].values())), "windows": 0}
