@@ -183,7 +183,7 @@ def test_state_holds_every_reader_of_the_job(tokenizer):
         take(loader, steps)
     state = job_state(loaders)
     assert json.loads(json.dumps(state)) == state  # plain data: any checkpoint format can hold it
-    assert state["layout"] == {"dp_degree": world, "workers": 0}
+    assert state["layout"] == {"dp_degree": world, "workers": 0, "by_shard": False}  # one file: documents dealt
     assert sorted(state["readers"]) == ["0", "1", "2"] and sorted(state["ranks"]) == ["0", "1", "2"]
     assert all(position["windows"] == steps * 2 for position in state["readers"].values())
     # Each rank restores its own position from the job's state.

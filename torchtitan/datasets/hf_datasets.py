@@ -15,20 +15,24 @@ can be reached (one TCP connect with a short timeout, or the hub's offline switc
 offline alternative, a local copy of the dataset in ``training.dataset_path``.
 
 Data order: each data-parallel rank reads its own share. A job has R readers, one per loader worker
-(``training.data_workers``, or one per rank without workers) on each of its W data-parallel ranks: reader
-``i = rank * workers + worker`` tokenizes documents ``i, i + R, i + 2R, ...`` (the document index counts every
-document of the epoch) with BOS and EOS, concatenates them into its own token stream and cuts it into windows of
+(``training.data_workers``, or one per rank without workers) on each of its W data-parallel ranks. When the data's
+files (for the hub, its shards) are several and R divides their count, reader ``i = rank * workers + worker``
+reads files ``i, i + R, i + 2R, ...`` and nothing else (``datasets.distributed.split_dataset_by_node``). Otherwise
+it tokenizes documents ``i, i + R, i + 2R, ...`` (the document index counts every document of the epoch), walking
+through every document's text (parsing is cheap), and the run says so in one log line. Either way a reader
+tokenizes its documents with BOS and EOS, concatenates them into its own token stream and cuts it into windows of
 ``seq_len + 1`` tokens (inputs are ``window[:-1]``, labels ``window[1:]``), ``batch_size`` windows a batch. A rank
-with several workers takes their batches in turn. Every reader walks through the documents' text (parsing is
-cheap) but tokenizes only its 1/R of them. The order is the dataset's own: no seed (``training.seed`` included)
-or random state changes it.
+with several workers takes their batches in turn. The order is the dataset's own: no seed (``training.seed``
+included) or random state changes it; pre-tokenized data (``torchtitan.datasets.tokens``) has a seeded order.
 
 Resuming: the loader's state holds every reader's position (the dataset state before its current document, that
-document's index and how many of its tokens are read) and the torchdata loader state of every rank. On the same
-data-parallel degree and worker count a run resumes exactly. On another, the data order cannot be the same (the
-documents are dealt to other readers): every new reader starts at the furthest position any saved reader reached,
-so no token is read twice in an epoch, and the documents before it that slower readers had not reached yet are
-skipped until the next epoch.
+document's index and how many of its tokens are read), the torchdata loader state of every rank and the data's
+fingerprint. With as many readers (the same layout, or another split of them into ranks and workers, such as
+2 ranks x 1 worker and 1 x 2) a run resumes exactly: reader i reads the same documents in both. With another
+number, the data order cannot be the same (the documents are dealt to other readers): when documents are dealt,
+every new reader starts at the furthest position any saved reader reached, so no token is read twice in an epoch,
+and the documents before it that slower readers had not reached yet are skipped until the next epoch; when files
+are divided, every reader starts the next epoch. Pre-tokenized data resumes exactly at any number of readers.
 
 Held-out split: a stream may read only part of the documents. With ``every = N``, a document is held out when a
 64-bit BLAKE2b hash of its text is divisible by N (about one in N). The training stream skips those documents and
