@@ -372,3 +372,42 @@ def test_train_py_reads_tokens_writes_its_record_and_refuses_other_data(tmp_path
 def test_pretokenize_help_runs():
     proc = processes.run([sys.executable, "-m", "torchtitan.tools.pretokenize", "--help"], cwd=REPO, timeout=120)
     assert proc.returncode == 0 and "--workers" in proc.stdout
+
+
+def _ranks_state(rank: int, world: int, folder: str) -> tuple[dict, list[int]]:
+    import torch.distributed as dist
+
+    tokenizer = build_tokenizer(TIKTOKEN)
+    loader = build_tokens_data_loader(
+        folder, tokenizer, TIKTOKEN, 2, 4, rank, world, seed=5, held_out_every=0, group=dist.group.WORLD
+    )
+    batches = iter(loader)
+    read = [w for _ in range(3) for w in window_ids(next(batches), 5)]
+    return loader.state_dict(), read
+
+
+def test_the_state_is_gathered_over_the_ranks_and_names_every_window_read(tokenizer, tmp_path):
+    from tests.distributed import run_workers
+
+    folder = counting_folder(tmp_path / "c", tokenizer, 40 * 5, shard_tokens=1000)
+    (state0, read0), (state1, read1) = run_workers(_ranks_state, world_size=2, args=(str(folder),))
+    assert state0 == state1 and state0["windows"] == 2 * 3 * 2
+    order = read_epoch_ids([tokens_loader(folder, tokenizer, 1, 4, 0, 1, seed=5)], 12, 5)
+    assert sorted(read0 + read1) == sorted(order) and not set(read0) & set(read1)
+
+
+def test_validation_batches_of_tokens_data_are_held_out_windows(tokenizer, sample_tokens):
+    from torchtitan.validate import load_validation_batches
+
+    job = job_config(
+        "--training.dataset", "tokens", "--training.dataset_path", str(sample_tokens), "--training.seq_len", "31",
+        "--validation.enable", "--validation.seq_len", "15", "--validation.batch_size", "3", "--validation.steps", "4",
+    )  # fmt: skip
+    manifest = read_manifest(str(sample_tokens))
+    stored = np.empty(manifest["tokens"], dtype=np.int64)
+    TokenArray(str(sample_tokens), manifest).read(0, manifest["tokens"], stored)
+    batches = load_validation_batches(job, tokenizer, 0, 1)
+    rows = [row.tolist() for inputs, _ in batches for row in inputs]
+    # Held-out training windows 0, 20, 40, ... of 32 tokens, each giving two validation windows of 16.
+    expected = [stored[w * 32 + p * 16 : w * 32 + p * 16 + 15].tolist() for w in range(0, 200, 20) for p in (0, 1)]
+    assert len(batches) == 4 and rows == expected[:12]
