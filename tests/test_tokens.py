@@ -411,3 +411,29 @@ def test_validation_batches_of_tokens_data_are_held_out_windows(tokenizer, sampl
     # Held-out training windows 0, 20, 40, ... of 32 tokens, each giving two validation windows of 16.
     expected = [stored[w * 32 + p * 16 : w * 32 + p * 16 + 15].tolist() for w in range(0, 200, 20) for p in (0, 1)]
     assert len(batches) == 4 and rows == expected[:12]
+
+
+def test_pretokenize_streams_a_hub_dataset_by_name_with_its_text_field(monkeypatch, tokenizer, tmp_path):
+    import datasets
+
+    calls = []
+    local = tmp_path / "stand_in.jsonl"
+    local.write_text("".join(json.dumps({"content": f"hub document {i}", "id": i}) + "\n" for i in range(5)))
+    real_load_dataset = datasets.load_dataset
+
+    def fake_load_dataset(path, **kwargs):  # records the hub request, serves a local stand-in
+        calls.append((path, kwargs))
+        return real_load_dataset("json", data_files=[str(local)], split="train", streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    manifest = pretokenize(
+        "someone/corpus", TIKTOKEN, str(tmp_path / "out"), hf_config="en", split="validation", text_field="content"
+    )
+    assert calls == [("someone/corpus", {"name": "en", "split": "validation", "streaming": True})]
+    assert manifest["source"] == "hf:someone/corpus/en:validation:content" and manifest["documents"] == 5
+    stored = np.empty(manifest["tokens"], dtype=np.int64)
+    TokenArray(str(tmp_path / "out"), manifest).read(0, manifest["tokens"], stored)
+    assert stored.tolist() == [i for d in range(5) for i in tokenizer.encode(f"hub document {d}", bos=True, eos=True)]
+    with pytest.raises(UserError, match="neither sample, c4, an existing file or folder"):
+        pretokenize("no_such_thing", TIKTOKEN, str(tmp_path / "other"))
+    assert not (tmp_path / "other").exists() and not list(tmp_path.glob(".other.tmp-*"))
