@@ -157,8 +157,9 @@ def test_resume_on_another_world_size_continues_from_the_furthest_reader(referen
     # Model and optimizer reshard exactly (tests/test_checkpoint.py); the data is dealt to other readers, so the
     # losses differ from the straight run's, but every reader went on from the furthest saved position.
     saved, after = data_state(straight_dump, MIDDLE), data_state(dump, STEPS)
-    assert saved["layout"] == {"dp_degree": 2, "workers": 1}
-    assert after["layout"] == {"dp_degree": world_size, "workers": 1} and len(after["readers"]) == world_size
+    assert saved["layout"] == {"dp_degree": 2, "workers": 1, "by_shard": False}  # one file: documents are dealt
+    assert after["layout"] == {"dp_degree": world_size, "workers": 1, "by_shard": False}
+    assert len(after["readers"]) == world_size and saved["fingerprint"] == after["fingerprint"] is not None
     start = furthest_position(list(saved["readers"].values()))
     assert all((p["epoch"], p["doc_index"]) >= (start["epoch"], start["doc_index"]) for p in after["readers"].values())
     # The loop's position and the lr schedule are world-size independent.
