@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
 from torchtitan.optim import AdamMini  # noqa: E402
-from torchtitan.optim.adamw_low_precision import LowPrecisionAdam  # noqa: E402
 from torchtitan.optim.container import tensor_bytes  # noqa: E402
-from torchtitan.optim.muon import Muon, split_hidden_matrices  # noqa: E402
+from torchtitan.optim.lowbit.adamw import LowPrecisionAdam  # noqa: E402
+from torchtitan.optim.muon.optimizer import Muon, split_hidden_matrices  # noqa: E402
 
 # ~106M parameters: Llama 3 shapes (GQA, SwiGLU) at GPT-2-small width with a 32k vocabulary.
 BENCH_ARGS = ModelArgs(dim=768, n_layers=8, n_heads=12, n_kv_heads=4, vocab_size=32000, multiple_of=256)

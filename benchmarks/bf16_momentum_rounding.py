@@ -10,7 +10,7 @@ so entries differ); the ratio bf16 ``v`` / float32 ``v`` at the end, median and 
 Quality, first moment ``m <- lerp(m, g, 1 - beta1)``: 300 steps of gradients = fixed direction + unit noise on 10^6
 entries (relative error and mean bias against float32), then the same decay test as for ``v`` with ``m``.
 Speed: the compiled ``v`` update on 2^22 entries per storage, time relative to float32 storage in this process.
-Stochastic rounding is ``torchtitan.optim.state_storage.round_to_bfloat16_stochastically`` (what the optimizers use).
+Stochastic rounding is ``torchtitan.optim.state.storage.round_to_bfloat16_stochastically`` (what the optimizers use).
 """
 
 import sys
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from torchtitan.optim.state_storage import round_to_bfloat16_stochastically
+from torchtitan.optim.state.storage import round_to_bfloat16_stochastically
 
 torch.manual_seed(0)
 

@@ -42,8 +42,8 @@ from torchtitan.lr_scheduling import SchedulersContainer
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.models.roles import canonical_name
 from torchtitan.optim import AdamMini, build_optimizers
+from torchtitan.optim.adam_mini.partition import PER_ROW
 from torchtitan.optim.container import tensor_bytes
-from torchtitan.optim.partition import PER_ROW
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "train.py")

@@ -26,8 +26,9 @@ from tests.helpers import (
 from torchtitan.errors import UserError
 from torchtitan.models.llama import Transformer, llama3_configs
 from torchtitan.optim import AdamMini
-from torchtitan.optim.adam_mini import adam_mini_update, layout_for, new_second_moment
-from torchtitan.optim.partition import PER_ELEMENT, PER_HEAD, PER_ROW, PER_TENSOR, plan_blocks, role_from_name
+from torchtitan.optim.adam_mini.layout import layout_for, new_second_moment
+from torchtitan.optim.adam_mini.optimizer import adam_mini_update
+from torchtitan.optim.adam_mini.partition import PER_ELEMENT, PER_HEAD, PER_ROW, PER_TENSOR, plan_blocks, role_from_name
 
 # ------------------------------------------------------------------------------------------------------------
 # A reference written from the formulas, one parameter at a time, blocks spelled out by hand.

@@ -53,9 +53,9 @@ from tests.helpers import (
 )
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import AdamMini
-from torchtitan.optim.adam_mini import FUSED
-from torchtitan.optim.partition import PER_ROW, PER_TENSOR
-from torchtitan.optim.state_storage import BFLOAT16, INT8
+from torchtitan.optim.adam_mini.optimizer import FUSED
+from torchtitan.optim.adam_mini.partition import PER_ROW, PER_TENSOR
+from torchtitan.optim.state.storage import BFLOAT16, INT8
 
 STEPS = 5
 # The fused back end and bfloat16 momentum, each checked like the default (foreach, float64 momentum).
@@ -522,7 +522,7 @@ def test_muon_parallel_run_equals_single_process(request, single_process, world_
 
 
 def _hidden_matrices() -> list[torch.Tensor]:
-    from torchtitan.optim.muon import split_hidden_matrices
+    from torchtitan.optim.muon.optimizer import split_hidden_matrices
 
     model = tiny_model()
     return [p for _, p in split_hidden_matrices(model.named_parameters(), model.named_param_roles())[0]]

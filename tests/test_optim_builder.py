@@ -35,16 +35,12 @@ from tests.helpers import (
 )
 from torchtitan.errors import UserError
 from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
-from torchtitan.optim import (
-    AdamMini,
-    OptimizersContainer,
-    build_optimizers,
-    torchao_adapter,
-)
+from torchtitan.optim import AdamMini, OptimizersContainer, build_optimizers
 from torchtitan.optim.container import tensor_bytes
-from torchtitan.optim.muon import Muon
-from torchtitan.optim.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_in_groups
-from torchtitan.optim.state_storage import is_quantized
+from torchtitan.optim.lowbit import torchao_adapter
+from torchtitan.optim.muon.optimizer import Muon
+from torchtitan.optim.state.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_in_groups
+from torchtitan.optim.state.storage import is_quantized
 
 try:
     import torchao.optim as torchao_optim  # the `lowbit` extra; part of the dev install

@@ -50,8 +50,8 @@ written by a background thread over a dedicated gloo process group (so its colle
 training loop's). A save waits for the previous one before starting; ``close()`` waits for the last one.
 
 Quantized optimizer state (the low-bit optimizers) is saved as plain float32 tensors made one at a time, and loaded a
-group at a time (``torchtitan.optim.quantized_checkpoint``): a save or load never holds a float32 copy of all of it on
-the device.
+group at a time (``torchtitan.optim.state.quantized_checkpoint``): a save or load never holds a float32 copy of all of
+it on the device.
 
 Job facts: every checkpoint also holds a small plain record of the job that wrote it (optimizer, the options that shape
 its state (``optim.builder.state_signature``), model flavor, parameter count and a digest of the parameter names and

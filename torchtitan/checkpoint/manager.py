@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from torchtitan.checkpoint import hf
+import torchtitan.checkpoint.hf as hf
 from torchtitan.checkpoint.codec import decode_plain, encode_plain
 from torchtitan.checkpoint.folders import (
     DEFAULT_FOLDER,
@@ -56,7 +56,7 @@ from torchtitan.guard import (
 )
 from torchtitan.logging import logger
 from torchtitan.optim.builder import OPTION_RULES, resolve_optimizer_name, state_signature
-from torchtitan.optim.quantized_checkpoint import (
+from torchtitan.optim.state.quantized_checkpoint import (
     QuantizedStateSavePlanner,
     entry_sources,
     read_in_groups,

@@ -40,8 +40,8 @@ from torchtitan.optim.builder import (
 )
 from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.hyperparameters import OPTIONAL_OPTIONS
-from torchtitan.optim.quantized_checkpoint import QuantizedEntry
-from torchtitan.optim.torchao_adapter import import_torchao_optim
+from torchtitan.optim.state.quantized_checkpoint import QuantizedEntry
+from torchtitan.optim.state.torchao_import import import_torchao_optim
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 _CUDA_BLOCK_BYTES = 512

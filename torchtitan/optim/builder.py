@@ -26,7 +26,7 @@ from torchtitan.optim.hyperparameters import (
     VALUE_BLOCKS,
     Hyperparameters,
 )
-from torchtitan.optim.torchao_adapter import low_bit_class, portable_quantized_state
+from torchtitan.optim.lowbit.torchao_adapter import low_bit_class, portable_quantized_state
 
 _LOW_BIT_OPTIONS = frozenset({BLOCK_SIZE, BF16_STOCHASTIC_ROUND})
 
@@ -80,7 +80,7 @@ def _low_precision_adam(
     if state_dtype == "float32" and not low_precision_weights:
         return None
     _check_own_step_for_bfloat16_weights(hp)
-    from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
+    from torchtitan.optim.lowbit.adamw import LowPrecisionAdam
 
     return LowPrecisionAdam(
         params,
@@ -137,7 +137,7 @@ def _build_adam(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
 
 def _build_muon(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
     """Muon on the hidden matrices; AdamW, exactly as ``optimizer.name = "AdamW"`` has it, on everything else."""
-    from torchtitan.optim.muon import Muon, log_split, split_hidden_matrices
+    from torchtitan.optim.muon.optimizer import Muon, log_split, split_hidden_matrices
 
     roles = model.named_param_roles() if hasattr(model, "named_param_roles") else None
     matrices, others = split_hidden_matrices(model.named_parameters(), roles)
@@ -174,7 +174,7 @@ def _adam_mini_factory(quantized: Optional[str]) -> Callable[[nn.Module, Hyperpa
 
 
 def _build_adam_mini(model: nn.Module, hp: Hyperparameters, **storage: Any) -> torch.optim.Optimizer:
-    from torchtitan.optim.adam_mini import AdamMini
+    from torchtitan.optim.adam_mini.optimizer import AdamMini
 
     args = getattr(model, "args", None)
     if args is None or not hasattr(model, "named_param_roles"):

@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtitan.optim.quantized_checkpoint import entries_for_quantized, entry_sources
-from torchtitan.optim.state_init import initialise_state
-from torchtitan.optim.torchao_adapter import quantized_state_kept
+from torchtitan.optim.lowbit.torchao_adapter import quantized_state_kept
+from torchtitan.optim.state.initialise import initialise_state
+from torchtitan.optim.state.quantized_checkpoint import entries_for_quantized, entry_sources
 
 # Flattened keys ("state.<param fqn>.exp_avg") let DCP match state to parameters by name, whatever the sharding.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -468,7 +468,7 @@ def component_commands(out: Path) -> list[tuple[str, list[str]]]:
             [
                 python,
                 "-c",
-                "import torch; from torchtitan.optim.state_storage import round_to_bfloat16_stochastically as r; "
+                "import torch; from torchtitan.optim.state.storage import round_to_bfloat16_stochastically as r; "
                 "x = torch.randn(1 << 20, device='cuda'); s = torch.tensor(7, device='cuda'); "
                 "c = torch.compile(r, fullgraph=True, dynamic=False); "
                 "assert torch.equal(c(x, s).cpu(), r(x.cpu(), s.cpu())); print('equal')",

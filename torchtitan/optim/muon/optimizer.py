@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import UserError
 from torchtitan.models.roles import ATTN_OUT, KEY, MLP, QUERY, VALUE, canonical_name
-from torchtitan.optim.muon_distributed import ShardedMatrix, orthogonalize_sharded, sharded_matrix
-from torchtitan.optim.partition import role_from_name
-from torchtitan.optim.state_storage import (
+from torchtitan.optim.adam_mini.partition import role_from_name
+from torchtitan.optim.muon.distributed import ShardedMatrix, orthogonalize_sharded, sharded_matrix
+from torchtitan.optim.state.storage import (
     BFLOAT16,
     FLOAT32,
     at_least_float32,
