@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -122,10 +125,12 @@ def broken_step(ctx):
 
 
 def hanging_step(ctx):
-    """Saves what the report said while it runs (the earlier steps' results), then hangs past its budget."""
+    """Saves what the report said while it runs (the earlier steps' results) and the id of a process it started in a
+    session of its own, then hangs past its budget."""
     report = json.loads((ctx.out / "gpu_check.json").read_text())
     seen = {name: step["status"] for name, step in report["steps"].items()}
-    ctx.save(gpu_check.StepResult(rows=[{"report while running": json.dumps(seen)}]))
+    started = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    ctx.save(gpu_check.StepResult(rows=[{"report while running": json.dumps(seen), "started": started.pid}]))
     time.sleep(600)
 
 
@@ -162,8 +167,11 @@ def test_a_failing_hanging_or_unequipped_step_fails_alone(tmp_path, monkeypatch)
         "hangs": "not run yet",
         "after": "not run yet",
     }
+    assert not processes._alive(
+        steps["hangs"]["rows"][0]["started"]
+    )  # killed with the step, though in a session of its own
     assert steps["after"]["status"] == "ok"
-    assert time.monotonic() - started < 5 * 60  # the hanging step (and its process) was stopped at its budget
+    assert time.monotonic() - started < 5 * 60  # the hanging step was stopped at its budget
     assert "## broken: failed" in (tmp_path / "gpu_check.md").read_text()
 
 
@@ -199,3 +207,59 @@ def test_a_failing_or_hanging_component_check_fails_its_step(tmp_path, monkeypat
         "hangs": (gpu_check.FAILED, "(timed out after 5 s)"),
         "unequipped": ("skipped: needs no_such_package_here (not importable)", None),
     }
+
+
+def test_without_torchao_its_steps_and_rows_are_skipped_and_the_others_run(tmp_path):
+    """A machine without torchao: the first line says so, the low-bit optimizer's row and the step of low-bit
+    optimizers are skipped with that reason, AdamW is still trained and estimated."""
+    hidden = tmp_path / "hide" / "torchao"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('torchao is not installed on this machine')\n")
+    out = tmp_path / "report"
+    command = [str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)]
+    command += ["--only", "optimizers_1b,optimizers_1b_more", "--optimizers", "AdamW,AdamMini8bit,AdamMini4bit"]
+    done = processes.run(command, env=launch_env(cpu=True, PYTHONPATH=str(tmp_path / "hide")), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("gpu_check: imports present: torch ") and first.endswith("missing: torchao"), first
+    steps = json.loads((out / "gpu_check.json").read_text())["steps"]
+    rows = {row["optimizer"]: row for row in steps["optimizers_1b"]["rows"]}
+    assert rows["AdamMini8bit"] == {"optimizer": "AdamMini8bit", "fits": "skipped: needs torchao (not importable)"}
+    assert rows["AdamW"]["fits"] == "yes" and rows["AdamW"]["estimated peak allocated GiB"] is not None
+    assert steps["optimizers_1b"]["status"] == "ok"
+    assert steps["optimizers_1b_more"]["status"] == "skipped"
+    assert steps["optimizers_1b_more"]["error"] == "skipped: needs torchao (not importable)"
+
+
+def test_sigterm_ends_the_check_with_its_processes_and_a_report(tmp_path, monkeypatch):
+    """``timeout`` ends a device command's check with SIGTERM: the running step and what it started are killed, its
+    saved rows and the finished steps' results are in the report, and the remaining steps are not run."""
+    monkeypatch.setattr(
+        gpu_check,
+        "STEPS",
+        {
+            "fine": gpu_check.Step(fine_step, 1, 2),
+            "hangs": gpu_check.Step(hanging_step, 1, 2),
+            "after": gpu_check.Step(fine_step, 1, 2),
+        },
+    )
+    saved = gpu_check.result_path(tmp_path, "hangs")
+
+    def terminate_once_the_step_hangs():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (saved.is_file() and "started" in saved.read_text()):
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=terminate_once_the_step_hangs, daemon=True).start()
+    report = gpu_check.run(tmp_path, dry_run=True)
+    assert signal.getsignal(signal.SIGTERM) is previous  # the check's handler is undone
+    assert report["ended"] == "SIGTERM"
+    steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
+    assert steps["fine"]["status"] == "ok" and steps["after"] == {"status": "not run yet"}
+    assert steps["hangs"]["status"] == "failed" and "ended (SIGTERM)" in steps["hangs"]["error"]
+    assert not processes._alive(steps["hangs"]["rows"][0]["started"])
+    assert (
+        signal.getsignal(signal.SIGTERM) is not None and "## hangs: failed" in (tmp_path / "gpu_check.md").read_text()
+    )

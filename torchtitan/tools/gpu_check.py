@@ -38,6 +38,7 @@ import torch
 from torchtitan.config_manager import JobConfig
 from torchtitan.cuda_allocator import allocator_environ, allocator_setting
 from torchtitan.errors import UserError, exit_code
+from torchtitan.process_tree import kill_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -849,14 +850,17 @@ def _run_command(command: list[str], ctx: Context, timeout: Optional[float] = No
 
 def _wait_or_kill(process: subprocess.Popen, timeout: float) -> Optional[int]:
     """The exit code of ``process`` (started in a session of its own), or None if it ran past ``timeout`` seconds:
-    then it and every process it started are killed."""
+    then it and every process it started are killed, as they are if this process is stopped while it waits."""
     try:
         return process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        kill_tree(process.pid)
         process.wait()
         return None
+    except BaseException:
+        kill_tree(process.pid)
+        process.wait()
+        raise
 
 
 def step_environment(dry_run: bool, environ: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -1095,11 +1099,42 @@ def run(out: Path, dry_run: bool, only: Optional[list[str]] = None, optimizers: 
         "steps": {name: {"status": "not run yet"} for name in names},
     }
     write_report(out, report)
-    for name in names:
-        report["steps"][name] = run_step(name, ctx)
-        report["seconds"] = round(time.perf_counter() - started, 1)
-        write_report(out, report)
+    with _ended_by_sigterm():
+        for name in names:
+            try:
+                report["steps"][name] = run_step(name, ctx)
+            except _Ended as e:  # the step's processes are gone; what it saved is kept
+                saved = result_path(out, name)
+                partial = json.loads(saved.read_text()) if saved.is_file() else {}
+                error = f"the check was ended ({e}) during this step"
+                report["steps"][name] = {**partial, "status": "failed", "error": error}
+                report["ended"] = str(e)
+                break
+            finally:
+                report["seconds"] = round(time.perf_counter() - started, 1)
+                write_report(out, report)
+    if "ended" in report:
+        print(f"gpu_check: ended by {report['ended']}; report in {out / 'gpu_check.md'}", flush=True)
     return report
+
+
+class _Ended(Exception):
+    """The check was asked to end (SIGTERM, as ``timeout`` sends)."""
+
+
+@contextlib.contextmanager
+def _ended_by_sigterm() -> Iterator[None]:
+    """SIGTERM raises :class:`_Ended` where the check waits, so that the running step's processes (each in a session
+    of its own, which the signal does not reach) are killed and the report says where it stopped."""
+
+    def end(signum: int, frame: Any) -> None:
+        raise _Ended(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, end)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def steps_of(value: Optional[str]) -> Optional[list[str]]:
