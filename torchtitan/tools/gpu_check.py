@@ -896,7 +896,7 @@ class Step:
 STEPS: dict[str, Step] = {
     "adam_mini_step_1b": Step(step_adam_mini_step_1b, estimate_s=70, budget_s=110),
     "optimizers_1b": Step(step_optimizers_1b, estimate_s=200, budget_s=250),
-    "llama3_8b": Step(step_llama3_8b, estimate_s=170, budget_s=200),
+    "llama3_8b": Step(step_llama3_8b, estimate_s=170, budget_s=190),
     "optimizers_1b_variants": Step(step_optimizers_1b_variants, estimate_s=180, budget_s=250),
     "optimizers_1b_more": Step(step_optimizers_1b_more, estimate_s=240, budget_s=290, needs=("torchao",)),
     "llama3_8b_more": Step(step_llama3_8b_more, estimate_s=240, budget_s=290),
