@@ -473,9 +473,12 @@ def _optimizer_rows(
     params = sum(p.numel() for p in built.model.parameters())
     mode = "compiled" if built.job.training.compile else "eager"
     warmup, timed = steps or (sizes.warmup_steps, sizes.timed_steps)
+    t = built.job.training
+    # One GPU computes in mixed_precision_param (autocast); a CPU in the weights' dtype.
+    compute = t.mixed_precision_param if sizes.device.type == "cuda" else t.param_dtype
     result.notes.append(
         f"{params / 1e9:.3f}B parameters, batch {sizes.batch_size} x {sizes.seq_len} tokens, {mode}, activation "
-        f"checkpointing {built.job.activation_checkpoint.mode}, {built.job.training.mixed_precision_param} compute "
+        f"checkpointing {built.job.activation_checkpoint.mode}, {t.param_dtype} weights, {compute} compute "
         f"on {sizes.device.type}; {timed} timed steps after {warmup} warm-up; allocator: "
         f"{allocator_setting(os.environ)}" + (f"; {note}" if note else "")
     )
