@@ -22,6 +22,7 @@ from tests.helpers import DEBUG_CONFIG, ROOT, debug_model, job_config, random_ba
 from torchtitan import training
 from torchtitan.config_manager import JobConfig
 from torchtitan.estimation import LiveMemoryTracker, estimate_memory
+from torchtitan.estimation.simulate import simulated_implementation
 from torchtitan.estimation.tracker import GATHERED_PARAMS, PARAMS, storages_of
 
 VOCAB = 512
@@ -342,3 +343,29 @@ def test_bad_input_is_one_line_user_error(overrides, message, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err
+
+
+def test_unset_implementation_is_simulated_as_torch_takes_it_on_the_device():
+    """On CUDA torch's AdamW takes foreach, whose step holds temporaries the size of a whole state list (sqrt of
+    all of v): with the optimizer step as the peak (tiny activations), the default row is the foreach row, above the
+    per-tensor loop's by most of v; on CPU the default is the per-tensor loop. Each row names what it simulated."""
+    specs = "AdamW,AdamW:implementation=foreach,AdamW:implementation=for-loop,Muon,AdamMini"
+    small_step = ["--training.batch_size", "1", "--training.seq_len", "16", "--activation_checkpoint.mode", "full"]
+    # One rank, a larger vocabulary: the weights and the optimizer step, not the activations, set the peak.
+    small_step += ["--memory_estimation.vocab_size", "2048", "--memory_estimation.world_size", "1"]
+    job = _job("--memory_estimation.device", "cuda", "--memory_estimation.optimizers", specs, *small_step)
+    cuda = {o.label: o for o in estimate_memory(job).optimizers}
+    default, foreach, loop = cuda["AdamW"], cuda["AdamW:implementation=foreach"], cuda["AdamW:implementation=for-loop"]
+    assert default.peak_phase == "optimizer step"
+    # The loop holds one tensor's temporary at a time, foreach one per tensor at once: most of v more.
+    assert default.peak == foreach.peak and default.peak - loop.peak >= 0.8 * default.optimizer_state / 2
+    assert default.implementation == "foreach (torch's default on CUDA)" and loop.implementation == "for-loop"
+    assert cuda["Muon"].implementation == "AdamW part: foreach (torch's default on CUDA)"
+    assert cuda["AdamMini"].implementation == "fused (AdamMini's default)"
+
+    job = _job("--memory_estimation.optimizers", "AdamW,AdamW:implementation=for-loop", *small_step)
+    cpu = estimate_memory(job).optimizers
+    assert cpu[0].implementation == "for-loop (torch's default on CPU)" and cpu[0].peak == cpu[1].peak
+    bf16 = _job("--memory_estimation.device", "cuda", "--memory_estimation.optimizers", "AdamW")
+    bf16.training.param_dtype = "bfloat16"
+    assert simulated_implementation(bf16, "cuda") == "compiled step (float32 moments, bfloat16 weights)"
