@@ -87,7 +87,7 @@ def test_causal():
 
 
 def test_rope_rotates_pairs_and_keeps_norm():
-    table = rope_table(8, 16, 500000.0)
+    table = rope_table(ModelArgs(dim=8, n_heads=1, max_seq_len=16))
     x = torch.randn(2, 16, 3, 8, dtype=torch.float64)
     y = apply_rope(x, table)
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
