@@ -10,7 +10,18 @@ import os
 import pytest
 import torch
 
-from tests.helpers import DEBUG_RUN, TINY, batch, hf_job, job_config, materialize, meta_model, tiny_manager
+from tests.helpers import (
+    DEBUG_RUN,
+    LLAMA31_TINY,
+    LLAMA32_TINY,
+    TINY,
+    batch,
+    hf_job,
+    job_config,
+    materialize,
+    meta_model,
+    tiny_manager,
+)
 from torchtitan import training
 from torchtitan.checkpoint import hf
 from torchtitan.config_manager import JobConfig
@@ -27,18 +38,6 @@ def _transformers():
     return transformers
 
 
-# Tiny models shaped like Llama 3.1 (llama3 RoPE scaling) and Llama 3.2 (tied and scaled). The original context
-# is chosen so that the tiny head's four frequencies fall in all three of llama3 scaling's bands (kept, blended,
-# divided by the factor) with the default theta.
-LLAMA31_TINY = dataclasses.replace(
-    TINY,
-    rope_scaling="llama3",
-    rope_scaling_factor=8.0,
-    rope_low_freq_factor=1.0,
-    rope_high_freq_factor=8.0,
-    rope_original_max_seq_len=1000,
-)
-LLAMA32_TINY = dataclasses.replace(LLAMA31_TINY, rope_scaling_factor=32.0, enable_weight_tying=True)
 SHAPED = {"llama31": LLAMA31_TINY, "llama32": LLAMA32_TINY}
 QK_SCALE = 30.0
 

@@ -63,8 +63,8 @@ class Model:
     )
     tokenizer_type: str = opt(
         "auto",
-        "tokenizer format; auto picks sentencepiece for a *.model file that is one",
-        choices=("auto", "tiktoken", "sentencepiece"),
+        "tokenizer format; auto: huggingface for a folder or *.json file, else tiktoken or sentencepiece by content",
+        choices=("auto", "tiktoken", "sentencepiece", "huggingface"),
     )
     # The names are torchtitan's; the three RMSNorm variants compute the same function.
     norm_type: str = opt(
