@@ -120,9 +120,12 @@ def _assert_close(estimate, measured: dict, what: str, tolerance: tuple[float, f
         assert o.optimizer_state == real["state"]
 
 
-# The chunked loss (4 chunks) with one optimizer: the loss's memory does not depend on the optimizer.
-@pytest.mark.parametrize("loss_chunks, optimizers", [("1", "AdamW,AdamMini"), ("4", "AdamW")])
-def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers):
+# The chunked loss (4 chunks) with one optimizer: the loss's memory does not depend on the optimizer. A tied
+# output projection (the chunked loss reads the embedding's weight).
+@pytest.mark.parametrize(
+    "loss_chunks, optimizers, tied", [("1", "AdamW,AdamMini", "false"), ("4", "AdamW", "false"), ("4", "AdamW", "true")]
+)
+def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers, tied):
     job = _job(
         "--memory_estimation.world_size",
         "1",
@@ -130,6 +133,8 @@ def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers
         optimizers,
         "--loss.num_chunks",
         loss_chunks,
+        "--model.enable_weight_tying",
+        tied,
     )
     estimate = estimate_memory(job)
     measured = _measure_real_steps(job, 1, None, optimizers.split(","), seed=0)
@@ -204,6 +209,29 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     assert adamw.gradients == adam_mini.gradients == adamw.params
     assert adamw.activations == adam_mini.activations == adamw_4bit.activations == adam_mini_4bit.activations
     assert adamw_4bit.peak < adam_mini.peak < adamw.peak
+
+
+def test_a_tied_weight_is_counted_once():
+    def estimate(tied: str, world_size: str):
+        return estimate_memory(
+            _job(
+                "--memory_estimation.world_size",
+                world_size,
+                "--memory_estimation.optimizers",
+                "AdamW",
+                "--model.enable_weight_tying",
+                tied,
+            )
+        )
+
+    dim = 256  # the debug model's
+    for world_size in ("1", "4"):
+        untied, tied = estimate("false", world_size), estimate("true", world_size)
+        assert untied.num_params - tied.num_params == VOCAB * dim
+        local = VOCAB // int(world_size) * dim  # FSDP's row shard of the output projection on rank 0
+        assert untied.optimizers[0].params - tied.optimizers[0].params == 4 * local
+        # AdamW: two float32 moments and a float32 step counter less.
+        assert untied.optimizers[0].optimizer_state - tied.optimizers[0].optimizer_state == 8 * local + 4
 
 
 def test_activations_follow_checkpointing_and_batch_size():
