@@ -354,3 +354,72 @@ def test_an_exported_scaled_or_tied_model_loads_in_transformers_with_equal_logit
     with torch.no_grad():
         torch.testing.assert_close(reread(inputs).logits.double(), model(inputs), rtol=1e-5, atol=1e-5)
     hf.check_hf_config(str(exported), args)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The continued-pretraining walk-through (docs/llama-3x-weights.md), with a tiny random Llama 3.2-shaped folder
+# standing in for the download: the debug model's shape, tied and scaled as Llama 3.2 is, and a tokenizer.json.
+
+STAND_IN_OPTIONS = [
+    "--model.rope_scaling",
+    "llama3",
+    "--model.rope_scaling_factor",
+    "32",
+    "--model.enable_weight_tying",
+]
+
+
+def _stand_in_download(folder) -> None:
+    from tests.helpers import hf_tokenizer_folder
+    from torchtitan.models.llama import llama3_configs
+
+    args = dataclasses.replace(
+        llama3_configs["debugmodel"], vocab_size=2256, rope_scaling="llama3", rope_scaling_factor=32.0
+    )
+    args = dataclasses.replace(args, enable_weight_tying=True)
+    transformers = _transformers()
+    config = transformers.LlamaConfig(
+        hidden_size=args.dim,
+        intermediate_size=args.ffn_hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab_size,
+        rms_norm_eps=args.norm_eps,
+        max_position_embeddings=131072,
+        rope_parameters=_rope_parameters(args),
+        tie_word_embeddings=True,
+        bos_token_id=2000,
+        eos_token_id=2001,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
+    hf_tokenizer_folder(folder)
+
+
+def test_continued_pretraining_walk_through_compares_adamw_and_adam_mini_from_the_same_weights(tmp_path):
+    from tests import processes
+    from tests.distributed import launch_env
+    from tests.helpers import ROOT, by_step, metric_rows, run_dirs
+
+    download = tmp_path / "Llama-3.2-1B"
+    _stand_in_download(download)
+    dump = tmp_path / "continued"
+    env = launch_env(1, True, NGPU="1", FLAVOR="debugmodel", DUMP_FOLDER=str(dump), PYTHONPATH=str(ROOT))
+    small = ["--training.seq_len", "32", "--training.batch_size", "2", "--training.steps", "2"]
+    small += ["--training.warmup_steps", "1", "--metrics.log_freq", "1"]
+    command = ["bash", str(ROOT / "scripts" / "continue_pretraining.sh"), str(download), *STAND_IN_OPTIONS, *small]
+    proc = processes.run(command, cwd=tmp_path, env=env, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert output.count("started from the Hugging Face weights") == 2
+    first = {}
+    for optimizer in ("AdamW", "AdamMini"):
+        (run,) = run_dirs(dump, optimizer)
+        losses = by_step(metric_rows(run))
+        assert sorted(losses) == [1, 2]
+        first[optimizer] = losses[1]
+        assert any(line.startswith(run.name) or run.name in line for line in proc.stdout.splitlines())
+    # The same weights, tokenizer and data: the first loss (before any update) is the same for both optimizers.
+    assert first["AdamW"] == first["AdamMini"]
+    assert (dump / "compare.png").stat().st_size > 0

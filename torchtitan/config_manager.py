@@ -74,10 +74,11 @@ class Model:
         choices=NORM_TYPES,
     )
     # Unset: the flavor's. The factors apply to llama3 scaling only (set with "none", they are refused).
-    rope_scaling: Optional[str] = opt(
-        None,
-        "RoPE frequency scaling: none or llama3 (Llama 3.1 and later); unset: the flavor's",
-        choices=ROPE_SCALING_TYPES,
+    # A plain string ("none" means no scaling here, not an unset option).
+    rope_scaling: str = opt(
+        "flavor",
+        "RoPE frequency scaling: none, llama3 (Llama 3.1 and later), or flavor (the flavor's)",
+        choices=("flavor", *ROPE_SCALING_TYPES),
     )
     rope_scaling_factor: Optional[float] = opt(
         None, "llama3 RoPE scaling: divisor of the low frequencies (unset: the flavor's, else 8)", ge=1.0

@@ -50,7 +50,7 @@ _LLAMA3_SCALING_OPTIONS = _MODEL_OVERRIDES[1:5]
 def _model_overrides(job_config: JobConfig, flavor_args) -> dict:
     """The [model] options set in the job; a llama3-scaling factor without llama3 scaling is refused."""
     m = job_config.model
-    overrides = {key: getattr(m, key) for key in _MODEL_OVERRIDES if getattr(m, key) is not None}
+    overrides = {key: getattr(m, key) for key in _MODEL_OVERRIDES if getattr(m, key) not in (None, "flavor")}
     scaling = overrides.get("rope_scaling", flavor_args.rope_scaling)
     if scaling != "llama3":
         for key in _LLAMA3_SCALING_OPTIONS:
