@@ -370,3 +370,13 @@ def test_bad_input_is_one_line_user_error(overrides, message, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err
+
+
+def test_the_vocabulary_comes_from_a_hugging_face_tokenizer_folder(tmp_path):
+    from tests.helpers import hf_tokenizer_folder
+    from torchtitan.estimation.simulate import vocab_size
+
+    folder = hf_tokenizer_folder(tmp_path / "Llama-3.2-1B")
+    notes: list[str] = []
+    job = job_config("--model.flavor", "3.2-1B", "--model.tokenizer_path", str(folder))
+    assert vocab_size(job, notes) == 2256 and notes == []
