@@ -7,6 +7,7 @@ Processes are started through tests/processes.py; gloo workers come from tests/d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import json
 import sys
@@ -56,6 +57,19 @@ SEQ_LEN = 8  # divisible by tensor-parallel degree 2 (sequence parallelism split
 # GQA (4 query heads, 2 key/value heads of 8 rows each), so that tensor parallelism splits both head counts, and
 # sizes that FSDP splits unevenly over 2, 3 and 4 ranks (vocabulary 67; the 16 key rows over 3 ranks).
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=67, multiple_of=16, max_seq_len=SEQ_LEN)
+# The tiny model shaped like Llama 3.1 (llama3 RoPE scaling) and Llama 3.2 (tied and scaled). The original context
+# puts the tiny head's four frequencies in all three of llama3 scaling's bands (kept, blended, divided by the
+# factor) at the default theta.
+LLAMA31_TINY = dataclasses.replace(
+    TINY,
+    rope_scaling="llama3",
+    rope_scaling_factor=8.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=8.0,
+    rope_original_max_seq_len=1000,
+)
+LLAMA32_TINY = dataclasses.replace(LLAMA31_TINY, rope_scaling_factor=32.0, enable_weight_tying=True)
+TIED_TINY = dataclasses.replace(TINY, enable_weight_tying=True)
 
 
 @contextlib.contextmanager
@@ -188,9 +202,9 @@ def adamw_step(model: Transformer, inputs, labels, loss_context=contextlib.nullc
     return {"loss": full(loss).item(), "grads": gradients, "weights": weights(model)}
 
 
-def reference_step() -> dict:
-    """adamw_step of the plain tiny float64 model on batch()."""
-    return adamw_step(materialize(meta_model()), *batch())
+def reference_step(args: ModelArgs = TINY) -> dict:
+    """adamw_step of the plain tiny float64 model (of shape ``args``) on batch()."""
+    return adamw_step(materialize(meta_model(args)), *batch())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -580,3 +594,27 @@ class CollectiveCounts(CommDebugMode):
 
     def counts(self) -> dict[str, int]:
         return {str(op).rsplit(".", 1)[-1]: n for op, n in self.get_comm_counts().items() if n}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A Hugging Face tokenizer made here
+
+
+def hf_tokenizer_folder(folder, tiktoken_file: str | None = None) -> Path:
+    """``folder`` with the ``tokenizer.json`` (and ``tokenizer_config.json``) of the tiktoken file, converted by
+    transformers' own converter (the way Llama 3's tokenizer.json was made); default: the bundled test tokenizer."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, LLAMA3_SPLIT_PATTERN, llama3_special_tokens
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    converter = TikTokenConverter(
+        vocab_file=tiktoken_file or str(ROOT / "assets" / "tokenizer" / "tiktoken_test.model"),
+        pattern=LLAMA3_SPLIT_PATTERN,
+        extra_special_tokens=llama3_special_tokens(),
+    )
+    converter.converted().save(str(folder / "tokenizer.json"))
+    config = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

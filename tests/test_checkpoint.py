@@ -484,3 +484,26 @@ def test_save_on_two_ranks_loads_in_one_unsharded_process(two_rank_runs):
 def test_save_on_two_ranks_reshards_to_three(two_rank_runs):
     (folders, _), results = two_rank_runs
     _assert_resharded(run_workers(_resume_worker, world_size=3, args=(folders["disabled"], 2)), results[0]["disabled"])
+
+
+def test_a_tied_model_saves_its_one_weight_once_and_resumes_tied(tmp_path):
+    from tests.helpers import TIED_TINY, batch, checkpoint_job, materialize, tiny_manager, weights
+
+    job = checkpoint_job(str(tmp_path))
+    model = materialize(meta_model(TIED_TINY), seed=1)
+    manager = tiny_manager(model, job)
+    inputs, labels = batch()
+    model(inputs, labels=labels).backward()
+    manager.optimizers.step()
+    manager.save(1, force=True)
+    manager.close()
+    entries = SafeFileSystemReader(str(tmp_path / "checkpoint" / "step-1")).read_metadata().state_dict_metadata
+    assert "model.tok_embeddings.weight" in entries and not any("output.weight" in name for name in entries)
+    resumed = materialize(meta_model(TIED_TINY), seed=2)
+    again = tiny_manager(resumed, job)
+    assert again.load()
+    assert resumed.output.weight is resumed.tok_embeddings.weight
+    assert weights(resumed).keys() == weights(model).keys()
+    for name, value in weights(model).items():
+        assert torch.equal(weights(resumed)[name], value), name
+    assert again.optimizers.state_bytes() == manager.optimizers.state_bytes()

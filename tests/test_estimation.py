@@ -121,9 +121,12 @@ def _assert_close(estimate, measured: dict, what: str, tolerance: tuple[float, f
         assert o.optimizer_state == real["state"]
 
 
-# The chunked loss (4 chunks) with one optimizer: the loss's memory does not depend on the optimizer.
-@pytest.mark.parametrize("loss_chunks, optimizers", [("1", "AdamW,AdamMini"), ("4", "AdamW")])
-def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers):
+# The chunked loss (4 chunks) with one optimizer: the loss's memory does not depend on the optimizer. A tied
+# output projection (the chunked loss reads the embedding's weight).
+@pytest.mark.parametrize(
+    "loss_chunks, optimizers, tied", [("1", "AdamW,AdamMini", "false"), ("4", "AdamW", "false"), ("4", "AdamW", "true")]
+)
+def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers, tied):
     job = _job(
         "--memory_estimation.world_size",
         "1",
@@ -131,6 +134,8 @@ def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers
         optimizers,
         "--loss.num_chunks",
         loss_chunks,
+        "--model.enable_weight_tying",
+        tied,
     )
     estimate = estimate_memory(job)
     measured = _measure_real_steps(job, 1, None, optimizers.split(","), seed=0)
@@ -205,6 +210,29 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     assert adamw.gradients == adam_mini.gradients == adamw.params
     assert adamw.activations == adam_mini.activations == adamw_4bit.activations == adam_mini_4bit.activations
     assert adamw_4bit.peak < adam_mini.peak < adamw.peak
+
+
+def test_a_tied_weight_is_counted_once():
+    def estimate(tied: str, world_size: str):
+        return estimate_memory(
+            _job(
+                "--memory_estimation.world_size",
+                world_size,
+                "--memory_estimation.optimizers",
+                "AdamW",
+                "--model.enable_weight_tying",
+                tied,
+            )
+        )
+
+    dim = 256  # the debug model's
+    for world_size in ("1", "4"):
+        untied, tied = estimate("false", world_size), estimate("true", world_size)
+        assert untied.num_params - tied.num_params == VOCAB * dim
+        local = VOCAB // int(world_size) * dim  # FSDP's row shard of the output projection on rank 0
+        assert untied.optimizers[0].params - tied.optimizers[0].params == 4 * local
+        # AdamW: two float32 moments and a float32 step counter less.
+        assert untied.optimizers[0].optimizer_state - tied.optimizers[0].optimizer_state == 8 * local + 4
 
 
 def test_activations_follow_checkpointing_and_batch_size():
@@ -369,3 +397,13 @@ def test_unset_implementation_is_simulated_as_torch_takes_it_on_the_device():
     bf16 = _job("--memory_estimation.device", "cuda", "--memory_estimation.optimizers", "AdamW")
     bf16.training.param_dtype = "bfloat16"
     assert simulated_implementation(bf16, "cuda") == "compiled step (float32 moments, bfloat16 weights)"
+
+
+def test_the_vocabulary_comes_from_a_hugging_face_tokenizer_folder(tmp_path):
+    from tests.helpers import hf_tokenizer_folder
+    from torchtitan.estimation.simulate import vocab_size
+
+    folder = hf_tokenizer_folder(tmp_path / "Llama-3.2-1B")
+    notes: list[str] = []
+    job = job_config("--model.flavor", "3.2-1B", "--model.tokenizer_path", str(folder))
+    assert vocab_size(job, notes) == 2256 and notes == []

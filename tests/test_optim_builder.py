@@ -391,6 +391,50 @@ def test_low_bit_state_bytes_on_the_debug_model_shape_without_allocating():
     assert sizes["AdamW4bit"] <= 0.14 * sizes["AdamW"]  # half a byte per value + a scale per 128 values
 
 
+# Every optimizer family: plain, Adam-mini (also quantized), Muon, and the torchao low-bit ones.
+TIED_NAMES = ("AdamW", "AdamMini", "Muon", low_bit("AdamMini8bit"), *(low_bit(name) for name in LOW_BIT_NAMES))
+
+
+@pytest.mark.parametrize("name", TIED_NAMES)
+def test_a_tied_weight_is_one_parameter_with_one_state_for_every_optimizer(name):
+    """The tied model is the untied one less the output projection: in the optimizer's parameters, its state, the
+    state-bytes metric, and after a step (the tied weight updated once, by both gradients)."""
+    # LOW_BIT's shapes: the embedding is large enough for torchao to quantize its state.
+    tied_args = dataclasses.replace(LOW_BIT, enable_weight_tying=True)
+    tied, untied = tiny_model(tied_args, torch.float32), tiny_model(LOW_BIT, torch.float32)
+    config = job_config("--optimizer.name", name)
+    tied_opts, untied_opts = build_optimizers([tied], config), build_optimizers([untied], config)
+    params = [p for opt in tied_opts.optimizers for group in opt.param_groups for p in group["params"]]
+    assert len(params) == len({id(p) for p in params}) == len(list(tied.parameters()))
+    assert any(p is tied.output.weight for p in params)
+    output_state = initial_state_bytes(untied_opts) - initial_state_bytes(tied_opts)
+    untied_state = {id(p): state for opt in untied_opts.optimizers for p, state in opt.state.items()}
+    assert output_state == sum(tensor_bytes(v) for v in untied_state[id(untied.output.weight)].values()) > 0
+    tokens = torch.randint(0, LOW_BIT.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    before = tied.tok_embeddings.weight.detach().clone()
+    tied(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    tied_opts.step()
+    assert tied.output.weight is tied.tok_embeddings.weight
+    assert not torch.equal(tied.tok_embeddings.weight, before)
+    assert sum(len(opt.state) for opt in tied_opts.optimizers) == len(params)
+
+
+def test_adam_mini_blocks_a_tied_weight_per_row_as_an_embedding_and_muon_gives_it_to_adamw():
+    from torchtitan.models.roles import EMBEDDING
+    from torchtitan.optim.adam_mini.partition import PER_ROW, plan_blocks
+    from torchtitan.optim.muon.optimizer import split_hidden_matrices
+
+    tied = tiny_model(dataclasses.replace(TINY, enable_weight_tying=True))
+    roles = tied.named_param_roles()
+    assert roles["tok_embeddings.weight"] == EMBEDDING and "output.weight" not in roles
+    shapes = [(n, tuple(p.shape)) for n, p in tied.named_parameters()]
+    (plan,) = [p for p in plan_blocks(shapes, head_dim=TINY.head_dim, param_roles=roles) if "tok_emb" in p.name]
+    assert (plan.rule, plan.n_blocks) == (PER_ROW, TINY.vocab_size)
+    matrices, others = split_hidden_matrices(tied.named_parameters(), roles)
+    assert [n for n, _ in others if "tok_embeddings" in n] == ["tok_embeddings.weight"]
+    assert not any("tok_embeddings" in n or "output" in n for n, _ in matrices)
+
+
 def test_tensor_bytes_counts_local_shards():
     assert tensor_bytes(torch.empty(10, 3, device="meta")) == 120
     assert tensor_bytes(3.0) == 0

@@ -69,6 +69,20 @@ JOB_FACTS = "job_facts"
 RESERVED_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER, JOB_FACTS)
 
 
+def model_state_of(part: nn.Module) -> dict[str, Any]:
+    """``get_model_state_dict(part)`` with each tied weight once (under the embedding's name)."""
+    state = get_model_state_dict(part)
+    for repeated in getattr(part, "tied_weights", dict)():
+        state.pop(repeated, None)
+    return state
+
+
+def load_model_state(part: nn.Module, state: dict[str, Any]) -> None:
+    """``set_model_state_dict`` of a state from ``model_state_of``: the tied entries point at their source again."""
+    tied = getattr(part, "tied_weights", dict)()
+    set_model_state_dict(part, {**state, **{repeated: state[source] for repeated, source in tied.items()}})
+
+
 def job_facts(job_config: Any, model_state: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint of this job holds, in plain data: compared on load before any tensor is read."""
     shapes = sorted((name, list(value.shape)) for name, value in model_state.items())
@@ -500,7 +514,7 @@ class CheckpointManager:
     def _model_state(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for part in self.model_parts:
-            merged.update(get_model_state_dict(part))
+            merged.update(model_state_of(part))
         return merged
 
     # -- loading ---------------------------------------------------------------------------------------------------
@@ -536,12 +550,12 @@ class CheckpointManager:
     def _initial_load_hf(self) -> bool:
         """Start from the weights of the Hugging Face folder ``checkpoint.initial_load_path``."""
         begin = time.perf_counter()
-        part_states = [get_model_state_dict(part) for part in self.model_parts]
+        part_states = [model_state_of(part) for part in self.model_parts]
         merged = {k: v for part_state in part_states for k, v in part_state.items()}
         with _single_process_quiet():
             hf.load_hf_weights(merged, self.initial_load_path, self.model_parts[0].args, self._group)
         for part, part_state in zip(self.model_parts, part_states):
-            set_model_state_dict(part, {k: merged[k] for k in part_state})
+            load_model_state(part, {k: merged[k] for k in part_state})
         logger.info(
             f"checkpoint: started from the Hugging Face weights in {self.initial_load_path} in "
             f"{time.perf_counter() - begin:.2f} s; optimizer state, lr schedule, data position and step are fresh"
@@ -576,7 +590,7 @@ class CheckpointManager:
 
     def _load_model_from(self, path: str) -> Optional[dict[str, Any]]:
         """Load the model weights of the checkpoint at ``path`` only; its job facts (None for older checkpoints)."""
-        part_states = [get_model_state_dict(part) for part in self.model_parts]
+        part_states = [model_state_of(part) for part in self.model_parts]
         state: dict[str, Any] = {MODEL: {k: v for part_state in part_states for k, v in part_state.items()}}
         reader = SafeFileSystemReader(path)
         metadata = reader.read_metadata()
@@ -584,11 +598,11 @@ class CheckpointManager:
         with _single_process_quiet():
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
         for part, part_state in zip(self.model_parts, part_states):
-            set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
+            load_model_state(part, {k: state[MODEL][k] for k in part_state})
         return saved
 
     def _load_from(self, path: str) -> None:
-        part_states = [get_model_state_dict(part) for part in self.model_parts]
+        part_states = [model_state_of(part) for part in self.model_parts]
         optimizer_state = self.optimizers.state_dict()
         state: dict[str, Any] = {
             MODEL: {k: v for part_state in part_states for k, v in part_state.items()},
@@ -604,7 +618,7 @@ class CheckpointManager:
         read_in_groups(state, lambda part: self._read_part(path, part), agree_on_count=self._max_over_ranks)
 
         for part, part_state in zip(self.model_parts, part_states):
-            set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
+            load_model_state(part, {k: state[MODEL][k] for k in part_state})
         self.optimizers.load_state_dict(optimizer_state)
         plain = {name: decode_plain(state[name].numpy().tobytes()) for name in plain_names}
         for name, obj in self._plain_objects().items():

@@ -154,7 +154,7 @@ def vocab_size(job_config: JobConfig, notes: list[str]) -> int:
     if chosen > 0:
         return chosen
     path = job_config.model.tokenizer_path
-    if os.path.isfile(path):
+    if os.path.exists(path):  # a tokenizer file, or a Hugging Face model folder
         from torchtitan.datasets import build_tokenizer
 
         return build_tokenizer(path, job_config.model.tokenizer_type).n_words

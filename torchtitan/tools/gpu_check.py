@@ -712,6 +712,8 @@ def component_commands(out: Path) -> list[tuple[str, list[str], tuple[str, ...]]
     python = sys.executable
     hf_dump, hf_import_dump = (str(folder) for folder in _hf_folders(out))
     debug = ["train.py", "--job.config_file", "train_configs/debug_model.toml", "--training.steps", "4"]
+    # The debug model tied and scaled as Llama 3.2 is: the Hugging Face round trip of both on the GPU.
+    llama32 = ["--model.rope_scaling", "llama3", "--model.rope_scaling_factor", "32", "--model.enable_weight_tying"]
     return [
         (
             "chunked loss at 8B shapes (2 blocks): tokens/s and peak, 1 vs 8 chunks",
@@ -749,8 +751,9 @@ def component_commands(out: Path) -> list[tuple[str, list[str], tuple[str, ...]]
             TRAIN_PY_NEEDS,
         ),
         (
-            "Hugging Face export of a bf16 run with a fused RMSNorm and time-based pinned async saves",
-            [python, *debug, "--job.dump_folder", hf_dump, "--model.norm_type", "fused_rmsnorm"]
+            "Hugging Face export of a bf16 run, tied and scaled as Llama 3.2 is, with a fused RMSNorm and time-based "
+            "pinned async saves",
+            [python, *debug, "--job.dump_folder", hf_dump, "--model.norm_type", "fused_rmsnorm", *llama32]
             + ["--checkpoint.enable_checkpoint", "--checkpoint.interval_type", "seconds", "--checkpoint.interval", "1"]
             + ["--checkpoint.async_mode", "async_with_pinned_mem", "--checkpoint.last_save_in_hf"]
             + ["--checkpoint.export_dtype", "bfloat16", "--training.gc_freq", "2"],
@@ -758,7 +761,7 @@ def component_commands(out: Path) -> list[tuple[str, list[str], tuple[str, ...]]
         ),
         (
             "Hugging Face import of that export, with a compiled RMSNorm",
-            [python, *debug, "--job.dump_folder", hf_import_dump, "--model.norm_type", "compiled_rmsnorm"]
+            [python, *debug, "--job.dump_folder", hf_import_dump, "--model.norm_type", "compiled_rmsnorm", *llama32]
             + ["--checkpoint.initial_load_path", f"{hf_dump}/checkpoint/AdamW/step-4-hf"]
             + ["--checkpoint.initial_load_in_hf"],
             (*TRAIN_PY_NEEDS, "safetensors"),
