@@ -121,7 +121,8 @@ def test_tiny_sweep_end_to_end_ranks_and_shows_divergence(tmp_path, capsys):
     assert report["best"]["AdamMini"]["lr"] == 1e-3
     assert f"**{good['final_loss']:.4f} (1 seed)**" in markdown_row(md, "AdamMini", 1)
     assert f"| AdamMini | lr 1e-3 | {good['final_loss']:.4f} (1 seed) |" in markdown_row(md, "AdamMini", 0)
-    assert (dump / "study.html").read_text().count("data:image/png;base64,") == 2  # main picture, overview
+    # The main picture, sensitivity to the lr (1e6 marked diverged) and the overview, embedded.
+    assert (dump / "study.html").read_text().count("data:image/png;base64,") == 3
     # lr 1e6 without clipping: the logged loss or gradient norm becomes NaN (a saturated model can keep a finite
     # loss while the guard skips its NaN-gradient steps); the run is diverged, not a crash of the tool.
     first_nan = min(

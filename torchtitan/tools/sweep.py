@@ -1,8 +1,9 @@
 """Learning-rate sweeps for fair optimizer comparisons: every optimizer at its own best lr.
 
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --optimizers AdamW,AdamMini --lrs 3e-4,1e-3,3e-3 \\
-        [--seeds 0,1] [--nproc N] [--config-file X.toml] [--last-k 10] -- [train.py options]
-    python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only
+        [--seeds 0,1,2] [--vary-data-seed] [--baseline AdamW] [--nproc N] [--config-file X.toml] [--last-k 10] \\
+        -- [train.py options]
+    python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only [--baseline AdamW]
 
 Every (optimizer, lr, seed) runs once through ``run_llama_train.sh`` with the same config and options, in its own
 folder ``{dump}/runs/{Optimizer}_lr{lr}_seed{seed}`` (its TensorBoard logs, checkpoints and ``train.log``). After a
@@ -15,14 +16,18 @@ run ends the sweep writes ``sweep_status.json`` into that folder: the exit code,
 
 Finished and diverged runs are never run again: running the same command again resumes an interrupted sweep where
 it stopped (failed and interrupted runs start again; with checkpointing on they resume from their own checkpoint),
-and adding optimizers, lrs or seeds extends it. The report - ``sweep.png``, ``sweep.md``, ``sweep.json`` in the dump
-folder - ranks each lr by the last ``validation/loss`` when every run logs one, else by the mean of the last k
-logged training losses; with several seeds it gives their mean and standard deviation. Each optimizer's best lr is
-the one with the lowest mean among those where no seed diverged or failed.
+and adding optimizers, lrs or seeds extends it. The report - ``sweep.png``, ``sweep.md``, ``sweep.json`` and the
+self-contained page ``study.html`` in the dump folder - ranks each setting by the last ``validation/loss`` when
+every run logs one, else by the mean of the last k logged training losses; with several seeds it gives their mean
+± a 95% confidence interval. Each optimizer's best setting is the one with the lowest mean among those where no seed
+diverged or failed; it is compared with the baseline's best (difference with Welch's interval and a verdict, speedup
+at matched loss; across three or more budgets a power-law fit). docs/optimizer-study.md says how each number is
+computed.
 
 Modules: ``sweep_plan`` (the runs, their folders and options, the checks before any starts), ``sweep_runner`` (the
 launcher processes and their outcomes), ``runs`` (reading logged scalars), ``summary`` (the numbers, shared with
-``compare_runs``), ``sweep_plot`` (the figure); this one writes the report and reads the command line.
+``compare_runs``), ``statistics`` (t, Welch, speedup, the fit), ``sweep_plot`` (the figures), ``study_report``
+(tables and the page); this one writes the report and reads the command line.
 """
 
 from __future__ import annotations
