@@ -23,11 +23,11 @@ from torchtitan.tools.runs import (
     read_metrics_jsonl,
     read_scalars,
 )
-from torchtitan.tools.study_report import format_markdown
+from torchtitan.tools.study_report import format_html, format_markdown
 from torchtitan.tools.summary import summarize_sweep
 from torchtitan.tools.sweep import main
 from torchtitan.tools.sweep_plan import RunSpec, check_train_options, run_command
-from torchtitan.tools.sweep_plot import swept_hyperparameters
+from torchtitan.tools.sweep_plot import plot_budgets, swept_hyperparameters
 
 TOKENS_PER_STEP = 512
 
@@ -275,6 +275,11 @@ def test_the_budget_fit_and_speedup_per_budget():
     md = format_markdown(report)
     assert "L(D) = 40 · D^(−0.3000) + 2.1000" in md
     assert "| Muon | 1.50× | 1.50× | 1.50× | 1.50× |" in md
+    # The page draws the fit and D_eff / D, and shows its table.
+    png = plot_budgets(report)
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    page = format_html(report, {"main": None, "sensitivity": None, "budgets": png, "overview": None}, "t")
+    assert base64.b64encode(png).decode() in page and "D_eff / D at 10,240 tokens" in page
     # Two budgets are too few for a fit.
     two = summarize_sweep([r for r in runs if r.status["budget"] <= 40 * 512], last_k=3)
     assert two["budget_fit"] is None

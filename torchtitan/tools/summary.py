@@ -251,6 +251,8 @@ def _speedup_of(
         return None
     paired = sorted(base) == sorted(r["seed"] for r in finished)
     mean_curve = _mean_curve(list(base.values()))
+    if not paired and not mean_curve[0]:  # the baseline's seeds logged at no common point: no mean curve
+        return None
     matched = [base[r["seed"]] if paired else mean_curve for r in finished]
     s = statistics.speedup_at_matched_loss(matched, [(r["rank_loss"], r["rank_tokens"]) for r in finished])
     return {

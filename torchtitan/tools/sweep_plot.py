@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from torchtitan.tools import statistics
 from torchtitan.tools.runs import LOSS, VALIDATION_LOSS, Series, SweepRun
-from torchtitan.tools.summary import loss_curve, run_settings
+from torchtitan.tools.summary import loss_curve, run_settings, settings_label
 from torchtitan.tools.sweep_plan import DIVERGED, FINISHED, lr_label
 
 
@@ -67,7 +67,8 @@ def plot_main(runs: Sequence[SweepRun], report: dict) -> bytes:
         common = sorted(set.intersection(*(set(t) for t, _ in chosen)))
         columns = [[dict(zip(t, v))[x] for t, v in chosen] for x in common]
         mean = [statistics.mean(c) for c in columns]
-        label = f"{optimizer} ({', '.join(f'{k} {v}' for k, v in b['settings'].items())}, {len(chosen)} seeds)"
+        seeds = f"{len(chosen)} seed{'s' if len(chosen) > 1 else ''}"
+        label = f"{optimizer} ({settings_label(b['settings'])}, {seeds})"
         curves.plot(common, mean, "-", color=colors[optimizer], label=label)
         if len(chosen) > 1:
             half = [statistics.mean_ci(c) for c in columns]
