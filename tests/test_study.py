@@ -23,7 +23,7 @@ from torchtitan.tools.runs import (
     read_metrics_jsonl,
     read_scalars,
 )
-from torchtitan.tools.study_report import format_html, format_markdown
+from torchtitan.tools.study_report import format_html, format_markdown, grid_rows
 from torchtitan.tools.summary import summarize_sweep
 from torchtitan.tools.sweep import main
 from torchtitan.tools.sweep_plan import RunSpec, check_train_options, run_command
@@ -289,10 +289,20 @@ def test_cells_are_keyed_by_every_swept_option():
     runs = [
         made_up_run("AdamW", 0, scale, options={"weight_decay": wd})
         for wd, scale in ((0.0, 1.2), (0.1, 1.0), (0.3, 1.1))
-    ] + [made_up_run("AdamW", 0, 1.4, lr=1e-2, options={"weight_decay": 0.1})]
+    ] + [made_up_run("AdamW", 0, 1.4, lr=lr, options={"weight_decay": 0.1}) for lr in (1e-2, 2e-5)]
     report = summarize_sweep(runs, last_k=3)
     assert report["best"]["AdamW"]["settings"] == {"lr": 1e-3, "weight_decay": 0.1}
-    assert len(report["grid"]) == 4 and swept_hyperparameters(report) == ["lr", "weight_decay"]
+    assert len(report["grid"]) == 5 and swept_hyperparameters(report) == ["lr", "weight_decay"]
+    # Cells in numeric order of their settings (2e-5 before 1e-3, though "2e-05" sorts after "0.001" as text).
+    assert [(c["lr"], c["settings"]["weight_decay"]) for c in report["grid"]] == [
+        (2e-5, 0.1),
+        (1e-3, 0.0),
+        (1e-3, 0.1),
+        (1e-3, 0.3),
+        (1e-2, 0.1),
+    ]
+    header, _ = grid_rows(report)
+    assert header[1:3] == ["lr 2e-5, weight_decay 0.1", "lr 1e-3, weight_decay 0.0"]
 
 
 def test_seeds_varied_names_the_data_seed():

@@ -10,7 +10,7 @@ import base64
 import html
 from typing import Optional, Sequence
 
-from torchtitan.tools.summary import settings_label
+from torchtitan.tools.summary import settings_label, settings_order
 from torchtitan.tools.sweep_plan import DIVERGED, FINISHED
 
 VERDICT_COLUMNS = (
@@ -98,7 +98,9 @@ def grid_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     """Every cell at the verdict's budget: one row per optimizer, one column per setting; the best in bold."""
     budget = report["budgets"][-1] if report["budgets"] else None
     cells = [c for c in report["grid"] if c["budget"] == budget]
-    labels = list(dict.fromkeys(settings_label(c["settings"]) for c in sorted(cells, key=_settings_order)))
+    labels = list(
+        dict.fromkeys(settings_label(c["settings"]) for c in sorted(cells, key=lambda c: settings_order(c["settings"])))
+    )
     rows = []
     for optimizer, b in report["best"].items():
         mine = {settings_label(c["settings"]): c for c in cells if c["optimizer"] == optimizer}
@@ -109,10 +111,6 @@ def grid_rows(report: dict) -> tuple[list[str], list[list[str]]]:
             row.append(f"**{text}**" if label == best else text)
         rows.append(row)
     return ["optimizer", *labels], rows
-
-
-def _settings_order(cell: dict) -> list:
-    return [(k, v if isinstance(v, (int, float)) else str(v)) for k, v in cell["settings"].items()]
 
 
 def notes(report: dict) -> list[str]:

@@ -97,6 +97,11 @@ def settings_label(settings: dict) -> str:
     return ", ".join(f"lr {lr_label(v)}" if k == "lr" else f"{k} {v}" for k, v in settings.items())
 
 
+def settings_order(settings: dict) -> list:
+    """Sort key of settings: by option name, numbers by value (1e-4 before 3e-3), other values by their text."""
+    return [(k, 0, v, "") if isinstance(v, (int, float)) else (k, 1, 0, str(v)) for k, v in sorted(settings.items())]
+
+
 def _key(settings: dict) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in settings.items()))
 
@@ -349,7 +354,7 @@ def summarize_sweep(runs: Sequence[SweepRun], last_k: int, baseline: str = DEFAU
             settings = {_key(r["settings"]): r["settings"] for r in mine}
             cells = [
                 _cell(optimizer, budget, s, _cell_runs(mine, optimizer, budget, s))
-                for _, s in sorted(settings.items(), key=lambda kv: sorted(kv[1].items(), key=str))
+                for s in sorted(settings.values(), key=settings_order)
             ]
             grid.extend(cells)
             best_by_budget[budget][optimizer] = _best(mine, cells)
