@@ -592,8 +592,9 @@ def test_normuon_parallel_run_equals_single_process(request, single_process, wor
 
 @pytest.mark.parametrize("world_name, layout, ranks", [("world2", "fsdp", 2), ("world4", "fsdp_tp", 4)])
 def test_normuon_step_is_muons_rounds_plus_all_reduces_of_row_sums_and_norms(request, world_name, layout, ranks):
-    """Muon's owner rounds, then one all-reduce of two norms per matrix over the dimensions that split it (one per
-    mesh dimension) and, where TP splits the columns (attention output, w2), one of those matrices' row sums."""
+    """Muon's owner rounds, then the two norms of every matrix, all-reduced over the mesh dimensions that split its
+    rows (one all-reduce per dimension and group of matrices) and, where TP splits the columns (attention output,
+    w2), one all-reduce of those matrices' row sums first."""
     comm = _result(request.getfixturevalue(world_name), f"normuon_comm_{layout}")
     matrices = _hidden_matrices()
     print(f"NorMuon {layout} {ranks} ranks: {comm['counts']}; rank 0 sends {comm['sizes']}")
@@ -607,6 +608,8 @@ def test_normuon_step_is_muons_rounds_plus_all_reduces_of_row_sums_and_norms(req
         column_split = [
             p for name, p in model.named_parameters() if name.endswith(("attention.wo.weight", "w2.weight"))
         ]
-        assert comm["counts"] == {"alltoall_base_": alltoalls, "all_reduce": 3}
+        row_split = len(matrices) - len(column_split)  # split by rows over both dp and tp
         dp = ranks // 2  # each rank holds 1/dp of a column-split matrix's rows
-        assert sorted(reduced) == sorted([sum(p.shape[0] for p in column_split) // dp] + [2 * len(matrices)] * 2)
+        assert comm["counts"] == {"alltoall_base_": alltoalls, "all_reduce": 4}
+        expected = [sum(p.shape[0] for p in column_split) // dp, 2 * row_split, 2 * row_split, 2 * len(column_split)]
+        assert sorted(reduced) == sorted(expected)

@@ -19,8 +19,8 @@ in the normalisation only. (The reference defaults to plain momentum and other N
 Sharded matrices go through Muon's owner rounds (``muon_distributed``) whole, and the normalisation runs where
 ``v`` lives: on this rank's piece of ``o``, for its rows. A row is whole on a rank unless a mesh dimension splits
 the columns (row-wise tensor parallelism): there the rows' sums of squares are partial and are completed over those
-dimensions. The two Frobenius norms are sums over every piece, completed over the dimensions that split the matrix.
-Each completion is one batched DTensor all-reduce per (mesh, dimensions) for all matrices (the reference keeps
+dimensions. The two Frobenius norms are then sums over a rank's rows, completed over the dimensions that split the
+rows. Each completion is one batched DTensor all-reduce per (mesh, dimensions) for all matrices (the reference keeps
 per-shard norms on sharded matrices instead; here every layout computes what one process computes). ``v`` is
 ``(rows, 1)``, laid out like the parameter's rows (a DTensor with every split of the columns replaced by
 ``Replicate``), so checkpoints reshard across world sizes like Muon's.
@@ -82,18 +82,24 @@ def normalize_rows(
 
     ``orthogonal`` and ``second_moments`` are this rank's pieces (plain tensors) of the matrices ``params``
     (plain tensors or DTensors, for their global shape and layout). Returns the normalised pieces, in the second
-    moments' dtype."""
+    moments' dtype. One pass over a piece gives its rows' sums of squares; both Frobenius norms follow from those
+    (``||n||^2`` is the sum of each row's ``sum(o^2) / (sqrt(v) + eps)^2``), and one more pass scales each row by
+    its factor."""
     pieces = [o.to(v.dtype) for o, v in zip(orthogonal, second_moments)]
     row_sums = [(o * o).sum(dim=1) for o in pieces]
     row_sums = _sum_over_shards(row_sums, [_split_dims(p, (1,)) for p in params])
-    normalized = []
-    for p, o, v, row_sum in zip(params, pieces, second_moments, row_sums):
+    denominators, squares = [], []
+    for p, v, row_sum in zip(params, second_moments, row_sums):
         v.lerp_((row_sum / p.shape[1]).view(-1, 1), 1 - beta2)
-        normalized.append(o / (v.sqrt() + eps))
-    squares = [torch.stack([(o * o).sum(), (n * n).sum()]) for o, n in zip(pieces, normalized)]
-    squares = _sum_over_shards(squares, [_split_dims(p, (0, 1)) for p in params])
-    for n, (o_square, n_square) in zip(normalized, squares):
-        n.mul_(o_square.sqrt() / n_square.sqrt().clamp(min=NORM_FLOOR))
+        denominator = v.view(-1).sqrt() + eps
+        denominators.append(denominator)
+        squares.append(torch.stack([row_sum.sum(), (row_sum / denominator.square()).sum()]))
+    # A rank's rows are whole now: the norms are partial over the dimensions that split the rows only.
+    squares = _sum_over_shards(squares, [_split_dims(p, (0,)) for p in params])
+    normalized = []
+    for o, denominator, (o_square, n_square) in zip(pieces, denominators, squares):
+        scale = o_square.sqrt() / n_square.sqrt().clamp(min=NORM_FLOOR)
+        normalized.append(o * (scale / denominator).view(-1, 1))
     return normalized
 
 
