@@ -1,7 +1,7 @@
 """Time ``step()`` of every AdamMini variant (foreach, fused; float32, bf16, 8-bit, 4-bit momentum), bf16-state
-AdamW and Muon (bfloat16 and float32 Newton–Schulz; fused AdamW for its other weights) against AdamW (fused and
-foreach) and, when installed, the official adam-mini 1.1.1, on the parameters of a Llama in one process; also
-count kernel launches (profiler) and compare optimizer-state bytes.
+AdamW, Muon and NorMuon (bfloat16 and float32 Newton–Schulz; fused AdamW for their other weights) against AdamW
+(fused and foreach) and, when installed, the official adam-mini 1.1.1, on the parameters of a Llama in one process;
+also count kernel launches (profiler) and compare optimizer-state bytes, and give NorMuon's step time against Muon's.
 
     python benchmarks/bench_optimizers.py                 # CUDA when available, else CPU
     python benchmarks/bench_optimizers.py --device cpu --steps 5
@@ -11,7 +11,8 @@ count kernel launches (profiler) and compare optimizer-state bytes.
 
 Every optimizer steps the same parameters with the same (fixed) gradients. The optimizers take turns, one step each
 per round; times are medians over the rounds and ratios are the median, over rounds, of the step's time divided by
-fused AdamW's in the same round.
+fused AdamW's in the same round (NorMuon against Muon: the median of its time over Muon's, same Newton–Schulz
+dtype, same round).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
 from torchtitan.optim import AdamMini  # noqa: E402
 from torchtitan.optim.container import tensor_bytes  # noqa: E402
 from torchtitan.optim.lowbit.adamw import LowPrecisionAdam  # noqa: E402
+from torchtitan.optim.muon.normuon import NorMuon  # noqa: E402
 from torchtitan.optim.muon.optimizer import Muon, split_hidden_matrices  # noqa: E402
 
 # ~106M parameters: Llama 3 shapes (GQA, SwiGLU) at GPT-2-small width with a 32k vocabulary.
@@ -92,12 +94,12 @@ def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimiz
             **options,
         )
 
-    def muon(**options) -> Callable[[], torch.optim.Optimizer]:
+    def muon(cls: type = Muon, **options) -> Callable[[], torch.optim.Optimizer]:
         def build() -> torch.optim.Optimizer:
             matrices, others = split_hidden_matrices(model.named_parameters(), model.named_param_roles())
             rest = torch.optim.AdamW([p for _, p in others], **HYPER, fused=True)
             lr, weight_decay = HYPER["lr"], HYPER["weight_decay"]
-            return Muon([p for _, p in matrices], lr=lr, weight_decay=weight_decay, others=rest, **options)
+            return cls([p for _, p in matrices], lr=lr, weight_decay=weight_decay, others=rest, **options)
 
         return build
 
@@ -112,6 +114,8 @@ def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimiz
         "AdamMini4bit (fused)": adam_mini(implementation="fused", momentum_storage="int4"),
         "Muon (bf16 NS)": muon(),
         "Muon (fp32 NS)": muon(ns_dtype="float32"),
+        "NorMuon (bf16 NS)": muon(NorMuon),
+        "NorMuon (fp32 NS)": muon(NorMuon, ns_dtype="float32"),
     }
     official = _official_adam_mini(model)
     if official is not None:
@@ -272,6 +276,11 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"{launches / max(base_launches, 1):>8.2f}x {nbytes / 2**20:>10.1f} {nbytes / base_bytes:>15.4f} "
             f"{first:>13.1f}"
         )
+    for ns in ("bf16", "fp32"):
+        normuon, muon = f"NorMuon ({ns} NS)", f"Muon ({ns} NS)"
+        if normuon in times and muon in times:
+            ratio = statistics.median(n / m for n, m in zip(times[normuon], times[muon]))
+            print(f"{normuon} step time vs {muon}: {ratio:.3f}x (median over rounds)")
 
 
 if __name__ == "__main__":

@@ -252,10 +252,16 @@ def adam_mini_for(model: Transformer, **options) -> AdamMini:
     )
 
 
-def muon_for(model: torch.nn.Module, *argv: str) -> torch.optim.Optimizer:
-    """Muon as the builder makes it, with HYPER's lr and float64 Newton–Schulz (exact across layouts), plus ``argv``."""
-    argv = ("--optimizer.name", "Muon", "--optimizer.lr", str(HYPER["lr"]), "--optimizer.ns_dtype", "float64", *argv)
+def muon_for(model: torch.nn.Module, *argv: str, name: str = "Muon") -> torch.optim.Optimizer:
+    """Muon (or NorMuon, by ``name``) as the builder makes it, with HYPER's lr and float64 Newton–Schulz (exact
+    across layouts), plus ``argv``."""
+    argv = ("--optimizer.name", name, "--optimizer.lr", str(HYPER["lr"]), "--optimizer.ns_dtype", "float64", *argv)
     return build_optimizers([model], job_config(*argv)).optimizers[0]
+
+
+def normuon_for(model: torch.nn.Module, *argv: str) -> torch.optim.Optimizer:
+    """NorMuon as :func:`muon_for` makes Muon."""
+    return muon_for(model, *argv, name="NorMuon")
 
 
 def run_single_process(

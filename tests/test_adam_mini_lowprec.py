@@ -378,6 +378,7 @@ def test_stochastic_rounding_is_unbiased_and_repeatable():
         ("AdamMini", "bfloat16", ("m",), torch.bfloat16),
         ("Muon", None, ("momentum_buffer", "exp_avg", "exp_avg_sq"), torch.float32),
         ("Muon", "bfloat16", ("momentum_buffer", "exp_avg", "exp_avg_sq"), torch.bfloat16),
+        ("NorMuon", "bfloat16", ("momentum_buffer", "exp_avg", "exp_avg_sq"), torch.bfloat16),
     ],
 )
 def test_state_dtype_holds_for_bfloat16_weights(name, state_dtype, keys, dtype):
@@ -408,6 +409,7 @@ def _check_state_dtypes_for_bfloat16_weights(name, state_dtype, keys, dtype):
             assert any(key in state for key in keys)
             assert all(state[key].dtype == dtype for key in keys if key in state)
             assert "v" not in state or state["v"].dtype == torch.float32
+            assert "neuron_second_moment" not in state or state["neuron_second_moment"].dtype == torch.float32
     if dtype == torch.float32:  # computed in float32 too: values bfloat16 cannot hold
         kept = [state[key] for state in optimizers.optimizers[0].state.values() for key in keys if key in state]
         assert any(not torch.equal(value, value.bfloat16().float()) for value in kept)

@@ -124,7 +124,8 @@ def _assert_close(estimate, measured: dict, what: str, tolerance: tuple[float, f
 # The chunked loss (4 chunks) with one optimizer: the loss's memory does not depend on the optimizer. A tied
 # output projection (the chunked loss reads the embedding's weight).
 @pytest.mark.parametrize(
-    "loss_chunks, optimizers, tied", [("1", "AdamW,AdamMini", "false"), ("4", "AdamW", "false"), ("4", "AdamW", "true")]
+    "loss_chunks, optimizers, tied",
+    [("1", "AdamW,AdamMini", "false"), ("4", "AdamW", "false"), ("4", "AdamW", "true"), ("1", "NorMuon", "false")],
 )
 def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers, tied):
     job = _job(
@@ -176,10 +177,10 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
         "--memory_estimation.world_size",
         "8",
         "--memory_estimation.optimizers",
-        "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit,Muon",
+        "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit,Muon,NorMuon",
     )
     estimate = estimate_memory(job)
-    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit, muon = estimate.optimizers
+    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit, muon, normuon = estimate.optimizers
     assert adam_mini_bf16.label == "AdamMini:state_dtype=bfloat16" and adam_mini_bf16.options == {
         "state_dtype": "bfloat16"
     }
@@ -199,6 +200,9 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     hidden = [".attention.w" in name or ".feed_forward." in name for name, _ in model.named_parameters()]
     muon_state = sum((4 if h else 8) * n for h, n in zip(hidden, local_numels)) + 4 * len(hidden)
     assert muon.optimizer_state == muon_state
+    # NorMuon: Muon's, plus one float32 second moment per local row of a hidden matrix.
+    rows = [math.ceil(p.shape[0] / 8) for p in model.parameters()]
+    assert normuon.optimizer_state == muon_state + sum(4 * r for h, r in zip(hidden, rows) if h)
     # Adam-mini keeps the first moment whole and one second moment per block: about half.
     assert 0.49 < adam_mini.optimizer_state / adamw.optimizer_state < 0.52
     # 4-bit moments: an eighth of AdamW's, plus scales and the small tensors kept in float32.

@@ -38,6 +38,7 @@ from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
 from torchtitan.optim import AdamMini, OptimizersContainer, build_optimizers
 from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.lowbit import torchao_adapter
+from torchtitan.optim.muon.normuon import NorMuon
 from torchtitan.optim.muon.optimizer import Muon
 from torchtitan.optim.state.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_in_groups
 from torchtitan.optim.state.storage import is_quantized
@@ -114,6 +115,8 @@ def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
         low_bit("Adam-mini-4bit", "AdamMini4bit"),
         ("Muon", "Muon"),
         ("muon", "Muon"),
+        ("NorMuon", "NorMuon"),
+        ("nor_muon", "NorMuon"),
     ],
 )
 def test_every_name_and_alias_builds_its_optimizer(given, canonical):
@@ -128,10 +131,13 @@ def test_every_name_and_alias_builds_its_optimizer(given, canonical):
         "AdamMini8bit": AdamMini,
         "AdamMini4bit": AdamMini,
         "Muon": Muon,
+        "NorMuon": NorMuon,
     }.get(canonical)
     assert isinstance(optimizer, expected or getattr(torchao_optim, canonical))
     if canonical == "Adam":
         assert not isinstance(optimizer, torch.optim.AdamW)
+    if canonical == "Muon":
+        assert not isinstance(optimizer, NorMuon)
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert owned == {id(p) for p in net.parameters()}
 
@@ -271,13 +277,29 @@ def test_implementation_sets_torch_flags(name, implementation, flags):
             "AdamWFp8", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to AdamWFp8"
         ),
         low_bit("AdamW4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamW4bit"),
-        ("AdamW", ["--optimizer.momentum", "0.9"], "optimizer.momentum does not apply to AdamW \\(only to Muon\\)"),
+        (
+            "AdamW",
+            ["--optimizer.momentum", "0.9"],
+            "optimizer.momentum does not apply to AdamW \\(only to Muon, NorMuon\\)",
+        ),
         ("AdamMini", ["--optimizer.ns_dtype", "float64"], "optimizer.ns_dtype does not apply to AdamMini"),
         ("Adam", ["--optimizer.nesterov", "false"], "optimizer.nesterov does not apply to Adam"),
         ("AdamW", ["--optimizer.ns_steps", "3"], "optimizer.ns_steps does not apply to AdamW"),
         ("AdamW", ["--optimizer.adjust_lr", "original"], "optimizer.adjust_lr does not apply to AdamW"),
         ("Muon", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to Muon"),
         ("Muon", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to Muon"),
+        (
+            "Muon",
+            ["--optimizer.neuron_beta2", "0.9"],
+            "optimizer.neuron_beta2 does not apply to Muon \\(only to NorMuon\\)",
+        ),
+        (
+            "AdamW",
+            ["--optimizer.neuron_eps", "1e-6"],
+            "optimizer.neuron_eps does not apply to AdamW \\(only to NorMuon\\)",
+        ),
+        ("AdamMini", ["--optimizer.neuron_beta2", "0.9"], "optimizer.neuron_beta2 does not apply to AdamMini"),
+        ("NorMuon", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to NorMuon"),
     ],
 )
 def test_options_that_do_not_apply_are_rejected(name, argv, fragment):
@@ -330,7 +352,7 @@ def test_adam_mini_needs_a_model_that_knows_its_shape():
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit", "Muon"))
+@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit", "Muon", "NorMuon"))
 def test_lambda_lr_drives_every_optimizer_including_tensor_lr(name):
     optimizers = build_optimizers(
         [tiny_model(), tiny_model(seed=1)], job_config("--optimizer.name", name, "--optimizer.lr", "0.2")
@@ -381,6 +403,14 @@ def test_muon_state_bytes_are_one_momentum_per_hidden_matrix_and_adamw_for_the_r
     rest = sum(p.numel() for p in net.parameters()) - hidden
     steps = 4 * len(list(net.parameters()))  # a float32 step count per tensor, Muon's and AdamW's alike
     assert meta_state_bytes(("Muon",))["Muon"] == 4 * hidden + 8 * rest + steps
+
+
+def test_normuon_state_bytes_are_muons_plus_one_float32_value_per_output_row():
+    args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=2048)
+    net = meta_model(args, torch.float32)
+    rows = sum(p.shape[0] for name, p in net.named_parameters() if ".attention.w" in name or ".feed_forward." in name)
+    sizes = meta_state_bytes(("Muon", "NorMuon"))
+    assert sizes["NorMuon"] == sizes["Muon"] + 4 * rows
 
 
 @needs_torchao
@@ -450,7 +480,7 @@ def test_tensor_bytes_counts_quantized_parts():
 # Checkpoints (one process)
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon", "Muon:bfloat16"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon", "Muon:bfloat16", "NorMuon"])
 def test_creating_state_early_does_not_change_training(name):
     """initialise_state() and state_dict() before the first step create the state; training must not notice (bf16
     state too: its stochastic rounding is salted by step counts, which the zero step must leave at 0)."""
@@ -508,7 +538,7 @@ def resume_run(name: str, args: ModelArgs, dtype: torch.dtype, path) -> tuple[di
     return weights(net), resumed_weights, resumed(False)[0], container
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon", "NorMuon"])
 def test_dcp_resume_equals_uninterrupted_run(name, tmp_path):
     uninterrupted, resumed, without_state, _ = resume_run(name, TINY, torch.float64, tmp_path)
     assert max_difference(uninterrupted, resumed) == 0.0
@@ -620,7 +650,7 @@ def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) 
     return plain_values(optimizers.state_dict())
 
 
-EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16", "Muon")
+EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16", "Muon", "NorMuon")
 
 
 def _fsdp_resume_workers(

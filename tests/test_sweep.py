@@ -344,3 +344,13 @@ def test_interrupted_sweep_ends_its_run_and_leaves_it_unfinished(tmp_path):
     assert err.strip() == "error: sweep interrupted; run the same command again to resume it"
     assert not Path(f"/proc/{trainer}").exists() or "zombie" in Path(f"/proc/{trainer}/status").read_text()
     assert not (pid_file.parent / "sweep_status.json").exists()
+
+
+def test_the_plan_names_muon_family_runs_as_train_py_logs_them():
+    from torchtitan.tools.sweep_plan import plan
+
+    specs = plan(["muon", "nor_muon"], [1e-2], [0])
+    assert [(s.optimizer, s.name) for s in specs] == [
+        ("Muon", "Muon_lr1e-2_seed0"),
+        ("NorMuon", "NorMuon_lr1e-2_seed0"),
+    ]

@@ -108,7 +108,7 @@ class Optimizer:
     name: str = opt(
         "AdamW",
         "optimizer: AdamW, Adam, AdamMini, AdamMini8bit, AdamMini4bit, AdamW8bit, AdamW4bit, "
-        "AdamWFp8, Muon (case-insensitive)",
+        "AdamWFp8, Muon, NorMuon (case-insensitive)",
     )
     # lr, beta1, beta2, eps and weight_decay are checked by torchtitan.optim.hyperparameters (torch.optim's rules).
     lr: float = opt(8e-4, "peak learning rate")
@@ -124,8 +124,8 @@ class Optimizer:
     )
     state_dtype: Optional[str] = opt(
         None,
-        "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment; Muon: its momentum and its "
-        "AdamW part's moments (unset: float32, also for bfloat16 weights; bfloat16 is stochastically rounded)",
+        "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment; Muon, NorMuon: their momentum and "
+        "their AdamW part's moments (unset: float32, also for bfloat16 weights; bfloat16 is stochastically rounded)",
         choices=("float32", "bfloat16"),
     )
     # AdamMini only.
@@ -139,20 +139,33 @@ class Optimizer:
     bf16_stochastic_round: Optional[bool] = opt(
         None, "low-bit AdamW: stochastic rounding of the updated weights (needs training.param_dtype bfloat16)"
     )
-    # Muon only (its AdamW part takes lr, beta1, beta2, eps, weight_decay, implementation and state_dtype).
-    momentum: Optional[float] = opt(None, "Muon: momentum of the hidden matrices (unset: 0.95)", ge=0.0, lt=1.0)
-    nesterov: Optional[bool] = opt(None, "Muon: Nesterov momentum (unset: true)")
-    ns_steps: Optional[int] = opt(None, "Muon: Newton-Schulz iterations (unset: 5)", gt=0, lt=100)
+    # Muon and NorMuon only (their AdamW part takes lr, beta1, beta2, eps, weight_decay, implementation and
+    # state_dtype).
+    momentum: Optional[float] = opt(
+        None, "Muon, NorMuon: momentum of the hidden matrices (unset: 0.95)", ge=0.0, lt=1.0
+    )
+    nesterov: Optional[bool] = opt(None, "Muon, NorMuon: Nesterov momentum (unset: true)")
+    ns_steps: Optional[int] = opt(None, "Muon, NorMuon: Newton-Schulz iterations (unset: 5)", gt=0, lt=100)
     ns_dtype: Optional[str] = opt(
         None,
-        "Muon: dtype of the Newton-Schulz iteration (unset: bfloat16, as torch.optim.Muon)",
+        "Muon, NorMuon: dtype of the Newton-Schulz iteration (unset: bfloat16, as torch.optim.Muon)",
         choices=("bfloat16", "float32", "float64"),
     )
     adjust_lr: Optional[str] = opt(
         None,
-        "Muon: lr scale of a matrix update: match_rms_adamw (0.2 sqrt(max dim): optimizer.lr means what it means "
-        "for AdamW) or original (sqrt(max(1, rows/cols))); unset: match_rms_adamw",
+        "Muon, NorMuon: lr scale of a matrix update: match_rms_adamw (0.2 sqrt(max dim): optimizer.lr means what it "
+        "means for AdamW) or original (sqrt(max(1, rows/cols))); unset: match_rms_adamw",
         choices=("match_rms_adamw", "original"),
+    )
+    # NorMuon only.
+    neuron_beta2: Optional[float] = opt(
+        None,
+        "NorMuon: decay of the per-row (neuron-wise) second moment of the orthogonalised update (unset: 0.95)",
+        ge=0.0,
+        lt=1.0,
+    )
+    neuron_eps: Optional[float] = opt(
+        None, "NorMuon: added to the root of the per-row second moment before dividing (unset: 1e-8)", ge=0.0
     )
 
 

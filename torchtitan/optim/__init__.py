@@ -31,6 +31,7 @@ _HOMES = {
     "AdamMini": "torchtitan.optim.adam_mini.optimizer",
     "LowPrecisionAdam": "torchtitan.optim.lowbit.adamw",
     "Muon": "torchtitan.optim.muon.optimizer",
+    "NorMuon": "torchtitan.optim.muon.normuon",
     "OptimizersContainer": "torchtitan.optim.container",
     "build_optimizers": "torchtitan.optim.builder",
 }
@@ -50,6 +51,7 @@ MOVED_MODULES = {
     "torchtitan.optim.state_storage": "torchtitan.optim.state.storage",
     "torchtitan.optim.state_init": "torchtitan.optim.state.initialise",
     "torchtitan.optim.quantized_checkpoint": "torchtitan.optim.state.quantized_checkpoint",
+    "torchtitan.optim.normuon": "torchtitan.optim.muon.normuon",
 }
 
 

@@ -226,6 +226,10 @@ class Muon(torch.optim.Optimizer):
         step = int(self.state[params[0]]["step"])  # every matrix steps together
         updates = momentum_updates(grads, buffers, group["momentum"], group["nesterov"], step)
         orthogonal = self._orthogonalize(params, updates, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
+        self._apply_updates(group, params, orthogonal)
+
+    def _apply_updates(self, group: dict[str, Any], params: list[Tensor], orthogonal: list[Tensor]) -> None:
+        """Decoupled weight decay, then each matrix's update (local pieces of the orthogonalised momentum)."""
         lr = float(group["lr"])
         for p, o in zip(params, orthogonal):
             local = local_tensor(p)
