@@ -7,6 +7,7 @@ import functools
 import itertools
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -389,6 +390,33 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, mode):
     expected = Trainer(job(str(tmp_path / "fresh"), steps=2, enable_checkpoint=False))
     expected.run(2)
     assert_same_snapshot(resumed.snapshot(), expected.snapshot())
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_and_keeps_the_save_in_progress(tmp_path):
+    code = (
+        "from tests.helpers import Trainer, checkpoint_job\n"
+        f"Trainer(checkpoint_job({str(tmp_path)!r}, steps=4, interval=2)).run(4)\n"
+    )
+    folder = tmp_path / "checkpoint"
+    with processes.started(
+        [sys.executable, STALL_IN_SAVE, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "STALL_AT_SAVE": "2"},
+    ) as child:
+        output = processes.LineReader(child.stdout)
+        output.wait_for(lambda lines: any(line.startswith("STALLED") for line in lines), timeout=300)
+        in_use = sorted(os.listdir(folder))
+        assert any(name.startswith(".step-4.tmp-") for name in in_use)
+        refusal = re.escape(f"checkpoint folder '{folder}' is in use by another run (pid {child.pid} on ")
+        with pytest.raises(UserError, match=refusal):
+            Trainer(job(str(tmp_path), steps=4))
+        assert sorted(os.listdir(folder)) == in_use  # the first run's save in progress is untouched
+    # Its process is gone (SIGKILLed on leaving the block): the next run starts, cleaning what it left.
+    resumed = Trainer(job(str(tmp_path), steps=4))
+    assert os.listdir(folder) == ["step-2"]
+    assert resumed.checkpoint.load() and resumed.train_state.step == 2
 
 
 # ------------------------------------------------------------------------------------------------------------------
