@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -203,7 +204,7 @@ class CheckpointManager:
         self._pending: Optional[tuple[Any, str, str]] = None  # (future, temporary folder, final folder)
         self._last_saved_step = -1  # the newest step saved or being saved (a save in flight included)
         self._last_published_step = -1  # the newest step known to be visible as a complete checkpoint
-        self._folder_lock = None  # rank 0's hold on the folder while this run uses it
+        self._release_folder = None  # lets go of rank 0's hold on the folder (see _lock_folder)
         self._group = None  # the manager's collectives on the training thread
         self._save_group = None  # an async save's collectives, on DCP's background thread
         if not (self.enabled or self.export_enabled or self.hf_export_enabled):
@@ -259,7 +260,10 @@ class CheckpointManager:
         holder = None
         if self.rank == 0:
             try:
-                self._folder_lock, holder = try_lock_folder(self.folder)
+                lock, holder = try_lock_folder(self.folder)
+                if lock is not None:
+                    # Released once: by close(), or when a manager dropped without it (a tool's, a test's) is freed.
+                    self._release_folder = weakref.finalize(self, lock.release)
             except OSError as e:
                 logger.warning(
                     f"checkpoint: cannot lock {self.folder} ({e.strerror or e}); a second run started on this folder "
@@ -415,9 +419,8 @@ class CheckpointManager:
             self._stager.close()
             self._stager = None
         self._barrier()
-        if self._folder_lock is not None:
-            self._folder_lock.release()
-            self._folder_lock = None
+        if self._release_folder is not None:
+            self._release_folder()
 
     # -- saving ----------------------------------------------------------------------------------------------------
 
