@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import itertools
+import logging
 import os
 import pickle
 import re
@@ -33,7 +35,14 @@ from tests.helpers import (
 from tests.helpers import (
     checkpoint_job as job,
 )
-from torchtitan.checkpoint import CheckpointManager, SafeFileSystemReader, SafeLoadPlanner, decode_plain, encode_plain
+from torchtitan.checkpoint import (
+    CheckpointManager,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    decode_plain,
+    encode_plain,
+    folders,
+)
 from torchtitan.errors import UserError
 from torchtitan.models.llama import Transformer
 
@@ -417,6 +426,21 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_keeps_the_save_in_progre
     resumed = Trainer(job(str(tmp_path), steps=4))
     assert os.listdir(folder) == ["step-2"]
     assert resumed.checkpoint.load() and resumed.train_state.step == 2
+    resumed.checkpoint.close()
+    assert not os.path.exists(folders.lock_path(str(folder)))  # a clean end leaves no lock file
+
+
+def test_a_filesystem_without_locks_is_said_in_one_warning(tmp_path, monkeypatch, caplog):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(folders.fcntl, "lockf", no_locks)
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        trainer = Trainer(job(str(tmp_path), steps=2, interval=2))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("cannot lock" in w and "would not be refused" in w for w in warnings), warnings
+    trainer.run(2)
+    assert os.listdir(tmp_path / "checkpoint") == ["step-2"]
 
 
 # ------------------------------------------------------------------------------------------------------------------
