@@ -36,7 +36,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tests import processes
-from tests.distributed import launch_env
+from tests.distributed import free_port, launch_env
 from torchtitan.checkpoint import CheckpointManager, SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.config_manager import JobConfig
 from torchtitan.lr_scheduling import SchedulersContainer
@@ -322,6 +322,8 @@ DEBUG_RUN = [
 LOSS = "loss_metrics/global_avg_loss"
 # Saves stall in this script's processes (see tests/stall_in_save.py): a test SIGKILLs them mid-save.
 STALL_IN_SAVE = str(ROOT / "tests" / "stall_in_save.py")
+# One rank dies once after a chosen step, so that torchrun restarts the group (see tests/kill_rank_once.py).
+KILL_RANK_ONCE = str(ROOT / "tests" / "kill_rank_once.py")
 
 
 def train_command(args: Sequence[str], nproc: int = 1, script: str = TRAIN) -> list[str]:
@@ -330,6 +332,23 @@ def train_command(args: Sequence[str], nproc: int = 1, script: str = TRAIN) -> l
     if nproc == 1:
         return [sys.executable, script, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+
+
+def restartable_command(script: str, *args: str, nproc: int = 2) -> list[str]:
+    """``script`` under torchrun with one restart allowed, on a port of its own (static rendezvous, as on a
+    cluster: the agent's store lives through the restart)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--max-restarts",
+        "1",
+        "--master-port",
+        str(free_port()),
+        script,
+        *args,
+    ]
 
 
 def train(dump, *args: str, nproc: int = 1, cpu: bool = False, check: bool = True, base: Sequence[str] = DEBUG_RUN):

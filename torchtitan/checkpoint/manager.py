@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -39,6 +40,7 @@ from torchtitan.checkpoint.folders import (
     set_aside_newer,
     step_folder,
     temporary_name,
+    try_lock_folder,
     weights_folder,
 )
 from torchtitan.checkpoint.safe_reading import (
@@ -216,16 +218,23 @@ class CheckpointManager:
         self._pending: Optional[tuple[Any, str, str]] = None  # (future, temporary folder, final folder)
         self._last_saved_step = -1  # the newest step saved or being saved (a save in flight included)
         self._last_published_step = -1  # the newest step known to be visible as a complete checkpoint
-        self._group = None
+        self._release_folder = None  # lets go of rank 0's hold on the folder (see _lock_folder)
+        self._group = None  # the manager's collectives on the training thread
+        self._save_group = None  # an async save's collectives, on DCP's background thread
         if not (self.enabled or self.export_enabled or self.hf_export_enabled):
             return
         if dist.is_initialized():
-            # Our own gloo group: async saves talk on it from a background thread without interleaving with the
-            # training loop's collectives, and CPU tensors can coordinate ranks whatever the main backend is.
-            # Its collectives wait as long as the default group's (comm.init_timeout_seconds), not torch's default.
+            # Our own gloo groups: CPU tensors coordinate ranks whatever the main backend is, and nothing here
+            # interleaves with the training loop's collectives. An async save talks from a background thread while
+            # the loop goes on deciding the next save (``_due``): each thread gets its group, since collectives of
+            # two threads on one group meet in a different order on different ranks. Their collectives wait as long
+            # as the default group's (comm.init_timeout_seconds), not torch's default.
             timeout = timedelta(seconds=job_config.comm.init_timeout_seconds)
             self._group = dist.new_group(backend="gloo", timeout=timeout)
+            if self.async_enabled:
+                self._save_group = dist.new_group(backend="gloo", timeout=timeout)
         self.check_writable()
+        self._lock_folder()
         if self.rank == 0:
             for note in recover(self.folder):
                 logger.info(f"checkpoint: in {self.folder}: {note}")
@@ -257,6 +266,27 @@ class CheckpointManager:
             raise UserError(
                 f"checkpoint folder '{self.folder}' is not writable ({problem or 'on another rank'}); fix its "
                 "permissions or point checkpoint.folder / job.dump_folder at a writable folder"
+            )
+
+    def _lock_folder(self) -> None:
+        """Refuse (on every rank) a folder another live run uses: its start-up would remove that run's save in
+        progress. Rank 0 alone holds the lock, whatever the number of nodes (see ``folders.try_lock_folder``)."""
+        holder = None
+        if self.rank == 0:
+            try:
+                lock, holder = try_lock_folder(self.folder)
+                if lock is not None:
+                    # Released once: by close(), or when a manager dropped without it (a tool's, a test's) is freed.
+                    self._release_folder = weakref.finalize(self, lock.release)
+            except OSError as e:
+                logger.warning(
+                    f"checkpoint: cannot lock {self.folder} ({e.strerror or e}); a second run started on this folder "
+                    "would not be refused"
+                )
+        if self._any_rank(holder is not None):
+            raise UserError(
+                f"checkpoint folder '{self.folder}' is in use by another run ({holder or 'as rank 0 found'}); wait "
+                "for it to end, or give this run another checkpoint.folder"
             )
 
     def load(self, step: int = -1) -> bool:
@@ -319,7 +349,8 @@ class CheckpointManager:
         """Whether ``step`` saves: every ``interval`` steps, or once ``interval`` seconds passed on rank 0's clock.
 
         Clocks differ between ranks, so rank 0 decides and broadcasts on the checkpoint's gloo group (a CPU tensor,
-        which that backend reduces): all ranks save together or none does.
+        which that backend reduces): all ranks save together or none does. An async save in flight talks on its own
+        group meanwhile, so the two never interleave.
         """
         if force:
             return True
@@ -402,6 +433,8 @@ class CheckpointManager:
             self._stager.close()
             self._stager = None
         self._barrier()
+        if self._release_folder is not None:
+            self._release_folder()
 
     # -- saving ----------------------------------------------------------------------------------------------------
 
@@ -426,7 +459,7 @@ class CheckpointManager:
                     state,
                     storage_writer=writer,
                     planner=QuantizedStateSavePlanner(),
-                    process_group=self._group,
+                    process_group=self._save_group,
                     **extra,
                 )
             # Newer torch may return a response whose upload_completion is the future to wait on.
