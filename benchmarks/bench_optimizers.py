@@ -63,6 +63,8 @@ FAMILY = {
     "AdamMini4bit (fused)": "AdamMini4bit",
     "Muon (bf16 NS)": "Muon",
     "Muon (fp32 NS)": "Muon",
+    "NorMuon (bf16 NS)": "NorMuon",
+    "NorMuon (fp32 NS)": "NorMuon",
     "adam_mini 1.1.1 (official)": "AdamMini",
 }
 FAMILIES = tuple(dict.fromkeys(FAMILY.values()))
