@@ -9,7 +9,9 @@ The whole training step (``torchtitan.training.train_step``: forward, loss, back
 job's model on random tokens, one process, no parallelism. The variants take turns, one step each per round; the
 ratio is the median over rounds of whole logits' step time divided by the variant's in the same round (> 1: faster).
 Peak memory: on CUDA the allocator's peak allocated bytes of one step; on CPU the peak of live tensor bytes
-(``torchtitan.estimation.LiveMemoryTracker``). Other options are ``train.py``'s (``--section.key value``).
+(``torchtitan.estimation.LiveMemoryTracker``), each measured after every variant has run a step, so that the
+optimizer state exists before (as in every step after the first) and no variant's peak includes its creation.
+Other options are ``train.py``'s (``--section.key value``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,15 @@ class Trainer:
         _synchronize(self.device)
         return time.perf_counter() - start
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [
+            value
+            for optimizer in self.optimizers.optimizers
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+
     def peak_bytes(self, num_chunks: int) -> int:
         """Peak memory of one step (see the module's docstring)."""
         if self.device.type == "cuda":
@@ -86,9 +97,17 @@ class Trainer:
             return torch.cuda.max_memory_allocated(self.device)
         tracker = LiveMemoryTracker()
         tracker.track_existing(self.model.parameters(), "params")
+        tracker.track_existing(self.state_tensors(), "optimizer state")
         with tracker:
             self.step(num_chunks)
         return tracker.peak
+
+
+def measure_peaks(trainer: Trainer, chunks: list[int]) -> dict[int, int]:
+    """Each variant's peak of a steady step: one step of every variant first (creating the optimizer state)."""
+    for n in chunks:
+        trainer.step(n)
+    return {n: trainer.peak_bytes(n) for n in chunks}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -112,7 +131,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         f"{job.optimizer.name}, {t.param_dtype} weights, {compute} compute, "
         f"activation checkpointing {job.activation_checkpoint.mode}, on {device}"
     )
-    peaks = {n: trainer.peak_bytes(n) for n in chunks}
+    peaks = measure_peaks(trainer, chunks)
     for _ in range(options.warmup):
         for n in chunks:
             trainer.step(n)

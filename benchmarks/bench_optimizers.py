@@ -1,16 +1,18 @@
 """Time ``step()`` of every AdamMini variant (foreach, fused; float32, bf16, 8-bit, 4-bit momentum), bf16-state
-AdamW and Muon (bfloat16 and float32 Newton–Schulz; fused AdamW for its other weights) against AdamW (fused and
-foreach) and, when installed, the official adam-mini 1.1.1, on the parameters of a Llama in one process; also
-count kernel launches (profiler) and compare optimizer-state bytes.
+AdamW, Muon and NorMuon (bfloat16 and float32 Newton–Schulz; fused AdamW for their other weights) against AdamW
+(fused and foreach) and, when installed, the official adam-mini 1.1.1, on the parameters of a Llama in one process;
+also count kernel launches (profiler) and compare optimizer-state bytes, and give NorMuon's step time against Muon's.
 
     python benchmarks/bench_optimizers.py                 # CUDA when available, else CPU
     python benchmarks/bench_optimizers.py --device cpu --steps 5
     python benchmarks/bench_optimizers.py --shapes many_small     # ~450 small tensors
     python benchmarks/bench_optimizers.py --shapes 1b             # ~1B parameters (GPU)
+    python benchmarks/bench_optimizers.py --optimizers AdamMini,Muon   # only these registry optimizers' variants
 
 Every optimizer steps the same parameters with the same (fixed) gradients. The optimizers take turns, one step each
 per round; times are medians over the rounds and ratios are the median, over rounds, of the step's time divided by
-fused AdamW's in the same round.
+fused AdamW's in the same round (NorMuon against Muon: the median of its time over Muon's, same Newton–Schulz
+dtype, same round).
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from torchtitan.errors import UserError, exit_code  # noqa: E402
 from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
 from torchtitan.optim import AdamMini  # noqa: E402
-from torchtitan.optim.adamw_low_precision import LowPrecisionAdam  # noqa: E402
 from torchtitan.optim.container import tensor_bytes  # noqa: E402
-from torchtitan.optim.muon import Muon, split_hidden_matrices  # noqa: E402
+from torchtitan.optim.lowbit.adamw import LowPrecisionAdam  # noqa: E402
+from torchtitan.optim.muon.normuon import NorMuon  # noqa: E402
+from torchtitan.optim.muon.optimizer import Muon, split_hidden_matrices  # noqa: E402
 
 # ~106M parameters: Llama 3 shapes (GQA, SwiGLU) at GPT-2-small width with a 32k vocabulary.
 BENCH_ARGS = ModelArgs(dim=768, n_layers=8, n_heads=12, n_kv_heads=4, vocab_size=32000, multiple_of=256)
@@ -46,6 +50,24 @@ SHAPES = {
     ),
 }
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+BASELINE = "AdamW (fused)"  # every ratio's denominator: timed whatever is selected
+# The registry optimizer (``optimizer.name``) each timed variant belongs to, for --optimizers.
+FAMILY = {
+    "AdamW (fused)": "AdamW",
+    "AdamW (foreach)": "AdamW",
+    "AdamW bf16 state": "AdamW",
+    "AdamMini (foreach)": "AdamMini",
+    "AdamMini (fused)": "AdamMini",
+    "AdamMini bf16 m (fused)": "AdamMini",
+    "AdamMini8bit (fused)": "AdamMini8bit",
+    "AdamMini4bit (fused)": "AdamMini4bit",
+    "Muon (bf16 NS)": "Muon",
+    "Muon (fp32 NS)": "Muon",
+    "NorMuon (bf16 NS)": "NorMuon",
+    "NorMuon (fp32 NS)": "NorMuon",
+    "adam_mini 1.1.1 (official)": "AdamMini",
+}
+FAMILIES = tuple(dict.fromkeys(FAMILY.values()))
 
 
 def build_model(device: torch.device, dtype: torch.dtype, args: ModelArgs = BENCH_ARGS) -> Transformer:
@@ -74,12 +96,12 @@ def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimiz
             **options,
         )
 
-    def muon(**options) -> Callable[[], torch.optim.Optimizer]:
+    def muon(cls: type = Muon, **options) -> Callable[[], torch.optim.Optimizer]:
         def build() -> torch.optim.Optimizer:
             matrices, others = split_hidden_matrices(model.named_parameters(), model.named_param_roles())
             rest = torch.optim.AdamW([p for _, p in others], **HYPER, fused=True)
             lr, weight_decay = HYPER["lr"], HYPER["weight_decay"]
-            return Muon([p for _, p in matrices], lr=lr, weight_decay=weight_decay, others=rest, **options)
+            return cls([p for _, p in matrices], lr=lr, weight_decay=weight_decay, others=rest, **options)
 
         return build
 
@@ -94,6 +116,8 @@ def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimiz
         "AdamMini4bit (fused)": adam_mini(implementation="fused", momentum_storage="int4"),
         "Muon (bf16 NS)": muon(),
         "Muon (fp32 NS)": muon(ns_dtype="float32"),
+        "NorMuon (bf16 NS)": muon(NorMuon),
+        "NorMuon (fp32 NS)": muon(NorMuon, ns_dtype="float32"),
     }
     official = _official_adam_mini(model)
     if official is not None:
@@ -176,6 +200,28 @@ def interleaved_times(
     return times, first
 
 
+def selected_families(value: Optional[str]) -> Optional[list[str]]:
+    """``--optimizers``' registry names (None: all); UserError for a name with no variant timed here."""
+    if value is None:
+        return None
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown or not names:
+        raise UserError(
+            f"--optimizers: {', '.join(unknown) or 'empty list'} not timed here; choose from {', '.join(FAMILIES)}"
+        )
+    return names
+
+
+def is_selected(name: str, wanted: Optional[list[str]], families: Optional[list[str]]) -> bool:
+    """Whether variant ``name`` is timed: the baseline always; others if ``--only`` and ``--optimizers`` allow."""
+    if name == BASELINE:
+        return True
+    if families is not None and FAMILY[name] not in families:
+        return False
+    return not wanted or any(w in name for w in wanted)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -189,7 +235,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         help="bench: ~100M Llama; many_small: 48 layers of dim 128 (~450 tensors); 1b: a ~1B Llama (for GPUs)",
     )
     parser.add_argument("--only", default=None, help="comma-separated substrings: time only matching optimizers")
+    parser.add_argument(
+        "--optimizers",
+        default=None,
+        help=f"comma-separated registry names ({', '.join(FAMILIES)}): time only their variants",
+    )
     options = parser.parse_args(argv)
+    families = selected_families(options.optimizers)
     device = torch.device(options.device)
     steps = options.steps or (50 if device.type == "cuda" else 15)
     model = build_model(device, getattr(torch, options.dtype), SHAPES[options.shapes])
@@ -201,13 +253,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
 
     wanted = [w.strip() for w in options.only.split(",")] if options.only else None
-    built = {
-        name: build()
-        for name, build in optimizers(model).items()
-        if not wanted or name == "AdamW (fused)" or any(w in name for w in wanted)
-    }
+    built = {name: build() for name, build in optimizers(model).items() if is_selected(name, wanted, families)}
     times, first_steps = interleaved_times(built, device, options.warmup, steps)
-    base = times["AdamW (fused)"]
+    base = times[BASELINE]
     results = {
         name: (
             statistics.median(times[name]),
@@ -219,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         for name, optimizer in built.items()
     }
 
-    _, _, base_bytes, base_launches, _ = results["AdamW (fused)"]
+    _, _, base_bytes, base_launches, _ = results[BASELINE]
     print(
         f"{'optimizer':<28} {'ms/step':>9} {'vs fused AdamW':>15} {'kernels':>8} {'vs AdamW':>9} "
         f"{'state MiB':>10} {'vs AdamW state':>15} {'first step s':>13}"
@@ -230,7 +278,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"{launches / max(base_launches, 1):>8.2f}x {nbytes / 2**20:>10.1f} {nbytes / base_bytes:>15.4f} "
             f"{first:>13.1f}"
         )
+    for ns in ("bf16", "fp32"):
+        normuon, muon = f"NorMuon ({ns} NS)", f"Muon ({ns} NS)"
+        if normuon in times and muon in times:
+            ratio = statistics.median(n / m for n, m in zip(times[normuon], times[muon]))
+            print(f"{normuon} step time vs {muon}: {ratio:.3f}x (median over rounds)")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main))

@@ -9,16 +9,19 @@ gradient shrinks, ``v`` must decay), on 10^5 entries (gradients scaled per entry
 so entries differ); the ratio bf16 ``v`` / float32 ``v`` at the end, median and 1st/99th percentiles.
 Quality, first moment ``m <- lerp(m, g, 1 - beta1)``: 300 steps of gradients = fixed direction + unit noise on 10^6
 entries (relative error and mean bias against float32), then the same decay test as for ``v`` with ``m``.
-Speed: the compiled ``v`` update on 2^22 entries per storage, time relative to float32 storage in this process.
-Stochastic rounding is ``torchtitan.optim.state_storage.round_to_bfloat16_stochastically`` (what the optimizers use).
+Speed: the compiled ``v`` update per storage, time relative to float32 storage in this process, on a size chosen
+so that a call's fixed cost (launch, Python) is at most 2% of its time (:func:`speed_size`: entries quadrupled from
+2^16 until the float32 update takes 50 times a one-entry call; at most 2^28, 1 GiB of float32 gradients).
+Stochastic rounding is ``torchtitan.optim.state.storage.round_to_bfloat16_stochastically`` (what the optimizers use).
 """
 
 import sys
 import time
+from typing import Optional
 
 import torch
 
-from torchtitan.optim.state_storage import round_to_bfloat16_stochastically
+from torchtitan.optim.state.storage import round_to_bfloat16_stochastically
 
 torch.manual_seed(0)
 
@@ -109,7 +112,46 @@ def _v_step(v_hi, v_lo, g, step, kind: str, beta2: float = 0.999):
             v_lo.copy_(value - v_hi.float())
 
 
-def speed(device: str = "cpu", n: int = 1 << 22, repeats: int = 30) -> None:
+OVERHEAD_FRACTION = 0.02  # the most of a timed call that its fixed cost may be
+SMALLEST, LARGEST = 1 << 16, 1 << 28
+
+
+def speed_size(seconds_at, smallest: int = SMALLEST, largest: int = LARGEST) -> tuple[int, float]:
+    """The entries to time at, and the fixed cost's share of a call there: the smallest of ``smallest`` times a
+    power of 4 (at most ``largest``) whose call takes 1 / OVERHEAD_FRACTION times a one-entry call.
+    ``seconds_at(n)``: seconds of one call on ``n`` entries."""
+    fixed = seconds_at(1)
+    n, seconds = smallest, seconds_at(smallest)
+    while n < largest and seconds < fixed / OVERHEAD_FRACTION:
+        n *= 4
+        seconds = seconds_at(n)
+    return n, fixed / seconds
+
+
+def _float32_call_seconds(device: str, repeats: int = 10):
+    def seconds_at(n: int) -> float:
+        torch._dynamo.reset()  # each size compiles afresh: a recompile limit must not turn it eager
+        g = torch.randn(n, device=device)
+        v, lo = torch.zeros(n, device=device), torch.zeros(1, dtype=torch.bfloat16, device=device)
+        step = torch.tensor(1, device=device)
+        compiled = torch.compile(_v_step, fullgraph=True, dynamic=False)
+        for _ in range(3):
+            compiled(v, lo, g, step, "float32")
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            compiled(v, lo, g, step, "float32")
+        _synchronize(device)
+        return (time.perf_counter() - start) / repeats
+
+    return seconds_at
+
+
+def speed(device: str = "cpu", n: Optional[int] = None, repeats: int = 30) -> None:
+    if n is None:
+        n, fixed_share = speed_size(_float32_call_seconds(device))
+        print(f"timing {n} entries (2^{n.bit_length() - 1}): a call's fixed cost is {100 * fixed_share:.1f}% of it")
+    torch._dynamo.reset()
     g = torch.randn(n, device=device)
     step = torch.tensor(1, device=device)
     times = {}

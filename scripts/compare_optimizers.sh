@@ -8,6 +8,8 @@
 #   CONFIG_FILE  job config (default: ./train_configs/debug_model.toml)
 #   DUMP_FOLDER  the sweep's folder (default: ./outputs/sweep); run the same command again to resume a sweep
 #   LAST_K       final training loss = mean of the last k logged values (default: 10)
+#   BASELINE     the optimizer the others are compared with (default: AdamW)
+#   VARY_DATA_SEED  set (to anything) to give each run its seed as its data seed too
 #   extra arguments go to every train.py run, e.g. scripts/compare_optimizers.sh --training.steps 200
 # The sweep itself is python -m torchtitan.tools.sweep (--help for its options).
 set -euo pipefail
@@ -16,4 +18,5 @@ cd "$(dirname "$0")/.."
 exec python -m torchtitan.tools.sweep \
     --optimizers "${OPTIMIZERS:-AdamW AdamMini}" --lrs "${LRS:-3e-4 1e-3 3e-3}" --seeds "${SEEDS:-0}" \
     ${NGPU:+--nproc "$NGPU"} --config-file "${CONFIG_FILE:-./train_configs/debug_model.toml}" \
-    --last-k "${LAST_K:-10}" --dump-folder "${DUMP_FOLDER:-./outputs/sweep}" -- "$@"
+    --last-k "${LAST_K:-10}" ${BASELINE:+--baseline "$BASELINE"} ${VARY_DATA_SEED:+--vary-data-seed} \
+    --dump-folder "${DUMP_FOLDER:-./outputs/sweep}" -- "$@"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one call: scripts/gpu_check.sh --out DIR [--dry-run] [--only STEPS]
-# [--optimizers NAMES]. Writes DIR/gpu_check.md and DIR/gpu_check.json; see torchtitan/tools/gpu_check.py.
+# Every check that needs a GPU: scripts/gpu_check.sh --out DIR [--quick | --only STEPS_OR_GROUPS] [--dry-run]
+# [--optimizers NAMES]. Writes DIR/gpu_check.md and DIR/gpu_check.json after every step; see docs/gpu-check.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for arg in "$@"; do
@@ -9,4 +9,7 @@ for arg in "$@"; do
         export CUDA_VISIBLE_DEVICES="" TORCHDYNAMO_DISABLE=1
     fi
 done
-exec python -m torchtitan.tools.gpu_check "$@"
+# python3: a machine may have no `python`. PYTHONPATH is extended, not replaced: wheels installed beside the
+# project (scripts/prepare_gpu_wheels.sh) stay importable.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec python3 -m torchtitan.tools.gpu_check "$@"

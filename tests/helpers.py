@@ -7,6 +7,7 @@ Processes are started through tests/processes.py; gloo workers come from tests/d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import json
 import sys
@@ -35,15 +36,15 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tests import processes
-from tests.distributed import launch_env
+from tests.distributed import free_port, launch_env
 from torchtitan.checkpoint import CheckpointManager, SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.config_manager import JobConfig
 from torchtitan.lr_scheduling import SchedulersContainer
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.models.roles import canonical_name
 from torchtitan.optim import AdamMini, build_optimizers
+from torchtitan.optim.adam_mini.partition import PER_ROW
 from torchtitan.optim.container import tensor_bytes
-from torchtitan.optim.partition import PER_ROW
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "train.py")
@@ -56,6 +57,19 @@ SEQ_LEN = 8  # divisible by tensor-parallel degree 2 (sequence parallelism split
 # GQA (4 query heads, 2 key/value heads of 8 rows each), so that tensor parallelism splits both head counts, and
 # sizes that FSDP splits unevenly over 2, 3 and 4 ranks (vocabulary 67; the 16 key rows over 3 ranks).
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=67, multiple_of=16, max_seq_len=SEQ_LEN)
+# The tiny model shaped like Llama 3.1 (llama3 RoPE scaling) and Llama 3.2 (tied and scaled). The original context
+# puts the tiny head's four frequencies in all three of llama3 scaling's bands (kept, blended, divided by the
+# factor) at the default theta.
+LLAMA31_TINY = dataclasses.replace(
+    TINY,
+    rope_scaling="llama3",
+    rope_scaling_factor=8.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=8.0,
+    rope_original_max_seq_len=1000,
+)
+LLAMA32_TINY = dataclasses.replace(LLAMA31_TINY, rope_scaling_factor=32.0, enable_weight_tying=True)
+TIED_TINY = dataclasses.replace(TINY, enable_weight_tying=True)
 
 
 @contextlib.contextmanager
@@ -188,9 +202,9 @@ def adamw_step(model: Transformer, inputs, labels, loss_context=contextlib.nullc
     return {"loss": full(loss).item(), "grads": gradients, "weights": weights(model)}
 
 
-def reference_step() -> dict:
-    """adamw_step of the plain tiny float64 model on batch()."""
-    return adamw_step(materialize(meta_model()), *batch())
+def reference_step(args: ModelArgs = TINY) -> dict:
+    """adamw_step of the plain tiny float64 model (of shape ``args``) on batch()."""
+    return adamw_step(materialize(meta_model(args)), *batch())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -238,10 +252,16 @@ def adam_mini_for(model: Transformer, **options) -> AdamMini:
     )
 
 
-def muon_for(model: torch.nn.Module, *argv: str) -> torch.optim.Optimizer:
-    """Muon as the builder makes it, with HYPER's lr and float64 Newton–Schulz (exact across layouts), plus ``argv``."""
-    argv = ("--optimizer.name", "Muon", "--optimizer.lr", str(HYPER["lr"]), "--optimizer.ns_dtype", "float64", *argv)
+def muon_for(model: torch.nn.Module, *argv: str, name: str = "Muon") -> torch.optim.Optimizer:
+    """Muon (or NorMuon, by ``name``) as the builder makes it, with HYPER's lr and float64 Newton–Schulz (exact
+    across layouts), plus ``argv``."""
+    argv = ("--optimizer.name", name, "--optimizer.lr", str(HYPER["lr"]), "--optimizer.ns_dtype", "float64", *argv)
     return build_optimizers([model], job_config(*argv)).optimizers[0]
+
+
+def normuon_for(model: torch.nn.Module, *argv: str) -> torch.optim.Optimizer:
+    """NorMuon as :func:`muon_for` makes Muon."""
+    return muon_for(model, *argv, name="NorMuon")
 
 
 def run_single_process(
@@ -302,6 +322,8 @@ DEBUG_RUN = [
 LOSS = "loss_metrics/global_avg_loss"
 # Saves stall in this script's processes (see tests/stall_in_save.py): a test SIGKILLs them mid-save.
 STALL_IN_SAVE = str(ROOT / "tests" / "stall_in_save.py")
+# One rank dies once after a chosen step, so that torchrun restarts the group (see tests/kill_rank_once.py).
+KILL_RANK_ONCE = str(ROOT / "tests" / "kill_rank_once.py")
 
 
 def train_command(args: Sequence[str], nproc: int = 1, script: str = TRAIN) -> list[str]:
@@ -310,6 +332,23 @@ def train_command(args: Sequence[str], nproc: int = 1, script: str = TRAIN) -> l
     if nproc == 1:
         return [sys.executable, script, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+
+
+def restartable_command(script: str, *args: str, nproc: int = 2) -> list[str]:
+    """``script`` under torchrun with one restart allowed, on a port of its own (static rendezvous, as on a
+    cluster: the agent's store lives through the restart)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--max-restarts",
+        "1",
+        "--master-port",
+        str(free_port()),
+        script,
+        *args,
+    ]
 
 
 def train(dump, *args: str, nproc: int = 1, cpu: bool = False, check: bool = True, base: Sequence[str] = DEBUG_RUN):
@@ -580,3 +619,27 @@ class CollectiveCounts(CommDebugMode):
 
     def counts(self) -> dict[str, int]:
         return {str(op).rsplit(".", 1)[-1]: n for op, n in self.get_comm_counts().items() if n}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A Hugging Face tokenizer made here
+
+
+def hf_tokenizer_folder(folder, tiktoken_file: str | None = None) -> Path:
+    """``folder`` with the ``tokenizer.json`` (and ``tokenizer_config.json``) of the tiktoken file, converted by
+    transformers' own converter (the way Llama 3's tokenizer.json was made); default: the bundled test tokenizer."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from torchtitan.datasets.tokenizer import BOS_TOKEN, EOS_TOKEN, LLAMA3_SPLIT_PATTERN, llama3_special_tokens
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    converter = TikTokenConverter(
+        vocab_file=tiktoken_file or str(ROOT / "assets" / "tokenizer" / "tiktoken_test.model"),
+        pattern=LLAMA3_SPLIT_PATTERN,
+        extra_special_tokens=llama3_special_tokens(),
+    )
+    converter.converted().save(str(folder / "tokenizer.json"))
+    config = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

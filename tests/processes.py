@@ -27,6 +27,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
 
+from torchtitan.process_tree import descendants
+
 MARK = "TORCHTITAN_TEST_RUN"
 # One id per test session (the pytest process); each launch adds ".<n>".
 SUITE = f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -78,28 +80,6 @@ def left_by_ended_suites() -> list[int]:
         suite_pid = mark.split("-", 1)[0] if mark else ""
         if suite_pid.isdigit() and not _alive(int(suite_pid)) and _alive(int(name)):
             found.append(int(name))
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (children of all its threads, recursively)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    children = [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-            for child in children:
-                if child not in found:
-                    found.append(child)
-                    todo.append(child)
     return found
 
 

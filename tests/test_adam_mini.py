@@ -11,6 +11,7 @@ from torch import nn
 
 from tests.helpers import (
     HYPER,
+    TIED_TINY,
     TINY,
     adam_mini_for,
     default_dtype,
@@ -26,8 +27,9 @@ from tests.helpers import (
 from torchtitan.errors import UserError
 from torchtitan.models.llama import Transformer, llama3_configs
 from torchtitan.optim import AdamMini
-from torchtitan.optim.adam_mini import adam_mini_update, layout_for, new_second_moment
-from torchtitan.optim.partition import PER_ELEMENT, PER_HEAD, PER_ROW, PER_TENSOR, plan_blocks, role_from_name
+from torchtitan.optim.adam_mini.layout import layout_for, new_second_moment
+from torchtitan.optim.adam_mini.optimizer import adam_mini_update
+from torchtitan.optim.adam_mini.partition import PER_ELEMENT, PER_HEAD, PER_ROW, PER_TENSOR, plan_blocks, role_from_name
 
 # ------------------------------------------------------------------------------------------------------------
 # A reference written from the formulas, one parameter at a time, blocks spelled out by hand.
@@ -125,6 +127,71 @@ def test_matches_official_adam_mini_1_1_1(value_blocks):
     assert max_difference(ours, official) < 1e-10
     # The runs moved the weights far more than the tolerance, so the comparison means something.
     assert max_difference(ours, {n: p.detach() for n, p in tiny_model().named_parameters()}) > 1e-2
+
+
+def _tied_hf_llama() -> nn.Module:
+    """A tiny Hugging Face Llama with tied embeddings, made by transformers (float64)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=TINY.dim,
+        intermediate_size=TINY.ffn_hidden_dim,
+        num_hidden_layers=TINY.n_layers,
+        num_attention_heads=TINY.n_heads,
+        num_key_value_heads=TINY.n_kv_heads,
+        vocab_size=TINY.vocab_size,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(torch.float64)
+
+
+def _official_steps(model: nn.Module, steps: int) -> dict[str, torch.Tensor]:
+    adam_mini = pytest.importorskip("adam_mini")
+    original = torch.cuda.device_count
+    torch.cuda.device_count = lambda: 0  # as in official_run: no communication on any machine
+    try:
+        optimizer = adam_mini.Adam_mini(
+            model.named_parameters(), **HYPER, dim=TINY.dim, n_heads=TINY.n_heads, n_kv_heads=TINY.n_kv_heads
+        )
+    finally:
+        torch.cuda.device_count = original
+    for step in range(steps):
+        set_synthetic_grads(model, step)
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _our_steps(model: nn.Module, steps: int) -> dict[str, torch.Tensor]:
+    roles = model.named_param_roles() if hasattr(model, "named_param_roles") else None
+    optimizer = AdamMini(
+        model.named_parameters(),
+        **HYPER,
+        dim=TINY.dim,
+        n_heads=TINY.n_heads,
+        n_kv_heads=TINY.n_kv_heads,
+        param_roles=roles,
+    )
+    for step in range(steps):
+        set_synthetic_grads(model, step)
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("model", ["transformers", "ours"])
+def test_a_tied_weight_is_blocked_as_official_adam_mini_1_1_1_blocks_it(model):
+    """One parameter for embedding and output: the official class sees it once, by the embedding's name, and gives
+    it one second moment per token row; so do we, on a tied Hugging Face Llama (name rules) and on our tied Llama
+    (declared roles)."""
+    import copy
+
+    build = _tied_hf_llama if model == "transformers" else lambda: tiny_model(TIED_TINY)
+    net = build()
+    names = [name for name, _ in net.named_parameters()]
+    assert not any("lm_head" in name or name.endswith("output.weight") for name in names)
+    ours, official = _our_steps(copy.deepcopy(net), 10), _official_steps(copy.deepcopy(net), 10)
+    assert max_difference(ours, official) < 1e-10
+    embedding = next(name for name in names if "embed" in name)
+    assert (ours[embedding] - dict(net.named_parameters())[embedding]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("value_blocks", [PER_ROW, PER_TENSOR])

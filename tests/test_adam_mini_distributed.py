@@ -3,9 +3,10 @@ the rank count), tensor parallel, FSDP x TP and HSDP on 2 x 2 all equal the one-
 too, and with 8-bit momentum under HSDP and FSDP x TP, up to its blocks' rounding); an FSDP step sends
 only per-block sums (one all-reduce, no all-gather); a DCP checkpoint saved on 2 ranks resumes exactly on 1 and 3.
 
-Muon rides the same launches: FSDP2 on 2 and 3 ranks, TP, FSDP x TP (2 x 2, 3 x 2) and HSDP equal one process (float64
-Newton–Schulz); a step's collectives are the owner rounds of ``muon_distributed`` (counted, with the entries
-sent); its checkpoint saved on 2 ranks resumes exactly on 1 and 3.
+Muon and NorMuon ride the same launches: FSDP2 on 2 and 3 ranks, TP, FSDP x TP (2 x 2, 3 x 2) and HSDP equal one
+process (float64 Newton–Schulz); a step's collectives are the owner rounds of ``muon_distributed`` (counted, with the
+entries sent), plus NorMuon's all-reduces of row sums and norms; Muon's checkpoint saved on 2 ranks resumes exactly on
+1 and 3.
 
 Each world size is spawned once (module fixtures) and runs several layouts; a layout's failure is returned as its
 traceback so that only that layout's test fails."""
@@ -47,15 +48,16 @@ from tests.helpers import (
     grad_from_values,
     max_difference,
     muon_for,
+    normuon_for,
     run_single_process,
     tiny_model,
     weights,
 )
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import AdamMini
-from torchtitan.optim.adam_mini import FUSED
-from torchtitan.optim.partition import PER_ROW, PER_TENSOR
-from torchtitan.optim.state_storage import BFLOAT16, INT8
+from torchtitan.optim.adam_mini.optimizer import FUSED
+from torchtitan.optim.adam_mini.partition import PER_ROW, PER_TENSOR
+from torchtitan.optim.state.storage import BFLOAT16, INT8
 
 STEPS = 5
 # The fused back end and bfloat16 momentum, each checked like the default (foreach, float64 momentum).
@@ -149,9 +151,9 @@ def _train_on_loss(model: torch.nn.Module, rank: int, world_size: int, steps: in
     return weights(model)
 
 
-def _train_muon(layout: str, world_size: int, steps: int) -> dict[str, torch.Tensor]:
+def _train_muon(layout: str, world_size: int, steps: int, make: Callable = muon_for) -> dict[str, torch.Tensor]:
     model = _parallel_model(layout, world_size)
-    optimizer = muon_for(model)
+    optimizer = make(model)
     for step in range(steps):
         _set_grads(model, step)
         optimizer.step()
@@ -274,6 +276,19 @@ def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str 
     if world_size == 4:
         runs["muon_hsdp"] = _attempt(_train_muon, "hsdp", world_size, MUON_STEPS)
         runs["muon_comm_fsdp_tp"] = _attempt(_collectives_of_one_step, "fsdp_tp", world_size, muon_for)
+    runs.update(_normuon_runs(world_size))
+    return runs
+
+
+def _normuon_runs(world_size: int) -> dict[str, Any]:
+    """NorMuon in the layouts Muon runs in, and its collectives under FSDP and FSDP x TP."""
+    layouts = {2: ("fsdp", "tp"), 3: ("fsdp",), 4: ("fsdp_tp", "hsdp"), 6: ("fsdp_tp",)}.get(world_size, ())
+    runs = {
+        f"normuon_{layout}": _attempt(_train_muon, layout, world_size, MUON_STEPS, normuon_for) for layout in layouts
+    }
+    if world_size in (2, 4):
+        layout = "fsdp" if world_size == 2 else "fsdp_tp"
+        runs[f"normuon_comm_{layout}"] = _attempt(_collectives_of_one_step, layout, world_size, normuon_for)
     return runs
 
 
@@ -378,6 +393,7 @@ def single_process():
         f"wide_{INT8}": _train("single", 1, STEPS, args=WIDE, momentum_storage=INT8),
         "muon": _train_muon("single", 1, MUON_STEPS),
         "muon_uninterrupted": _train_muon("single", 1, SAVE_AT + RESUME_STEPS),
+        "normuon": _train_muon("single", 1, MUON_STEPS, normuon_for),
     }
 
 
@@ -522,7 +538,7 @@ def test_muon_parallel_run_equals_single_process(request, single_process, world_
 
 
 def _hidden_matrices() -> list[torch.Tensor]:
-    from torchtitan.optim.muon import split_hidden_matrices
+    from torchtitan.optim.muon.optimizer import split_hidden_matrices
 
     model = tiny_model()
     return [p for _, p in split_hidden_matrices(model.named_parameters(), model.named_param_roles())[0]]
@@ -550,3 +566,50 @@ def test_muon_checkpoint_from_2_ranks_resumes_exactly_on_1_and_3_ranks(world2, w
     resumed = _resume(tiny_model(seed=7), _muon_path(checkpoint_dir), muon_for)
     assert max_difference(resumed, single_process["muon_uninterrupted"]) < 1e-9
     assert max_difference(_result(world3, "muon_resume"), single_process["muon_uninterrupted"]) < 1e-9
+
+
+# ------------------------------------------------------------------------------------------------------------
+# NorMuon
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world_name, layout",
+    [
+        ("world2", "fsdp"),
+        ("world3", "fsdp"),  # uneven shards
+        ("world2", "tp"),  # row-wise TP: the rows' sums of squares are partial
+        ("world4", "fsdp_tp"),
+        ("world4", "hsdp"),
+        ("world6", "fsdp_tp"),
+    ],
+)
+def test_normuon_parallel_run_equals_single_process(request, single_process, world_name, layout):
+    params = _result(request.getfixturevalue(world_name), f"normuon_{layout}")
+    assert max_difference(params, single_process["normuon"]) < 1e-9
+    assert max_difference(single_process["normuon"], single_process["muon"]) > 1e-4  # the rows were normalised
+
+
+@pytest.mark.parametrize("world_name, layout, ranks", [("world2", "fsdp", 2), ("world4", "fsdp_tp", 4)])
+def test_normuon_step_is_muons_rounds_plus_all_reduces_of_row_sums_and_norms(request, world_name, layout, ranks):
+    """Muon's owner rounds, then the two norms of every matrix, all-reduced over the mesh dimensions that split its
+    rows (one all-reduce per dimension and group of matrices) and, where TP splits the columns (attention output,
+    w2), one all-reduce of those matrices' row sums first."""
+    comm = _result(request.getfixturevalue(world_name), f"normuon_comm_{layout}")
+    matrices = _hidden_matrices()
+    print(f"NorMuon {layout} {ranks} ranks: {comm['counts']}; rank 0 sends {comm['sizes']}")
+    alltoalls = 2 * math.ceil(len(matrices) / ranks)
+    reduced = [size for op, size in comm["sizes"] if op != "alltoall_base_"]
+    if layout == "fsdp":
+        assert comm["counts"] == {"alltoall_base_": alltoalls, "all_reduce": 1}
+        assert reduced == [2 * len(matrices)]
+    else:
+        model = tiny_model()
+        column_split = [
+            p for name, p in model.named_parameters() if name.endswith(("attention.wo.weight", "w2.weight"))
+        ]
+        row_split = len(matrices) - len(column_split)  # split by rows over both dp and tp
+        dp = ranks // 2  # each rank holds 1/dp of a column-split matrix's rows
+        assert comm["counts"] == {"alltoall_base_": alltoalls, "all_reduce": 4}
+        expected = [sum(p.shape[0] for p in column_split) // dp, 2 * row_split, 2 * row_split, 2 * len(column_split)]
+        assert sorted(reduced) == sorted(expected)

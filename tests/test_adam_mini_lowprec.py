@@ -24,9 +24,9 @@ from tests.helpers import (
 from torchtitan.errors import UserError
 from torchtitan.models.llama import Transformer, llama3_configs
 from torchtitan.optim import AdamMini
-from torchtitan.optim.state_init import initialise_state
-from torchtitan.optim.state_storage import is_quantized, round_to_bfloat16_stochastically
-from torchtitan.optim.torchao_adapter import portable_quantized_state
+from torchtitan.optim.lowbit.torchao_adapter import portable_quantized_state
+from torchtitan.optim.state.initialise import initialise_state
+from torchtitan.optim.state.storage import is_quantized, round_to_bfloat16_stochastically
 
 # Wide enough that some matrices reach torchao's 4096-entry threshold for quantized state.
 WIDE = dataclasses.replace(TINY, dim=64, vocab_size=96)
@@ -257,7 +257,7 @@ def test_8b_state_bounds_relative_to_float32_adamw_on_meta():
     ratios = {
         storage: _8b_state_bytes(momentum_storage=storage) / adamw_bytes for storage in ("bfloat16", "int8", "int4")
     }
-    from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
+    from torchtitan.optim.lowbit.adamw import LowPrecisionAdam
 
     adamw_bf16 = LowPrecisionAdam(model.parameters(), lr=3e-4, weight_decay=0.1)
     for p in model.parameters():  # the state its first step creates, without stepping
@@ -274,7 +274,7 @@ def test_8b_state_bounds_relative_to_float32_adamw_on_meta():
 
 
 def _adam_run(decoupled: bool, state_dtype: str, steps: int = STEPS, after_step=None) -> dict[str, torch.Tensor]:
-    from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
+    from torchtitan.optim.lowbit.adamw import LowPrecisionAdam
 
     model = float32_model()
     if state_dtype == "torch":
@@ -322,7 +322,7 @@ def _median_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_bfloat16_second_moment_decays_like_float32():
     """AdamW/Adam's update function (what their compiled step runs), eagerly: bfloat16 v against float32 v."""
-    from torchtitan.optim.adamw_low_precision import _local_adam_steps
+    from torchtitan.optim.lowbit.adamw import _local_adam_steps
 
     scale = torch.exp(torch.empty(16, 16).uniform_(-0.69, 0.69, generator=torch.Generator().manual_seed(0)))
     moments = {dtype: (torch.zeros(16, 16, dtype=dtype), torch.zeros(16, 16, dtype=dtype)) for dtype in BOTH}
@@ -378,6 +378,7 @@ def test_stochastic_rounding_is_unbiased_and_repeatable():
         ("AdamMini", "bfloat16", ("m",), torch.bfloat16),
         ("Muon", None, ("momentum_buffer", "exp_avg", "exp_avg_sq"), torch.float32),
         ("Muon", "bfloat16", ("momentum_buffer", "exp_avg", "exp_avg_sq"), torch.bfloat16),
+        ("NorMuon", "bfloat16", ("momentum_buffer", "exp_avg", "exp_avg_sq"), torch.bfloat16),
     ],
 )
 def test_state_dtype_holds_for_bfloat16_weights(name, state_dtype, keys, dtype):
@@ -408,6 +409,7 @@ def _check_state_dtypes_for_bfloat16_weights(name, state_dtype, keys, dtype):
             assert any(key in state for key in keys)
             assert all(state[key].dtype == dtype for key in keys if key in state)
             assert "v" not in state or state["v"].dtype == torch.float32
+            assert "neuron_second_moment" not in state or state["neuron_second_moment"].dtype == torch.float32
     if dtype == torch.float32:  # computed in float32 too: values bfloat16 cannot hold
         kept = [state[key] for state in optimizers.optimizers[0].state.values() for key in keys if key in state]
         assert any(not torch.equal(value, value.bfloat16().float()) for value in kept)

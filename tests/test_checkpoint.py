@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import itertools
+import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -32,7 +35,14 @@ from tests.helpers import (
 from tests.helpers import (
     checkpoint_job as job,
 )
-from torchtitan.checkpoint import CheckpointManager, SafeFileSystemReader, SafeLoadPlanner, decode_plain, encode_plain
+from torchtitan.checkpoint import (
+    CheckpointManager,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    decode_plain,
+    encode_plain,
+    folders,
+)
 from torchtitan.errors import UserError
 from torchtitan.models.llama import Transformer
 
@@ -391,6 +401,48 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, mode):
     assert_same_snapshot(resumed.snapshot(), expected.snapshot())
 
 
+def test_a_second_run_on_a_folder_in_use_is_refused_and_keeps_the_save_in_progress(tmp_path):
+    code = (
+        "from tests.helpers import Trainer, checkpoint_job\n"
+        f"Trainer(checkpoint_job({str(tmp_path)!r}, steps=4, interval=2)).run(4)\n"
+    )
+    folder = tmp_path / "checkpoint"
+    with processes.started(
+        [sys.executable, STALL_IN_SAVE, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "STALL_AT_SAVE": "2"},
+    ) as child:
+        output = processes.LineReader(child.stdout)
+        output.wait_for(lambda lines: any(line.startswith("STALLED") for line in lines), timeout=300)
+        in_use = sorted(os.listdir(folder))
+        assert any(name.startswith(".step-4.tmp-") for name in in_use)
+        refusal = re.escape(f"checkpoint folder '{folder}' is in use by another run (pid {child.pid} on ")
+        with pytest.raises(UserError, match=refusal):
+            Trainer(job(str(tmp_path), steps=4))
+        assert sorted(os.listdir(folder)) == in_use  # the first run's save in progress is untouched
+    # Its process is gone (SIGKILLed on leaving the block): the next run starts, cleaning what it left.
+    resumed = Trainer(job(str(tmp_path), steps=4))
+    assert os.listdir(folder) == ["step-2"]
+    assert resumed.checkpoint.load() and resumed.train_state.step == 2
+    resumed.checkpoint.close()
+    assert not os.path.exists(folders.lock_path(str(folder)))  # a clean end leaves no lock file
+
+
+def test_a_filesystem_without_locks_is_said_in_one_warning(tmp_path, monkeypatch, caplog):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(folders.fcntl, "lockf", no_locks)
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        trainer = Trainer(job(str(tmp_path), steps=2, interval=2))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("cannot lock" in w and "would not be refused" in w for w in warnings), warnings
+    trainer.run(2)
+    assert os.listdir(tmp_path / "checkpoint") == ["step-2"]
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Several ranks (gloo, FSDP2)
 
@@ -484,3 +536,26 @@ def test_save_on_two_ranks_loads_in_one_unsharded_process(two_rank_runs):
 def test_save_on_two_ranks_reshards_to_three(two_rank_runs):
     (folders, _), results = two_rank_runs
     _assert_resharded(run_workers(_resume_worker, world_size=3, args=(folders["disabled"], 2)), results[0]["disabled"])
+
+
+def test_a_tied_model_saves_its_one_weight_once_and_resumes_tied(tmp_path):
+    from tests.helpers import TIED_TINY, batch, checkpoint_job, materialize, tiny_manager, weights
+
+    job = checkpoint_job(str(tmp_path))
+    model = materialize(meta_model(TIED_TINY), seed=1)
+    manager = tiny_manager(model, job)
+    inputs, labels = batch()
+    model(inputs, labels=labels).backward()
+    manager.optimizers.step()
+    manager.save(1, force=True)
+    manager.close()
+    entries = SafeFileSystemReader(str(tmp_path / "checkpoint" / "step-1")).read_metadata().state_dict_metadata
+    assert "model.tok_embeddings.weight" in entries and not any("output.weight" in name for name in entries)
+    resumed = materialize(meta_model(TIED_TINY), seed=2)
+    again = tiny_manager(resumed, job)
+    assert again.load()
+    assert resumed.output.weight is resumed.tok_embeddings.weight
+    assert weights(resumed).keys() == weights(model).keys()
+    for name, value in weights(model).items():
+        assert torch.equal(weights(resumed)[name], value), name
+    assert again.optimizers.state_bytes() == manager.optimizers.state_bytes()

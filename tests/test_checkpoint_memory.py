@@ -25,7 +25,7 @@ from torchtitan.guard import DivergenceError
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
 from torchtitan.optim.container import tensor_bytes
-from torchtitan.optim.quantized_checkpoint import QuantizedEntry, entry_groups, read_in_groups
+from torchtitan.optim.state.quantized_checkpoint import QuantizedEntry, entry_groups, read_in_groups
 
 # An async save's background thread writes without a process group, as a single-process run should.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")

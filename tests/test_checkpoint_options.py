@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.helpers import Trainer, assert_same_snapshot, job_config
+from tests.helpers import Trainer, assert_same_snapshot, job_config, train
 from tests.helpers import checkpoint_job as job
 from torchtitan import metrics
 from torchtitan.errors import UserError
@@ -30,6 +30,34 @@ def test_interval_in_seconds_saves_by_wall_time(tmp_path):
     trainer.checkpoint._last_save_time = 0.0
     trainer.run(6)
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4", "step-6"]
+
+
+def test_async_saves_every_second_on_two_ranks_finish_and_publish(tmp_path):
+    """The seconds decision of each step and the background save in flight talk on groups of their own: on one
+    group the two threads' collectives would meet in another order on each rank and stop the run."""
+    proc = train(
+        tmp_path,
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval_type",
+        "seconds",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--comm.init_timeout_seconds",
+        "60",  # a deadlock fails in a minute, not torch's default
+        "--metrics.enable_tensorboard",
+        "false",
+        nproc=2,
+        cpu=True,
+    )
+    folder = tmp_path / "checkpoint" / "AdamW"
+    published = [line for line in (proc.stdout + proc.stderr).splitlines() if "checkpoint: published" in line]
+    names = sorted(os.listdir(folder))
+    assert len(published) >= 2 and all(name.startswith("step-") for name in names), names
+    assert len(names) == len(published) and "step-6" in names
 
 
 def test_async_with_pinned_memory_keeps_the_values_at_save_time(tmp_path):

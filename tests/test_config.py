@@ -152,3 +152,37 @@ def test_help_from_the_command_line():
     # A mistake on train.py's command line, from a real process: tests/test_train.py.
     ok = processes.run([sys.executable, "train.py", "--help"], cwd=ROOT, timeout=300)
     assert ok.returncode == 0 and "--optimizer.name" in ok.stdout and "--training.max_skipped_steps" in ok.stdout
+
+
+def test_model_options_replace_the_flavors_rope_scaling_and_tying():
+    from torchtitan.preflight import model_args_for
+
+    def args(*argv):
+        return model_args_for(JobConfig.parse_args(list(argv)), 2256)
+
+    assert (args().rope_scaling, args().enable_weight_tying) == ("none", False)
+    scaled = args("--model.rope_scaling", "llama3", "--model.rope_scaling_factor", "16", "--model.enable_weight_tying")
+    assert (scaled.rope_scaling, scaled.rope_scaling_factor, scaled.enable_weight_tying) == ("llama3", 16.0, True)
+    assert (scaled.rope_low_freq_factor, scaled.rope_high_freq_factor, scaled.rope_original_max_seq_len) == (1, 4, 8192)
+    published = args("--model.flavor", "3.2-1B", "--model.enable_weight_tying", "false")
+    assert (published.rope_scaling_factor, published.enable_weight_tying) == (32.0, False)
+    unscaled = args("--model.flavor", "3.2-1B", "--model.rope_scaling", "none")
+    assert unscaled.rope_scaling == "none"
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--model.rope_scaling_factor", "4"], "model.rope_scaling_factor applies to llama3 RoPE scaling"),
+        (["--model.flavor", "3.1-8B", "--model.rope_scaling", "none", "--model.rope_high_freq_factor", "2"], "'none'"),
+        (["--model.rope_scaling", "yarn"], "model.rope_scaling"),
+        (["--model.rope_scaling", "llama3", "--model.rope_low_freq_factor", "4"], "0 < low < high"),
+        (["--model.rope_scaling_factor", "0.5"], "model.rope_scaling_factor"),
+    ],
+)
+def test_rope_options_that_cannot_act_or_are_wrong_are_one_line(argv, fragment):
+    from torchtitan.preflight import model_args_for
+
+    with pytest.raises(UserError, match=fragment) as error:
+        model_args_for(JobConfig.parse_args(argv), 2256)
+    assert "\n" not in str(error.value)

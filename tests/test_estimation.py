@@ -22,6 +22,7 @@ from tests.helpers import DEBUG_CONFIG, ROOT, debug_model, job_config, random_ba
 from torchtitan import training
 from torchtitan.config_manager import JobConfig
 from torchtitan.estimation import LiveMemoryTracker, estimate_memory
+from torchtitan.estimation.simulate import simulated_implementation
 from torchtitan.estimation.tracker import GATHERED_PARAMS, PARAMS, storages_of
 
 VOCAB = 512
@@ -120,9 +121,13 @@ def _assert_close(estimate, measured: dict, what: str, tolerance: tuple[float, f
         assert o.optimizer_state == real["state"]
 
 
-# The chunked loss (4 chunks) with one optimizer: the loss's memory does not depend on the optimizer.
-@pytest.mark.parametrize("loss_chunks, optimizers", [("1", "AdamW,AdamMini"), ("4", "AdamW")])
-def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers):
+# The chunked loss (4 chunks) with one optimizer: the loss's memory does not depend on the optimizer. A tied
+# output projection (the chunked loss reads the embedding's weight).
+@pytest.mark.parametrize(
+    "loss_chunks, optimizers, tied",
+    [("1", "AdamW,AdamMini", "false"), ("4", "AdamW", "false"), ("4", "AdamW", "true"), ("1", "NorMuon", "false")],
+)
+def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers, tied):
     job = _job(
         "--memory_estimation.world_size",
         "1",
@@ -130,6 +135,8 @@ def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers
         optimizers,
         "--loss.num_chunks",
         loss_chunks,
+        "--model.enable_weight_tying",
+        tied,
     )
     estimate = estimate_memory(job)
     measured = _measure_real_steps(job, 1, None, optimizers.split(","), seed=0)
@@ -170,10 +177,10 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
         "--memory_estimation.world_size",
         "8",
         "--memory_estimation.optimizers",
-        "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit,Muon",
+        "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit,Muon,NorMuon",
     )
     estimate = estimate_memory(job)
-    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit, muon = estimate.optimizers
+    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit, muon, normuon = estimate.optimizers
     assert adam_mini_bf16.label == "AdamMini:state_dtype=bfloat16" and adam_mini_bf16.options == {
         "state_dtype": "bfloat16"
     }
@@ -193,6 +200,9 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     hidden = [".attention.w" in name or ".feed_forward." in name for name, _ in model.named_parameters()]
     muon_state = sum((4 if h else 8) * n for h, n in zip(hidden, local_numels)) + 4 * len(hidden)
     assert muon.optimizer_state == muon_state
+    # NorMuon: Muon's, plus one float32 second moment per local row of a hidden matrix.
+    rows = [math.ceil(p.shape[0] / 8) for p in model.parameters()]
+    assert normuon.optimizer_state == muon_state + sum(4 * r for h, r in zip(hidden, rows) if h)
     # Adam-mini keeps the first moment whole and one second moment per block: about half.
     assert 0.49 < adam_mini.optimizer_state / adamw.optimizer_state < 0.52
     # 4-bit moments: an eighth of AdamW's, plus scales and the small tensors kept in float32.
@@ -204,6 +214,29 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     assert adamw.gradients == adam_mini.gradients == adamw.params
     assert adamw.activations == adam_mini.activations == adamw_4bit.activations == adam_mini_4bit.activations
     assert adamw_4bit.peak < adam_mini.peak < adamw.peak
+
+
+def test_a_tied_weight_is_counted_once():
+    def estimate(tied: str, world_size: str):
+        return estimate_memory(
+            _job(
+                "--memory_estimation.world_size",
+                world_size,
+                "--memory_estimation.optimizers",
+                "AdamW",
+                "--model.enable_weight_tying",
+                tied,
+            )
+        )
+
+    dim = 256  # the debug model's
+    for world_size in ("1", "4"):
+        untied, tied = estimate("false", world_size), estimate("true", world_size)
+        assert untied.num_params - tied.num_params == VOCAB * dim
+        local = VOCAB // int(world_size) * dim  # FSDP's row shard of the output projection on rank 0
+        assert untied.optimizers[0].params - tied.optimizers[0].params == 4 * local
+        # AdamW: two float32 moments and a float32 step counter less.
+        assert untied.optimizers[0].optimizer_state - tied.optimizers[0].optimizer_state == 8 * local + 4
 
 
 def test_activations_follow_checkpointing_and_batch_size():
@@ -342,3 +375,39 @@ def test_bad_input_is_one_line_user_error(overrides, message, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err
+
+
+def test_unset_implementation_is_simulated_as_torch_takes_it_on_the_device():
+    """On CUDA torch's AdamW takes foreach, whose step holds temporaries the size of a whole state list (sqrt of
+    all of v): with the optimizer step as the peak (tiny activations), the default row is the foreach row, above the
+    per-tensor loop's by most of v; on CPU the default is the per-tensor loop. Each row names what it simulated."""
+    specs = "AdamW,AdamW:implementation=foreach,AdamW:implementation=for-loop,Muon,AdamMini"
+    small_step = ["--training.batch_size", "1", "--training.seq_len", "16", "--activation_checkpoint.mode", "full"]
+    # One rank, a larger vocabulary: the weights and the optimizer step, not the activations, set the peak.
+    small_step += ["--memory_estimation.vocab_size", "2048", "--memory_estimation.world_size", "1"]
+    job = _job("--memory_estimation.device", "cuda", "--memory_estimation.optimizers", specs, *small_step)
+    cuda = {o.label: o for o in estimate_memory(job).optimizers}
+    default, foreach, loop = cuda["AdamW"], cuda["AdamW:implementation=foreach"], cuda["AdamW:implementation=for-loop"]
+    assert default.peak_phase == "optimizer step"
+    # The loop holds one tensor's temporary at a time, foreach one per tensor at once: most of v more.
+    assert default.peak == foreach.peak and default.peak - loop.peak >= 0.8 * default.optimizer_state / 2
+    assert default.implementation == "foreach (torch's default on CUDA)" and loop.implementation == "for-loop"
+    assert cuda["Muon"].implementation == "AdamW part: foreach (torch's default on CUDA)"
+    assert cuda["AdamMini"].implementation == "fused (AdamMini's default)"
+
+    job = _job("--memory_estimation.optimizers", "AdamW,AdamW:implementation=for-loop", *small_step)
+    cpu = estimate_memory(job).optimizers
+    assert cpu[0].implementation == "for-loop (torch's default on CPU)" and cpu[0].peak == cpu[1].peak
+    bf16 = _job("--memory_estimation.device", "cuda", "--memory_estimation.optimizers", "AdamW")
+    bf16.training.param_dtype = "bfloat16"
+    assert simulated_implementation(bf16, "cuda") == "compiled step (float32 moments, bfloat16 weights)"
+
+
+def test_the_vocabulary_comes_from_a_hugging_face_tokenizer_folder(tmp_path):
+    from tests.helpers import hf_tokenizer_folder
+    from torchtitan.estimation.simulate import vocab_size
+
+    folder = hf_tokenizer_folder(tmp_path / "Llama-3.2-1B")
+    notes: list[str] = []
+    job = job_config("--model.flavor", "3.2-1B", "--model.tokenizer_path", str(folder))
+    assert vocab_size(job, notes) == 2256 and notes == []

@@ -1,54 +1,69 @@
-"""scripts/gpu_check.sh: its dry run (the GPU plan on the CPU with tiny shapes) runs every step, and the plan
-follows the optimizer registry and keeps going when a step fails."""
+"""scripts/gpu_check.sh: its dry run (the GPU plan on the CPU with tiny shapes) runs every step, each in its own
+process within its budget; the plan follows the optimizer registry, fits its device commands, keeps going when a
+step fails, hangs or lacks a package, and rewrites its report after every step."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
-import torch
 
+from tests import processes
 from tests.distributed import launch_env
 from tests.helpers import ROOT
+from torchtitan.cuda_allocator import DEFAULT_ALLOC_CONF
 from torchtitan.errors import UserError
-from torchtitan.models.llama import llama3_configs
 from torchtitan.optim.builder import OPTIMIZERS
 from torchtitan.tools import gpu_check
+
+OPTIMIZER_STEPS_1B = ("optimizers_1b", "optimizers_1b_variants", "optimizers_1b_more")
 
 
 def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
     out = tmp_path / "report"
-    done = subprocess.run(
-        [str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=launch_env(cpu=True),
-        timeout=600,
-    )
+    # The device has python3 only: a `python` that fails shows the check never calls it.
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "python").write_text("#!/bin/sh\nexit 97\n")
+    (shims / "python").chmod(0o755)
+    env = launch_env(cpu=True, PATH=f"{shims}{os.pathsep}{os.environ['PATH']}", PYTHONPATH="/elsewhere/site")
+    done = processes.run([str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)], env=env, timeout=840)
     report = json.loads((out / "gpu_check.json").read_text())
-    failed = {name: step.get("traceback") for name, step in report["steps"].items() if step["status"] != "ok"}
+    failed = {name: step.get("error") for name, step in report["steps"].items() if step["status"] != "ok"}
     assert failed == {} and done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.startswith("gpu_check: imports present: torch ")
     assert list(report["steps"]) == list(gpu_check.STEPS)
-    trained = [row["optimizer"] for row in report["steps"]["optimizers_1b"]["rows"]]
-    assert trained == gpu_check.optimizer_specs()
-    assert all(
-        row["fits"] == "yes" and row["estimated peak allocated GiB"] is not None
-        for row in report["steps"]["optimizers_1b"]["rows"]
-    )
-    assert [row["optimizer"] for row in report["steps"]["llama3_8b"]["rows"]] == list(OPTIMIZERS)
+    trained = [row["optimizer"] for name in OPTIMIZER_STEPS_1B for row in report["steps"][name]["rows"]]
+    assert sorted(trained) == sorted(gpu_check.optimizer_specs())
+    for name in OPTIMIZER_STEPS_1B:
+        for row in report["steps"][name]["rows"]:
+            assert row["fits"] == "yes" and row["estimated peak allocated GiB"] is not None, row
+            assert "estimate" not in row, row  # the estimate simulated the implementation the run took
+    large = [row["optimizer"] for name in ("llama3_8b", "llama3_8b_more") for row in report["steps"][name]["rows"]]
+    assert sorted(large) == sorted(gpu_check.QUICK_8B + tuple(gpu_check.llama3_8b_more_specs()))
+    assert {s.split(":")[0] for s in large} == set(OPTIMIZERS)
+    assert all("estimated peak allocated GiB" not in row for row in report["steps"]["compiled_1b"]["rows"])
     assert report["steps"]["async_checkpoint"]["rows"][1]["resumed from step 4"] is True
     saved = report["steps"]["checkpoint_memory"]["text"]
     assert "AdamMini4bit" in gpu_check.low_bit_names() and "--async-save" in saved
     for name in ["AdamW", *gpu_check.low_bit_names()]:
         assert saved.count(f"\n{name} ") == 2, saved  # a table row in the synchronous and the asynchronous run
-    assert "fused AdamW" in report["steps"]["bench_optimizers"]["text"]
+    assert "AdamW (fused)" in report["steps"]["adam_mini_step_1b"]["text"]
+    assert "AdamMini (fused)" in report["steps"]["adam_mini_step_1b"]["text"]
+    assert "Muon (bf16 NS)" in report["steps"]["bench_optimizers_100m"]["text"]
     listed = [row["result"] for row in report["steps"]["component_checks"]["rows"]]
     assert listed == ["listed (dry run)"] * len(gpu_check.component_commands(out))
     markdown = (out / "gpu_check.md").read_text()
     for name in gpu_check.STEPS:
         assert f"## {name}: ok" in markdown
+    assert report["allocator"] == f"PYTORCH_CUDA_ALLOC_CONF={DEFAULT_ALLOC_CONF}"
+    assert not list((out / "steps").glob("*.json.partial"))
 
 
 def test_plan_follows_the_registry():
@@ -57,25 +72,106 @@ def test_plan_follows_the_registry():
     for variant in ("AdamW:implementation=fused", "AdamMini:implementation=foreach", "AdamMini:state_dtype=bfloat16"):
         assert variant in specs
     assert gpu_check.optimizer_specs(["AdamMini4bit"]) == ["AdamMini4bit"]
+    # The three 1B steps run every spec once; a new registry name lands in one of them.
+    at_1b = [
+        *gpu_check.QUICK_OPTIMIZERS,
+        *gpu_check.optimizers_1b_variant_specs(),
+        *gpu_check.optimizers_1b_more_specs(),
+    ]
+    assert sorted(at_1b) == sorted(specs)
+    at_8b = [s.split(":")[0] for s in gpu_check.QUICK_8B] + gpu_check.llama3_8b_more_specs()
+    assert set(at_8b) == set(OPTIMIZERS)
     assert "tests/test_estimation_cuda.py" in gpu_check.gpu_test_files()
     # The component checks name scripts that exist (the list cannot outlive a renamed benchmark).
-    scripts = [command[1] for _, command in gpu_check.component_commands(ROOT) if command[1].endswith(".py")]
+    scripts = [command[1] for _, command, _ in gpu_check.component_commands(ROOT) if command[1].endswith(".py")]
     assert "benchmarks/bench_loss.py" in scripts and "train.py" in scripts
     assert all((ROOT / script).is_file() for script in scripts), scripts
 
 
-def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
-    def broken(ctx):
-        raise RuntimeError("broken on purpose")
+def test_groups_cover_the_plan_and_each_fits_one_device_command():
+    grouped = [step for steps in gpu_check.GROUPS.values() for step in steps]
+    assert sorted(grouped) == sorted(gpu_check.STEPS)  # every step in exactly one group
+    for name, steps in gpu_check.GROUPS.items():
+        assert gpu_check.group_seconds(steps) <= 9 * 60, name  # by the estimates
+        assert gpu_check.group_seconds(steps, budget=True) <= 10 * 60, name  # by the budgets: a command's limit
+        assert all(gpu_check.STEPS[s].estimate_s < gpu_check.STEPS[s].budget_s for s in steps)
+    assert gpu_check.group_seconds(gpu_check.GROUPS["quick"]) <= 8 * 60
+    assert gpu_check.steps_of("quick,gpu_tests") == [*gpu_check.GROUPS["quick"], "gpu_tests"]
+    # docs/gpu-check.md gives each step's estimate as the plan has it.
+    docs = (ROOT / "docs" / "gpu-check.md").read_text()
+    for name, step in gpu_check.STEPS.items():
+        assert f"| `{name}` | {step.estimate_s} s | {step.budget_s} s |" in docs, name
+    for name in gpu_check.GROUPS:
+        assert f"--only {name}" in docs or (name == "quick" and "--quick" in docs)
 
-    def fine(ctx):
-        return gpu_check.StepResult(rows=[{"checked": "yes"}])
 
-    monkeypatch.setattr(gpu_check, "STEPS", {"broken": broken, "fine": fine})
+def test_steps_run_with_the_trainers_allocator_and_an_extended_pythonpath():
+    env = gpu_check.step_environment(False, {"PYTHONPATH": "/tmp/site", "PATH": "/bin"})
+    assert env["PYTHONPATH"] == f"{ROOT}{os.pathsep}/tmp/site"  # wheels installed beside the project stay visible
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == DEFAULT_ALLOC_CONF and "CUDA_VISIBLE_DEVICES" not in env
+    kept = gpu_check.step_environment(False, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"})
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in kept and kept["PYTORCH_ALLOC_CONF"] == "expandable_segments:False"
+    assert kept["PYTHONPATH"] == str(ROOT)
+
+
+# Steps for the tests below; each runs in a process of its own, which imports this module to find it.
+def fine_step(ctx):
+    return gpu_check.StepResult(rows=[{"checked": "yes"}])
+
+
+def broken_step(ctx):
+    ctx.save(gpu_check.StepResult(rows=[{"measured": "before breaking"}]))
+    raise RuntimeError("broken on purpose")
+
+
+def hanging_step(ctx):
+    """Saves what the report said while it runs (the earlier steps' results) and the id of a process it started in a
+    session of its own, then hangs past its budget."""
+    report = json.loads((ctx.out / "gpu_check.json").read_text())
+    seen = {name: step["status"] for name, step in report["steps"].items()}
+    started = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    ctx.save(gpu_check.StepResult(rows=[{"report while running": json.dumps(seen), "started": started.pid}]))
+    time.sleep(600)
+
+
+def test_a_failing_hanging_or_unequipped_step_fails_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        gpu_check,
+        "STEPS",
+        {
+            "fine": gpu_check.Step(fine_step, 1, 2),
+            "broken": gpu_check.Step(broken_step, 1, 2),
+            "unequipped": gpu_check.Step(fine_step, 1, 2, needs=("no_such_package_here",)),
+            "hangs": gpu_check.Step(hanging_step, 1, 2),
+            "after": gpu_check.Step(fine_step, 1, 2),
+        },
+    )
+    monkeypatch.setattr(gpu_check, "DRY_RUN_BUDGET_S", 60)  # time for a loaded machine to start Python and torch
+    started = time.monotonic()
     report = gpu_check.run(tmp_path, dry_run=True)
-    assert not torch._dynamo.config.disable and "tiny" not in llama3_configs  # the dry run's settings are undone
-    assert report["steps"]["broken"]["status"] == "failed" and "broken on purpose" in report["steps"]["broken"]["error"]
-    assert report["steps"]["fine"]["status"] == "ok" and report["steps"]["fine"]["rows"] == [{"checked": "yes"}]
+    steps = report["steps"]
+    assert steps["fine"]["status"] == "ok" and steps["fine"]["rows"] == [{"checked": "yes"}]
+    assert steps["broken"]["status"] == "failed" and "broken on purpose" in steps["broken"]["error"]
+    assert steps["broken"]["rows"] == [{"measured": "before breaking"}]  # what it measured first is kept
+    assert steps["unequipped"] == {
+        "status": "skipped",
+        "error": "skipped: needs no_such_package_here (not importable)",
+        "seconds": 0.0,
+    }
+    assert steps["hangs"]["status"] == "failed" and "stopped at its budget of 60 s" in steps["hangs"]["error"]
+    seen = json.loads(steps["hangs"]["rows"][0]["report while running"])
+    assert seen == {
+        "fine": "ok",
+        "broken": "failed",
+        "unequipped": "skipped",
+        "hangs": "not run yet",
+        "after": "not run yet",
+    }
+    assert not processes._alive(
+        steps["hangs"]["rows"][0]["started"]
+    )  # killed with the step, though in a session of its own
+    assert steps["after"]["status"] == "ok"
+    assert time.monotonic() - started < 5 * 60  # the hanging step was stopped at its budget
     assert "## broken: failed" in (tmp_path / "gpu_check.md").read_text()
 
 
@@ -85,25 +181,85 @@ def test_unknown_step_or_optimizer_is_a_user_error(capsys):
     assert gpu_check.main(["--out", "/nonexistent/x", "--only", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --only: unknown nope;") and err.count("\n") == 1, err  # one line, no traceback
+    assert gpu_check.main(["--out", "/nonexistent/x", "--quick", "--only", "gpu_tests"]) == 2
+    assert "--quick is the group 'quick'" in capsys.readouterr().err
 
 
 def test_a_failing_or_hanging_component_check_fails_its_step(tmp_path, monkeypatch):
     stale = tmp_path / "hf-roundtrip" / "checkpoint"
     stale.mkdir(parents=True)
     commands = [
-        ("passes", [sys.executable, "-c", "print('fine')"]),
-        ("fails", [sys.executable, "-c", "print('about to fail'); raise SystemExit(1)"]),
-        ("hangs", [sys.executable, "-c", "import time; time.sleep(60)"]),
+        ("passes", [sys.executable, "-c", "print('fine')"], ()),
+        ("fails", [sys.executable, "-c", "print('about to fail'); raise SystemExit(1)"], ()),
+        ("hangs", [sys.executable, "-c", "import time; time.sleep(60)"], ()),
+        ("unequipped", [sys.executable, "-c", "print('never run')"], ("no_such_package_here",)),
     ]
     monkeypatch.setattr(gpu_check, "component_commands", lambda out: commands)
     monkeypatch.setattr(gpu_check, "COMMAND_TIMEOUT_S", 5)
     ctx = gpu_check.Context(sizes=gpu_check.Sizes.for_run(dry_run=True), out=tmp_path, dry_run=False)
-    outcome = gpu_check.run_step("component_checks", ctx)
+    result = gpu_check.step_component_checks(ctx)
     assert not stale.parent.exists()  # a rerun with the same --out starts the export afresh
-    assert outcome["status"] == "failed" and outcome["error"] == "2 of 3 runs failed (see the table)"
-    results = {row["check"]: (row["result"], row["output"]) for row in outcome["rows"]}
+    assert len(gpu_check.broken_rows(result.rows)) == 2
+    results = {row["check"]: (row["result"], row.get("output")) for row in result.rows}
     assert results == {
         "passes": ("ok", "fine"),
         "fails": (gpu_check.FAILED, "about to fail"),
         "hangs": (gpu_check.FAILED, "(timed out after 5 s)"),
+        "unequipped": ("skipped: needs no_such_package_here (not importable)", None),
     }
+
+
+def test_without_torchao_its_steps_and_rows_are_skipped_and_the_others_run(tmp_path):
+    """A machine without torchao: the first line says so, the low-bit optimizer's row and the step of low-bit
+    optimizers are skipped with that reason, AdamW is still trained and estimated."""
+    hidden = tmp_path / "hide" / "torchao"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('torchao is not installed on this machine')\n")
+    out = tmp_path / "report"
+    command = [str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)]
+    command += ["--only", "optimizers_1b,optimizers_1b_more", "--optimizers", "AdamW,AdamMini8bit,AdamMini4bit"]
+    done = processes.run(command, env=launch_env(cpu=True, PYTHONPATH=str(tmp_path / "hide")), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("gpu_check: imports present: torch ") and first.endswith("missing: torchao"), first
+    steps = json.loads((out / "gpu_check.json").read_text())["steps"]
+    rows = {row["optimizer"]: row for row in steps["optimizers_1b"]["rows"]}
+    assert rows["AdamMini8bit"] == {"optimizer": "AdamMini8bit", "fits": "skipped: needs torchao (not importable)"}
+    assert rows["AdamW"]["fits"] == "yes" and rows["AdamW"]["estimated peak allocated GiB"] is not None
+    assert steps["optimizers_1b"]["status"] == "ok"
+    assert steps["optimizers_1b_more"]["status"] == "skipped"
+    assert steps["optimizers_1b_more"]["error"] == "skipped: needs torchao (not importable)"
+
+
+def test_sigterm_ends_the_check_with_its_processes_and_a_report(tmp_path, monkeypatch):
+    """``timeout`` ends a device command's check with SIGTERM: the running step and what it started are killed, its
+    saved rows and the finished steps' results are in the report, and the remaining steps are not run."""
+    monkeypatch.setattr(
+        gpu_check,
+        "STEPS",
+        {
+            "fine": gpu_check.Step(fine_step, 1, 2),
+            "hangs": gpu_check.Step(hanging_step, 1, 2),
+            "after": gpu_check.Step(fine_step, 1, 2),
+        },
+    )
+    saved = gpu_check.result_path(tmp_path, "hangs")
+
+    def terminate_once_the_step_hangs():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (saved.is_file() and "started" in saved.read_text()):
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=terminate_once_the_step_hangs, daemon=True).start()
+    report = gpu_check.run(tmp_path, dry_run=True)
+    assert signal.getsignal(signal.SIGTERM) is previous  # the check's handler is undone
+    assert report["ended"] == "SIGTERM"
+    steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
+    assert steps["fine"]["status"] == "ok" and steps["after"] == {"status": "not run yet"}
+    assert steps["hangs"]["status"] == "failed" and "ended (SIGTERM)" in steps["hangs"]["error"]
+    assert not processes._alive(steps["hangs"]["rows"][0]["started"])
+    assert (
+        signal.getsignal(signal.SIGTERM) is not None and "## hangs: failed" in (tmp_path / "gpu_check.md").read_text()
+    )

@@ -29,8 +29,8 @@ from tests.helpers import full, initial_state_bytes, job_config, max_over_ranks,
 from torchtitan.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
-from torchtitan.optim.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_in_groups
-from torchtitan.optim.state_storage import is_quantized
+from torchtitan.optim.state.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_in_groups
+from torchtitan.optim.state.storage import is_quantized
 
 torchao_optim = pytest.importorskip("torchao.optim", reason="needs torchao for quantized momentum (the lowbit extra)")
 

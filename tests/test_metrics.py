@@ -39,6 +39,12 @@ def test_model_flops_count_every_parameter_but_the_embedding():
     assert model_flops_per_token(256 * 32 + 1000, args, seq_len=16) == 6 * 1000 + 12 * 2 * 4 * 8 * 16
 
 
+def test_model_flops_of_a_tied_model_keep_the_output_projection():
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=256, enable_weight_tying=True)
+    # The 256 x 32 tied weight, counted once among the parameters, is the output projection's matmul.
+    assert model_flops_per_token(256 * 32 + 1000, args, seq_len=16) == 6 * (256 * 32 + 1000) + 12 * 2 * 4 * 8 * 16
+
+
 def test_memory_metrics_report_allocated_and_reserved_peaks():
     gib = 2**30
     stats = {"allocated_bytes.all.peak": 30 * gib, "reserved_bytes.all.peak": 45 * gib, "active_bytes.all.peak": 1}

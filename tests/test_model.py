@@ -28,6 +28,41 @@ def test_flavor_parameter_counts_on_meta(flavor, published):
     assert abs(n - published) / published < 0.001
 
 
+@pytest.mark.parametrize(
+    "flavor, published",
+    # Parameter counts of the published checkpoints (safetensors), the tied output projection counted once.
+    [("3.2-1B", 1_235_814_400), ("3.2-3B", 3_212_749_824), ("3.1-8B", 8_030_261_248)],
+)
+def test_published_flavors_have_the_published_parameter_counts(flavor, published):
+    args = llama3_configs[flavor]
+    tied_share = args.vocab_size * args.dim if args.enable_weight_tying else 0
+    assert count(args) == expected_count(args) - tied_share == published
+
+
+def test_existing_flavors_keep_their_meaning():
+    for flavor in ("debugmodel", "debugmodel_gqa", "1B", "8B", "70B", "405B"):
+        args = llama3_configs[flavor]
+        assert (args.rope_scaling, args.enable_weight_tying) == ("none", False)
+    for flavor in ("1B", "8B", "70B", "405B"):
+        scaled = llama3_configs["3.2-1B" if flavor == "1B" else f"3.1-{flavor}"]
+        shape = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "rope_theta", "vocab_size")
+        assert [getattr(scaled, key) for key in shape] == [getattr(llama3_configs[flavor], key) for key in shape]
+
+
+def test_a_tied_model_has_one_parameter_for_embedding_and_output_after_to_empty():
+    tied = dataclasses.replace(TINY, enable_weight_tying=True)
+    with torch.device("meta"):
+        model = Transformer(tied)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert [name for name, _ in model.named_parameters()].count("tok_embeddings.weight") == 1
+    assert not any(name == "output.weight" for name, _ in model.named_parameters())
+    # Drawn as an output projection (std dim**-0.5), not as an embedding (std 1).
+    assert model.tok_embeddings.weight.std().item() < 2 * TINY.dim**-0.5
+    assert model.tied_weights() == {"output.weight": "tok_embeddings.weight"}
+
+
 def test_8b_shapes():
     args = llama3_configs["8B"]
     assert args.ffn_hidden_dim == 14336 and args.head_dim == 128 and args.kv_heads == 8
@@ -87,7 +122,7 @@ def test_causal():
 
 
 def test_rope_rotates_pairs_and_keeps_norm():
-    table = rope_table(8, 16, 500000.0)
+    table = rope_table(ModelArgs(dim=8, n_heads=1, max_seq_len=16))
     x = torch.randn(2, 16, 3, 8, dtype=torch.float64)
     y = apply_rope(x, table)
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))

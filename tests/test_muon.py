@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from tests.helpers import SEQ_LEN, TINY, job_config, max_difference, tiny_model, weights
 from torchtitan.errors import UserError
 from torchtitan.optim import build_optimizers
-from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
-from torchtitan.optim.muon import (
+from torchtitan.optim.lowbit.adamw import LowPrecisionAdam
+from torchtitan.optim.muon.optimizer import (
     MATCH_RMS_ADAMW,
     ORIGINAL,
     Muon,
@@ -23,7 +23,7 @@ from torchtitan.optim.muon import (
     newton_schulz,
     split_hidden_matrices,
 )
-from torchtitan.optim.state_storage import round_to_bfloat16_stochastically
+from torchtitan.optim.state.storage import round_to_bfloat16_stochastically
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))
 HIDDEN = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2")

@@ -12,7 +12,7 @@ from tests.helpers import TINY, adam_mini_for, batch, tiny_model
 from torchtitan.models.llama.model import NORM_BUILDERS
 from torchtitan.models.norm_types import NORM_TYPES, RMSNORM_TYPES
 from torchtitan.models.roles import BIAS, NORM
-from torchtitan.optim.partition import PER_ELEMENT, PER_TENSOR, plan_blocks, unmatched_matrices
+from torchtitan.optim.adam_mini.partition import PER_ELEMENT, PER_TENSOR, plan_blocks, unmatched_matrices
 
 
 def _model(norm_type: str):

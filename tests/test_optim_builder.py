@@ -35,16 +35,13 @@ from tests.helpers import (
 )
 from torchtitan.errors import UserError
 from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
-from torchtitan.optim import (
-    AdamMini,
-    OptimizersContainer,
-    build_optimizers,
-    torchao_adapter,
-)
+from torchtitan.optim import AdamMini, OptimizersContainer, build_optimizers
 from torchtitan.optim.container import tensor_bytes
-from torchtitan.optim.muon import Muon
-from torchtitan.optim.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_in_groups
-from torchtitan.optim.state_storage import is_quantized
+from torchtitan.optim.lowbit import torchao_adapter
+from torchtitan.optim.muon.normuon import NorMuon
+from torchtitan.optim.muon.optimizer import Muon
+from torchtitan.optim.state.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_in_groups
+from torchtitan.optim.state.storage import is_quantized
 
 try:
     import torchao.optim as torchao_optim  # the `lowbit` extra; part of the dev install
@@ -118,6 +115,8 @@ def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
         low_bit("Adam-mini-4bit", "AdamMini4bit"),
         ("Muon", "Muon"),
         ("muon", "Muon"),
+        ("NorMuon", "NorMuon"),
+        ("nor_muon", "NorMuon"),
     ],
 )
 def test_every_name_and_alias_builds_its_optimizer(given, canonical):
@@ -132,10 +131,13 @@ def test_every_name_and_alias_builds_its_optimizer(given, canonical):
         "AdamMini8bit": AdamMini,
         "AdamMini4bit": AdamMini,
         "Muon": Muon,
+        "NorMuon": NorMuon,
     }.get(canonical)
     assert isinstance(optimizer, expected or getattr(torchao_optim, canonical))
     if canonical == "Adam":
         assert not isinstance(optimizer, torch.optim.AdamW)
+    if canonical == "Muon":
+        assert not isinstance(optimizer, NorMuon)
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert owned == {id(p) for p in net.parameters()}
 
@@ -275,13 +277,29 @@ def test_implementation_sets_torch_flags(name, implementation, flags):
             "AdamWFp8", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to AdamWFp8"
         ),
         low_bit("AdamW4bit", ["--optimizer.block_size", "63"], "block_size must be even for AdamW4bit"),
-        ("AdamW", ["--optimizer.momentum", "0.9"], "optimizer.momentum does not apply to AdamW \\(only to Muon\\)"),
+        (
+            "AdamW",
+            ["--optimizer.momentum", "0.9"],
+            "optimizer.momentum does not apply to AdamW \\(only to Muon, NorMuon\\)",
+        ),
         ("AdamMini", ["--optimizer.ns_dtype", "float64"], "optimizer.ns_dtype does not apply to AdamMini"),
         ("Adam", ["--optimizer.nesterov", "false"], "optimizer.nesterov does not apply to Adam"),
         ("AdamW", ["--optimizer.ns_steps", "3"], "optimizer.ns_steps does not apply to AdamW"),
         ("AdamW", ["--optimizer.adjust_lr", "original"], "optimizer.adjust_lr does not apply to AdamW"),
         ("Muon", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to Muon"),
         ("Muon", ["--optimizer.block_size", "128"], "optimizer.block_size does not apply to Muon"),
+        (
+            "Muon",
+            ["--optimizer.neuron_beta2", "0.9"],
+            "optimizer.neuron_beta2 does not apply to Muon \\(only to NorMuon\\)",
+        ),
+        (
+            "AdamW",
+            ["--optimizer.neuron_eps", "1e-6"],
+            "optimizer.neuron_eps does not apply to AdamW \\(only to NorMuon\\)",
+        ),
+        ("AdamMini", ["--optimizer.neuron_beta2", "0.9"], "optimizer.neuron_beta2 does not apply to AdamMini"),
+        ("NorMuon", ["--optimizer.value_blocks", "per_row"], "optimizer.value_blocks does not apply to NorMuon"),
     ],
 )
 def test_options_that_do_not_apply_are_rejected(name, argv, fragment):
@@ -334,7 +352,7 @@ def test_adam_mini_needs_a_model_that_knows_its_shape():
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit", "Muon"))
+@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit", "Muon", "NorMuon"))
 def test_lambda_lr_drives_every_optimizer_including_tensor_lr(name):
     optimizers = build_optimizers(
         [tiny_model(), tiny_model(seed=1)], job_config("--optimizer.name", name, "--optimizer.lr", "0.2")
@@ -387,12 +405,64 @@ def test_muon_state_bytes_are_one_momentum_per_hidden_matrix_and_adamw_for_the_r
     assert meta_state_bytes(("Muon",))["Muon"] == 4 * hidden + 8 * rest + steps
 
 
+def test_normuon_state_bytes_are_muons_plus_one_float32_value_per_output_row():
+    args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=2048)
+    net = meta_model(args, torch.float32)
+    rows = sum(p.shape[0] for name, p in net.named_parameters() if ".attention.w" in name or ".feed_forward." in name)
+    sizes = meta_state_bytes(("Muon", "NorMuon"))
+    assert sizes["NorMuon"] == sizes["Muon"] + 4 * rows
+
+
 @needs_torchao
 def test_low_bit_state_bytes_on_the_debug_model_shape_without_allocating():
     sizes = meta_state_bytes(("AdamW", *LOW_BIT_NAMES))
     assert sizes["AdamW8bit"] <= 0.27 * sizes["AdamW"]  # 1 byte per value + a scale per 256 values
     assert sizes["AdamWFp8"] <= 0.27 * sizes["AdamW"]
     assert sizes["AdamW4bit"] <= 0.14 * sizes["AdamW"]  # half a byte per value + a scale per 128 values
+
+
+# Every optimizer family: plain, Adam-mini (also quantized), Muon, and the torchao low-bit ones.
+TIED_NAMES = ("AdamW", "AdamMini", "Muon", low_bit("AdamMini8bit"), *(low_bit(name) for name in LOW_BIT_NAMES))
+
+
+@pytest.mark.parametrize("name", TIED_NAMES)
+def test_a_tied_weight_is_one_parameter_with_one_state_for_every_optimizer(name):
+    """The tied model is the untied one less the output projection: in the optimizer's parameters, its state, the
+    state-bytes metric, and after a step (the tied weight updated once, by both gradients)."""
+    # LOW_BIT's shapes: the embedding is large enough for torchao to quantize its state.
+    tied_args = dataclasses.replace(LOW_BIT, enable_weight_tying=True)
+    tied, untied = tiny_model(tied_args, torch.float32), tiny_model(LOW_BIT, torch.float32)
+    config = job_config("--optimizer.name", name)
+    tied_opts, untied_opts = build_optimizers([tied], config), build_optimizers([untied], config)
+    params = [p for opt in tied_opts.optimizers for group in opt.param_groups for p in group["params"]]
+    assert len(params) == len({id(p) for p in params}) == len(list(tied.parameters()))
+    assert any(p is tied.output.weight for p in params)
+    output_state = initial_state_bytes(untied_opts) - initial_state_bytes(tied_opts)
+    untied_state = {id(p): state for opt in untied_opts.optimizers for p, state in opt.state.items()}
+    assert output_state == sum(tensor_bytes(v) for v in untied_state[id(untied.output.weight)].values()) > 0
+    tokens = torch.randint(0, LOW_BIT.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    before = tied.tok_embeddings.weight.detach().clone()
+    tied(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    tied_opts.step()
+    assert tied.output.weight is tied.tok_embeddings.weight
+    assert not torch.equal(tied.tok_embeddings.weight, before)
+    assert sum(len(opt.state) for opt in tied_opts.optimizers) == len(params)
+
+
+def test_adam_mini_blocks_a_tied_weight_per_row_as_an_embedding_and_muon_gives_it_to_adamw():
+    from torchtitan.models.roles import EMBEDDING
+    from torchtitan.optim.adam_mini.partition import PER_ROW, plan_blocks
+    from torchtitan.optim.muon.optimizer import split_hidden_matrices
+
+    tied = tiny_model(dataclasses.replace(TINY, enable_weight_tying=True))
+    roles = tied.named_param_roles()
+    assert roles["tok_embeddings.weight"] == EMBEDDING and "output.weight" not in roles
+    shapes = [(n, tuple(p.shape)) for n, p in tied.named_parameters()]
+    (plan,) = [p for p in plan_blocks(shapes, head_dim=TINY.head_dim, param_roles=roles) if "tok_emb" in p.name]
+    assert (plan.rule, plan.n_blocks) == (PER_ROW, TINY.vocab_size)
+    matrices, others = split_hidden_matrices(tied.named_parameters(), roles)
+    assert [n for n, _ in others if "tok_embeddings" in n] == ["tok_embeddings.weight"]
+    assert not any("tok_embeddings" in n or "output" in n for n, _ in matrices)
 
 
 def test_tensor_bytes_counts_local_shards():
@@ -410,7 +480,7 @@ def test_tensor_bytes_counts_quantized_parts():
 # Checkpoints (one process)
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon", "Muon:bfloat16"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon", "Muon:bfloat16", "NorMuon"])
 def test_creating_state_early_does_not_change_training(name):
     """initialise_state() and state_dict() before the first step create the state; training must not notice (bf16
     state too: its stochastic rounding is salted by step counts, which the zero step must leave at 0)."""
@@ -468,7 +538,7 @@ def resume_run(name: str, args: ModelArgs, dtype: torch.dtype, path) -> tuple[di
     return weights(net), resumed_weights, resumed(False)[0], container
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon", "NorMuon"])
 def test_dcp_resume_equals_uninterrupted_run(name, tmp_path):
     uninterrupted, resumed, without_state, _ = resume_run(name, TINY, torch.float64, tmp_path)
     assert max_difference(uninterrupted, resumed) == 0.0
@@ -580,7 +650,7 @@ def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) 
     return plain_values(optimizers.state_dict())
 
 
-EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16", "Muon")
+EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16", "Muon", "NorMuon")
 
 
 def _fsdp_resume_workers(

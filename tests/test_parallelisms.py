@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from tests.distributed import run_workers
 from tests.helpers import (
+    LLAMA32_TINY,
     TINY,
     CollectiveCounts,
     adamw_step,
@@ -39,6 +40,7 @@ from tests.helpers import (
     weights,
 )
 from torchtitan.checkpoint import hf
+from torchtitan.checkpoint.manager import model_state_of
 from torchtitan.errors import UserError
 from torchtitan.parallelisms import (
     ParallelDims,
@@ -51,6 +53,7 @@ GRAD_TOLERANCE = dict(rtol=1e-10, atol=1e-12)
 WEIGHT_TOLERANCE = dict(rtol=0.0, atol=1e-10)
 
 CHUNKS = {"num_chunks": 5}
+TIED = {"enable_weight_tying": True}
 
 # layout name -> (world size, (dp_replicate, dp_shard, tp), job config sections)
 LAYOUTS = {
@@ -78,6 +81,10 @@ LAYOUTS = {
         {"loss": CHUNKS, "activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"}},
     ),
     "hsdp2x2_chunked_loss": (4, (2, 2, 1), {"loss": CHUNKS}),
+    # One parameter for the embedding and the output projection, against the tied model in one process.
+    "fsdp2_tied": (2, (1, -1, 1), {"model": TIED}),
+    "tp2_tied_chunked_loss": (2, (1, 1, 2), {"model": TIED, "loss": CHUNKS}),
+    "fsdp2_x_tp2_tied": (4, (1, 2, 2), {"model": TIED}),
 }
 
 
@@ -85,7 +92,8 @@ def _run_layout(world_size: int, degrees, sections) -> dict:
     config = job_config(**sections)
     dims = ParallelDims(*degrees, world_size, enable_loss_parallel=not config.training.disable_loss_parallel)
     mesh = dims.build_mesh("cpu")
-    model = materialize(parallelize_llama(meta_model(), mesh, dims, config))
+    model = materialize(parallelize_llama(meta_model(_layout_args(sections)), mesh, dims, config))
+    tied = model.output.weight is model.tok_embeddings.weight
     dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
     inputs, labels = batch()
     share = len(inputs) // dp_degree
@@ -98,10 +106,16 @@ def _run_layout(world_size: int, degrees, sections) -> dict:
         dist.all_reduce(loss, group=dims.dp_mesh(mesh).get_group())
     return {
         "loss": loss.item() / dp_degree,
+        "tied": tied,
         "dp": (dp_rank, dp_degree),
         "grads": to_numpy(result["grads"]),
         "weights": to_numpy(result["weights"]),
     }
+
+
+def _layout_args(sections: dict):
+    """The tiny model of a layout: tied when its [model] section says so."""
+    return replace(TINY, enable_weight_tying=sections.get("model", {}).get("enable_weight_tying", False))
 
 
 def _run_layouts(rank: int, world_size: int, names: list[str], hf_dump: str | None = None) -> dict:
@@ -144,33 +158,43 @@ def _hsdp_accumulation(world_size: int) -> dict:
 
 
 # Hugging Face weights in and out under FSDP, TP (with the fused RMSNorm on DTensors) and FSDP x TP (strided row
-# shards), in the launches above: layout name -> (world size, (dp_replicate, dp_shard, tp), model.norm_type).
+# shards), in the launches above, for the tiny Llama 3 and the tiny Llama 3.2 (tied, scaled RoPE): layout name ->
+# (world size, (dp_replicate, dp_shard, tp), model.norm_type, model shape).
+HF_SHAPES = {"llama3": TINY, "llama32": LLAMA32_TINY}
 HF_LAYOUTS = {
-    "hf_fsdp2": (2, (1, -1, 1), "rmsnorm"),
-    "hf_tp2": (2, (1, 1, 2), "fused_rmsnorm"),
-    "hf_fsdp2_x_tp2": (4, (1, 2, 2), "rmsnorm"),
+    "hf_fsdp2": (2, (1, -1, 1), "rmsnorm", "llama3"),
+    "hf_tp2": (2, (1, 1, 2), "fused_rmsnorm", "llama3"),
+    "hf_fsdp2_x_tp2": (4, (1, 2, 2), "rmsnorm", "llama3"),
+    "hf_fsdp2_llama32": (2, (1, -1, 1), "rmsnorm", "llama32"),
+    "hf_tp2_llama32": (2, (1, 1, 2), "rmsnorm", "llama32"),
+    "hf_fsdp2_x_tp2_llama32": (4, (1, 2, 2), "rmsnorm", "llama32"),
 }
 HF_SEED = 5
 
 
 def _hf_load_and_export(world_size: int, dump: str) -> dict:
     results = {}
-    for name, (size, degrees, norm_type) in HF_LAYOUTS.items():
+    for name, (size, degrees, norm_type, shape) in HF_LAYOUTS.items():
         if size != world_size:
             continue
-        job = hf_job(dump, initial_load_path=os.path.join(dump, "hf"), initial_load_in_hf=True, folder=name)
+        job = hf_job(dump, initial_load_path=os.path.join(dump, shape), initial_load_in_hf=True, folder=name)
         job.checkpoint.last_save_in_hf = True
         job.model.norm_type = norm_type
         dims = ParallelDims(*degrees, world_size)
         mesh = dims.build_mesh("cpu")
-        model = materialize(parallelize_llama(meta_model(replace(TINY, norm_type=norm_type)), mesh, dims, job))
+        args = replace(HF_SHAPES[shape], norm_type=norm_type)
+        model = materialize(parallelize_llama(meta_model(args), mesh, dims, job))
         manager = tiny_manager(model, job)
         manager.load()
         with torch.no_grad():
             logits = full(model(batch()[0]))
         manager.save(1, force=True)
         manager.close()
-        results[name] = {"weights": to_numpy(weights(model)), "logits": logits.numpy().copy()}
+        results[name] = {
+            "weights": to_numpy(weights(model)),
+            "logits": logits.numpy().copy(),
+            "tied": model.output.weight is model.tok_embeddings.weight,
+        }
     return results
 
 
@@ -187,23 +211,25 @@ def _hf_dump() -> str:
 @functools.lru_cache(maxsize=None)
 def _results_for_world_size(world_size: int) -> list[dict]:
     names = [name for name, (size, _, _) in LAYOUTS.items() if size == world_size]
-    if all(size != world_size for size, _, _ in HF_LAYOUTS.values()):
+    if all(size != world_size for size, *_ in HF_LAYOUTS.values()):
         return run_workers(_run_layouts, world_size, (names,))
     return run_workers(_run_layouts, world_size, (names, _hf_source()))
 
 
 @functools.lru_cache(maxsize=None)
 def _hf_source() -> str:
-    """The Hugging Face folder the HF layouts load: a seeded tiny model, written by our exporter in float32."""
-    os.makedirs(os.path.join(_hf_dump(), "hf"), exist_ok=True)
-    source = tiny_model(seed=HF_SEED)
-    hf.write_hf_weights(dict(source.state_dict()), os.path.join(_hf_dump(), "hf"), TINY, torch.float32, 0)
+    """The Hugging Face folders the HF layouts load (one per shape): a seeded tiny model, written by our exporter in
+    float32."""
+    for shape, args in HF_SHAPES.items():
+        os.makedirs(os.path.join(_hf_dump(), shape), exist_ok=True)
+        source = tiny_model(args, seed=HF_SEED)
+        hf.write_hf_weights(model_state_of(source), os.path.join(_hf_dump(), shape), args, torch.float32, 0)
     return _hf_dump()
 
 
 @functools.lru_cache(maxsize=None)
-def _reference() -> dict:
-    return reference_step()
+def _reference(tied: bool = False) -> dict:
+    return reference_step(replace(TINY, enable_weight_tying=tied))
 
 
 def _assert_close_dicts(actual: dict, expected: dict, tolerance: dict, what: str) -> None:
@@ -214,10 +240,12 @@ def _assert_close_dicts(actual: dict, expected: dict, tolerance: dict, what: str
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_trains_like_one_process(layout):
-    world_size = LAYOUTS[layout][0]
-    reference = _reference()
+    world_size, _, sections = LAYOUTS[layout]
+    tied = _layout_args(sections).enable_weight_tying
+    reference = _reference(tied)
     for rank, results in enumerate(_results_for_world_size(world_size)):
         result = results[layout]
+        assert result["tied"] == tied
         assert result["loss"] == pytest.approx(reference["loss"], rel=1e-12, abs=0.0)
         _assert_close_dicts(result["grads"], reference["grads"], GRAD_TOLERANCE, f"rank {rank} gradient")
         _assert_close_dicts(result["weights"], reference["weights"], WEIGHT_TOLERANCE, f"rank {rank} weight")
@@ -225,29 +253,41 @@ def test_layout_trains_like_one_process(layout):
 
 @pytest.mark.parametrize("layout", list(HF_LAYOUTS))
 def test_hugging_face_weights_load_and_export_under_every_layout(layout):
-    """Each rank reads its shards (query/key rows reordered); the export gathers them: both as one process does."""
+    """Each rank reads its shards (query/key rows reordered); the export gathers them: both as one process does,
+    and the first loss is transformers' loss of the same folder."""
+    import transformers
     from safetensors.torch import load_file
 
-    results = _results_for_world_size(HF_LAYOUTS[layout][0])
-    folder = os.path.join(_hf_dump(), "hf")
-    single = materialize(meta_model())
+    world_size, _, _, shape = HF_LAYOUTS[layout]
+    args = HF_SHAPES[shape]
+    results = _results_for_world_size(world_size)
+    folder = os.path.join(_hf_dump(), shape)
+    single = materialize(meta_model(args))
     manager = tiny_manager(single, hf_job(_hf_dump(), initial_load_path=folder, initial_load_in_hf=True))
     assert manager.load()
     # float32 files: the tiny float64 model rounded to float32, exactly.
-    expected = {k: v.float().double() for k, v in weights(tiny_model(seed=HF_SEED)).items()}
+    expected = {k: v.float().double() for k, v in weights(tiny_model(args, seed=HF_SEED)).items()}
     assert max((weights(single)[k] - v).abs().max().item() for k, v in expected.items()) == 0.0
+    inputs, labels = batch()
     with torch.no_grad():
-        expected_logits = single(batch()[0]).numpy()
+        expected_logits = single(inputs).numpy()
+        reference = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        tokens = torch.cat([inputs, labels[:, -1:]], dim=1)
+        transformers_loss = reference(input_ids=tokens, labels=tokens).loss.item()
     source = load_file(os.path.join(folder, "model.safetensors"))
+    assert ("lm_head.weight" in source) != args.enable_weight_tying
     for rank, by_layout in enumerate(results):
         result = by_layout[layout]
+        assert result["tied"] == args.enable_weight_tying
         for key, value in expected.items():
             torch.testing.assert_close(
                 torch.from_numpy(result["weights"][key]), value, rtol=0, atol=0, msg=f"rank {rank} {key}"
             )
-        torch.testing.assert_close(
-            torch.from_numpy(result["logits"]), torch.from_numpy(expected_logits), rtol=1e-12, atol=1e-12
-        )
+        logits = torch.from_numpy(result["logits"])
+        torch.testing.assert_close(logits, torch.from_numpy(expected_logits), rtol=1e-12, atol=1e-12)
+        # transformers casts its logits to float32 for the loss; ours stays float64.
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+        assert loss == pytest.approx(transformers_loss, rel=1e-6)
     exported = load_file(os.path.join(_hf_dump(), layout, "step-1-hf", "model.safetensors"))
     assert exported.keys() == source.keys()
     for key, value in source.items():

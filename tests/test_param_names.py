@@ -4,7 +4,7 @@ import pytest
 
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.roles import ROLES, canonical_name
-from torchtitan.optim import partition
+from torchtitan.optim.adam_mini import partition
 
 
 @pytest.mark.parametrize(

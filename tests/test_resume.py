@@ -5,6 +5,8 @@ One straight 10-step run on 2 ranks (FSDP, float64, global batch 6) is the refer
   resumes from step 5 (async saves) and matches the reference loss for loss and, at step 10, tensor for tensor;
 - runs on 1 and 3 ranks (local batch 6 and 2) resume with the data dealt to other readers, every one starting
   from the furthest position a reader of the 2-rank run reached.
+The same run from scratch under ``torchrun --max-restarts 1``, whose rank 1 dies after step 7, is restarted by
+torchrun, resumes from its own step-5 checkpoint and matches the reference too.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from tests import processes
 from tests.distributed import launch_env
 from tests.helpers import (
     DEBUG_RUN,
+    KILL_RANK_ONCE,
     ROOT,
     STALL_IN_SAVE,
     by_step,
     metric_rows,
     read_checkpoint,
+    restartable_command,
     run_dirs,
     train,
     train_command,
@@ -39,6 +43,7 @@ GLOBAL_BATCH = 6
 STEPS = 10
 MIDDLE = 5  # the reference saves here and at STEPS; the resumed runs start here
 KILLED_AT = 8  # a save of the killed run (interval 4, resumed from MIDDLE)
+DIES_AFTER = 7  # a rank of the restarted run dies after this step, two steps past the step-MIDDLE checkpoint
 
 
 def resume_args(world_size: int, *extra: str) -> list[str]:
@@ -130,13 +135,33 @@ def test_sigkill_mid_save_then_resume_matches_straight_run_bit_for_bit(reference
     assert "removed 1 incomplete save(s)" in output and f"resumed from step {MIDDLE}" in output
     assert losses(dump) == {s: straight[s] for s in range(MIDDLE + 1, STEPS + 1)}
     assert sorted(os.listdir(folder)) == sorted([f"step-{MIDDLE}", f"step-{STEPS}"])
+    assert_same_checkpoint(dump, straight_dump, STEPS)
 
-    expected = read_checkpoint(checkpoint_path(straight_dump, STEPS))
-    actual = read_checkpoint(checkpoint_path(dump, STEPS))
+
+def assert_same_checkpoint(dump_folder: str, expected_dump: str, step: int) -> None:
+    expected = read_checkpoint(checkpoint_path(expected_dump, step))
+    actual = read_checkpoint(checkpoint_path(dump_folder, step))
     assert actual.keys() == expected.keys()
     assert any(name.startswith("optimizer.state.") for name in expected)
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), name
+
+
+def test_a_rank_killed_under_max_restarts_costs_only_the_steps_since_the_checkpoint(reference, tmp_path):
+    straight_dump, straight = reference
+    dump = str(tmp_path / "restarted")
+    command = restartable_command(KILL_RANK_ONCE, str(ROOT / "train.py"), *resume_args(2), "--job.dump_folder", dump)
+    env = launch_env(cpu=True, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", KILL_AT_STEP=str(DIES_AFTER))
+    proc = processes.run(command, timeout=600, env=env, cwd=ROOT)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert f"KILLED rank 1 at step {DIES_AFTER}" in output and f"resumed from step {MIDDLE}" in output
+
+    killed, restarted = (by_step(metric_rows(run)) for run in run_dirs(dump))
+    assert DIES_AFTER in killed and killed == {s: straight[s] for s in killed}
+    assert restarted == {s: straight[s] for s in range(MIDDLE + 1, STEPS + 1)}
+    assert sorted(os.listdir(checkpoint_folder(dump))) == sorted([f"step-{MIDDLE}", f"step-{STEPS}"])
+    assert_same_checkpoint(dump, straight_dump, STEPS)
 
 
 def data_state(dump_folder: str, step: int) -> dict:

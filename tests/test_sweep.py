@@ -112,13 +112,17 @@ def test_tiny_sweep_end_to_end_ranks_and_shows_divergence(tmp_path, capsys):
     losses = logged(runs / good["name"], LOSS)
     assert [step for step, _ in losses] == [1, 2, 3, 4]
     expected = (losses[-1][1] + losses[-2][1]) / 2
-    assert good["outcome"] == "finished" and good["final_loss"] == pytest.approx(expected, rel=1e-12)
+    # TensorBoard holds float32; the report reads metrics.jsonl, the logged values themselves.
+    assert good["outcome"] == "finished" and good["final_loss"] == pytest.approx(expected, rel=1e-6)
     tps = [v for _, v in logged(runs / good["name"], "throughput/tps")]
-    assert good["mean_tps"] == pytest.approx(sum(tps) / len(tps), rel=1e-12)
-    assert good["optimizer_state_bytes"] == logged(runs / good["name"], "optimizer/state_bytes")[0][1] > 0
+    assert good["mean_tps"] == pytest.approx(sum(tps) / len(tps), rel=1e-6)
+    state = logged(runs / good["name"], "optimizer/state_bytes")[0][1]
+    assert good["optimizer_state_bytes"] == pytest.approx(state, rel=1e-6) and state > 0
     assert report["best"]["AdamMini"]["lr"] == 1e-3
-    assert f"**{expected:.4f}**" in markdown_row(md, "AdamMini", 1)
-    assert f"| AdamMini | 1e-3 | {expected:.4f} |" in markdown_row(md, "AdamMini", 0)
+    assert f"**{good['final_loss']:.4f} (1 seed)**" in markdown_row(md, "AdamMini", 1)
+    assert f"| AdamMini | lr 1e-3 | {good['final_loss']:.4f} (1 seed) |" in markdown_row(md, "AdamMini", 0)
+    # The main picture, sensitivity to the lr (1e6 marked diverged) and the overview, embedded.
+    assert (dump / "study.html").read_text().count("data:image/png;base64,") == 3
     # lr 1e6 without clipping: the logged loss or gradient norm becomes NaN (a saturated model can keep a finite
     # loss while the guard skips its NaN-gradient steps); the run is diverged, not a crash of the tool.
     first_nan = min(
@@ -340,3 +344,13 @@ def test_interrupted_sweep_ends_its_run_and_leaves_it_unfinished(tmp_path):
     assert err.strip() == "error: sweep interrupted; run the same command again to resume it"
     assert not Path(f"/proc/{trainer}").exists() or "zombie" in Path(f"/proc/{trainer}/status").read_text()
     assert not (pid_file.parent / "sweep_status.json").exists()
+
+
+def test_the_plan_names_muon_family_runs_as_train_py_logs_them():
+    from torchtitan.tools.sweep_plan import plan
+
+    specs = plan(["muon", "nor_muon"], [1e-2], [0])
+    assert [(s.optimizer, s.name) for s in specs] == [
+        ("Muon", "Muon_lr1e-2_seed0"),
+        ("NorMuon", "NorMuon_lr1e-2_seed0"),
+    ]

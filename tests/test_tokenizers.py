@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import hf_tokenizer_folder
 from torchtitan.datasets import Tokenizer, build_tokenizer
-from torchtitan.datasets.tokenizer import SentencePieceTokenizer, TikTokenizer, _pieces_for_regex
+from torchtitan.datasets.tokenizer import HFTokenizer, SentencePieceTokenizer, TikTokenizer, _pieces_for_regex
 from torchtitan.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,3 +168,59 @@ def test_long_runs_are_cut_for_the_regex_and_still_round_trip():
     assert tik.decode(tik.encode(text, bos=False, eos=False)) == text
     short = "short text is encoded in one piece"
     assert list(_pieces_for_regex(short)) == [short]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Hugging Face tokenizer.json: the same ids as the tiktoken file of the same model
+
+
+def _sample_documents(count: int) -> list[str]:
+    with open(REPO / "assets" / "data" / "sample" / "sample.jsonl") as f:
+        return [json.loads(line)["text"] for _, line in zip(range(count), f)]
+
+
+def test_a_hugging_face_folder_and_its_tokenizer_json_give_the_tiktoken_ids(tmp_path: Path):
+    folder = hf_tokenizer_folder(tmp_path / "Llama-like")
+    tiktoken = build_tokenizer(str(TIKTOKEN_MODEL))
+    texts = TEXTS + _sample_documents(100) + ["word " * 30_000 + " " * 60_000 + "x" * 30_000]
+    for path in (folder, folder / "tokenizer.json"):
+        hf = build_tokenizer(str(path))
+        assert isinstance(hf, HFTokenizer)
+        assert (
+            (hf.n_words, hf.bos_id, hf.eos_id)
+            == (tiktoken.n_words, tiktoken.bos_id, tiktoken.eos_id)
+            == (
+                2256,
+                2000,
+                2001,
+            )
+        )
+        for text in texts:
+            ids = hf.encode(text, bos=True, eos=True)
+            # Text spelling a special token stays text, as with tiktoken; only the flags add BOS and EOS.
+            assert ids == tiktoken.encode(text, bos=True, eos=True)
+            assert hf.decode(ids) == tiktoken.decode(ids)
+    assert isinstance(build_tokenizer(str(folder), "huggingface"), HFTokenizer)
+
+
+def test_hugging_face_tokenizer_mistakes_are_one_line(tmp_path: Path):
+    folder = hf_tokenizer_folder(tmp_path / "model")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    no_specials = tmp_path / "no_specials"
+    no_specials.mkdir()
+    with open(folder / "tokenizer.json") as f:
+        data = json.load(f)
+    data["added_tokens"] = []
+    (no_specials / "tokenizer.json").write_text(json.dumps(data))
+    cases = [
+        lambda: build_tokenizer(str(tmp_path / "empty_folder_missing")),
+        lambda: build_tokenizer(str(broken)),
+        lambda: build_tokenizer(str(no_specials)),
+        lambda: build_tokenizer(str(folder), "tiktoken"),
+    ]
+    (tmp_path / "empty").mkdir()
+    cases.append(lambda: build_tokenizer(str(tmp_path / "empty")))
+    messages = [_assert_one_line_user_error(case) for case in cases]
+    assert all("model.tokenizer_path" in message for message in messages)
+    assert "no <|begin_of_text|>" in messages[2] and "without tokenizer.json" in messages[4]

@@ -160,7 +160,7 @@ def test_low_bit_resume_within_quantization_noise(tmp_path, monkeypatch):
         (["--optimizer.lr", "-0.1"], "optimizer.lr"),
         (["--optimizer.eps", "-1e-8"], "optimizer.eps"),
         (["--optimizer.value_blocks", "per_tensor"], "value_blocks"),
-        (["--optimizer.ns_steps", "3"], "optimizer.ns_steps does not apply to AdamW (only to Muon)"),
+        (["--optimizer.ns_steps", "3"], "optimizer.ns_steps does not apply to AdamW (only to Muon, NorMuon)"),
     ],
 )
 def test_bad_optimizer_input(tmp_path, args, message, monkeypatch, capsys):

@@ -22,6 +22,7 @@ from torchtitan.errors import UserError
 from torchtitan.legacy_config import LEGACY_KEYS, LEGACY_SECTIONS, translate
 from torchtitan.lr_scheduling import DECAY_TYPES
 from torchtitan.models.norm_types import NORM_TYPES, RMSNORM_TYPES
+from torchtitan.models.rope_types import ROPE_SCALING_TYPES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,14 +51,20 @@ class Job:
 @dataclass
 class Model:
     name: str = opt("llama3", "model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "model size from llama3_configs (debugmodel, 8B, 70B, 405B, ...)")
+    flavor: str = opt(
+        "debugmodel",
+        "model size from llama3_configs (debugmodel, 8B, 70B, 405B: Llama 3; 3.1-8B, 3.1-70B, 3.1-405B, 3.2-1B, "
+        "3.2-3B: as published, scaled RoPE and 3.2's tied output)",
+    )
     tokenizer_path: str = opt(
-        "./assets/tokenizer/tiktoken_test.model", "tokenizer file (tiktoken BPE or sentencepiece)"
+        "./assets/tokenizer/tiktoken_test.model",
+        "tokenizer: a tiktoken BPE or sentencepiece file, a Hugging Face tokenizer.json, or a Hugging Face model "
+        "folder holding one",
     )
     tokenizer_type: str = opt(
         "auto",
-        "tokenizer format; auto picks sentencepiece for a *.model file that is one",
-        choices=("auto", "tiktoken", "sentencepiece"),
+        "tokenizer format; auto: huggingface for a folder or *.json file, else tiktoken or sentencepiece by content",
+        choices=("auto", "tiktoken", "sentencepiece", "huggingface"),
     )
     # The names are torchtitan's; the three RMSNorm variants compute the same function.
     norm_type: str = opt(
@@ -66,6 +73,34 @@ class Model:
         "layernorm (scale and shift), np_layernorm (LayerNorm without parameters)",
         choices=NORM_TYPES,
     )
+    # Unset: the flavor's. The factors apply to llama3 scaling only (set with "none", they are refused).
+    # A plain string ("none" means no scaling here, not an unset option).
+    rope_scaling: str = opt(
+        "flavor",
+        "RoPE frequency scaling: none, llama3 (Llama 3.1 and later), or flavor (the flavor's)",
+        choices=("flavor", *ROPE_SCALING_TYPES),
+    )
+    rope_scaling_factor: Optional[float] = opt(
+        None, "llama3 RoPE scaling: divisor of the low frequencies (unset: the flavor's, else 8)", ge=1.0
+    )
+    rope_low_freq_factor: Optional[float] = opt(
+        None,
+        "llama3 RoPE scaling: wavelengths above original_max_seq_len / this are scaled (unset: flavor's, else 1)",
+        gt=0.0,
+    )
+    rope_high_freq_factor: Optional[float] = opt(
+        None,
+        "llama3 RoPE scaling: wavelengths below original_max_seq_len / this are kept (unset: flavor's, else 4)",
+        gt=0.0,
+    )
+    rope_original_max_seq_len: Optional[int] = opt(
+        None,
+        "llama3 RoPE scaling: the context length the model was first trained at (unset: flavor's, else 8192)",
+        gt=0,
+    )
+    enable_weight_tying: Optional[bool] = opt(
+        None, "one parameter for the embedding and the output projection (unset: the flavor's; 3.2-1B/3B: true)"
+    )
 
 
 @dataclass
@@ -73,7 +108,7 @@ class Optimizer:
     name: str = opt(
         "AdamW",
         "optimizer: AdamW, Adam, AdamMini, AdamMini8bit, AdamMini4bit, AdamW8bit, AdamW4bit, "
-        "AdamWFp8, Muon (case-insensitive)",
+        "AdamWFp8, Muon, NorMuon (case-insensitive)",
     )
     # lr, beta1, beta2, eps and weight_decay are checked by torchtitan.optim.hyperparameters (torch.optim's rules).
     lr: float = opt(8e-4, "peak learning rate")
@@ -89,8 +124,8 @@ class Optimizer:
     )
     state_dtype: Optional[str] = opt(
         None,
-        "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment; Muon: its momentum and its "
-        "AdamW part's moments (unset: float32, also for bfloat16 weights; bfloat16 is stochastically rounded)",
+        "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment; Muon, NorMuon: their momentum and "
+        "their AdamW part's moments (unset: float32, also for bfloat16 weights; bfloat16 is stochastically rounded)",
         choices=("float32", "bfloat16"),
     )
     # AdamMini only.
@@ -104,20 +139,33 @@ class Optimizer:
     bf16_stochastic_round: Optional[bool] = opt(
         None, "low-bit AdamW: stochastic rounding of the updated weights (needs training.param_dtype bfloat16)"
     )
-    # Muon only (its AdamW part takes lr, beta1, beta2, eps, weight_decay, implementation and state_dtype).
-    momentum: Optional[float] = opt(None, "Muon: momentum of the hidden matrices (unset: 0.95)", ge=0.0, lt=1.0)
-    nesterov: Optional[bool] = opt(None, "Muon: Nesterov momentum (unset: true)")
-    ns_steps: Optional[int] = opt(None, "Muon: Newton-Schulz iterations (unset: 5)", gt=0, lt=100)
+    # Muon and NorMuon only (their AdamW part takes lr, beta1, beta2, eps, weight_decay, implementation and
+    # state_dtype).
+    momentum: Optional[float] = opt(
+        None, "Muon, NorMuon: momentum of the hidden matrices (unset: 0.95)", ge=0.0, lt=1.0
+    )
+    nesterov: Optional[bool] = opt(None, "Muon, NorMuon: Nesterov momentum (unset: true)")
+    ns_steps: Optional[int] = opt(None, "Muon, NorMuon: Newton-Schulz iterations (unset: 5)", gt=0, lt=100)
     ns_dtype: Optional[str] = opt(
         None,
-        "Muon: dtype of the Newton-Schulz iteration (unset: bfloat16, as torch.optim.Muon)",
+        "Muon, NorMuon: dtype of the Newton-Schulz iteration (unset: bfloat16, as torch.optim.Muon)",
         choices=("bfloat16", "float32", "float64"),
     )
     adjust_lr: Optional[str] = opt(
         None,
-        "Muon: lr scale of a matrix update: match_rms_adamw (0.2 sqrt(max dim): optimizer.lr means what it means "
-        "for AdamW) or original (sqrt(max(1, rows/cols))); unset: match_rms_adamw",
+        "Muon, NorMuon: lr scale of a matrix update: match_rms_adamw (0.2 sqrt(max dim): optimizer.lr means what it "
+        "means for AdamW) or original (sqrt(max(1, rows/cols))); unset: match_rms_adamw",
         choices=("match_rms_adamw", "original"),
+    )
+    # NorMuon only.
+    neuron_beta2: Optional[float] = opt(
+        None,
+        "NorMuon: decay of the per-row (neuron-wise) second moment of the orthogonalised update (unset: 0.95)",
+        ge=0.0,
+        lt=1.0,
+    )
+    neuron_eps: Optional[float] = opt(
+        None, "NorMuon: added to the root of the per-row second moment before dividing (unset: 1e-8)", ge=0.0
     )
 
 

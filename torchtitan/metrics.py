@@ -47,8 +47,10 @@ def peak_flops(device: torch.device) -> Optional[float]:
 
 def model_flops_per_token(num_params: int, model_args: Any, seq_len: int) -> int:
     """Training FLOPs per token of a Llama (``model_args``: its ModelArgs) with ``num_params`` parameters: 6 per
-    parameter but the embedding's (a lookup, not a matmul) plus causal attention's score and value products."""
-    matmul_params = num_params - model_args.vocab_size * model_args.dim
+    parameter but the embedding's (a lookup, not a matmul) plus causal attention's score and value products. A tied
+    embedding is counted once in ``num_params`` and is the output projection's matmul, so it stays."""
+    embedding = 0 if model_args.enable_weight_tying else model_args.vocab_size * model_args.dim
+    matmul_params = num_params - embedding
     return 6 * matmul_params + 12 * model_args.n_layers * model_args.n_heads * model_args.head_dim * seq_len
 
 

@@ -26,12 +26,40 @@ def model_args_for(job_config: JobConfig, vocab_size: int):
         vocab_size=vocab_size,
         max_seq_len=job_config.training.seq_len,
         norm_type=job_config.model.norm_type,
+        **_model_overrides(job_config, llama3_configs[flavor]),
     )
     try:
         args.check()
     except ValueError as e:
         raise UserError(f"model.flavor '{flavor}': {e}") from None
     return args
+
+
+# [model] options that replace the flavor's value when set.
+_MODEL_OVERRIDES = (
+    "rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_seq_len",
+    "enable_weight_tying",
+)
+_LLAMA3_SCALING_OPTIONS = _MODEL_OVERRIDES[1:5]
+
+
+def _model_overrides(job_config: JobConfig, flavor_args) -> dict:
+    """The [model] options set in the job; a llama3-scaling factor without llama3 scaling is refused."""
+    m = job_config.model
+    overrides = {key: getattr(m, key) for key in _MODEL_OVERRIDES if getattr(m, key) not in (None, "flavor")}
+    scaling = overrides.get("rope_scaling", flavor_args.rope_scaling)
+    if scaling != "llama3":
+        for key in _LLAMA3_SCALING_OPTIONS:
+            if key in overrides:
+                raise UserError(
+                    f"model.{key} applies to llama3 RoPE scaling, which flavor '{m.flavor}' with model.rope_scaling "
+                    f"{scaling!r} does not use; set --model.rope_scaling llama3 or remove model.{key}"
+                )
+    return overrides
 
 
 def preflight(job_config: JobConfig, world_size: int):

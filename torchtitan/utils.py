@@ -53,9 +53,32 @@ def init_distributed(timeout_seconds: int) -> tuple[torch.device, int, int]:
         device = torch.device("cpu")
         backend = "gloo"
     if world_size > 1 and not dist.is_initialized():
-        kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds), **kwargs)
+        timeout = timedelta(seconds=timeout_seconds)
+        kwargs: dict = {"device_id": device} if backend == "nccl" else {}
+        store = restart_scoped_store(world_size, timeout)
+        if store is not None:
+            kwargs.update(store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
     return device, rank, world_size
+
+
+def restart_scoped_store(world_size: int, timeout: timedelta) -> Optional[dist.Store]:
+    """Under torchrun, the agent's store seen through a prefix of this restart attempt; None elsewhere.
+
+    torchrun's workers connect to the store of its agent, which outlives them: after ``--max-restarts`` restarts
+    the group, the store still holds the addresses (gloo) or unique ids (NCCL) the previous attempt's ranks
+    published under the same keys, and the new ranks would read those and connect to processes that are gone.
+    Every key of this attempt's process groups lives under ``torchtitan/restart-<TORCHELASTIC_RESTART_COUNT>/``,
+    which no earlier attempt wrote. (Each node's agent counts its own restarts; they agree as long as every failure
+    fails the whole group, which a dead rank does by stopping its peers' collectives.)
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"torchtitan/restart-{attempt}", agent_store)
 
 
 def set_determinism(seed: int, deterministic: bool) -> None:

@@ -15,6 +15,8 @@ Layout of the checkpoint folder::
     .step-30.tmp-1a2b3c/   a save in progress (or one killed mid-way): never loaded, removed at the next start
     superseded/after-step-10-<time>/step-20/   checkpoints of a branch abandoned by a resume from step 10
 
+and beside it ``.<folder name>.lock``, held by rank 0 of the live run using the folder: a second run is refused.
+
 Crash safety: every save writes into a hidden temporary folder; only after all ranks finished writing does rank 0
 rename it to ``step-N`` (atomic on one filesystem) and fsync the parent folder. A checkpoint that is visible is
 therefore complete, and the last good one is never written over. A save whose model or optimizer state holds a
@@ -46,12 +48,13 @@ and always at the last step. ``create_seed_checkpoint`` saves the initial state 
 
 Async mode (``checkpoint.async_mode = "async"``, or ``"async_with_pinned_mem"`` to stage through pinned CPU buffers
 kept from one save to the next): the state is copied to CPU memory on the calling thread, then
-written by a background thread over a dedicated gloo process group (so its collectives never interleave with the
-training loop's). A save waits for the previous one before starting; ``close()`` waits for the last one.
+written by a background thread over a gloo process group of its own (so its collectives never interleave with the
+training loop's, nor with the checkpoint's own decisions on the training thread, such as the seconds broadcast).
+A save waits for the previous one before starting; ``close()`` waits for the last one.
 
 Quantized optimizer state (the low-bit optimizers) is saved as plain float32 tensors made one at a time, and loaded a
-group at a time (``torchtitan.optim.quantized_checkpoint``): a save or load never holds a float32 copy of all of it on
-the device.
+group at a time (``torchtitan.optim.state.quantized_checkpoint``): a save or load never holds a float32 copy of all of
+it on the device.
 
 Job facts: every checkpoint also holds a small plain record of the job that wrote it (optimizer, the options that shape
 its state (``optim.builder.state_signature``), model flavor, parameter count and a digest of the parameter names and

@@ -9,6 +9,10 @@ has one (Linux ``renameat2``); elsewhere the old copy is first renamed to ``.ste
 start puts back if a crash came before the new copy was in place. Either way ``step-N`` names a complete checkpoint,
 old or new, at every point.
 
+One run at a time: global rank 0 of a run holds ``.<folder name>.lock`` beside the folder (a POSIX record lock,
+which the system drops when the process dies, however it dies), so a second run on the folder is refused before
+it touches anything, while a dead run's leftovers are cleaned by the next start as before.
+
 Lineage: a run resumed from step N while newer checkpoints exist starts a new branch. Those newer checkpoints are
 moved to ``superseded/after-step-N-<time>/`` (a marker file lists the moves first, and the next start finishes
 them after a crash), so later saves, ``keep_latest_k`` and automatic resumes see only the branch that ran last.
@@ -18,11 +22,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
+import fcntl
 import json
 import os
 import re
 import secrets
 import shutil
+import socket
 import time
 from typing import Any, Optional
 
@@ -220,3 +227,75 @@ def clean_temporary(folder: str) -> list[str]:
     for name in removed:
         shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     return removed
+
+
+# -- one run per folder -------------------------------------------------------------------------------------------
+
+
+def lock_path(folder: str) -> str:
+    """The lock file of ``folder``: beside it, so that the folder holds checkpoints only."""
+    head, name = os.path.split(os.path.normpath(os.path.abspath(folder)))
+    return os.path.join(head, f".{name}.lock")
+
+
+class FolderLock:
+    """This process's hold on a checkpoint folder (``try_lock_folder``); ``release`` it when the run ends.
+
+    POSIX record locks belong to a process (a forked data-loader worker holds none) and any close of the file in
+    that process drops them, so each process opens a lock file once and counts its holders.
+    """
+
+    _held: dict[str, "FolderLock"] = {}
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self.fd, self.holders = path, fd, 1
+
+    def release(self) -> None:
+        self.holders -= 1
+        if self.holders > 0 or self.fd is None:
+            return
+        FolderLock._held.pop(self.path, None)
+        # Removed while still held: a run that opened this file meanwhile sees it is gone and takes a new one.
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def try_lock_folder(folder: str) -> tuple[Optional[FolderLock], Optional[str]]:
+    """Hold ``folder`` for this process: ``(lock, None)``, or ``(None, who)`` when a live process holds it.
+
+    Raises OSError where the lock file cannot be made or the filesystem keeps no locks.
+    """
+    path = lock_path(folder)
+    held = FolderLock._held.get(path)
+    if held is not None:
+        held.holders += 1
+        return held, None
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                return None, holder or "a process that has not yet said who it is"
+            raise
+        try:
+            same_file = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same_file = False
+        if same_file:
+            break
+        os.close(fd)  # its last holder removed the file between our open and our lock: lock the new one
+    os.ftruncate(fd, 0)
+    os.pwrite(
+        fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0
+    )
+    os.fsync(fd)
+    lock = FolderLock(path, fd)
+    FolderLock._held[path] = lock
+    return lock, None

@@ -7,7 +7,12 @@ A Hugging Face Llama folder holds ``config.json`` and the weights as ``model.saf
 * the rows of the query and key projections. Our rotary embedding rotates consecutive pairs of a head's features
   (``apply_rope``), Hugging Face's rotates feature i with feature i + head_dim/2. The same model therefore stores
   each head's rows in another order: ours ``(pair, 2)``, theirs ``(2, pair)``. ``rows_from_hf`` is that reordering;
-* Hugging Face may tie the output projection to the embedding (no ``lm_head.weight``); we keep two tensors.
+* Hugging Face may tie the output projection to the embedding (``tie_word_embeddings``, no ``lm_head.weight``):
+  a model with ``enable_weight_tying`` loads it as its one tied parameter, an untied model takes a copy for its
+  output projection. A tied model is exported tied.
+
+RoPE scaling of type ``llama3`` (Llama 3.1 and later) maps to ``rope_scaling`` and its factors; any other type is
+refused with one line naming it.
 
 Loading: every rank reads only the slices of the files its shards need, whatever the layout (FSDP, TP, HSDP).
 DCP's Hugging Face storage reader does this for all weights but the query, key and a tied output, whose rows
@@ -91,9 +96,29 @@ def rows_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 # config.json
 
 
+# Hugging Face's RoPE types that mean what our model.rope_scaling does.
+_ROPE_TYPES = {"default": "none", "llama3": "llama3"}
+
+
+def _rope_parameters(args: ModelArgs) -> dict[str, Any]:
+    """Hugging Face's ``rope_parameters`` of our model (transformers 5; earlier versions read ``rope_scaling``)."""
+    if args.rope_scaling == "none":
+        return {"rope_type": "default", "rope_theta": args.rope_theta}
+    return {
+        "rope_type": "llama3",
+        "rope_theta": args.rope_theta,
+        "factor": args.rope_scaling_factor,
+        "low_freq_factor": args.rope_low_freq_factor,
+        "high_freq_factor": args.rope_high_freq_factor,
+        "original_max_position_embeddings": args.rope_original_max_seq_len,
+    }
+
+
 def hf_config(args: ModelArgs, dtype: torch.dtype, token_ids: Optional[dict[str, int]] = None) -> dict[str, Any]:
     """The ``config.json`` of a ``LlamaForCausalLM`` with our model's shape (and ``bos_token_id`` / ``eos_token_id``
     from ``token_ids``: transformers' defaults are not Llama 3's)."""
+    rope = _rope_parameters(args)
+    scaling = None if args.rope_scaling == "none" else {k: v for k, v in rope.items() if k != "rope_theta"}
     return {
         **(token_ids or {}),
         "architectures": ["LlamaForCausalLM"],
@@ -107,12 +132,13 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, token_ids: Optional[dict[str,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_parameters": rope,
+        "rope_scaling": scaling,
         "max_position_embeddings": args.max_seq_len,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.enable_weight_tying,
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
 
@@ -129,11 +155,22 @@ def _shape_facts(config: dict[str, Any]) -> dict[str, Any]:
         "ffn": config.get("intermediate_size"),
         "vocab": config.get("vocab_size"),
         "rope_theta": float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        "rope_scaling": rope.get("rope_type", rope.get("type", "default")),
+        "rope_scaling": _rope_type(rope),
+        "rope_scaling_factors": _llama3_factors(rope) if _rope_type(rope) == "llama3" else None,
         "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
         "biases": bool(config.get("attention_bias") or config.get("mlp_bias")),
         "activation": config.get("hidden_act", "silu"),
     }
+
+
+def _rope_type(rope: dict[str, Any]) -> str:
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def _llama3_factors(rope: dict[str, Any]) -> tuple:
+    """(factor, low_freq_factor, high_freq_factor, original context) of a llama3 RoPE scaling."""
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return tuple(float(rope[key]) if key in rope else None for key in keys)
 
 
 def _describe(facts: dict[str, Any]) -> str:
@@ -144,6 +181,11 @@ def _describe(facts: dict[str, Any]) -> str:
     )
     if facts["rope_scaling"] != "default":
         text += f", rope scaling {facts['rope_scaling']}"
+    if facts["rope_scaling_factors"] is not None:
+        factor, low, high, context = (
+            f"{value:g}" if value is not None else "unset" for value in facts["rope_scaling_factors"]
+        )
+        text += f" (factor {factor}, low/high frequency factors {low}/{high}, original context {context})"
     if facts["biases"]:
         text += ", biases"
     if facts["activation"] != "silu":
@@ -167,10 +209,21 @@ def check_hf_config(path: str, args: ModelArgs) -> None:
             "checkpoint.initial_load_path at a Hugging Face Llama folder"
         )
     theirs, ours = _shape_facts(config), _shape_facts(hf_config(args, torch.float32))
+    if theirs["rope_scaling"] not in _ROPE_TYPES:
+        raise UserError(
+            f"{config_path} uses RoPE scaling {theirs['rope_scaling']!r}, which this project does not implement "
+            f"(it implements {' and '.join(_ROPE_TYPES)}); those weights cannot be trained here"
+        )
     if theirs != ours:
         raise UserError(
-            f"{config_path} describes a Llama with {_describe(theirs)}; this job's model (model.flavor, vocabulary "
-            f"from the tokenizer) has {_describe(ours)}; pick the flavor and tokenizer of those weights"
+            f"{config_path} describes a Llama with {_describe(theirs)}; this job's model (model.flavor and "
+            f"model.rope_* options, vocabulary from the tokenizer) has {_describe(ours)}; pick the flavor and "
+            "tokenizer of those weights"
+        )
+    if args.enable_weight_tying and not config.get("tie_word_embeddings", False):
+        raise UserError(
+            f"{config_path} describes a Llama with its own output projection (tie_word_embeddings false); this "
+            "job's model ties it to the embedding; set --model.enable_weight_tying false"
         )
 
 

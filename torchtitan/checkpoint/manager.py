@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from torchtitan.checkpoint import hf
+import torchtitan.checkpoint.hf as hf
 from torchtitan.checkpoint.codec import decode_plain, encode_plain
 from torchtitan.checkpoint.folders import (
     DEFAULT_FOLDER,
@@ -39,6 +40,7 @@ from torchtitan.checkpoint.folders import (
     set_aside_newer,
     step_folder,
     temporary_name,
+    try_lock_folder,
     weights_folder,
 )
 from torchtitan.checkpoint.safe_reading import (
@@ -56,7 +58,7 @@ from torchtitan.guard import (
 )
 from torchtitan.logging import logger
 from torchtitan.optim.builder import OPTION_RULES, resolve_optimizer_name, state_signature
-from torchtitan.optim.quantized_checkpoint import (
+from torchtitan.optim.state.quantized_checkpoint import (
     QuantizedStateSavePlanner,
     entry_sources,
     read_in_groups,
@@ -67,6 +69,20 @@ from torchtitan.utils import DTYPES
 MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER = "model", "optimizer", "lr_schedulers", "dataloader"
 JOB_FACTS = "job_facts"
 RESERVED_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER, JOB_FACTS)
+
+
+def model_state_of(part: nn.Module) -> dict[str, Any]:
+    """``get_model_state_dict(part)`` with each tied weight once (under the embedding's name)."""
+    state = get_model_state_dict(part)
+    for repeated in getattr(part, "tied_weights", dict)():
+        state.pop(repeated, None)
+    return state
+
+
+def load_model_state(part: nn.Module, state: dict[str, Any]) -> None:
+    """``set_model_state_dict`` of a state from ``model_state_of``: the tied entries point at their source again."""
+    tied = getattr(part, "tied_weights", dict)()
+    set_model_state_dict(part, {**state, **{repeated: state[source] for repeated, source in tied.items()}})
 
 
 def job_facts(job_config: Any, model_state: dict[str, Any]) -> dict[str, Any]:
@@ -202,16 +218,23 @@ class CheckpointManager:
         self._pending: Optional[tuple[Any, str, str]] = None  # (future, temporary folder, final folder)
         self._last_saved_step = -1  # the newest step saved or being saved (a save in flight included)
         self._last_published_step = -1  # the newest step known to be visible as a complete checkpoint
-        self._group = None
+        self._release_folder = None  # lets go of rank 0's hold on the folder (see _lock_folder)
+        self._group = None  # the manager's collectives on the training thread
+        self._save_group = None  # an async save's collectives, on DCP's background thread
         if not (self.enabled or self.export_enabled or self.hf_export_enabled):
             return
         if dist.is_initialized():
-            # Our own gloo group: async saves talk on it from a background thread without interleaving with the
-            # training loop's collectives, and CPU tensors can coordinate ranks whatever the main backend is.
-            # Its collectives wait as long as the default group's (comm.init_timeout_seconds), not torch's default.
+            # Our own gloo groups: CPU tensors coordinate ranks whatever the main backend is, and nothing here
+            # interleaves with the training loop's collectives. An async save talks from a background thread while
+            # the loop goes on deciding the next save (``_due``): each thread gets its group, since collectives of
+            # two threads on one group meet in a different order on different ranks. Their collectives wait as long
+            # as the default group's (comm.init_timeout_seconds), not torch's default.
             timeout = timedelta(seconds=job_config.comm.init_timeout_seconds)
             self._group = dist.new_group(backend="gloo", timeout=timeout)
+            if self.async_enabled:
+                self._save_group = dist.new_group(backend="gloo", timeout=timeout)
         self.check_writable()
+        self._lock_folder()
         if self.rank == 0:
             for note in recover(self.folder):
                 logger.info(f"checkpoint: in {self.folder}: {note}")
@@ -243,6 +266,27 @@ class CheckpointManager:
             raise UserError(
                 f"checkpoint folder '{self.folder}' is not writable ({problem or 'on another rank'}); fix its "
                 "permissions or point checkpoint.folder / job.dump_folder at a writable folder"
+            )
+
+    def _lock_folder(self) -> None:
+        """Refuse (on every rank) a folder another live run uses: its start-up would remove that run's save in
+        progress. Rank 0 alone holds the lock, whatever the number of nodes (see ``folders.try_lock_folder``)."""
+        holder = None
+        if self.rank == 0:
+            try:
+                lock, holder = try_lock_folder(self.folder)
+                if lock is not None:
+                    # Released once: by close(), or when a manager dropped without it (a tool's, a test's) is freed.
+                    self._release_folder = weakref.finalize(self, lock.release)
+            except OSError as e:
+                logger.warning(
+                    f"checkpoint: cannot lock {self.folder} ({e.strerror or e}); a second run started on this folder "
+                    "would not be refused"
+                )
+        if self._any_rank(holder is not None):
+            raise UserError(
+                f"checkpoint folder '{self.folder}' is in use by another run ({holder or 'as rank 0 found'}); wait "
+                "for it to end, or give this run another checkpoint.folder"
             )
 
     def load(self, step: int = -1) -> bool:
@@ -305,7 +349,8 @@ class CheckpointManager:
         """Whether ``step`` saves: every ``interval`` steps, or once ``interval`` seconds passed on rank 0's clock.
 
         Clocks differ between ranks, so rank 0 decides and broadcasts on the checkpoint's gloo group (a CPU tensor,
-        which that backend reduces): all ranks save together or none does.
+        which that backend reduces): all ranks save together or none does. An async save in flight talks on its own
+        group meanwhile, so the two never interleave.
         """
         if force:
             return True
@@ -388,6 +433,8 @@ class CheckpointManager:
             self._stager.close()
             self._stager = None
         self._barrier()
+        if self._release_folder is not None:
+            self._release_folder()
 
     # -- saving ----------------------------------------------------------------------------------------------------
 
@@ -412,7 +459,7 @@ class CheckpointManager:
                     state,
                     storage_writer=writer,
                     planner=QuantizedStateSavePlanner(),
-                    process_group=self._group,
+                    process_group=self._save_group,
                     **extra,
                 )
             # Newer torch may return a response whose upload_completion is the future to wait on.
@@ -500,7 +547,7 @@ class CheckpointManager:
     def _model_state(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for part in self.model_parts:
-            merged.update(get_model_state_dict(part))
+            merged.update(model_state_of(part))
         return merged
 
     # -- loading ---------------------------------------------------------------------------------------------------
@@ -536,12 +583,12 @@ class CheckpointManager:
     def _initial_load_hf(self) -> bool:
         """Start from the weights of the Hugging Face folder ``checkpoint.initial_load_path``."""
         begin = time.perf_counter()
-        part_states = [get_model_state_dict(part) for part in self.model_parts]
+        part_states = [model_state_of(part) for part in self.model_parts]
         merged = {k: v for part_state in part_states for k, v in part_state.items()}
         with _single_process_quiet():
             hf.load_hf_weights(merged, self.initial_load_path, self.model_parts[0].args, self._group)
         for part, part_state in zip(self.model_parts, part_states):
-            set_model_state_dict(part, {k: merged[k] for k in part_state})
+            load_model_state(part, {k: merged[k] for k in part_state})
         logger.info(
             f"checkpoint: started from the Hugging Face weights in {self.initial_load_path} in "
             f"{time.perf_counter() - begin:.2f} s; optimizer state, lr schedule, data position and step are fresh"
@@ -576,7 +623,7 @@ class CheckpointManager:
 
     def _load_model_from(self, path: str) -> Optional[dict[str, Any]]:
         """Load the model weights of the checkpoint at ``path`` only; its job facts (None for older checkpoints)."""
-        part_states = [get_model_state_dict(part) for part in self.model_parts]
+        part_states = [model_state_of(part) for part in self.model_parts]
         state: dict[str, Any] = {MODEL: {k: v for part_state in part_states for k, v in part_state.items()}}
         reader = SafeFileSystemReader(path)
         metadata = reader.read_metadata()
@@ -584,11 +631,11 @@ class CheckpointManager:
         with _single_process_quiet():
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
         for part, part_state in zip(self.model_parts, part_states):
-            set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
+            load_model_state(part, {k: state[MODEL][k] for k in part_state})
         return saved
 
     def _load_from(self, path: str) -> None:
-        part_states = [get_model_state_dict(part) for part in self.model_parts]
+        part_states = [model_state_of(part) for part in self.model_parts]
         optimizer_state = self.optimizers.state_dict()
         state: dict[str, Any] = {
             MODEL: {k: v for part_state in part_states for k, v in part_state.items()},
@@ -604,7 +651,7 @@ class CheckpointManager:
         read_in_groups(state, lambda part: self._read_part(path, part), agree_on_count=self._max_over_ranks)
 
         for part, part_state in zip(self.model_parts, part_states):
-            set_model_state_dict(part, {k: state[MODEL][k] for k in part_state})
+            load_model_state(part, {k: state[MODEL][k] for k in part_state})
         self.optimizers.load_state_dict(optimizer_state)
         plain = {name: decode_plain(state[name].numpy().tobytes()) for name in plain_names}
         for name, obj in self._plain_objects().items():

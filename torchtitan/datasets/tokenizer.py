@@ -1,9 +1,12 @@
-"""Tokenizers: Llama 3 style tiktoken BPE files and sentencepiece models, behind one small interface.
+"""Tokenizers: Llama 3 style tiktoken BPE files, sentencepiece models and Hugging Face ``tokenizer.json`` files,
+behind one small interface.
 
-``build_tokenizer(path)`` tells the two formats apart by content: a tiktoken file is text lines of
-``<base64 token> <rank>``, a sentencepiece model is a binary protocol buffer. The tiktoken tokenizer follows Llama 3:
-its pre-tokenization pattern, and 256 special tokens (``<|begin_of_text|>``, ``<|end_of_text|>``, reserved ones, ...)
-numbered right after the BPE ranks, so Meta's ``tokenizer.model`` (128,000 ranks) gives 128,256 ids.
+``build_tokenizer(path)`` tells the formats apart: a folder (a downloaded Hugging Face model) or a ``*.json`` file
+is a Hugging Face tokenizer, read by the ``tokenizers`` library; otherwise, by content, a tiktoken file is text
+lines of ``<base64 token> <rank>`` and a sentencepiece model a binary protocol buffer. The tiktoken tokenizer
+follows Llama 3: its pre-tokenization pattern, and 256 special tokens (``<|begin_of_text|>``, ``<|end_of_text|>``,
+reserved ones, ...) numbered right after the BPE ranks, so Meta's ``tokenizer.model`` (128,000 ranks) gives 128,256
+ids; the ``tokenizer.json`` of the same model gives the same ids.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 import os
 import re
 from abc import ABC, abstractmethod
@@ -188,6 +192,73 @@ class SentencePieceTokenizer(Tokenizer):
         return self._processor.decode([int(i) for i in ids])
 
 
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def _token_content(value) -> str | None:
+    """A token as tokenizer_config.json writes it: a string, or a dict with its "content"."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` (a file, or the one in a model folder), read by ``tokenizers``.
+
+    As for the tiktoken file: text that spells a special token is encoded as plain text, and only ``bos=True`` /
+    ``eos=True`` produce special ids (the file's own post-processor, which would add BOS, is not applied). BOS and
+    EOS are Llama 3's ``<|begin_of_text|>`` and ``<|end_of_text|>`` when the vocabulary has them (the document
+    boundaries Llama 3 was pre-trained with), else the ``bos_token`` / ``eos_token`` of ``tokenizer_config.json``.
+    """
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        file = os.path.join(path, HF_TOKENIZER_FILE) if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise UserError(
+                f"model.tokenizer_path '{path}' is a folder without {HF_TOKENIZER_FILE}; point it at a Hugging Face "
+                "model folder, a tokenizer.json, or a tiktoken / sentencepiece file"
+            )
+        try:
+            self._tokenizer = RustTokenizer.from_file(file)
+        except Exception as error:  # noqa: BLE001 - the library raises plain Exceptions for unparsable files
+            raise UserError(f"model.tokenizer_path '{file}' is not a Hugging Face tokenizer.json ({error})") from None
+        self._tokenizer.encode_special_tokens = True
+        self.n_words = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        configured = self._configured_tokens(folder)
+        self.bos_id = self._special_id(file, BOS_TOKEN, configured.get("bos_token"), "bos_token")
+        self.eos_id = self._special_id(file, EOS_TOKEN, configured.get("eos_token"), "eos_token")
+
+    @staticmethod
+    def _configured_tokens(folder: str) -> dict:
+        config = os.path.join(folder, HF_TOKENIZER_CONFIG)
+        if not os.path.isfile(config):
+            return {}
+        try:
+            with open(config) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as error:
+            raise UserError(f"cannot read {config} ({error}); fix or remove it") from None
+        return {key: _token_content(data.get(key)) for key in ("bos_token", "eos_token") if data.get(key)}
+
+    def _special_id(self, file: str, llama3_token: str, configured: str | None, what: str) -> int:
+        for token in (llama3_token, configured):
+            if token is not None and self._tokenizer.token_to_id(token) is not None:
+                return self._tokenizer.token_to_id(token)
+        raise UserError(
+            f"model.tokenizer_path '{file}' has no {llama3_token} and no {what} in a {HF_TOKENIZER_CONFIG} next to "
+            f"it; add {HF_TOKENIZER_CONFIG} with its {what}"
+        )
+
+    def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
 def looks_like_tiktoken(path: str) -> bool:
     """True when the file starts with a ``<base64 token> <rank>`` line (a sentencepiece model is binary)."""
     with open(path, "rb") as f:
@@ -195,17 +266,29 @@ def looks_like_tiktoken(path: str) -> bool:
     return _TIKTOKEN_LINE.match(first_line.rstrip(b"\n")) is not None
 
 
+TOKENIZER_TYPES = ("auto", "tiktoken", "sentencepiece", "huggingface")
+
+
 def build_tokenizer(path: str, kind: str = "auto") -> Tokenizer:
-    """The tokenizer stored at ``path``; ``kind`` is "auto" (detect by content), "tiktoken" or "sentencepiece"."""
-    if kind not in ("auto", "tiktoken", "sentencepiece"):
-        raise UserError(f"model.tokenizer_type '{kind}' is unknown; choose auto, tiktoken or sentencepiece")
+    """The tokenizer stored at ``path``; ``kind`` is "auto" (a folder or ``*.json`` file: Hugging Face; otherwise
+    detected by content), "tiktoken", "sentencepiece" or "huggingface"."""
+    if kind not in TOKENIZER_TYPES:
+        raise UserError(f"model.tokenizer_type '{kind}' is unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
     if not os.path.exists(path):
         raise UserError(
-            f"model.tokenizer_path '{path}' does not exist; point it at a tiktoken BPE or sentencepiece model file"
+            f"model.tokenizer_path '{path}' does not exist; point it at a Hugging Face model folder, a "
+            "tokenizer.json, or a tiktoken BPE or sentencepiece model file"
         )
-    if os.path.isdir(path):
-        raise UserError(f"model.tokenizer_path '{path}' is a folder; point it at the tokenizer file inside it")
+    if kind == "auto" and (os.path.isdir(path) or path.endswith(".json")):
+        kind = "huggingface"
+    if os.path.isdir(path) and kind != "huggingface":
+        raise UserError(
+            f"model.tokenizer_path '{path}' is a folder, which only a Hugging Face tokenizer can be; point it at "
+            f"the {kind} file inside it"
+        )
     try:
+        if kind == "huggingface":
+            return HFTokenizer(path)
         if kind == "auto":
             kind = "tiktoken" if looks_like_tiktoken(path) else "sentencepiece"
         return TikTokenizer(path) if kind == "tiktoken" else SentencePieceTokenizer(path)

@@ -46,6 +46,7 @@ def format_table(e: Estimate) -> str:
     baseline = e.optimizers[0] if e.optimizers else None
     header = (
         "optimizer",
+        "implementation",
         "parameters",
         "gradients",
         "optimizer state",
@@ -66,6 +67,7 @@ def format_table(e: Estimate) -> str:
         rows.append(
             (
                 o.label,
+                o.implementation,
                 amount(o.params),
                 amount(o.gradients),
                 amount(o.optimizer_state),
@@ -79,7 +81,7 @@ def format_table(e: Estimate) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     aligned = [
         "  ".join(
-            c.ljust(w) if i in (0, len(header) - 1) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+            c.ljust(w) if i in (0, 1, len(header) - 1) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
         ).rstrip()
         for r in [header, *rows]
     ]
@@ -95,6 +97,10 @@ def format_table(e: Estimate) -> str:
     lines.append(
         "peak saving: the most live tensor memory while a checkpoint is saved after a step (parameters, gradients, "
         "optimizer state, and a low-bit optimizer's float32 values of one state tensor at a time)."
+    )
+    lines.append(
+        "implementation: the optimizer step simulated; with optimizer.implementation unset, torch's AdamW takes "
+        "foreach on CUDA (its temporaries each the size of a whole state list) and its per-tensor loop on CPU."
     )
     lines += [f"note: {note}" for note in e.notes]
     lines.append("not included: " + "; ".join(NOT_INCLUDED) + ".")

@@ -17,7 +17,7 @@ import itertools
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,13 +40,16 @@ from torchtitan.optim.builder import (
 )
 from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.hyperparameters import OPTIONAL_OPTIONS
-from torchtitan.optim.quantized_checkpoint import QuantizedEntry
-from torchtitan.optim.torchao_adapter import import_torchao_optim
+from torchtitan.optim.state.quantized_checkpoint import QuantizedEntry
+from torchtitan.optim.state.torchao_import import import_torchao_optim
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 _CUDA_BLOCK_BYTES = 512
 
 _LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamMini8bit", "AdamMini4bit")
+# Optimizers whose step is (or, for Muon, includes) torch's AdamW/Adam, whose implementation torch chooses by device
+# when ``optimizer.implementation`` is unset.
+_TORCH_ADAM = ("AdamW", "Adam", "Muon")
 
 _LAYOUT_NAMES = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP"}
 
@@ -65,6 +68,7 @@ class OptimizerEstimate:
     peak_breakdown: dict[str, int]
     state_source: str
     options: dict[str, Any] = field(default_factory=dict)  # the optional [optimizer] options it was built with
+    implementation: str = ""  # the optimizer step's implementation that was simulated (see simulated_implementation)
     checkpoint_save_peak: int = 0  # the most live tensor memory while a checkpoint is saved after the step
 
     @property
@@ -150,7 +154,7 @@ def vocab_size(job_config: JobConfig, notes: list[str]) -> int:
     if chosen > 0:
         return chosen
     path = job_config.model.tokenizer_path
-    if os.path.isfile(path):
+    if os.path.exists(path):  # a tokenizer file, or a Hugging Face model folder
         from torchtitan.datasets import build_tokenizer
 
         return build_tokenizer(path, job_config.model.tokenizer_type).n_words
@@ -191,6 +195,41 @@ def job_for_optimizer(job_config: JobConfig, choice: OptimizerChoice, notes: lis
     for key, value in choice.options:
         set_option(job, f"optimizer.{key}", value)
     return job
+
+
+def torch_default_implementation(job_config: JobConfig, device: str) -> Optional[str]:
+    """The implementation torch's AdamW/Adam takes when ``optimizer.implementation`` is unset, on ``device``: foreach
+    on CUDA (torch's default for CUDA tensors, DTensors included; our trainer keeps it), the per-tensor loop on CPU.
+    None where the job's step is not torch's kernels with an unset implementation (Adam-mini, torchao's optimizers,
+    and our compiled step for bf16 weights or moments other than float32)."""
+    o = job_config.optimizer
+    if o.name not in _TORCH_ADAM or o.implementation is not None:
+        return None
+    if (o.state_dtype or "float32") != "float32" or job_config.training.param_dtype == "bfloat16":
+        return None
+    return "foreach" if device == "cuda" else "for-loop"
+
+
+def simulated_implementation(job_config: JobConfig, device: str) -> str:
+    """The optimizer step's implementation that a run of ``job_config`` on ``device`` takes, as estimate rows name
+    it (for Muon, that of its AdamW part)."""
+    o = job_config.optimizer
+    prefix = "AdamW part: " if o.name == "Muon" else ""
+    if o.name in _TORCH_ADAM:
+        default = torch_default_implementation(job_config, device)
+        if default is not None:
+            return f"{prefix}{default} (torch's default on {device.upper()})"
+        if o.implementation is not None:
+            return f"{prefix}{o.implementation}"
+        return (
+            f"{prefix}compiled step ({o.state_dtype or 'float32'} moments, {job_config.training.param_dtype} weights)"
+        )
+    if o.name in ("AdamMini", "AdamMini8bit", "AdamMini4bit"):
+        if o.implementation is not None:
+            return o.implementation
+        chosen = "foreach" if job_config.training.param_dtype == "float64" else "fused"
+        return f"{chosen} (AdamMini's default)"
+    return "torchao's compiled step"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -317,12 +356,23 @@ def estimate_optimizer(
     batches,
     round_to: int,
     warm_up: bool = False,
+    device: str = "cpu",
 ) -> OptimizerEstimate:
     """Build the job's optimizer on ``model``, create its state, and track one training step.
 
     ``warm_up`` runs one untracked step first: FSDP2 sets itself up during the first step of a model (its gathered
     parameters start as plain new tensors there, later as resized storages), and the estimate is of a steady step.
+    ``device`` is the simulated training's (``memory_estimation.device``): the fake tensors live on the CPU, where
+    torch's AdamW would take its per-tensor loop, so an unset implementation is built as the one torch takes on
+    ``device`` (foreach on CUDA, whose temporaries are each the size of a whole state list).
     """
+    options = {key: getattr(job_config.optimizer, key) for key in OPTIONAL_OPTIONS}
+    options = {key: value for key, value in options.items() if value is not None}
+    implementation = simulated_implementation(job_config, device)
+    default = torch_default_implementation(job_config, device)
+    if default is not None:
+        job_config = copy.deepcopy(job_config)
+        job_config.optimizer.implementation = default
     optimizers = build_optimizers([model], job_config)
     optimizers.initialise_state()  # with the optimizer's own code
     state_bytes = optimizers.state_bytes()
@@ -352,11 +402,8 @@ def estimate_optimizer(
         peak_phase=tracker.peak_phase,
         peak_breakdown=dict(tracker.peak_breakdown),
         state_source=_state_source(optimizers.name),
-        options={
-            key: getattr(job_config.optimizer, key)
-            for key in OPTIONAL_OPTIONS
-            if getattr(job_config.optimizer, key) is not None
-        },
+        options=options,
+        implementation=implementation,
         checkpoint_save_peak=save_peak,
     )
     for p in model.parameters():
@@ -430,7 +477,15 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
             for index, choice in enumerate(choices):
                 optimizer_job = job_for_optimizer(job, choice, notes)
                 estimate.optimizers.append(
-                    estimate_optimizer(model, optimizer_job, parallel_dims, batches, round_to, warm_up=index == 0)
+                    estimate_optimizer(
+                        model,
+                        optimizer_job,
+                        parallel_dims,
+                        batches,
+                        round_to,
+                        warm_up=index == 0,
+                        device=settings.device,
+                    )
                 )
     return estimate
 

@@ -1,22 +1,94 @@
-"""Optimizers: Adam-mini, the optimizer registry (``build_optimizers``) and the container the trainer uses.
+"""Optimizers for the trainer, in layers that only import downwards.
 
-The names below are imported on first use, so that the torch-free modules of this package (``hyperparameters``,
-``partition``) can be imported by the job config without importing torch.
+On top, what the trainer calls:
+
+- ``builder``: the registry. ``build_optimizers`` turns ``[optimizer]`` into one optimizer per model part; the
+  ``OPTIMIZERS`` table maps each ``optimizer.name`` to its builder.
+- ``container``: ``OptimizersContainer``, the optimizers of all model parts as one (loop, schedulers, checkpoints).
+- ``hyperparameters``: the ``[optimizer]`` options, read and checked (torch-free: the job config checks them too).
+
+One package per optimizer family:
+
+- ``adam_mini``: Adam-mini (block partition, blocks on a shard, block statistics, foreach and fused back ends).
+- ``muon``: the Muon family (the update with its AdamW part; Newton–Schulz on sharded matrices).
+- ``lowbit``: AdamW with moments in another dtype than the weights (``adamw``); torchao's 8-bit, 4-bit and FP8
+  AdamW, adapted (``torchao_adapter``).
+
+Below them, ``state``: how optimizer state is stored (float32, bfloat16, quantized), made before the first step, and
+checkpointed one quantized tensor at a time. ``compiled_slices`` runs compiled steps for the back ends that compile.
+
+The names below are imported on first use, so that importing ``hyperparameters`` or ``adam_mini.partition`` does
+not import torch. A module of the former flat layout (``torchtitan.optim.state.storage``, ...) fails to import with
+one line naming its new home.
 """
 
 import importlib
+import importlib.abc
+import sys
+from typing import Any, Callable, Optional
 
 _HOMES = {
-    "AdamMini": "torchtitan.optim.adam_mini",
+    "AdamMini": "torchtitan.optim.adam_mini.optimizer",
+    "LowPrecisionAdam": "torchtitan.optim.lowbit.adamw",
+    "Muon": "torchtitan.optim.muon.optimizer",
+    "NorMuon": "torchtitan.optim.muon.normuon",
     "OptimizersContainer": "torchtitan.optim.container",
     "build_optimizers": "torchtitan.optim.builder",
 }
 
 __all__ = list(_HOMES)
 
+# The modules of the former flat layout, and where each one lives now.
+MOVED_MODULES = {
+    "torchtitan.optim.adam_mini.foreach": "torchtitan.optim.adam_mini.foreach",
+    "torchtitan.optim.adam_mini.fused": "torchtitan.optim.adam_mini.fused",
+    "torchtitan.optim.adam_mini.layout": "torchtitan.optim.adam_mini.layout",
+    "torchtitan.optim.adam_mini.statistics": "torchtitan.optim.adam_mini.statistics",
+    "torchtitan.optim.adam_mini.partition": "torchtitan.optim.adam_mini.partition",
+    "torchtitan.optim.muon.distributed": "torchtitan.optim.muon.distributed",
+    "torchtitan.optim.lowbit.adamw": "torchtitan.optim.lowbit.adamw",
+    "torchtitan.optim.lowbit.torchao_adapter": "torchtitan.optim.lowbit.torchao_adapter",
+    "torchtitan.optim.state.storage": "torchtitan.optim.state.storage",
+    "torchtitan.optim.state.initialise": "torchtitan.optim.state.initialise",
+    "torchtitan.optim.state.quantized_checkpoint": "torchtitan.optim.state.quantized_checkpoint",
+    "torchtitan.optim.normuon": "torchtitan.optim.muon.normuon",
+}
 
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(home), name)
+
+def lazy_names(package: str, homes: dict[str, str], former: Optional[str] = None) -> Callable[[str], Any]:
+    """A ``__getattr__`` for ``package`` that imports each name of ``homes`` from its module on first use.
+
+    ``former`` is the module that ``package``'s name was before it became a package: a name that module holds, asked
+    of the package, fails with one line saying where to import it from; so does a module of the former flat layout
+    (``from torchtitan.optim import partition``).
+    """
+
+    def __getattr__(name: str) -> Any:
+        home = homes.get(name)
+        if home is not None:
+            return getattr(importlib.import_module(home), name)
+        moved = MOVED_MODULES.get(f"{package}.{name}")
+        if moved is not None:
+            raise ImportError(f"{package}.{name} moved to {moved}: import it from there")
+        if former is not None and not name.startswith("__") and hasattr(importlib.import_module(former), name):
+            raise ImportError(f"{package} is a package now: import {name} from {former}")
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+__getattr__ = lazy_names(__name__, _HOMES)
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """Asked after every real finder, so only for a module that does not exist: one line naming its new home."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        home = MOVED_MODULES.get(fullname)
+        if home is not None:
+            raise ModuleNotFoundError(f"{fullname} moved to {home}: import it from there", name=fullname)
+        return None
+
+
+if not any(type(finder).__name__ == _MovedModuleFinder.__name__ for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModuleFinder())

@@ -22,11 +22,12 @@ from torchtitan.optim.hyperparameters import (
     BLOCK_SIZE,
     IMPLEMENTATION,
     MUON_OPTIONS,
+    NORMUON_OPTIONS,
     STATE_DTYPE,
     VALUE_BLOCKS,
     Hyperparameters,
 )
-from torchtitan.optim.torchao_adapter import low_bit_class, portable_quantized_state
+from torchtitan.optim.lowbit.torchao_adapter import low_bit_class, portable_quantized_state
 
 _LOW_BIT_OPTIONS = frozenset({BLOCK_SIZE, BF16_STOCHASTIC_ROUND})
 
@@ -35,7 +36,7 @@ def check_hyperparameters(kind: "OptimizerKind", hp: Hyperparameters, weights_dt
     """Raise UserError for values torch's Adam refuses and for options the chosen optimizer does not take
     (``weights_dtype``: ``training.param_dtype``, where known)."""
     hp.check()
-    if kind.name in ("AdamW", "Adam", "Muon") and weights_dtype == "bfloat16":  # Muon: its AdamW part
+    if kind.name in ("AdamW", "Adam", "Muon", "NorMuon") and weights_dtype == "bfloat16":  # Muon: its AdamW part
         _check_own_step_for_bfloat16_weights(hp)
     for option in sorted(hp.options_set() - kind.options):
         users = sorted(k.name for k in OPTIMIZERS.values() if option in k.options)
@@ -80,7 +81,7 @@ def _low_precision_adam(
     if state_dtype == "float32" and not low_precision_weights:
         return None
     _check_own_step_for_bfloat16_weights(hp)
-    from torchtitan.optim.adamw_low_precision import LowPrecisionAdam
+    from torchtitan.optim.lowbit.adamw import LowPrecisionAdam
 
     return LowPrecisionAdam(
         params,
@@ -135,27 +136,34 @@ def _build_adam(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
     )
 
 
-def _build_muon(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
-    """Muon on the hidden matrices; AdamW, exactly as ``optimizer.name = "AdamW"`` has it, on everything else."""
-    from torchtitan.optim.muon import Muon, log_split, split_hidden_matrices
+def _muon_family_factory(name: str) -> Callable[[nn.Module, Hyperparameters], torch.optim.Optimizer]:
+    """Muon or NorMuon on the hidden matrices; AdamW, exactly as ``optimizer.name = "AdamW"`` has it, on everything
+    else."""
 
-    roles = model.named_param_roles() if hasattr(model, "named_param_roles") else None
-    matrices, others = split_hidden_matrices(model.named_parameters(), roles)
-    if not matrices:
-        raise UserError(
-            f"Muon found no hidden matrices in {type(model).__name__} (2-D query, key, value, attention output or "
-            "MLP weights, by declared role or name); use AdamW for this model"
+    def build(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
+        from torchtitan.optim.muon.normuon import NorMuon
+        from torchtitan.optim.muon.optimizer import Muon, log_split, split_hidden_matrices
+
+        roles = model.named_param_roles() if hasattr(model, "named_param_roles") else None
+        matrices, others = split_hidden_matrices(model.named_parameters(), roles)
+        if not matrices:
+            raise UserError(
+                f"{name} found no hidden matrices in {type(model).__name__} (2-D query, key, value, attention output "
+                "or MLP weights, by declared role or name); use AdamW for this model"
+            )
+        log_split(matrices, others)
+        # Options left unset take the optimizer's own defaults; [optimizer] names them as its constructor does.
+        own = (*MUON_OPTIONS, STATE_DTYPE) + (NORMUON_OPTIONS if name == "NorMuon" else ())
+        chosen = {option: getattr(hp, option) for option in own if getattr(hp, option) is not None}
+        return {"Muon": Muon, "NorMuon": NorMuon}[name](
+            [p for _, p in matrices],
+            lr=hp.lr,
+            weight_decay=hp.weight_decay,
+            others=_adamw_over([p for _, p in others], hp) if others else None,
+            **chosen,
         )
-    log_split(matrices, others)
-    # Options left unset take Muon's own defaults; [optimizer] names them as Muon's constructor does.
-    chosen = {name: getattr(hp, name) for name in (*MUON_OPTIONS, STATE_DTYPE) if getattr(hp, name) is not None}
-    return Muon(
-        [p for _, p in matrices],
-        lr=hp.lr,
-        weight_decay=hp.weight_decay,
-        others=_adamw_over([p for _, p in others], hp) if others else None,
-        **chosen,
-    )
+
+    return build
 
 
 def _adam_mini_factory(quantized: Optional[str]) -> Callable[[nn.Module, Hyperparameters], torch.optim.Optimizer]:
@@ -174,7 +182,7 @@ def _adam_mini_factory(quantized: Optional[str]) -> Callable[[nn.Module, Hyperpa
 
 
 def _build_adam_mini(model: nn.Module, hp: Hyperparameters, **storage: Any) -> torch.optim.Optimizer:
-    from torchtitan.optim.adam_mini import AdamMini
+    from torchtitan.optim.adam_mini.optimizer import AdamMini
 
     args = getattr(model, "args", None)
     if args is None or not hasattr(model, "named_param_roles"):
@@ -245,6 +253,8 @@ OPTION_RULES: dict[str, OptionRule] = {
     # Muon's update rule (momentum, Nesterov, Newton-Schulz steps and dtype, lr scale): one momentum buffer whatever
     # they are.
     **{option: OptionRule(shapes_state=False) for option in MUON_OPTIONS},
+    # NorMuon's per-row second moment (its decay and epsilon): one value per row whatever they are.
+    **{option: OptionRule(shapes_state=False) for option in NORMUON_OPTIONS},
 }
 
 
@@ -276,7 +286,12 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
         OptimizerKind("AdamW4bit", _low_bit_factory("AdamW4bit"), _LOW_BIT_OPTIONS),
         OptimizerKind("AdamWFp8", _low_bit_factory("AdamWFp8"), _LOW_BIT_OPTIONS),
         # implementation and state_dtype apply to its AdamW part as to AdamW (state_dtype also to the momentum).
-        OptimizerKind("Muon", _build_muon, frozenset({IMPLEMENTATION, STATE_DTYPE, *MUON_OPTIONS})),
+        OptimizerKind("Muon", _muon_family_factory("Muon"), frozenset({IMPLEMENTATION, STATE_DTYPE, *MUON_OPTIONS})),
+        OptimizerKind(
+            "NorMuon",
+            _muon_family_factory("NorMuon"),
+            frozenset({IMPLEMENTATION, STATE_DTYPE, *MUON_OPTIONS, *NORMUON_OPTIONS}),
+        ),
     )
 }
 

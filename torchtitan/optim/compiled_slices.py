@@ -51,7 +51,7 @@ class CompiledStep:
 
     def run(self, slices: Iterable[list[int]], arguments: Callable[[list[int]], tuple], tensors: Sequence[Any]) -> None:
         """Call the step once per slice with ``arguments(slice)``; ``tensors`` tell whether it can be compiled."""
-        from torchtitan.optim.torchao_adapter import separate_compile_cache
+        from torchtitan.optim.lowbit.torchao_adapter import separate_compile_cache
 
         dataless = any(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
         step = self.eager if dataless or _get_current_dispatch_mode() is not None else self.compiled

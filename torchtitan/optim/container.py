@@ -19,9 +19,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtitan.optim.quantized_checkpoint import entries_for_quantized, entry_sources
-from torchtitan.optim.state_init import initialise_state
-from torchtitan.optim.torchao_adapter import quantized_state_kept
+from torchtitan.logging import logger
+from torchtitan.optim.lowbit.torchao_adapter import quantized_state_kept
+from torchtitan.optim.state.initialise import initialise_state
+from torchtitan.optim.state.quantized_checkpoint import entries_for_quantized, entry_sources
 
 # Flattened keys ("state.<param fqn>.exp_avg") let DCP match state to parameters by name, whatever the sharding.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -73,10 +74,16 @@ class OptimizersContainer:
         """Load a flat state: plain tensors (quantized states as float32, quantized again here), or the entries of
         ``state_dict()`` whose values ``read_in_groups`` already put in place."""
         state_dict = entry_sources(state_dict)
+        replaced: dict[str, tuple[Any, Any]] = {}
         for model, optimizer in zip(self.model_parts, self.optimizers):
             # A fresh optimizer has no state to load into yet; create it (as zeros) first.
             initialise_state(optimizer)
+            settings = job_settings(optimizer)
             set_optimizer_state_dict(model, optimizer, state_dict, options=_FLAT)
+            replaced.update(restore_job_settings(optimizer, settings))
+        if replaced:
+            changes = ", ".join(f"{key} {saved} -> {value}" for key, (saved, value) in replaced.items())
+            logger.info(f"optimizer: this job's settings replace the checkpoint's: {changes}")
 
     def initialise_state(self) -> None:
         """Create the state that optimizers create on their first step, as a fresh optimizer would have it.
@@ -101,6 +108,51 @@ class OptimizersContainer:
             for state in optimizer.state.values()
             for value in state.values()
         )
+
+
+# Set by the lr schedule at every step (and by its load); never a setting to keep or report.
+_SCHEDULED = frozenset({"lr"})
+
+
+def job_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every param group's settings (all but its parameters) as this job built them."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def restore_job_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> dict[str, tuple]:
+    """Put this job's ``settings`` back into the param groups a load replaced with the checkpoint's.
+
+    torch's ``load_state_dict`` takes every param-group value from the checkpoint; the job says how to train on
+    (betas, eps, weight decay, momentum, Newton–Schulz steps, ...), the checkpoint only where it stopped. Returns
+    ``{key: (checkpoint's value, job's value)}`` for the values that differed (the lr the schedule sets aside).
+    """
+    if len(settings) != len(optimizer.param_groups):
+        raise RuntimeError(
+            f"the load changed the number of param groups ({len(settings)} -> {len(optimizer.param_groups)})"
+        )
+    replaced: dict[str, tuple] = {}
+    for group, job in zip(optimizer.param_groups, settings):
+        saved = {key: value for key, value in group.items() if key != "params"}
+        for key in saved.keys() - job.keys():
+            del group[key]
+        for key, value in job.items():
+            if key not in _SCHEDULED and not _same(saved.get(key), value):
+                replaced.setdefault(key, (_plain(saved.get(key)), _plain(value)))
+            group[key] = value
+    return replaced
+
+
+def _plain(value: Any) -> Any:
+    """A setting as plain data (a checkpoint may hold a tuple as a list, a tensor lr as a number)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    return _plain(a) == _plain(b)
 
 
 def _has_params(optimizer: torch.optim.Optimizer) -> bool:

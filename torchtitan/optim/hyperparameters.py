@@ -23,7 +23,11 @@ IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE = (
 )
 MOMENTUM, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR = "momentum", "nesterov", "ns_steps", "ns_dtype", "adjust_lr"
 MUON_OPTIONS = (MOMENTUM, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR)
-OPTIONAL_OPTIONS = (IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE) + MUON_OPTIONS
+NEURON_BETA2, NEURON_EPS = "neuron_beta2", "neuron_eps"
+NORMUON_OPTIONS = (NEURON_BETA2, NEURON_EPS)  # NorMuon's own, besides Muon's
+OPTIONAL_OPTIONS = (
+    (IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE) + MUON_OPTIONS + NORMUON_OPTIONS
+)
 
 # How messages name the checked values: the job config's keys by default.
 CONFIG_KEYS = {
@@ -77,6 +81,8 @@ class Hyperparameters:
     ns_steps: Optional[int] = None
     ns_dtype: Optional[str] = None
     adjust_lr: Optional[str] = None
+    neuron_beta2: Optional[float] = None
+    neuron_eps: Optional[float] = None
 
     @classmethod
     def from_job_config(cls, job_config: Any) -> "Hyperparameters":
@@ -91,7 +97,7 @@ class Hyperparameters:
             block_size=o.block_size,
             bf16_stochastic_round=o.bf16_stochastic_round,
             state_dtype=o.state_dtype,
-            **{name: getattr(o, name) for name in MUON_OPTIONS},
+            **{name: getattr(o, name) for name in MUON_OPTIONS + NORMUON_OPTIONS},
         )
 
     def options_set(self) -> set[str]:

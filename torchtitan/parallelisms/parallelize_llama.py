@@ -188,6 +188,9 @@ def apply_tensor_parallel(
             ),
         },
     )
+    if model.args.enable_weight_tying:
+        # Each style distributed its own copy; both shard the vocabulary rows (Shard(0)), so one serves both.
+        model.output.weight = model.tok_embeddings.weight
     model.loss_parallel = loss_parallel
     colwise, rowwise, prepare_input = _tp_styles(float8)
     block_plan = {

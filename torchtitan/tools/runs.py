@@ -1,4 +1,5 @@
-"""Reading finished runs: the scalars train.py logs to TensorBoard, the folders that hold them, and a sweep's runs.
+"""Reading finished runs: the scalars train.py logs (TensorBoard events and metrics.jsonl), the folders that hold
+them, the data each run read (``dataset.json``), and a sweep's runs.
 
 Only reading lives here; what the numbers mean is ``summary.py``. Torch-free, so the tools start fast.
 """
@@ -26,6 +27,8 @@ TOKENS_SEEN = "throughput/tokens_seen"
 MEMORY_TAGS = ("memory/max_allocated(GiB)", "memory/max_active(GiB)", "memory/rss(GiB)")
 STATE_BYTES = "optimizer/state_bytes"
 EVENT_FILE_PREFIX = "events.out.tfevents"
+METRICS_FILE = "metrics.jsonl"  # train.py's logger writes it beside its event files: the same scalars, fast to read
+DATASET_FILE = "dataset.json"  # {"fingerprint", "source", "data_seed"} of the data a run read, beside metrics.jsonl
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class SweepRun:
     spec: RunSpec
     status: dict
     scalars: dict[str, Series]
+    dataset: Optional[dict] = None  # its dataset.json; None for a run that wrote none
 
 
 def _has_event_files(folder: Path) -> bool:
@@ -87,20 +91,64 @@ def read_scalars(run_dir: Path) -> dict[str, Series]:
     return scalars
 
 
-def merged_scalars(run_dir: Path) -> dict[str, Series]:
-    """Every scalar logged below ``run_dir``, over all its TensorBoard folders (a restarted run has several), oldest
-    folder first, so that a later value of a step wins."""
+def read_metrics_jsonl(path: Path) -> dict[str, Series]:
+    """Every scalar of a ``metrics.jsonl`` (one ``{"step": N, tag: value, ...}`` object a line); a later line wins
+    for a step, and a last line cut short by a crash is left out."""
+    by_tag: dict[str, dict[int, float]] = {}
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise
+        step = int(record.pop("step"))
+        for tag, value in record.items():
+            if isinstance(value, (int, float)):
+                by_tag.setdefault(tag, {})[step] = float(value)
+    return {tag: _series(by_step) for tag, by_step in by_tag.items()}
 
-    def started(folder: Path) -> int:
+
+def read_logged(folder: Path) -> dict[str, Series]:
+    """The scalars of one logging folder: its ``metrics.jsonl`` when it has one (the numbers as logged, read many
+    times faster than event files, which round them to float32), else its TensorBoard event files."""
+    jsonl = folder / METRICS_FILE
+    return read_metrics_jsonl(jsonl) if jsonl.is_file() else read_scalars(folder)
+
+
+def _logging_folders(run_dir: Path) -> list[Path]:
+    """The folders below ``run_dir`` that train.py logged into, oldest first (a restarted run has several)."""
+
+    def started(folder: Path) -> tuple[float, str]:
         # Event files are named events.out.tfevents.{unix time}.{host}...; the oldest one dates the folder.
-        return min(int(p.name.split(".")[3]) for p in folder.iterdir() if p.name.startswith(EVENT_FILE_PREFIX))
+        times = [int(p.name.split(".")[3]) for p in folder.iterdir() if p.name.startswith(EVENT_FILE_PREFIX)]
+        if not times:
+            times = [int((folder / METRICS_FILE).stat().st_mtime)]
+        return min(times), folder.name
 
     folders = {p.parent for p in run_dir.rglob(f"{EVENT_FILE_PREFIX}*") if p.is_file()}
+    folders |= {p.parent for p in run_dir.rglob(METRICS_FILE) if p.is_file()}
+    return sorted(folders, key=started)
+
+
+def merged_scalars(run_dir: Path) -> dict[str, Series]:
+    """Every scalar logged below ``run_dir``, over all its logging folders, oldest first, so that a later value of
+    a step wins (each folder read by :func:`read_logged`)."""
     merged: dict[str, dict[int, float]] = {}
-    for folder in sorted(folders, key=lambda f: (started(f), f.name)):
-        for tag, series in read_scalars(folder).items():
+    for folder in _logging_folders(run_dir):
+        for tag, series in read_logged(folder).items():
             merged.setdefault(tag, {}).update(zip(series.steps, series.values))
     return {tag: _series(by_step) for tag, by_step in merged.items()}
+
+
+def read_dataset(run_dir: Path) -> Optional[dict]:
+    """The ``dataset.json`` of the run's latest logging folder that has one; None when none has."""
+    found = None
+    for folder in _logging_folders(run_dir):
+        if (folder / DATASET_FILE).is_file():
+            found = json.loads((folder / DATASET_FILE).read_text())
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,7 +194,7 @@ def load_runs(paths: Sequence[str], labels: Optional[str] = None) -> list[Run]:
     run_dirs = find_run_dirs(paths)
     runs, empty = [], []
     for name, run_dir in zip(_run_names(run_dirs, labels), run_dirs):
-        scalars = read_scalars(run_dir)
+        scalars = read_logged(run_dir)
         if LOSS in scalars:
             runs.append(Run(name, run_dir, scalars))
         else:
@@ -183,7 +231,8 @@ def load_sweep_runs(dump: Path) -> list[SweepRun]:
     for status_path in sorted((dump / RUNS_FOLDER).glob(f"*/{STATUS_FILE}")):
         status = json.loads(status_path.read_text())
         spec = RunSpec(status["optimizer"], float(status["lr"]), int(status["seed"]))
-        runs.append(SweepRun(spec, status, merged_scalars(status_path.parent)))
+        run_dir = status_path.parent
+        runs.append(SweepRun(spec, status, merged_scalars(run_dir), read_dataset(run_dir)))
     first_ended: dict[str, float] = {}
     for r in runs:
         first_ended[r.spec.optimizer] = min(first_ended.get(r.spec.optimizer, math.inf), r.status["ended"])

@@ -1,7 +1,9 @@
 """The numbers of runs: one run's summary (compare_runs' table and the sweep's ranking read the same one) and a
-sweep's grid of (optimizer, lr) cells over seeds with each optimizer's best lr.
+study's verdict: cells of (optimizer, budget, settings) over seeds, each optimizer's best settings, its difference
+from a baseline with Welch's interval, its speedup at matched loss, and the fit of the baseline's loss over budgets.
 
-Pure functions of logged scalars and statuses; reading them is ``runs.py``.
+Pure functions of logged scalars, statuses and dataset facts; reading them is ``runs.py``, the statistics
+``statistics.py``.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+from torchtitan.errors import UserError
+from torchtitan.tools import statistics
 from torchtitan.tools.runs import (
     GRAD_NORM,
     LOSS,
@@ -20,7 +24,9 @@ from torchtitan.tools.runs import (
     Series,
     SweepRun,
 )
-from torchtitan.tools.sweep_plan import DIVERGED, FAILED, FINISHED
+from torchtitan.tools.sweep_plan import DIVERGED, FAILED, FINISHED, lr_label
+
+DEFAULT_BASELINE = "AdamW"
 
 
 def mean_std(values: Sequence[float]) -> tuple[Optional[float], Optional[float]]:
@@ -78,17 +84,40 @@ def summarize(scalars: dict[str, Series], last_k: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A sweep
+# A study
+
+
+def run_settings(run: SweepRun) -> dict:
+    """The swept settings of a run other than its seed and budget: its lr and any ``options`` its status records
+    (further sweep axes), keyed by option name."""
+    return {"lr": run.spec.lr, **run.status.get("options", {})}
+
+
+def settings_label(settings: dict) -> str:
+    return ", ".join(f"lr {lr_label(v)}" if k == "lr" else f"{k} {v}" for k, v in settings.items())
+
+
+def settings_order(settings: dict) -> list:
+    """Sort key of settings: by option name, numbers by value (1e-4 before 3e-3), other values by their text."""
+    return [(k, 0, v, "") if isinstance(v, (int, float)) else (k, 1, 0, str(v)) for k, v in sorted(settings.items())]
+
+
+def _key(settings: dict) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in settings.items()))
 
 
 def sweep_run_summary(run: SweepRun, last_k: int, by_validation: bool) -> dict:
-    """A sweep run's spec, outcome and numbers; ``rank_loss`` is what ranks its lr (None unless it finished)."""
+    """A sweep run's spec, outcome and numbers; ``rank_loss`` is what ranks its settings (None unless it
+    finished), ``rank_tokens`` the tokens it had trained on at that loss."""
     status = run.status
     summary = {
         "name": run.spec.name,
         "optimizer": run.spec.optimizer,
         "lr": run.spec.lr,
         "seed": run.spec.seed,
+        "settings": run_settings(run),
+        "budget": status.get("budget"),
+        "data_seed": status.get("data_seed", (run.dataset or {}).get("data_seed")),
         "outcome": status["outcome"],
         "exit_code": status["exit_code"],
         "message": status.get("message"),
@@ -97,28 +126,54 @@ def sweep_run_summary(run: SweepRun, last_k: int, by_validation: bool) -> dict:
     if status["outcome"] != FINISHED:  # e.g. stopped by the guard (exit 3) before anything non-finite was logged
         summary["final_loss"] = summary["validation_loss"] = None
     summary["rank_loss"] = summary["validation_loss"] if by_validation else summary["final_loss"]
+    curve = loss_curve(run.scalars, by_validation, last_k)
+    summary["rank_tokens"] = curve[0][-1] if curve and summary["rank_loss"] is not None else None
     return summary
 
 
-def _cell(optimizer: str, lr: float, group: Sequence[dict]) -> dict:
-    """One (optimizer, lr) over its seeds: diverged if any seed diverged, else failed if any failed."""
+def tokens_at(scalars: dict[str, Series], steps: Sequence[int]) -> list[float]:
+    """Tokens trained on after each step: the logged tokens_seen per step (a sweep's runs keep one batch size),
+    or the step itself where a run did not log them (a ratio of tokens is then a ratio of steps)."""
+    seen = scalars.get(TOKENS_SEEN)
+    per_step = seen.values[-1] / seen.steps[-1] if seen and seen.steps[-1] > 0 else 1.0
+    return [step * per_step for step in steps]
+
+
+def loss_curve(scalars: dict[str, Series], by_validation: bool, last_k: int) -> Optional[tuple[list, list]]:
+    """(tokens, loss) of the loss a study ranks by: the validation losses, or the training loss as the trailing
+    mean of ``last_k`` logged values (its last point is then the run's final loss). None without that tag."""
+    series = scalars.get(VALIDATION_LOSS if by_validation else LOSS)
+    if series is None or not series.steps:
+        return None
+    values = list(series.values) if by_validation else statistics.trailing_mean(series.values, last_k)
+    return tokens_at(scalars, series.steps), values
+
+
+def _cell(optimizer: str, budget, settings: dict, group: Sequence[dict]) -> dict:
+    """One (optimizer, budget, settings) over its seeds: diverged if any seed diverged, else failed if any failed."""
     outcomes = [r["outcome"] for r in group]
     outcome = DIVERGED if DIVERGED in outcomes else FAILED if FAILED in outcomes else FINISHED
-    mean, std = mean_std([r["rank_loss"] for r in group if r["outcome"] == FINISHED])
+    losses = [r["rank_loss"] for r in group if r["outcome"] == FINISHED]
+    mean, std = mean_std(losses)
+    ci = statistics.mean_ci(losses) if len(losses) > 1 else None
     return {
         "optimizer": optimizer,
-        "lr": lr,
+        "budget": budget,
+        "settings": settings,
+        "lr": settings["lr"],
         "seeds": sorted(r["seed"] for r in group),
         "outcome": outcome,
         "runs_diverged": outcomes.count(DIVERGED),
         "runs_failed": outcomes.count(FAILED),
         "loss_mean": mean if outcome == FINISHED else None,
         "loss_std": std if outcome == FINISHED else None,
+        "loss_ci": ci if outcome == FINISHED else None,
     }
 
 
 def _best(mine: Sequence[dict], cells: Sequence[dict]) -> dict:
-    """An optimizer's best lr (lowest mean among lrs where no seed diverged or failed), speed and memory."""
+    """An optimizer's best settings at one budget (lowest mean among cells where no seed diverged or failed), its
+    speed and memory."""
     candidates = [c for c in cells if c["outcome"] == FINISHED and c["loss_mean"] is not None]
     winner = min(candidates, key=lambda c: c["loss_mean"], default=None)
     completed = [r for r in mine if r["outcome"] == FINISHED]
@@ -127,10 +182,12 @@ def _best(mine: Sequence[dict], cells: Sequence[dict]) -> dict:
     state = [r["optimizer_state_bytes"] for r in mine if r["optimizer_state_bytes"] is not None]
     return {
         "lr": winner["lr"] if winner else None,
+        "settings": winner["settings"] if winner else None,
         "loss_mean": winner["loss_mean"] if winner else None,
         "loss_std": winner["loss_std"] if winner else None,
+        "loss_ci": winner["loss_ci"] if winner else None,
         "seeds": winner["seeds"] if winner else [],
-        # Throughput and memory do not depend on the lr: taken over all the optimizer's finished runs.
+        # Throughput and memory do not depend on the settings: taken over all the optimizer's finished runs.
         "mean_tps": mean_std(tps)[0],
         "min_tps": min(tps, default=None),
         "max_tps": max(tps, default=None),
@@ -140,23 +197,202 @@ def _best(mine: Sequence[dict], cells: Sequence[dict]) -> dict:
     }
 
 
-def summarize_sweep(runs: Sequence[SweepRun], last_k: int) -> dict:
-    """Per run, per (optimizer, lr) over seeds, and per optimizer its best lr."""
+def check_same_data(runs: Sequence[SweepRun]) -> dict:
+    """The data every run read, from its ``dataset.json``: runs that read different fingerprinted data are
+    refused (a ranking of them would compare data, not optimizers); runs without a fingerprint are named."""
+    fingerprints: dict[str, str] = {}
+    unknown = []
+    for run in runs:
+        fingerprint = (run.dataset or {}).get("fingerprint")
+        if fingerprint is None:
+            unknown.append(run.spec.name)
+        else:
+            fingerprints.setdefault(fingerprint, run.spec.name)
+    if len(fingerprints) > 1:
+        (a, name_a), (b, name_b) = list(fingerprints.items())[:2]
+        raise UserError(
+            f"the sweep's runs read different data ({name_a}: dataset fingerprint {a}, {name_b}: {b}); the sweep "
+            "ranks only runs on the same data: give every run the same dataset, or put them in separate dump folders"
+        )
+    sources = sorted({str(r.dataset["source"]) for r in runs if r.dataset and r.dataset.get("source") is not None})
+    return {
+        "fingerprint": next(iter(fingerprints), None),
+        "sources": sources,
+        "not_fingerprinted": unknown,
+    }
+
+
+def seeds_varied(summaries: Sequence[dict]) -> str:
+    """What changed from seed to seed: the initial weights always (training.seed), the data order when the runs of
+    one cell read different data seeds."""
+    if len({r["seed"] for r in summaries}) < 2:
+        return "one seed per cell: nothing varied"
+    by_cell: dict[tuple, set] = {}
+    for r in summaries:
+        by_cell.setdefault((r["optimizer"], r["budget"], _key(r["settings"])), set()).add(r["data_seed"])
+    data_seeds = {s for seeds in by_cell.values() for s in seeds}
+    if any(len(seeds) > 1 for seeds in by_cell.values()):
+        return "model initialisation (training.seed) and data order (training.data_seed)"
+    if data_seeds == {None}:
+        return "model initialisation (training.seed); data order fixed (no data seed recorded)"
+    return f"model initialisation (training.seed); data order fixed (data seed {', '.join(map(str, data_seeds))})"
+
+
+def _mean_curve(curves: Sequence[tuple[list, list]]) -> tuple[list, list]:
+    """Mean over runs at the points every run logged (matched by tokens)."""
+    common = sorted(set.intersection(*(set(tokens) for tokens, _ in curves)))
+    maps = [dict(zip(tokens, losses)) for tokens, losses in curves]
+    return common, [sum(m[t] for m in maps) / len(maps) for t in common]
+
+
+def _speedup_of(
+    chosen: Sequence[dict], baseline: Sequence[dict], curves: dict[str, tuple[list, list]]
+) -> Optional[dict]:
+    """Speedup at matched loss of one best cell against the baseline's best cell at the same budget: seed by seed
+    when both ran the same seeds, else each seed against the baseline's mean curve."""
+    finished = [r for r in chosen if r["outcome"] == FINISHED and r["rank_loss"] is not None]
+    base = {r["seed"]: curves[r["name"]] for r in baseline if r["name"] in curves}
+    if not finished or not base:
+        return None
+    paired = sorted(base) == sorted(r["seed"] for r in finished)
+    mean_curve = _mean_curve(list(base.values()))
+    if not paired and not mean_curve[0]:  # the baseline's seeds logged at no common point: no mean curve
+        return None
+    matched = [base[r["seed"]] if paired else mean_curve for r in finished]
+    s = statistics.speedup_at_matched_loss(matched, [(r["rank_loss"], r["rank_tokens"]) for r in finished])
+    return {
+        "value": s.value,
+        "bound": s.bound,
+        "low": s.low,
+        "high": s.high,
+        "seeds": s.seeds,
+        "matched": "seed by seed" if paired else "against the baseline's mean curve",
+    }
+
+
+def _versus(chosen: Sequence[dict], baseline: Sequence[dict]) -> Optional[dict]:
+    a = [r["rank_loss"] for r in chosen if r["outcome"] == FINISHED and r["rank_loss"] is not None]
+    b = [r["rank_loss"] for r in baseline if r["outcome"] == FINISHED and r["rank_loss"] is not None]
+    d = statistics.welch_difference(a, b)
+    if d is None:
+        return None
+    return {"difference": d.difference, "low": d.low, "high": d.high, "df": d.df, "verdict": d.verdict}
+
+
+def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -> Optional[dict]:
+    """L(D) = alpha * D^(-beta) + gamma over the baseline's best cell at each budget (three or more), and each
+    optimizer's D_eff / D at each budget: the budget the fitted baseline needs for that optimizer's loss over its
+    own. None with fewer than three budgets where the baseline finished."""
+    points = []
+    for budget, best in best_by_budget.items():
+        b = best.get(baseline)
+        if budget is not None and b and b["loss_mean"] is not None:
+            points.append((_cell_tokens(summaries, baseline, budget, b["settings"]), b["loss_mean"]))
+    if len(points) < 3:
+        return None
+    points.sort()
+    fit = statistics.fit_power_law([d for d, _ in points], [loss for _, loss in points])
+    result = {"baseline": baseline, "points": [{"tokens": d, "loss": loss} for d, loss in points], "fit": None}
+    if fit is None:
+        result["error"] = f"{baseline}'s best loss does not fall with the budget: no power law fits"
+        return result
+    result["fit"] = {"alpha": fit.alpha, "beta": fit.beta, "gamma": fit.gamma, "rms_residual": fit.rms_residual}
+    speedups = {}
+    for budget, best in best_by_budget.items():
+        for optimizer, b in best.items():
+            if budget is None or b["loss_mean"] is None:
+                continue
+            tokens = _cell_tokens(summaries, optimizer, budget, b["settings"])
+            d_eff = fit.tokens_for(b["loss_mean"])
+            speedups.setdefault(optimizer, []).append(
+                {
+                    "budget": budget,
+                    "tokens": tokens,
+                    "loss": b["loss_mean"],
+                    "d_eff": None if math.isinf(d_eff) else d_eff,
+                    "speedup": None if math.isinf(d_eff) else d_eff / tokens,
+                    "below_floor": math.isinf(d_eff),
+                }
+            )
+    result["speedups"] = {o: sorted(v, key=lambda x: x["budget"]) for o, v in speedups.items()}
+    return result
+
+
+def _cell_runs(summaries: Sequence[dict], optimizer: str, budget, settings: Optional[dict]) -> list[dict]:
+    if settings is None:
+        return []
+    return [
+        r
+        for r in summaries
+        if r["optimizer"] == optimizer and r["budget"] == budget and _key(r["settings"]) == _key(settings)
+    ]
+
+
+def _cell_tokens(summaries: Sequence[dict], optimizer: str, budget, settings: dict) -> float:
+    """Mean tokens trained on by a cell's finished runs at their ranked loss."""
+    runs = _cell_runs(summaries, optimizer, budget, settings)
+    return statistics.mean([r["rank_tokens"] for r in runs if r["rank_tokens"] is not None])
+
+
+def summarize_sweep(runs: Sequence[SweepRun], last_k: int, baseline: str = DEFAULT_BASELINE) -> dict:
+    """Per run; per cell (optimizer, budget, settings) over seeds; per optimizer its best settings at each budget,
+    compared with the baseline's best (difference with Welch's 95% interval, speedup at matched loss); and, with
+    three or more budgets, the baseline's power-law fit. ``best`` is the verdict at the largest budget."""
+    data = check_same_data(runs)
     finished = [r for r in runs if r.status["outcome"] == FINISHED]
     by_validation = bool(finished) and all(VALIDATION_LOSS in r.scalars for r in finished)
     summaries = [sweep_run_summary(r, last_k, by_validation) for r in runs]
-    grid, best = [], {}
-    for optimizer in dict.fromkeys(r["optimizer"] for r in summaries):
-        mine = [r for r in summaries if r["optimizer"] == optimizer]
-        cells = [_cell(optimizer, lr, [r for r in mine if r["lr"] == lr]) for lr in sorted({r["lr"] for r in mine})]
-        grid.extend(cells)
-        best[optimizer] = _best(mine, cells)
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in summaries))
+    budgets = sorted({r["budget"] for r in summaries}, key=lambda b: (b is not None, b or 0))
+    grid, best_by_budget = [], {}
+    for budget in budgets:
+        best_by_budget[budget] = {}
+        for optimizer in optimizers:
+            mine = [r for r in summaries if r["optimizer"] == optimizer and r["budget"] == budget]
+            if not mine:
+                continue
+            settings = {_key(r["settings"]): r["settings"] for r in mine}
+            cells = [
+                _cell(optimizer, budget, s, _cell_runs(mine, optimizer, budget, s))
+                for s in sorted(settings.values(), key=settings_order)
+            ]
+            grid.extend(cells)
+            best_by_budget[budget][optimizer] = _best(mine, cells)
+
+    # The comparison with the baseline needs the curves of the best cells only.
+    by_name = {r.spec.name: r for r in runs}
+    for budget, best in best_by_budget.items():
+        base = best.get(baseline)
+        base_runs = _cell_runs(summaries, baseline, budget, base["settings"]) if base else []
+        curves = {}
+        for r in base_runs:
+            if r["outcome"] == FINISHED:
+                curve = loss_curve(by_name[r["name"]].scalars, by_validation, last_k)
+                if curve is not None:
+                    curves[r["name"]] = curve
+        for optimizer, b in best.items():
+            chosen = _cell_runs(summaries, optimizer, budget, b["settings"])
+            b["versus_baseline"] = _versus(chosen, base_runs) if base_runs else None
+            b["speedup"] = _speedup_of(chosen, base_runs, curves) if curves else None
+
     ranked_by = f"last {VALIDATION_LOSS}" if by_validation else f"mean of the last {last_k} logged training losses"
+    seeds = max((len(c["seeds"]) for c in grid), default=0)
     return {
         "ranked_by": ranked_by,
         "by_validation": by_validation,
+        "curve": "validation loss"
+        if by_validation
+        else f"training loss, trailing mean of the last {last_k} logged values",
         "last_k": last_k,
+        "baseline": baseline,
+        "baseline_found": baseline in optimizers,
+        "seeds": seeds,
+        "seeds_varied": seeds_varied(summaries),
+        "data": data,
         "runs": summaries,
         "grid": grid,
-        "best": best,
+        "budgets": [b for b in budgets if b is not None],
+        "best_by_budget": [{"budget": budget, "best": best} for budget, best in best_by_budget.items()],
+        "best": best_by_budget[budgets[-1]] if budgets else {},
+        "budget_fit": budget_fit(best_by_budget, baseline, summaries),
     }

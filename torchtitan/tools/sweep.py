@@ -1,8 +1,9 @@
 """Learning-rate sweeps for fair optimizer comparisons: every optimizer at its own best lr.
 
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --optimizers AdamW,AdamMini --lrs 3e-4,1e-3,3e-3 \\
-        [--seeds 0,1] [--nproc N] [--config-file X.toml] [--last-k 10] -- [train.py options]
-    python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only
+        [--seeds 0,1,2] [--vary-data-seed] [--baseline AdamW] [--nproc N] [--config-file X.toml] [--last-k 10] \\
+        -- [train.py options]
+    python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only [--baseline AdamW]
 
 Every (optimizer, lr, seed) runs once through ``run_llama_train.sh`` with the same config and options, in its own
 folder ``{dump}/runs/{Optimizer}_lr{lr}_seed{seed}`` (its TensorBoard logs, checkpoints and ``train.log``). After a
@@ -15,14 +16,18 @@ run ends the sweep writes ``sweep_status.json`` into that folder: the exit code,
 
 Finished and diverged runs are never run again: running the same command again resumes an interrupted sweep where
 it stopped (failed and interrupted runs start again; with checkpointing on they resume from their own checkpoint),
-and adding optimizers, lrs or seeds extends it. The report - ``sweep.png``, ``sweep.md``, ``sweep.json`` in the dump
-folder - ranks each lr by the last ``validation/loss`` when every run logs one, else by the mean of the last k
-logged training losses; with several seeds it gives their mean and standard deviation. Each optimizer's best lr is
-the one with the lowest mean among those where no seed diverged or failed.
+and adding optimizers, lrs or seeds extends it. The report - ``sweep.png``, ``sweep.md``, ``sweep.json`` and the
+self-contained page ``study.html`` in the dump folder - ranks each setting by the last ``validation/loss`` when
+every run logs one, else by the mean of the last k logged training losses; with several seeds it gives their mean
+± a 95% confidence interval. Each optimizer's best setting is the one with the lowest mean among those where no seed
+diverged or failed; it is compared with the baseline's best (difference with Welch's interval and a verdict, speedup
+at matched loss; across three or more budgets a power-law fit). docs/optimizer-study.md says how each number is
+computed.
 
 Modules: ``sweep_plan`` (the runs, their folders and options, the checks before any starts), ``sweep_runner`` (the
 launcher processes and their outcomes), ``runs`` (reading logged scalars), ``summary`` (the numbers, shared with
-``compare_runs``), ``sweep_plot`` (the figure); this one writes the report and reads the command line.
+``compare_runs``), ``statistics`` (t, Welch, speedup, the fit), ``sweep_plot`` (the figures), ``study_report``
+(tables and the page); this one writes the report and reads the command line.
 """
 
 from __future__ import annotations
@@ -36,96 +41,58 @@ from typing import Optional, Sequence
 
 from torchtitan.errors import UserError, exit_code
 from torchtitan.tools.runs import load_sweep_runs
-from torchtitan.tools.summary import summarize_sweep
+from torchtitan.tools.study_report import format_html, format_markdown
+from torchtitan.tools.summary import DEFAULT_BASELINE, summarize_sweep
 from torchtitan.tools.sweep_plan import (
-    DIVERGED,
     FAILED,
-    FINISHED,
     RUNS_FOLDER,
     check_settings,
     check_train_options,
     items,
     lock_sweep,
-    lr_label,
     parse_lrs,
     parse_seeds,
     plan,
     preflight_jobs,
 )
-from torchtitan.tools.sweep_plot import plot_sweep
+from torchtitan.tools.sweep_plot import plot_budgets, plot_main, plot_sensitivity, plot_sweep
 from torchtitan.tools.sweep_runner import run_sweep
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "./train_configs/debug_model.toml"
 REPORT_NAME = "sweep"  # sweep.png, sweep.md, sweep.json
+PAGE_NAME = "study.html"  # the one self-contained page: tables and every figure
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The report
 
 
-def _loss_text(mean: Optional[float], std: Optional[float], n: int) -> str:
-    if mean is None:
-        return "n/a"
-    return f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f} ({n} seeds)"
+def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Optional[dict]:
+    """sweep.png, sweep.md, sweep.json and study.html in the dump folder; None when no run has ended yet.
 
-
-def _cell_text(cell: dict, runs: Sequence[dict]) -> str:
-    if cell["outcome"] == FINISHED:
-        return _loss_text(cell["loss_mean"], cell["loss_std"], len(cell["seeds"]))
-    bad = [
-        r
-        for r in runs
-        if r["optimizer"] == cell["optimizer"] and r["lr"] == cell["lr"] and r["outcome"] == cell["outcome"]
-    ]
-    count = f" {len(bad)}/{len(cell['seeds'])} seeds" if len(cell["seeds"]) > 1 else ""
-    if cell["outcome"] == DIVERGED:
-        steps = sorted(r["diverged_at_step"] for r in bad if r["diverged_at_step"] is not None)
-        return f"diverged{count}" + (f" (step {steps[0]})" if steps else "")
-    return f"failed{count} (exit {', '.join(str(r['exit_code']) for r in bad)})"
-
-
-def format_markdown(report: dict) -> str:
-    best, grid, runs = report["best"], report["grid"], report["runs"]
-    rss = any(b["peak_memory_tag"] == "memory/rss(GiB)" for b in best.values())
-    lines = [
-        f"Ranked by the {report['ranked_by']}; best lr = lowest mean over seeds among lrs where no seed diverged "
-        "or failed.",
-        "",
-        f"| optimizer | best lr | loss | tokens/s per process | peak memory{' (RSS)' if rss else ''} | "
-        "optimizer state |",
-        "|---|---|---|---|---|---|",
-    ]
-    for optimizer, b in best.items():
-        memory = "n/a" if b["peak_memory_gib"] is None else f"{b['peak_memory_gib']:.3f} GiB"
-        state = "n/a" if b["optimizer_state_bytes"] is None else f"{b['optimizer_state_bytes'] / 2**30:.3f} GiB"
-        tps = "n/a" if b["mean_tps"] is None else f"{b['mean_tps']:.1f}"
-        lr = "none (every lr diverged or failed)" if b["lr"] is None else lr_label(b["lr"])
-        lines.append(
-            f"| {optimizer} | {lr} | {_loss_text(b['loss_mean'], b['loss_std'], len(b['seeds']))} | "
-            f"{tps} | {memory} | {state} |"
-        )
-    lrs = sorted({c["lr"] for c in grid})
-    lines += ["", "| optimizer | " + " | ".join(f"lr {lr_label(lr)}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
-    for optimizer, b in best.items():
-        cells = {c["lr"]: c for c in grid if c["optimizer"] == optimizer}
-        row = []
-        for lr in lrs:
-            text = _cell_text(cells[lr], runs) if lr in cells else "not run"
-            row.append(f"**{text}**" if lr == b["lr"] else text)
-        lines.append(f"| {optimizer} | " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_report(dump: Path, last_k: int) -> Optional[dict]:
-    """sweep.png, sweep.md and sweep.json in the dump folder; None when no run has ended yet."""
+    ``baseline`` None compares with AdamW where the sweep has it; a named baseline must be in the sweep."""
     runs = load_sweep_runs(dump)
     if not runs:
         return None
-    report = summarize_sweep(runs, last_k)
+    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE)
+    if baseline is not None and not report["baseline_found"]:
+        raise UserError(
+            f"--baseline {baseline} is not an optimizer of this sweep ({', '.join(report['best'])}); name one of them"
+        )
     plot_sweep(runs, report, dump / f"{REPORT_NAME}.png")
     (dump / f"{REPORT_NAME}.md").write_text(format_markdown(report))
     (dump / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
+    figures = {
+        "main": plot_main(runs, report),
+        "sensitivity": plot_sensitivity(report),
+        "budgets": plot_budgets(report),
+        "overview": (dump / f"{REPORT_NAME}.png").read_bytes(),
+    }
+    page = format_html(report, figures, f"Optimizer study: {dump.name}")
+    tmp = dump / f"{PAGE_NAME}.tmp"
+    tmp.write_text(page)
+    tmp.replace(dump / PAGE_NAME)
     return report
 
 
@@ -152,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seeds", default="0", help="training.seed values, space- or comma-separated (default 0)")
     p.add_argument(
+        "--vary-data-seed",
+        action="store_true",
+        help="give each run its seed as training.data_seed too, so that seeds vary the data order as well as the "
+        "initial weights (for data that has a seed)",
+    )
+    p.add_argument(
         "--nproc",
         type=int,
         default=None,
@@ -160,6 +133,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config-file", default=DEFAULT_CONFIG, help=f"job config of every run (default {DEFAULT_CONFIG})")
     p.add_argument(
         "--last-k", type=int, default=10, help="final training loss = mean of the last k logged values (default 10)"
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help=f"the optimizer every other is compared with: difference, verdict, speedup (default {DEFAULT_BASELINE})",
     )
     p.add_argument("--report-only", action="store_true", help="write the report from the runs there, train nothing")
     p.add_argument(
@@ -192,17 +170,21 @@ def sweep(argv: Sequence[str]) -> int:
             raise UserError(f"--nproc must be at least 1; got {args.nproc}")
         nproc = args.nproc or _default_nproc()
         config_file = str(Path(args.config_file).resolve())
-        check_train_options(train_args)
+        check_train_options(train_args, args.vary_data_seed)
         specs = plan(items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds))
-        preflight_jobs(specs, config_file, nproc, train_args)
+        preflight_jobs(specs, config_file, nproc, train_args, args.vary_data_seed)
+        settings = {"config_file": config_file, "nproc": nproc, "train_args": train_args}
+        if args.vary_data_seed:  # recorded only when set, so that sweeps started before the flag resume
+            settings["vary_data_seed"] = True
         with lock_sweep(dump):
-            check_settings(dump, {"config_file": config_file, "nproc": nproc, "train_args": train_args})
-            statuses = run_sweep(specs, dump, config_file, nproc, train_args, shlex.split(args.launcher))
-    report = write_report(dump, args.last_k)
+            check_settings(dump, settings)
+            launcher = shlex.split(args.launcher)
+            statuses = run_sweep(specs, dump, config_file, nproc, train_args, launcher, args.vary_data_seed)
+    report = write_report(dump, args.last_k, args.baseline)
     if report is None:
         raise UserError(f"no run in '{dump}' has ended yet; run the sweep first")
     print(format_markdown(report))
-    print(f"wrote {dump / REPORT_NAME}.png, .md and .json")
+    print(f"wrote {dump / REPORT_NAME}.png, .md, .json and {dump / PAGE_NAME}")
     if args.report_only:
         return 0
     failed = [s for s in statuses if s["outcome"] == FAILED]

@@ -32,6 +32,8 @@ SWEEP_OPTIONS = {
     "training.seed": "--seeds",
     "job.dump_folder": "--dump-folder",
 }
+# With --vary-data-seed each run's seed is its data seed too (data that has a seed: its order), and the sweep sets it.
+DATA_SEED_OPTION = "training.data_seed"
 
 
 def lr_label(lr: float) -> str:
@@ -92,7 +94,7 @@ def plan(optimizers: Sequence[str], lrs: Sequence[float], seeds: Sequence[int]) 
     return specs
 
 
-def check_train_options(train_args: Sequence[str]) -> None:
+def check_train_options(train_args: Sequence[str], vary_data_seed: bool = False) -> None:
     for arg in train_args:
         key = arg[2:].partition("=")[0] if arg.startswith("--") else None
         if key in SWEEP_OPTIONS:
@@ -100,23 +102,39 @@ def check_train_options(train_args: Sequence[str]) -> None:
                 f"--{key} is set by the sweep for each run; remove it from the train.py options and use "
                 f"{SWEEP_OPTIONS[key]} (or the matching variable of scripts/compare_optimizers.sh)"
             )
+        if vary_data_seed and key == DATA_SEED_OPTION:
+            raise UserError(
+                f"--{key} is set by the sweep for each run with --vary-data-seed; remove it from the train.py "
+                "options, or drop --vary-data-seed to keep one data order for every seed"
+            )
 
 
-def spec_options(spec: RunSpec) -> list[str]:
-    """The train.py options a run's spec sets."""
-    return ["--optimizer.name", spec.optimizer, "--optimizer.lr", repr(spec.lr), "--training.seed", str(spec.seed)]
+def spec_options(spec: RunSpec, vary_data_seed: bool = False) -> list[str]:
+    """The train.py options a run's spec sets; with ``vary_data_seed`` its seed is its data seed too."""
+    options = ["--optimizer.name", spec.optimizer, "--optimizer.lr", repr(spec.lr), "--training.seed", str(spec.seed)]
+    return options + ([f"--{DATA_SEED_OPTION}", str(spec.seed)] if vary_data_seed else [])
 
 
 def run_folder(dump: Path, spec: RunSpec) -> Path:
     return dump / RUNS_FOLDER / spec.name
 
 
-def run_command(spec: RunSpec, run_dir: Path, train_args: Sequence[str], launcher: Sequence[str]) -> list[str]:
-    options = ["--metrics.enable_tensorboard", "true", *spec_options(spec), "--job.dump_folder", str(run_dir)]
+def run_command(
+    spec: RunSpec, run_dir: Path, train_args: Sequence[str], launcher: Sequence[str], vary_data_seed: bool = False
+) -> list[str]:
+    options = [
+        "--metrics.enable_tensorboard",
+        "true",
+        *spec_options(spec, vary_data_seed),
+        "--job.dump_folder",
+        str(run_dir),
+    ]
     return [*launcher, *train_args, *options]
 
 
-def preflight_jobs(specs: Sequence[RunSpec], config_file: str, nproc: int, train_args: Sequence[str]) -> None:
+def preflight_jobs(
+    specs: Sequence[RunSpec], config_file: str, nproc: int, train_args: Sequence[str], vary_data_seed: bool = False
+) -> None:
     """Check each optimizer's job as train.py will, so that a mistake stops the sweep before any run starts."""
     from torchtitan.config_manager import JobConfig
     from torchtitan.preflight import preflight
@@ -126,7 +144,9 @@ def preflight_jobs(specs: Sequence[RunSpec], config_file: str, nproc: int, train
         if spec.optimizer in checked:
             continue
         checked.add(spec.optimizer)
-        config = JobConfig.parse_args(["--job.config_file", config_file, *train_args, *spec_options(spec)])
+        config = JobConfig.parse_args(
+            ["--job.config_file", config_file, *train_args, *spec_options(spec, vary_data_seed)]
+        )
         preflight(config, nproc)  # the optimizer's name and options included
 
 

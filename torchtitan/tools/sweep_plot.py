@@ -1,11 +1,16 @@
-"""The sweep's figure: loss at each optimizer's best lr, final loss against lr, memory, and tokens/s."""
+"""The study's figures: the sweep's overview (loss at each optimizer's best lr, final loss against lr, memory,
+tokens/s), the main picture (loss against tokens at the best settings, final loss ± CI), sensitivity to each swept
+hyperparameter, and the fit over budgets."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
+from torchtitan.tools import statistics
 from torchtitan.tools.runs import LOSS, VALIDATION_LOSS, Series, SweepRun
+from torchtitan.tools.summary import loss_curve, run_settings, settings_label
 from torchtitan.tools.sweep_plan import DIVERGED, FINISHED, lr_label
 
 
@@ -16,6 +21,173 @@ def _mean_curve(series: Sequence[Series]) -> tuple[list[int], list[float], list[
     return steps, [sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns]
 
 
+def _best_runs(runs: Sequence[SweepRun], optimizer: str, best: dict, budget) -> list[SweepRun]:
+    return [
+        r
+        for r in runs
+        if r.spec.optimizer == optimizer
+        and r.status.get("budget") == budget
+        and run_settings(r) == best["settings"]
+        and r.status["outcome"] == FINISHED
+    ]
+
+
+def _figure(size: tuple[float, float], *grid: int):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(*grid)
+
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def plot_main(runs: Sequence[SweepRun], report: dict) -> bytes:
+    """(a) the ranked loss against tokens at each optimizer's best settings: mean over seeds, band = 95% CI of the
+    mean at each point; (b) each optimizer's final loss, mean ± 95% CI, with the baseline's interval as a band."""
+    fig, (curves, finals) = _figure((14, 5.5), 1, 2)
+    best = report["best"]
+    budget = report["budgets"][-1] if report["budgets"] else None
+    colors = {o: f"C{i % 10}" for i, o in enumerate(best)}
+    for optimizer, b in best.items():
+        if b["settings"] is None:
+            continue
+        chosen = [
+            loss_curve(r.scalars, report["by_validation"], report["last_k"])
+            for r in _best_runs(runs, optimizer, b, budget)
+        ]
+        chosen = [c for c in chosen if c is not None]
+        if not chosen:
+            continue
+        common = sorted(set.intersection(*(set(t) for t, _ in chosen)))
+        columns = [[dict(zip(t, v))[x] for t, v in chosen] for x in common]
+        mean = [statistics.mean(c) for c in columns]
+        seeds = f"{len(chosen)} seed{'s' if len(chosen) > 1 else ''}"
+        label = f"{optimizer} ({settings_label(b['settings'])}, {seeds})"
+        curves.plot(common, mean, "-", color=colors[optimizer], label=label)
+        if len(chosen) > 1:
+            half = [statistics.mean_ci(c) for c in columns]
+            curves.fill_between(
+                common,
+                [m - h for m, h in zip(mean, half)],
+                [m + h for m, h in zip(mean, half)],
+                color=colors[optimizer],
+                alpha=0.2,
+            )
+    curves.set(title=f"{report['curve']} at each optimizer's best settings", xlabel="tokens", ylabel="loss")
+    names = [o for o, b in best.items() if b["loss_mean"] is not None]
+    for i, optimizer in enumerate(names):
+        b = best[optimizer]
+        finals.errorbar([i], [b["loss_mean"]], yerr=[b["loss_ci"] or 0.0], fmt="o", capsize=6, color=colors[optimizer])
+    base = best.get(report["baseline"])
+    if base and base["loss_mean"] is not None and base["loss_ci"] is not None:
+        finals.axhspan(
+            base["loss_mean"] - base["loss_ci"], base["loss_mean"] + base["loss_ci"], color="gray", alpha=0.2
+        )
+    finals.set_xticks(range(len(names)), names)
+    finals.set(title=f"final loss, mean ± 95% CI over seeds (band: {report['baseline']})", ylabel="final loss")
+    for ax in (curves, finals):
+        ax.grid(alpha=0.3)
+    if curves.get_legend_handles_labels()[0]:
+        curves.legend(fontsize="small")
+    return _png(fig)
+
+
+def swept_hyperparameters(report: dict) -> list[str]:
+    """The settings that took more than one value at the verdict's budget."""
+    budget = report["budgets"][-1] if report["budgets"] else None
+    cells = [c for c in report["grid"] if c["budget"] == budget]
+    keys = list(dict.fromkeys(k for c in cells for k in c["settings"]))
+    return [k for k in keys if len({repr(c["settings"].get(k)) for c in cells}) > 1]
+
+
+def plot_sensitivity(report: dict) -> Optional[bytes]:
+    """One panel per swept hyperparameter: final loss (mean ± 95% CI) against its value, every other setting at
+    the optimizer's best; diverged or failed values marked at the top. None when nothing was swept."""
+    keys = swept_hyperparameters(report)
+    if not keys:
+        return None
+    fig, axes = _figure((6.5 * len(keys), 4.5), 1, len(keys))
+    axes = [axes] if len(keys) == 1 else list(axes)
+    budget = report["budgets"][-1] if report["budgets"] else None
+    for ax, key in zip(axes, keys):
+        for i, (optimizer, b) in enumerate(report["best"].items()):
+            if b["settings"] is None:
+                continue
+            others = {k: v for k, v in b["settings"].items() if k != key}
+            cells = [
+                c
+                for c in report["grid"]
+                if c["optimizer"] == optimizer
+                and c["budget"] == budget
+                and {k: v for k, v in c["settings"].items() if k != key} == others
+            ]
+            numeric = all(isinstance(c["settings"].get(key), (int, float)) for c in cells)
+            ok = sorted(
+                (c for c in cells if c["outcome"] == FINISHED),
+                key=lambda c: str(c["settings"][key]) if not numeric else c["settings"][key],
+            )
+            xs = [c["settings"][key] if numeric else str(c["settings"][key]) for c in ok]
+            ax.errorbar(
+                xs,
+                [c["loss_mean"] for c in ok],
+                yerr=[c["loss_ci"] or 0.0 for c in ok],
+                fmt="-o",
+                capsize=3,
+                color=f"C{i % 10}",
+                label=optimizer,
+            )
+            for c in cells:
+                if c["outcome"] != FINISHED:
+                    x = c["settings"][key] if numeric else str(c["settings"][key])
+                    ax.plot(
+                        [x],
+                        [0.95 - 0.05 * i],
+                        "x" if c["outcome"] == DIVERGED else "s",
+                        color=f"C{i % 10}",
+                        transform=ax.get_xaxis_transform(),
+                        markersize=9,
+                    )
+            if numeric and key == "lr":
+                ax.set_xscale("log")
+        ax.set(title=f"sensitivity to {key} (x: diverged, ■: failed)", xlabel=key, ylabel="final loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return _png(fig)
+
+
+def plot_budgets(report: dict) -> Optional[bytes]:
+    """(a) the baseline's best loss at each budget with its power-law fit and every optimizer's best losses;
+    (b) D_eff / D per optimizer against the budget. None without a fit."""
+    fit = report["budget_fit"]
+    if fit is None or fit["fit"] is None:
+        return None
+    f = fit["fit"]
+    law = statistics.PowerLaw(f["alpha"], f["beta"], f["gamma"], f["rms_residual"])
+    fig, (losses, speedups) = _figure((14, 5), 1, 2)
+    budgets = [p["tokens"] for p in fit["points"]]
+    low, high = min(budgets) / 1.5, max(budgets) * 1.5
+    xs = [low * (high / low) ** (i / 100) for i in range(101)]
+    losses.plot(xs, [law.loss(x) for x in xs], "--", color="gray", label=f"{fit['baseline']} fit")
+    for i, (optimizer, entries) in enumerate(fit["speedups"].items()):
+        color = f"C{i % 10}"
+        losses.plot([e["tokens"] for e in entries], [e["loss"] for e in entries], "o", color=color, label=optimizer)
+        shown = [e for e in entries if e["speedup"] is not None]
+        speedups.plot([e["tokens"] for e in shown], [e["speedup"] for e in shown], "-o", color=color, label=optimizer)
+    speedups.axhline(1.0, color="gray", linewidth=0.8)
+    losses.set(xscale="log", title="best loss against tokens; L(D) = α·D^(−β) + γ", xlabel="tokens", ylabel="loss")
+    speedups.set(xscale="log", title=f"D_eff / D against {fit['baseline']}'s fit", xlabel="tokens", ylabel="speedup")
+    for ax in (losses, speedups):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return _png(fig)
+
+
 def plot_sweep(runs: Sequence[SweepRun], report: dict, out: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -24,7 +196,9 @@ def plot_sweep(runs: Sequence[SweepRun], report: dict, out: Path) -> None:
     fig = Figure(figsize=(15, 10), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     (curves, by_lr), (memory, speed) = fig.subplots(2, 2)
-    best, grid = report["best"], report["grid"]
+    best = report["best"]
+    budget = report["budgets"][-1] if report["budgets"] else None
+    grid = [c for c in report["grid"] if c["budget"] == budget and set(c["settings"]) == {"lr"}]
     optimizers = list(best)
     colors = {o: f"C{i % 10}" for i, o in enumerate(optimizers)}
     # A line style per optimizer too: optimizers that train alike (AdamW and its 8-bit form) keep both curves visible.
@@ -34,7 +208,7 @@ def plot_sweep(runs: Sequence[SweepRun], report: dict, out: Path) -> None:
     for optimizer, b in best.items():
         if b["lr"] is None:
             continue
-        chosen = [r for r in runs if r.spec.optimizer == optimizer and r.spec.lr == b["lr"]]
+        chosen = _best_runs(runs, optimizer, b, budget)
         seeds = f", {len(chosen)} seeds" if len(chosen) > 1 else ""
         for tag, marker, suffix in ((LOSS, "", ""), (VALIDATION_LOSS, "o", " (validation)")):
             series = [r.scalars[tag] for r in chosen if tag in r.scalars]

@@ -54,7 +54,7 @@ def _stop(process: subprocess.Popen) -> None:
             continue
 
 
-def train_one(spec: RunSpec, run_dir: Path, command: list[str], env: dict) -> dict:
+def train_one(spec: RunSpec, run_dir: Path, command: list[str], env: dict, vary_data_seed: bool = False) -> dict:
     """Run one job to its end, log to ``train.log``, and record the outcome in ``sweep_status.json``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -72,6 +72,7 @@ def train_one(spec: RunSpec, run_dir: Path, command: list[str], env: dict) -> di
         "optimizer": spec.optimizer,
         "lr": spec.lr,
         "seed": spec.seed,
+        **({"data_seed": spec.seed} if vary_data_seed else {}),
         "outcome": outcome(exit_code, scalars),
         "exit_code": exit_code,
         "command": shlex.join(command),
@@ -97,6 +98,7 @@ def run_sweep(
     nproc: int,
     train_args: Sequence[str],
     launcher: Sequence[str],
+    vary_data_seed: bool = False,
 ) -> list[dict]:
     """Run every spec not yet finished or diverged; returns the status of each spec, in order."""
     env = {**os.environ, "NGPU": str(nproc), "CONFIG_FILE": config_file}
@@ -112,7 +114,8 @@ def run_sweep(
                 statuses.append(status)
                 continue
             print(f"{head} training (log: {run_dir / LOG_FILE})", flush=True)
-            status = train_one(spec, run_dir, run_command(spec, run_dir, train_args, launcher), env)
+            command = run_command(spec, run_dir, train_args, launcher, vary_data_seed)
+            status = train_one(spec, run_dir, command, env, vary_data_seed)
             message = f" ({status['message']})" if "message" in status else ""
             print(
                 f"{head} {status['outcome']}, exit {status['exit_code']}, {status['seconds']:.0f} s{message}",

@@ -1,10 +1,24 @@
 """Llama 3 model and its sizes (``llama3_configs``)."""
 
+import dataclasses
+
 from torchtitan.models.llama.model import ModelArgs, Transformer
 
 __all__ = ["ModelArgs", "Transformer", "llama3_configs"]
 
-# Published Llama 3 / 3.1 shapes. The vocabulary size is replaced by the tokenizer's at train time.
+# Llama 3.1 / 3.2 / 3.3 scale RoPE the same way ("llama3" in their config.json); only the factor differs.
+_LLAMA31_ROPE = dict(
+    rope_scaling="llama3",
+    rope_scaling_factor=8.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_seq_len=8192,
+)
+_LLAMA32_ROPE = {**_LLAMA31_ROPE, "rope_scaling_factor": 32.0}
+
+# Published Llama 3 shapes ("8B" ... : Llama 3, unscaled RoPE; "3.1-8B" ... and "3.2-1B", "3.2-3B": the models as
+# published, with their RoPE scaling and, for 3.2, the tied output projection). The vocabulary size is replaced by
+# the tokenizer's at train time, max_seq_len by training.seq_len.
 llama3_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16, rope_theta=500000),
     "debugmodel_gqa": ModelArgs(dim=256, n_layers=8, n_heads=16, n_kv_heads=4, rope_theta=500000),
@@ -54,3 +68,27 @@ llama3_configs = {
         max_seq_len=8192,
     ),
 }
+llama3_configs.update(
+    {
+        "3.1-8B": dataclasses.replace(llama3_configs["8B"], max_seq_len=131072, **_LLAMA31_ROPE),
+        # Llama 3.3 70B has the same config.json as Llama 3.1 70B.
+        "3.1-70B": dataclasses.replace(llama3_configs["70B"], max_seq_len=131072, **_LLAMA31_ROPE),
+        "3.1-405B": dataclasses.replace(llama3_configs["405B"], max_seq_len=131072, **_LLAMA31_ROPE),
+        "3.2-1B": dataclasses.replace(
+            llama3_configs["1B"], max_seq_len=131072, enable_weight_tying=True, **_LLAMA32_ROPE
+        ),
+        "3.2-3B": ModelArgs(
+            dim=3072,
+            n_layers=28,
+            n_heads=24,
+            n_kv_heads=8,
+            vocab_size=128256,
+            ffn_dim_multiplier=1.0,
+            multiple_of=256,
+            rope_theta=500000,
+            max_seq_len=131072,
+            enable_weight_tying=True,
+            **_LLAMA32_ROPE,
+        ),
+    }
+)

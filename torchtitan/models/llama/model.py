@@ -30,6 +30,7 @@ from torchtitan.models.roles import (
     VALUE,
     canonical_name,
 )
+from torchtitan.models.rope_types import ROPE_SCALING_TYPES
 from torchtitan.utils import local_tensor
 
 
@@ -47,6 +48,14 @@ class ModelArgs:
     max_seq_len: int = 2048
     depth_init: bool = True  # scale output-projection init by layer depth instead of by total depth
     norm_type: str = "rmsnorm"  # one of NORM_TYPES
+    # RoPE frequency scaling (Llama 3.1 and later: "llama3"); the factors apply to "llama3" only.
+    rope_scaling: str = "none"  # one of ROPE_SCALING_TYPES
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    # One parameter for the embedding and the output projection (Llama 3.2 1B and 3B).
+    enable_weight_tying: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -75,6 +84,18 @@ class ModelArgs:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.norm_type not in NORM_TYPES:
             raise ValueError(f"norm_type {self.norm_type!r} is not one of {', '.join(NORM_TYPES)}")
+        if self.rope_scaling not in ROPE_SCALING_TYPES:
+            raise ValueError(f"rope_scaling {self.rope_scaling!r} is not one of {', '.join(ROPE_SCALING_TYPES)}")
+        if self.rope_scaling == "llama3":
+            if self.rope_scaling_factor < 1:
+                raise ValueError(f"rope_scaling_factor {self.rope_scaling_factor:g} must be at least 1")
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ValueError(
+                    f"rope_low_freq_factor {self.rope_low_freq_factor:g} and rope_high_freq_factor "
+                    f"{self.rope_high_freq_factor:g} must satisfy 0 < low < high"
+                )
+            if self.rope_original_max_seq_len <= 0:
+                raise ValueError(f"rope_original_max_seq_len {self.rope_original_max_seq_len} must be positive")
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -82,10 +103,33 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos and sin of every (position, frequency) pair: shape (max_seq_len, head_dim // 2, 2), float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
+    """The rotation frequency of each feature pair of a head (head_dim // 2 of them), float32, scaled by
+    ``args.rope_scaling``.
+
+    "llama3" scaling (Llama 3.1 and later) keeps the high frequencies (wavelength below
+    ``original_max_seq_len / high_freq_factor``), divides the low ones (wavelength above ``original_max_seq_len /
+    low_freq_factor``) by ``factor``, and blends the two linearly in between; computed in float32 in the same
+    order of operations as transformers, so that both give the same angles.
+    """
+    head_dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if args.rope_scaling == "none":
+        return inv_freq
+    factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+    context = args.rope_original_max_seq_len
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_table(args: ModelArgs, device=None) -> torch.Tensor:
+    """cos and sin of every (position, frequency) pair: shape (args.max_seq_len, head_dim // 2, 2), float32."""
+    inv_freq = rope_frequencies(args, device)
+    angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
@@ -239,7 +283,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = build_norm(args.norm_type, args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+        if args.enable_weight_tying:
+            # One parameter: named_parameters() and optimizers see it once, as "tok_embeddings.weight".
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_table(args), persistent=False)
 
     def forward(
         self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, loss_chunks: int = 1
@@ -267,11 +314,13 @@ class Transformer(nn.Module):
         so a 1-process and an N-process run start from the same model.
         """
         args = self.args
-        self.rope = rope_table(args.head_dim, args.max_seq_len, args.rope_theta, device=self.rope.device)
+        self.rope = rope_table(args, device=self.rope.device)
         final_std = args.dim**-0.5
+        output_rule = _trunc_normal(final_std, 3 * final_std)
         rules: dict[str, Callable[[torch.Tensor, torch.Generator], None]] = {
-            "tok_embeddings.weight": _normal(1.0),
-            "output.weight": _trunc_normal(final_std, 3 * final_std),
+            # A tied weight is drawn as the output projection: an embedding's std of 1 would make huge logits.
+            "tok_embeddings.weight": output_rule if args.enable_weight_tying else _normal(1.0),
+            "output.weight": output_rule,
         }
         for name, layer in self.layers.items():
             prefix = f"layers.{name}."
@@ -285,6 +334,19 @@ class Transformer(nn.Module):
             if rule is None:
                 raise RuntimeError(f"no initialiser for parameter {name}")
             _init_whole(param, rule, seed * 1_000_003 + index)
+
+    def _apply(self, fn, recurse: bool = True):
+        # Moving a plain model off the meta device (to_empty) gives each module a new tensor: tie them again.
+        # Sharded (DTensor) parameters are swapped in place, so they stay one parameter.
+        result = super()._apply(fn, recurse)
+        if self.args.enable_weight_tying and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        return result
+
+    def tied_weights(self) -> dict[str, str]:
+        """State-dict entries that repeat another entry's tensor -> that entry: ``{"output.weight":
+        "tok_embeddings.weight"}`` when tied. Checkpoints and exports store the tensor once, under the embedding."""
+        return {"output.weight": "tok_embeddings.weight"} if self.args.enable_weight_tying else {}
 
     def named_param_roles(self) -> dict[str, str]:
         """Role of every weight, keyed by its name in ``self.named_parameters()`` (wrappers included)."""

@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from torchtitan.optim.adam_mini_layout import BlockLayout
-from torchtitan.optim.partition import PER_HEAD, PER_ROW, PER_TENSOR
-from torchtitan.optim.state_storage import at_least_float32
+from torchtitan.optim.adam_mini.layout import BlockLayout
+from torchtitan.optim.adam_mini.partition import PER_HEAD, PER_ROW, PER_TENSOR
+from torchtitan.optim.state.storage import at_least_float32
 
 
 @dataclass(frozen=True)

@@ -12,39 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import getpass
-import logging
 import os
 import tempfile
 from typing import Any, Iterator
 
 import torch
 
-from torchtitan.errors import UserError
-from torchtitan.optim.state_storage import dequantized, is_quantized
-
-
-def import_torchao_optim():
-    """``torchao.optim``, imported without its unrelated warnings; UserError saying how to install it if missing."""
-    # torchao's import warns about things that do not concern its optimizers: CUDA kernels that a CPU-only machine
-    # cannot load, and a deprecated pytree registration. Keep those lines out of the user's log.
-    noisy = [logging.getLogger("torch.utils._pytree")]
-    if not torch.cuda.is_available():
-        noisy.append(logging.getLogger("torchao"))
-    levels = [log.level for log in noisy]
-    for log in noisy:
-        log.setLevel(logging.ERROR)
-    try:
-        import torchao.optim as torchao_optim
-    except ImportError as e:
-        raise UserError(
-            f"the low-bit optimizers need torchao, which is not importable ({e}); "
-            "install it with: pip install 'torchtitan[lowbit]' (or pip install torchao)"
-        ) from None
-    finally:
-        for log, level in zip(noisy, levels):
-            log.setLevel(level)
-    return torchao_optim
-
+from torchtitan.optim.state.storage import dequantized, is_quantized
+from torchtitan.optim.state.torchao_import import import_torchao_optim
 
 _low_bit_classes: dict[str, type] = {}
 
@@ -132,7 +107,7 @@ def portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 # Optimizers whose state_dict() keeps the live quantized tensors, for a caller that makes their float32 values one
-# at a time (torchtitan.optim.quantized_checkpoint).
+# at a time (torchtitan.optim.state.quantized_checkpoint).
 _keeping_quantized: set[int] = set()
 
 

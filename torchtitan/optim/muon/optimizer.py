@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import UserError
 from torchtitan.models.roles import ATTN_OUT, KEY, MLP, QUERY, VALUE, canonical_name
-from torchtitan.optim.muon_distributed import ShardedMatrix, orthogonalize_sharded, sharded_matrix
-from torchtitan.optim.partition import role_from_name
-from torchtitan.optim.state_storage import (
+from torchtitan.optim.adam_mini.partition import role_from_name
+from torchtitan.optim.muon.distributed import ShardedMatrix, orthogonalize_sharded, sharded_matrix
+from torchtitan.optim.state.storage import (
     BFLOAT16,
     FLOAT32,
     at_least_float32,
@@ -226,6 +226,10 @@ class Muon(torch.optim.Optimizer):
         step = int(self.state[params[0]]["step"])  # every matrix steps together
         updates = momentum_updates(grads, buffers, group["momentum"], group["nesterov"], step)
         orthogonal = self._orthogonalize(params, updates, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
+        self._apply_updates(group, params, orthogonal)
+
+    def _apply_updates(self, group: dict[str, Any], params: list[Tensor], orthogonal: list[Tensor]) -> None:
+        """Decoupled weight decay, then each matrix's update (local pieces of the orthogonalised momentum)."""
         lr = float(group["lr"])
         for p, o in zip(params, orthogonal):
             local = local_tensor(p)

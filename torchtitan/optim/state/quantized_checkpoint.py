@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from torchtitan.optim.state_storage import dequantized, is_quantized
+from torchtitan.optim.state.storage import dequantized, is_quantized
 from torchtitan.utils import local_tensor
 
 _SAVED_DTYPE = torch.float32  # what a checkpoint holds for a quantized state

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchtitan.optim.adam_mini_layout import BlockLayout
-from torchtitan.optim.adam_mini_statistics import Hyper, block_means, per_row
-from torchtitan.optim.partition import PER_ELEMENT
-from torchtitan.optim.state_storage import at_least_float32, read_state, write_state
+from torchtitan.optim.adam_mini.layout import BlockLayout
+from torchtitan.optim.adam_mini.partition import PER_ELEMENT
+from torchtitan.optim.adam_mini.statistics import Hyper, block_means, per_row
+from torchtitan.optim.state.storage import at_least_float32, read_state, write_state
 
 
 def foreach_update(

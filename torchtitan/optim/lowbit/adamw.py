@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
-from torchtitan.optim.state_storage import BFLOAT16, at_least_float32, keep_state_dtypes_on_load, new_state, write_state
+from torchtitan.optim.state.storage import BFLOAT16, at_least_float32, keep_state_dtypes_on_load, new_state, write_state
 from torchtitan.utils import local_tensor
 
 

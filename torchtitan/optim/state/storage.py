@@ -54,7 +54,7 @@ def new_state(param: Tensor, storage: str, block_size: int | None = None, signed
 def _quantized_zeros(local: Tensor, storage: str, block_size: int, signed: bool) -> Tensor:
     if local.numel() < MIN_QUANTIZED_NUMEL or local.numel() % block_size:
         return torch.zeros_like(local, dtype=at_least_float32(local.dtype))
-    from torchtitan.optim.torchao_adapter import import_torchao_optim
+    from torchtitan.optim.state.torchao_import import import_torchao_optim
 
     import_torchao_optim()  # a clear error when torchao is missing
     if storage == INT8:

@@ -36,12 +36,10 @@ from torch import Tensor
 
 from torchtitan.errors import UserError
 from torchtitan.models.roles import KEY, QUERY
-from torchtitan.optim.adam_mini_foreach import foreach_update
-from torchtitan.optim.adam_mini_fused import fused_update
-from torchtitan.optim.adam_mini_layout import BlockLayout, layout_for, new_second_moment
-from torchtitan.optim.adam_mini_statistics import Hyper
-from torchtitan.optim.hyperparameters import check_adam_hyperparameters
-from torchtitan.optim.partition import (
+from torchtitan.optim.adam_mini.foreach import foreach_update
+from torchtitan.optim.adam_mini.fused import fused_update
+from torchtitan.optim.adam_mini.layout import BlockLayout, layout_for, new_second_moment
+from torchtitan.optim.adam_mini.partition import (
     PER_ROW,
     VALUE_BLOCK_CHOICES,
     BlockPlan,
@@ -49,7 +47,9 @@ from torchtitan.optim.partition import (
     plan_blocks,
     unmatched_matrices,
 )
-from torchtitan.optim.state_storage import (
+from torchtitan.optim.adam_mini.statistics import Hyper
+from torchtitan.optim.hyperparameters import check_adam_hyperparameters
+from torchtitan.optim.state.storage import (
     BFLOAT16,
     FLOAT32,
     INT4,

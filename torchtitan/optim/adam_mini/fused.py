@@ -15,11 +15,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchtitan.optim.adam_mini_layout import BlockLayout
-from torchtitan.optim.adam_mini_statistics import Hyper, block_means, stat_dtype
+from torchtitan.optim.adam_mini.layout import BlockLayout
+from torchtitan.optim.adam_mini.partition import PER_ELEMENT, PER_HEAD, PER_TENSOR
+from torchtitan.optim.adam_mini.statistics import Hyper, block_means, stat_dtype
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
-from torchtitan.optim.partition import PER_ELEMENT, PER_HEAD, PER_TENSOR
-from torchtitan.optim.state_storage import is_quantized, write_state
+from torchtitan.optim.state.storage import is_quantized, write_state
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,434 @@
+"""The study's statistics and verdict: t quantiles, Welch's interval, speedup at matched loss, the budget fit, the
+data check, and the report page, all on made-up runs (no trainer)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from torchtitan.errors import UserError
+from torchtitan.tools import statistics
+from torchtitan.tools.runs import (
+    LOSS,
+    TOKENS_SEEN,
+    VALIDATION_LOSS,
+    Series,
+    SweepRun,
+    merged_scalars,
+    read_metrics_jsonl,
+    read_scalars,
+)
+from torchtitan.tools.study_report import format_html, format_markdown, grid_rows
+from torchtitan.tools.summary import summarize_sweep
+from torchtitan.tools.sweep import main
+from torchtitan.tools.sweep_plan import RunSpec, check_train_options, run_command
+from torchtitan.tools.sweep_plot import plot_budgets, swept_hyperparameters
+
+TOKENS_PER_STEP = 512
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Student's t and Welch
+
+
+@pytest.mark.parametrize(
+    "df, t975, t995",
+    # Two-sided 95% and 99% critical values from the standard t table.
+    [
+        (1, 12.706, 63.657),
+        (2, 4.303, 9.925),
+        (3, 3.182, 5.841),
+        (5, 2.571, 4.032),
+        (10, 2.228, 3.169),
+        (30, 2.042, 2.750),
+    ],
+)
+def test_t_quantile_matches_the_table(df, t975, t995):
+    assert statistics.t_quantile(0.975, df) == pytest.approx(t975, abs=6e-4)
+    assert statistics.t_quantile(0.995, df) == pytest.approx(t995, abs=6e-4)
+    assert statistics.t_quantile(0.025, df) == pytest.approx(-t975, abs=6e-4)
+
+
+def test_t_quantile_for_fractional_and_large_df():
+    # Welch's df is not whole: the quantile falls between its neighbours and tends to the normal's 1.95996.
+    assert statistics.t_quantile(0.975, 2) > statistics.t_quantile(0.975, 2.5) > statistics.t_quantile(0.975, 3)
+    assert statistics.t_quantile(0.975, 1e7) == pytest.approx(1.959964, abs=1e-5)
+    assert statistics.t_cdf(0.0, 4.2) == pytest.approx(0.5)
+    assert statistics.t_cdf(statistics.t_quantile(0.9, 7.3), 7.3) == pytest.approx(0.9, abs=1e-12)
+
+
+def test_welch_difference_and_its_verdict():
+    # Equal sizes and spreads: df = 2 (n - 1), half-width t * sqrt(2 s^2 / n) = 2.776 * sqrt(2/3).
+    d = statistics.welch_difference([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
+    assert d.difference == -3.0 and d.df == pytest.approx(4.0)
+    assert (d.low, d.high) == pytest.approx((-3 - 2.776445 * math.sqrt(2 / 3), -3 + 2.776445 * math.sqrt(2 / 3)))
+    assert d.verdict == "better"
+    assert statistics.welch_difference([4.0, 5.0, 6.0], [1.0, 2.0, 3.0]).verdict == "worse"
+    # Unequal spreads: Welch-Satterthwaite df = (0.41667 + 25)^2 / (0.41667^2 / 3 + 25^2 / 1) = 1.0335.
+    d = statistics.welch_difference([1.0, 2.0, 3.0, 4.0], [10.0, 20.0])
+    assert d.df == pytest.approx(1.03355, abs=1e-4)
+    assert d.verdict == "no detectable difference" and d.low < 0 < d.high
+    assert statistics.welch_difference([1.0], [1.0, 2.0]) is None  # one seed: no interval
+    same = statistics.welch_difference([2.0, 2.0], [3.0, 3.0])  # no spread at all: the interval is the point
+    assert (same.low, same.high, same.df, same.verdict) == (-1.0, -1.0, None, "better")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Speedup at matched loss
+
+
+def test_tokens_to_reach_interpolates_and_bounds():
+    tokens, losses = [100, 200, 300, 400], [4.0, 3.0, 2.5, 2.0]
+    assert statistics.tokens_to_reach(tokens, losses, 2.75) == statistics.Reach(250.0, None)
+    assert statistics.tokens_to_reach(tokens, losses, 2.0) == statistics.Reach(400.0, None)
+    assert statistics.tokens_to_reach(tokens, losses, 1.9) == statistics.Reach(400.0, ">")  # never got there
+    assert statistics.tokens_to_reach(tokens, losses, 5.0) == statistics.Reach(100.0, "<")  # there from the start
+    # The first crossing counts, even where the curve goes up again later.
+    assert statistics.tokens_to_reach([1, 2, 3, 4], [3.0, 2.0, 2.6, 1.5], 2.5).tokens == pytest.approx(1.5)
+
+
+def test_speedup_over_seeds():
+    curve = ([100.0, 200.0, 300.0, 400.0], [4.0, 3.0, 2.5, 2.0])
+    # Reaching the baseline's 400-token loss in 200 tokens is a 2x speedup; 3.0 in 200 tokens is 1x.
+    one = statistics.speedup_at_matched_loss([curve], [(2.0, 200.0)])
+    assert (one.value, one.bound, one.low, one.high) == (2.0, None, None, None)
+    seeds = statistics.speedup_at_matched_loss([curve] * 3, [(2.0, 200.0), (2.5, 200.0), (3.0, 200.0)])
+    assert seeds.value == pytest.approx((2.0 * 1.5 * 1.0) ** (1 / 3))  # geometric mean
+    logs = [math.log(2.0), math.log(1.5), 0.0]
+    half = statistics.t_quantile(0.975, 2) * math.sqrt(statistics.sample_variance(logs) / 3)
+    assert (seeds.low, seeds.high) == pytest.approx((seeds.value * math.exp(-half), seeds.value * math.exp(half)))
+    # A seed the baseline never matches makes the whole a lower bound: its tokens over the run's, no interval.
+    bound = statistics.speedup_at_matched_loss([curve] * 2, [(2.0, 200.0), (1.0, 100.0)])
+    assert (bound.value, bound.bound, bound.low) == (4.0, ">", None)
+    upper = statistics.speedup_at_matched_loss([curve], [(9.0, 400.0)])
+    assert (upper.value, upper.bound) == (0.25, "<")
+
+
+def test_trailing_mean_ends_at_the_final_training_loss():
+    values = [5.0, 4.0, 3.0, 2.0, 1.0]
+    assert statistics.trailing_mean(values, 3) == [5.0, 4.5, 4.0, 3.0, 2.0]
+    assert statistics.trailing_mean(values, 3)[-1] == sum(values[-3:]) / 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The budget fit
+
+
+def test_power_law_fit_recovers_its_parameters():
+    budgets = [1e6, 3e6, 1e7, 3e7, 1e8]
+    losses = [40.0 * d**-0.3 + 2.1 for d in budgets]
+    fit = statistics.fit_power_law(budgets, losses)
+    assert (fit.alpha, fit.beta, fit.gamma) == pytest.approx((40.0, 0.3, 2.1), rel=1e-6)
+    assert fit.tokens_for(fit.loss(5e6)) == pytest.approx(5e6, rel=1e-9)
+    assert fit.tokens_for(2.0) == math.inf  # below the floor: no budget gets there
+    three = statistics.fit_power_law(budgets[:3], losses[:3])  # three budgets: an exact fit
+    assert three.beta == pytest.approx(0.3, rel=1e-5) and three.rms_residual < 1e-9
+    assert statistics.fit_power_law(budgets[:2], losses[:2]) is None
+    assert statistics.fit_power_law(budgets[:3], [2.0, 2.5, 3.0]) is None  # loss rising with the budget
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A study from made-up runs
+
+
+def made_up_run(
+    optimizer: str,
+    seed: int,
+    scale: float,
+    lr: float = 1e-3,
+    steps: int = 20,
+    validation: bool = True,
+    budget=None,
+    options=None,
+    dataset=None,
+    outcome: str = "finished",
+    data_seed=None,
+) -> SweepRun:
+    """Loss = 2 + scale * 8 / step (validation the same every 5 steps), 512 tokens a step."""
+    steps_ = tuple(range(1, steps + 1))
+    loss = tuple(2.0 + scale * 8.0 / s for s in steps_)
+    scalars = {
+        LOSS: Series(steps_, loss),
+        TOKENS_SEEN: Series(steps_, tuple(float(s * TOKENS_PER_STEP) for s in steps_)),
+        "throughput/tps": Series(steps_, (1000.0,) * steps),
+        "memory/rss(GiB)": Series(steps_, (0.5,) * steps),
+        "optimizer/state_bytes": Series((0,), (2.0**20,)),
+    }
+    if validation:
+        val_steps = tuple(s for s in steps_ if s % 5 == 0)
+        scalars[VALIDATION_LOSS] = Series(val_steps, tuple(2.0 + scale * 8.0 / s for s in val_steps))
+    status = {"optimizer": optimizer, "lr": lr, "seed": seed, "outcome": outcome, "exit_code": 0, "ended": 0.0}
+    if budget is not None:
+        status["budget"] = budget
+    if options:
+        status["options"] = options
+    if data_seed is not None:
+        status["data_seed"] = data_seed
+    return SweepRun(RunSpec(optimizer, lr, seed), status, scalars, dataset)
+
+
+def test_significance_and_mean_ci_per_cell():
+    # AdamW's final validation losses 2.40 +- 0.01 over three seeds; Muon 0.2 lower, Lion 0.2 higher, AdamMini within
+    # the seed noise.
+    jitter = [-0.01, 0.0, 0.01]
+    runs = []
+    for optimizer, shift in (("AdamW", 0.0), ("Muon", -0.2), ("Lion", 0.2), ("AdamMini", 0.005)):
+        runs += [made_up_run(optimizer, s, (0.4 + shift + jitter[s]) / 0.4) for s in range(3)]
+    report = summarize_sweep(runs, last_k=3)
+    best = report["best"]
+    assert report["seeds"] == 3 and report["by_validation"]
+    # The last validation loss is 2 + scale * 8 / 20 = 2.4 + shift + jitter: sample sd 0.01 over three seeds.
+    assert best["AdamW"]["loss_mean"] == pytest.approx(2.4)
+    assert best["AdamW"]["loss_ci"] == pytest.approx(4.302653 * 0.01 / math.sqrt(3), rel=1e-6)
+    assert best["Muon"]["versus_baseline"]["verdict"] == "better"
+    assert best["Lion"]["versus_baseline"]["verdict"] == "worse"
+    assert best["AdamMini"]["versus_baseline"]["verdict"] == "no detectable difference"
+    assert best["Muon"]["versus_baseline"]["difference"] == pytest.approx(-0.2)
+    md = format_markdown(report)
+    row = next(line for line in md.splitlines() if line.startswith("| Muon | lr 1e-3 |"))
+    assert f"{best['Muon']['loss_mean']:.4f} ± {best['Muon']['loss_ci']:.4f} (3 seeds)" in row and ", better |" in row
+    assert "Welch" in md and "Seeds varied: model initialisation (training.seed); data order fixed" in md
+
+
+def test_one_seed_says_so_instead_of_a_verdict():
+    report = summarize_sweep([made_up_run("AdamW", 0, 1.0), made_up_run("Muon", 0, 0.5)], last_k=3)
+    assert report["best"]["Muon"]["versus_baseline"] is None
+    md = format_markdown(report)
+    assert "One seed per cell: no confidence intervals and no verdict" in md
+    assert "one seed: no verdict" in next(line for line in md.splitlines() if line.startswith("| Muon |"))
+    assert "better" not in md and "worse" not in md
+
+
+def test_speedup_at_matched_loss_along_the_validation_curve():
+    # AdamW's validation loss 2 + 8/step at steps 5, 10, 15, 20. Muon (scale 0.5) ends at 2 + 4/20 = 2.2, which AdamW
+    # never reaches (its last is 2.4): a lower bound, 20 steps / 20 steps. Slow (scale 1.5) ends at 2.6, which AdamW
+    # passes between step 15 (2.5333) and step 10 (2.8): at step 10 + 5 * (2.8 - 2.6) / (2.8 - 2.5333) = 13.75.
+    runs = [made_up_run("AdamW", 0, 1.0), made_up_run("Muon", 0, 0.5), made_up_run("Slow", 0, 1.5)]
+    best = summarize_sweep(runs, last_k=3)["best"]
+    assert best["AdamW"]["speedup"]["value"] == pytest.approx(1.0) and best["AdamW"]["speedup"]["bound"] is None
+    assert (best["Muon"]["speedup"]["value"], best["Muon"]["speedup"]["bound"]) == (pytest.approx(1.0), ">")
+    assert best["Slow"]["speedup"]["value"] == pytest.approx((10 + 5 * 0.2 / (0.8 - 8 / 15)) / 20)
+    assert best["Slow"]["speedup"]["matched"] == "seed by seed"
+    md = format_markdown(summarize_sweep(runs, last_k=3))
+    assert "| >1.00× |" in next(line for line in md.splitlines() if line.startswith("| Muon |"))
+
+
+def test_speedup_along_the_smoothed_training_loss_with_seeds():
+    # Without validation the curve is the trailing mean of the last k training losses, whose last point is the final
+    # loss; Slower (scale 1.25) ends at what AdamW's smoothed curve passes before its end: with seeds a CI.
+    runs = [
+        made_up_run(o, s, scale * (1 + 0.01 * s), validation=False)
+        for o, scale in (("AdamW", 1.0), ("Slower", 1.25))
+        for s in range(3)
+    ]
+    report = summarize_sweep(runs, last_k=4)
+    assert not report["by_validation"] and "trailing mean of the last 4" in report["curve"]
+    s = report["best"]["Slower"]["speedup"]
+    per_seed = []
+    for seed in range(3):
+        base = [2.0 + (1 + 0.01 * seed) * 8.0 / step for step in range(1, 21)]
+        smooth = statistics.trailing_mean(base, 4)
+        mine = statistics.trailing_mean([2.0 + 1.25 * (1 + 0.01 * seed) * 8.0 / step for step in range(1, 21)], 4)[-1]
+        reach = statistics.tokens_to_reach([512.0 * k for k in range(1, 21)], smooth, mine)
+        per_seed.append(reach.tokens / (20 * 512.0))
+    assert s["value"] == pytest.approx(math.prod(per_seed) ** (1 / 3)) and s["low"] < s["value"] < s["high"]
+    assert s["bound"] is None and s["seeds"] == 3 and 0.7 < s["value"] < 1.0
+
+
+def test_speedup_against_the_baseline_mean_curve_when_seeds_differ():
+    runs = [made_up_run("AdamW", s, 1.0 + 0.02 * s) for s in range(2)] + [made_up_run("Slow", 5, 1.5)]
+    s = summarize_sweep(runs, last_k=3)["best"]["Slow"]["speedup"]
+    assert s["matched"] == "against the baseline's mean curve"
+    mean_curve = [2.0 + 1.01 * 8.0 / step for step in (5, 10, 15, 20)]
+    reach = statistics.tokens_to_reach([512.0 * k for k in (5, 10, 15, 20)], mean_curve, 2.0 + 1.5 * 8.0 / 20)
+    assert s["value"] == pytest.approx(reach.tokens / (20 * 512.0))
+
+
+def test_the_budget_fit_and_speedup_per_budget():
+    # AdamW's best loss at budget D: 40 * D^-0.3 + 2.1 (steps = D / 512); Muon reaches at each budget what AdamW's law
+    # gives at 1.5 x that budget: D_eff / D = 1.5 everywhere.
+    runs = []
+    for steps in (20, 40, 80, 160):
+        tokens = steps * TOKENS_PER_STEP
+
+        def scale(d, steps=steps):
+            # loss at the last validation step (= steps) is 2 + scale * 8 / steps
+            return (40.0 * d**-0.3 + 0.1) * steps / 8.0
+
+        for seed in range(2):
+            runs.append(made_up_run("AdamW", seed, scale(tokens), steps=steps, budget=tokens))
+            runs.append(made_up_run("Muon", seed, scale(1.5 * tokens), steps=steps, budget=tokens))
+            # A worse lr at each budget: the fit takes each optimizer's best cell.
+            runs.append(made_up_run("AdamW", seed, 2 * scale(tokens), lr=1e-2, steps=steps, budget=tokens))
+    report = summarize_sweep(runs, last_k=3)
+    fit = report["budget_fit"]
+    assert report["budgets"] == [20 * 512, 40 * 512, 80 * 512, 160 * 512]
+    assert (fit["fit"]["alpha"], fit["fit"]["beta"], fit["fit"]["gamma"]) == pytest.approx((40.0, 0.3, 2.1), rel=1e-5)
+    assert [e["speedup"] for e in fit["speedups"]["Muon"]] == pytest.approx([1.5] * 4, rel=1e-5)
+    assert [e["speedup"] for e in fit["speedups"]["AdamW"]] == pytest.approx([1.0] * 4, rel=1e-5)
+    assert report["best"]["AdamW"]["lr"] == 1e-3 and report["best"]["AdamW"]["settings"] == {"lr": 1e-3}
+    md = format_markdown(report)
+    assert "L(D) = 40 · D^(−0.3000) + 2.1000" in md
+    assert "| Muon | 1.50× | 1.50× | 1.50× | 1.50× |" in md
+    # The page draws the fit and D_eff / D, and shows its table.
+    png = plot_budgets(report)
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    page = format_html(report, {"main": None, "sensitivity": None, "budgets": png, "overview": None}, "t")
+    assert base64.b64encode(png).decode() in page and "D_eff / D at 10,240 tokens" in page
+    # Two budgets are too few for a fit.
+    two = summarize_sweep([r for r in runs if r.status["budget"] <= 40 * 512], last_k=3)
+    assert two["budget_fit"] is None
+
+
+def test_cells_are_keyed_by_every_swept_option():
+    runs = [
+        made_up_run("AdamW", 0, scale, options={"weight_decay": wd})
+        for wd, scale in ((0.0, 1.2), (0.1, 1.0), (0.3, 1.1))
+    ] + [made_up_run("AdamW", 0, 1.4, lr=lr, options={"weight_decay": 0.1}) for lr in (1e-2, 2e-5)]
+    report = summarize_sweep(runs, last_k=3)
+    assert report["best"]["AdamW"]["settings"] == {"lr": 1e-3, "weight_decay": 0.1}
+    assert len(report["grid"]) == 5 and swept_hyperparameters(report) == ["lr", "weight_decay"]
+    # Cells in numeric order of their settings (2e-5 before 1e-3, though "2e-05" sorts after "0.001" as text).
+    assert [(c["lr"], c["settings"]["weight_decay"]) for c in report["grid"]] == [
+        (2e-5, 0.1),
+        (1e-3, 0.0),
+        (1e-3, 0.1),
+        (1e-3, 0.3),
+        (1e-2, 0.1),
+    ]
+    header, _ = grid_rows(report)
+    assert header[1:3] == ["lr 2e-5, weight_decay 0.1", "lr 1e-3, weight_decay 0.0"]
+
+
+def test_seeds_varied_names_the_data_seed():
+    varied = [made_up_run("AdamW", s, 1.0, data_seed=s) for s in range(2)]
+    assert summarize_sweep(varied, 3)["seeds_varied"] == (
+        "model initialisation (training.seed) and data order (training.data_seed)"
+    )
+    fixed = [
+        made_up_run("AdamW", s, 1.0, dataset={"fingerprint": "ab", "source": "x", "data_seed": 7}) for s in range(2)
+    ]
+    assert summarize_sweep(fixed, 3)["seeds_varied"].endswith("data order fixed (data seed 7)")
+
+
+def test_runs_on_different_data_are_refused_and_unfingerprinted_data_is_said():
+    a = {"fingerprint": "aaa", "source": "shards/a", "data_seed": 0}
+    b = {"fingerprint": "bbb", "source": "shards/b", "data_seed": 0}
+    with pytest.raises(UserError, match=r"read different data \(AdamW_lr1e-3_seed0: dataset fingerprint aaa, "):
+        summarize_sweep([made_up_run("AdamW", 0, 1.0, dataset=a), made_up_run("Muon", 0, 1.0, dataset=b)], 3)
+    null = {"fingerprint": None, "source": "text", "data_seed": None}
+    report = summarize_sweep([made_up_run("AdamW", 0, 1.0, dataset=a), made_up_run("Muon", 0, 1.0, dataset=null)], 3)
+    assert report["data"]["fingerprint"] == "aaa" and report["data"]["not_fingerprinted"] == ["Muon_lr1e-3_seed0"]
+    assert "Data: fingerprint aaa; 1 runs data not fingerprinted." in format_markdown(report)
+    none = summarize_sweep([made_up_run("AdamW", 0, 1.0), made_up_run("Muon", 0, 1.0, dataset=null)], 3)
+    assert "data not fingerprinted" in format_markdown(none)
+
+
+def test_diverged_best_candidates_are_skipped_and_missing_baseline_said():
+    runs = [made_up_run("Muon", s, 1.0) for s in range(2)] + [made_up_run("Muon", 0, 0.5, lr=1e-2, outcome="diverged")]
+    report = summarize_sweep(runs, last_k=3)
+    assert report["best"]["Muon"]["lr"] == 1e-3 and not report["baseline_found"]
+    assert "The baseline AdamW is not in this sweep" in format_markdown(report)
+    assert report["best"]["Muon"]["speedup"] is None and report["best"]["Muon"]["versus_baseline"] is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading runs, the page, and the command line
+
+
+def write_jsonl_run(run_dir: Path, run: SweepRun, dataset: dict | None = None) -> None:
+    """A made-up run on disk as train.py and the sweep leave it: metrics.jsonl, dataset.json, sweep_status.json."""
+    log_dir = run_dir / "tb" / "20260101-000000_x"
+    log_dir.mkdir(parents=True)
+    by_step: dict[int, dict] = {}
+    for tag, series in run.scalars.items():
+        for step, value in zip(series.steps, series.values):
+            by_step.setdefault(step, {})[tag] = value
+    (log_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, **m}) + "\n" for s, m in sorted(by_step.items()))
+    )
+    if dataset is not None:
+        (log_dir / "dataset.json").write_text(json.dumps(dataset))
+    (run_dir / "sweep_status.json").write_text(json.dumps(run.status))
+
+
+def test_metrics_jsonl_reads_as_the_event_files_do(tmp_path):
+    from torchtitan.metrics import MetricLogger
+
+    logger = MetricLogger(str(tmp_path), enable_tensorboard=True)
+    for step in range(1, 6):
+        logger.log({LOSS: 3.0 / step, "grad_norm": float("nan") if step == 5 else 1.0}, step)
+    logger.close()
+    from_jsonl = read_metrics_jsonl(tmp_path / "metrics.jsonl")
+    from_events = read_scalars(tmp_path)
+    # The same steps and values (event files hold float32, metrics.jsonl the logged float itself).
+    assert from_jsonl[LOSS].steps == from_events[LOSS].steps
+    assert from_jsonl[LOSS].values == pytest.approx(from_events[LOSS].values, rel=1e-6)
+    assert from_jsonl["grad_norm"].steps == from_events["grad_norm"].steps
+    assert math.isnan(from_jsonl["grad_norm"].values[-1])
+    # A line cut short by a crash at the end is left out; the rest reads.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "loss_metr')
+    assert read_metrics_jsonl(tmp_path / "metrics.jsonl")[LOSS].steps == (1, 2, 3, 4, 5)
+    assert merged_scalars(tmp_path)[LOSS] == read_metrics_jsonl(tmp_path / "metrics.jsonl")[LOSS]
+
+
+def test_study_page_is_self_contained_and_rebuilt_by_report_only(tmp_path, capsys):
+    dump = tmp_path / "sweep"
+    data = {"fingerprint": "f00d", "source": "shards", "data_seed": 0}
+    for optimizer, scale in (("AdamW", 1.0), ("AdamMini", 1.05), ("Muon", 0.8)):
+        for lr, bump in ((1e-3, 0.0), (3e-3, 0.3)):
+            for seed in range(2):
+                run = made_up_run(optimizer, seed, scale + bump + 0.01 * seed, lr=lr)
+                write_jsonl_run(dump / "runs" / run.spec.name, run, data)
+    assert main(["--dump-folder", str(dump), "--report-only", "--last-k", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "study.html" in out and "| Muon | lr 1e-3 |" in out
+    page = (dump / "study.html").read_text()
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(images) == 3  # main picture, sensitivity, overview (no budgets: said instead)
+    assert all(base64.b64decode(i).startswith(b"\x89PNG") for i in images)
+    assert "http" not in page.replace("<!DOCTYPE html>", "") and "<script" not in page  # nothing fetched
+    assert "No budget fit: the sweep holds fewer than three token budgets." in page
+    assert "Data: every run read dataset fingerprint f00d." in page
+    for column in ("optimizer state", "peak memory", "tokens/s per process", "speedup at matched loss"):
+        assert column in page
+    report = json.loads((dump / "sweep.json").read_text())
+    assert report["best"]["Muon"]["versus_baseline"]["verdict"] == "better"
+    # --report-only rebuilds the same page from the folder alone.
+    (dump / "study.html").unlink()
+    assert main(["--dump-folder", str(dump), "--report-only", "--last-k", "3"]) == 0
+    assert (dump / "study.html").read_text() == page
+    # Another baseline, and one that is not there.
+    assert main(["--dump-folder", str(dump), "--report-only", "--last-k", "3", "--baseline", "Muon"]) == 0
+    assert json.loads((dump / "sweep.json").read_text())["best"]["AdamW"]["versus_baseline"]["verdict"] == "worse"
+    capsys.readouterr()
+    assert main(["--dump-folder", str(dump), "--report-only", "--baseline", "Lion"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --baseline Lion is not an optimizer of this sweep (AdamMini, AdamW, Muon); name one of them"
+
+
+def test_report_only_refuses_runs_on_different_data_in_one_line(tmp_path, capsys):
+    dump = tmp_path / "sweep"
+    for optimizer, fingerprint in (("AdamW", "aaa"), ("Muon", "bbb")):
+        run = made_up_run(optimizer, 0, 1.0)
+        write_jsonl_run(dump / "runs" / run.spec.name, run, {"fingerprint": fingerprint, "source": "x", "data_seed": 0})
+    assert main(["--dump-folder", str(dump), "--report-only"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "read different data" in err
+    assert not (dump / "study.html").exists() and not (dump / "sweep.md").exists()
+
+
+def test_vary_data_seed_gives_each_run_its_seed_as_data_seed(tmp_path):
+    spec = RunSpec("AdamW", 1e-3, 4)
+    command = run_command(spec, tmp_path, ["--training.steps", "3"], ["launch"], vary_data_seed=True)
+    assert command[command.index("--training.data_seed") + 1] == "4"
+    assert "--training.data_seed" not in run_command(spec, tmp_path, [], ["launch"])
+    check_train_options(["--training.data_seed", "3"])  # a fixed data seed for every run is fine without the flag
+    with pytest.raises(UserError, match="set by the sweep for each run with --vary-data-seed"):
+        check_train_options(["--training.data_seed", "3"], vary_data_seed=True)

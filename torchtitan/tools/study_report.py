@@ -1,0 +1,276 @@
+"""The study's words and tables: the verdict table and the grid (sweep.md), and the one self-contained page
+(study.html: the same tables, the figures embedded as base64 PNG, no network).
+
+Text only, from the numbers ``summary.summarize_sweep`` computes; the figures are ``sweep_plot``'s.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from typing import Optional, Sequence
+
+from torchtitan.tools.summary import settings_label, settings_order
+from torchtitan.tools.sweep_plan import DIVERGED, FINISHED
+
+VERDICT_COLUMNS = (
+    "optimizer",
+    "best settings",
+    "loss (mean ± 95% CI)",
+    "vs baseline: difference [95% CI], verdict",
+    "speedup at matched loss [95% CI]",
+    "optimizer state",
+    "peak memory",
+    "tokens/s per process",
+)
+
+
+def loss_text(mean: Optional[float], ci: Optional[float], n: int) -> str:
+    if mean is None:
+        return "n/a"
+    if n < 2:
+        return f"{mean:.4f} (1 seed)"
+    return f"{mean:.4f} ± {ci:.4f} ({n} seeds)"
+
+
+def versus_text(optimizer: str, b: dict, report: dict) -> str:
+    if optimizer == report["baseline"]:
+        return "baseline"
+    v = b.get("versus_baseline")
+    if b["loss_mean"] is None or not report["baseline_found"]:
+        return "n/a"
+    if v is None:
+        return "one seed: no verdict"
+    return f"{v['difference']:+.4f} [{v['low']:+.4f}, {v['high']:+.4f}], {v['verdict']}"
+
+
+def speedup_text(s: Optional[dict]) -> str:
+    if s is None:
+        return "n/a"
+    if s["bound"] is not None:
+        return f"{s['bound']}{s['value']:.2f}×"
+    if s["low"] is None:
+        return f"{s['value']:.2f}×"
+    return f"{s['value']:.2f}× [{s['low']:.2f}, {s['high']:.2f}]"
+
+
+def verdict_rows(report: dict) -> list[list[str]]:
+    rows = []
+    for optimizer, b in report["best"].items():
+        state = "n/a" if b["optimizer_state_bytes"] is None else f"{b['optimizer_state_bytes'] / 2**30:.3f} GiB"
+        memory = "n/a" if b["peak_memory_gib"] is None else f"{b['peak_memory_gib']:.3f} GiB"
+        tps = "n/a" if b["mean_tps"] is None else f"{b['mean_tps']:.1f}"
+        settings = "none (every setting diverged or failed)" if b["settings"] is None else settings_label(b["settings"])
+        rows.append(
+            [
+                optimizer,
+                settings,
+                loss_text(b["loss_mean"], b["loss_ci"], len(b["seeds"])),
+                versus_text(optimizer, b, report),
+                speedup_text(b.get("speedup")),
+                state,
+                memory,
+                tps,
+            ]
+        )
+    return rows
+
+
+def cell_text(cell: dict, runs: Sequence[dict]) -> str:
+    if cell["outcome"] == FINISHED:
+        return loss_text(cell["loss_mean"], cell["loss_ci"], len(cell["seeds"]))
+    bad = [
+        r
+        for r in runs
+        if r["optimizer"] == cell["optimizer"]
+        and r["budget"] == cell["budget"]
+        and r["settings"] == cell["settings"]
+        and r["outcome"] == cell["outcome"]
+    ]
+    count = f" {len(bad)}/{len(cell['seeds'])} seeds" if len(cell["seeds"]) > 1 else ""
+    if cell["outcome"] == DIVERGED:
+        steps = sorted(r["diverged_at_step"] for r in bad if r["diverged_at_step"] is not None)
+        return f"diverged{count}" + (f" (step {steps[0]})" if steps else "")
+    return f"failed{count} (exit {', '.join(str(r['exit_code']) for r in bad)})"
+
+
+def grid_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    """Every cell at the verdict's budget: one row per optimizer, one column per setting; the best in bold."""
+    budget = report["budgets"][-1] if report["budgets"] else None
+    cells = [c for c in report["grid"] if c["budget"] == budget]
+    labels = list(
+        dict.fromkeys(settings_label(c["settings"]) for c in sorted(cells, key=lambda c: settings_order(c["settings"])))
+    )
+    rows = []
+    for optimizer, b in report["best"].items():
+        mine = {settings_label(c["settings"]): c for c in cells if c["optimizer"] == optimizer}
+        best = settings_label(b["settings"]) if b["settings"] else None
+        row = [optimizer]
+        for label in labels:
+            text = cell_text(mine[label], report["runs"]) if label in mine else "not run"
+            row.append(f"**{text}**" if label == best else text)
+        rows.append(row)
+    return ["optimizer", *labels], rows
+
+
+def notes(report: dict) -> list[str]:
+    """The lines that say what the numbers are: ranking, baseline, intervals, seeds, data."""
+    seeds, baseline = report["seeds"], report["baseline"]
+    lines = [
+        f"Ranked by the {report['ranked_by']}; best settings = lowest mean over seeds among the settings where no "
+        "seed diverged or failed.",
+    ]
+    if seeds < 2:
+        lines.append(
+            "One seed per cell: no confidence intervals and no verdict (differences this small need seeds: run "
+            "--seeds 0,1,2)."
+        )
+    else:
+        lines.append(
+            f"± is the 95% confidence interval of the mean over seeds (Student's t); the difference from "
+            f"{baseline} is mean minus {baseline}'s mean with Welch's 95% interval: better / worse where the whole "
+            "interval is below / above 0, else no detectable difference."
+        )
+    if not report["baseline_found"]:
+        lines.append(f"The baseline {baseline} is not in this sweep: no differences or speedups.")
+    lines.append(
+        f"Speedup at matched loss = tokens {baseline}'s best run needs to reach the optimizer's final loss "
+        f"(interpolated along its {report['curve']} curve) / tokens the optimizer used; >x: {baseline} never got "
+        "there (a lower bound); <x: it was there at its first point (an upper bound)"
+        + ("; with seeds the geometric mean and a t interval of the log speedups." if seeds > 1 else ".")
+    )
+    lines.append(f"Seeds varied: {report['seeds_varied']}.")
+    data = report["data"]
+    if data["fingerprint"] is not None and not data["not_fingerprinted"]:
+        lines.append(f"Data: every run read dataset fingerprint {data['fingerprint']}.")
+    elif data["fingerprint"] is not None:
+        n = len(data["not_fingerprinted"])
+        lines.append(f"Data: fingerprint {data['fingerprint']}; {n} runs data not fingerprinted.")
+    else:
+        lines.append("Data: data not fingerprinted (no run wrote a dataset fingerprint).")
+    fit = report["budget_fit"]
+    if fit is not None and fit["fit"] is None:
+        lines.append(f"Budget fit: {fit['error']}.")
+    return lines
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def budget_rows(report: dict) -> Optional[tuple[list[str], list[list[str]]]]:
+    fit = report["budget_fit"]
+    if fit is None or fit["fit"] is None:
+        return None
+    budgets = [p["tokens"] for p in fit["points"]]
+    header = ["optimizer", *(f"D_eff / D at {d:,.0f} tokens" for d in budgets)]
+    rows = []
+    for optimizer, entries in fit["speedups"].items():
+        by_budget = {round(e["tokens"]): e for e in entries}
+        row = [optimizer]
+        for d in budgets:
+            e = by_budget.get(round(d))
+            row.append(
+                "not run"
+                if e is None
+                else f"below {fit['baseline']}'s floor"
+                if e["below_floor"]
+                else f"{e['speedup']:.2f}×"
+            )
+        rows.append(row)
+    return header, rows
+
+
+def fit_text(report: dict) -> Optional[str]:
+    fit = report["budget_fit"]
+    if fit is None or fit["fit"] is None:
+        return None
+    f = fit["fit"]
+    return (
+        f"{fit['baseline']}'s best loss over {len(fit['points'])} budgets: L(D) = {f['alpha']:.4g} · "
+        f"D^(−{f['beta']:.4f}) + {f['gamma']:.4f} (rms residual {f['rms_residual']:.4f}); D_eff = the tokens this "
+        "fit needs for an optimizer's loss."
+    )
+
+
+def format_markdown(report: dict) -> str:
+    header, rows = grid_rows(report)
+    lines = notes(report) + ["", *_table(VERDICT_COLUMNS, verdict_rows(report)), "", *_table(header, rows)]
+    budget = budget_rows(report)
+    if budget is not None:
+        lines += ["", fit_text(report), "", *_table(*budget)]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# study.html
+
+
+def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    def cell(text: str, tag: str) -> str:
+        bold = text.startswith("**") and text.endswith("**")
+        inner = html.escape(text[2:-2] if bold else text)
+        return f"<{tag}>{'<b>' + inner + '</b>' if bold else inner}</{tag}>"
+
+    head = "".join(cell(h, "th") for h in header)
+    body = "".join("<tr>" + "".join(cell(c, "td") for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _figure(png: Optional[bytes], caption: str) -> str:
+    if png is None:
+        return f"<p><i>{html.escape(caption)}</i></p>"
+    data = base64.b64encode(png).decode("ascii")
+    return (
+        f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+    )
+
+
+STYLE = (
+    "body{font-family:sans-serif;max-width:1250px;margin:2em auto;padding:0 1em;color:#222}"
+    "table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #bbb;padding:4px 8px;text-align:left}"
+    "th{background:#eee}img{max-width:100%}figcaption{color:#555;font-size:small}"
+)
+
+
+def format_html(report: dict, figures: dict[str, Optional[bytes]], title: str) -> str:
+    """The page: notes, verdict table, main picture, grid, sensitivity, budget fit, the sweep's overview figure.
+    ``figures`` maps "main", "sensitivity", "budgets", "overview" to PNG bytes (None: not drawn, said why)."""
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        *(f"<p>{html.escape(line)}</p>" for line in notes(report)),
+        "<h2>Verdict</h2>",
+        _html_table(VERDICT_COLUMNS, verdict_rows(report)),
+        _figure(figures.get("main"), "loss against tokens at each optimizer's best settings, and final loss ± 95% CI"),
+        "<h2>Every setting</h2>",
+        _html_table(*grid_rows(report)),
+        "<h2>Sensitivity</h2>",
+        _figure(
+            figures.get("sensitivity"),
+            "final loss against each swept hyperparameter, the others at the optimizer's best"
+            if figures.get("sensitivity")
+            else "no hyperparameter took more than one value: no sensitivity to show",
+        ),
+        "<h2>Across budgets</h2>",
+    ]
+    budget = budget_rows(report)
+    if budget is None:
+        fit = report["budget_fit"]
+        why = fit["error"] if fit is not None else "the sweep holds fewer than three token budgets"
+        parts.append(f"<p>No budget fit: {html.escape(why)}.</p>")
+    else:
+        parts += [f"<p>{html.escape(fit_text(report))}</p>", _html_table(*budget)]
+        parts.append(_figure(figures.get("budgets"), "the baseline's fit over budgets and D_eff / D per optimizer"))
+    parts += [
+        "<h2>Overview</h2>",
+        _figure(figures.get("overview"), "loss curves, loss against lr, memory and tokens/s (sweep.png)"),
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"
