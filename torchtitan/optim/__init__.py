@@ -18,7 +18,7 @@ Below them, ``state``: how optimizer state is stored (float32, bfloat16, quantiz
 checkpointed one quantized tensor at a time. ``compiled_slices`` runs compiled steps for the back ends that compile.
 
 The names below are imported on first use, so that importing ``hyperparameters`` or ``adam_mini.partition`` does
-not import torch. A module of the former flat layout (``torchtitan.optim.state.storage``, ...) fails to import with
+not import torch. A module of the former flat layout (``torchtitan.optim.state_storage``, ...) fails to import with
 one line naming its new home.
 """
 
@@ -40,17 +40,17 @@ __all__ = list(_HOMES)
 
 # The modules of the former flat layout, and where each one lives now.
 MOVED_MODULES = {
-    "torchtitan.optim.adam_mini.foreach": "torchtitan.optim.adam_mini.foreach",
-    "torchtitan.optim.adam_mini.fused": "torchtitan.optim.adam_mini.fused",
-    "torchtitan.optim.adam_mini.layout": "torchtitan.optim.adam_mini.layout",
-    "torchtitan.optim.adam_mini.statistics": "torchtitan.optim.adam_mini.statistics",
-    "torchtitan.optim.adam_mini.partition": "torchtitan.optim.adam_mini.partition",
-    "torchtitan.optim.muon.distributed": "torchtitan.optim.muon.distributed",
-    "torchtitan.optim.lowbit.adamw": "torchtitan.optim.lowbit.adamw",
-    "torchtitan.optim.lowbit.torchao_adapter": "torchtitan.optim.lowbit.torchao_adapter",
-    "torchtitan.optim.state.storage": "torchtitan.optim.state.storage",
-    "torchtitan.optim.state.initialise": "torchtitan.optim.state.initialise",
-    "torchtitan.optim.state.quantized_checkpoint": "torchtitan.optim.state.quantized_checkpoint",
+    "torchtitan.optim.adam_mini_foreach": "torchtitan.optim.adam_mini.foreach",
+    "torchtitan.optim.adam_mini_fused": "torchtitan.optim.adam_mini.fused",
+    "torchtitan.optim.adam_mini_layout": "torchtitan.optim.adam_mini.layout",
+    "torchtitan.optim.adam_mini_statistics": "torchtitan.optim.adam_mini.statistics",
+    "torchtitan.optim.partition": "torchtitan.optim.adam_mini.partition",
+    "torchtitan.optim.muon_distributed": "torchtitan.optim.muon.distributed",
+    "torchtitan.optim.adamw_low_precision": "torchtitan.optim.lowbit.adamw",
+    "torchtitan.optim.torchao_adapter": "torchtitan.optim.lowbit.torchao_adapter",
+    "torchtitan.optim.state_storage": "torchtitan.optim.state.storage",
+    "torchtitan.optim.state_init": "torchtitan.optim.state.initialise",
+    "torchtitan.optim.quantized_checkpoint": "torchtitan.optim.state.quantized_checkpoint",
     "torchtitan.optim.normuon": "torchtitan.optim.muon.normuon",
 }
 
