@@ -55,10 +55,10 @@ needs_torchao = pytest.mark.skipif(
     torchao_optim is None, reason="needs torchao for the low-bit optimizers: pip install 'torchtitan[lowbit]'"
 )
 
-# Every matrix 128 x 128 (4 key/value heads of 32 rows): one compiled shape, and each of two FSDP ranks holds 8192
-# values of it, above torchao's threshold for quantizing a tensor (4096 values; smaller ones keep plain state).
+# Every matrix 256 x 256: one compiled shape, rows a whole number of 8-bit (256) and 4-bit (128) blocks, and at least
+# torchao's 4096 values for quantized state (smaller tensors, and 1-D ones, keep plain state).
 LOW_BIT = dataclasses.replace(
-    TINY, dim=128, n_layers=1, n_kv_heads=None, vocab_size=128, multiple_of=128, ffn_dim_multiplier=0.375
+    TINY, dim=256, n_layers=1, n_kv_heads=None, vocab_size=128, multiple_of=256, ffn_dim_multiplier=0.375
 )
 LOW_BIT_NAMES = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
 

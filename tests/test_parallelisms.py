@@ -37,6 +37,7 @@ from tests.helpers import (
     tiny_model,
     to_numpy,
     weights,
+    with_ignored_labels,
 )
 from torchtitan.checkpoint import hf
 from torchtitan.errors import UserError
@@ -78,16 +79,28 @@ LAYOUTS = {
         {"loss": CHUNKS, "activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"}},
     ),
     "hsdp2x2_chunked_loss": (4, (2, 2, 1), {"loss": CHUNKS}),
+    # Labels partly ignored (-100): the loss is the mean over the others, as F.cross_entropy's.
+    "fsdp2_ignored_labels_chunked_loss": (2, (1, 2, 1), {"loss": CHUNKS}),
+    "tp2_ignored_labels": (2, (1, 1, 2), {}),
+    "tp2_ignored_labels_chunked_loss": (2, (1, 1, 2), {"loss": CHUNKS}),
+    "tp2_gathered_logits_ignored_labels_chunked_loss": (
+        2,
+        (1, 1, 2),
+        {"loss": CHUNKS, "training": {"disable_loss_parallel": True}},
+    ),
 }
+IGNORED_LABELS = "ignored_labels"  # in a layout's name: its labels are with_ignored_labels(labels)
 
 
-def _run_layout(world_size: int, degrees, sections) -> dict:
+def _run_layout(world_size: int, degrees, sections, ignored_labels: bool = False) -> dict:
     config = job_config(**sections)
     dims = ParallelDims(*degrees, world_size, enable_loss_parallel=not config.training.disable_loss_parallel)
     mesh = dims.build_mesh("cpu")
     model = materialize(parallelize_llama(meta_model(), mesh, dims, config))
     dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
     inputs, labels = batch()
+    if ignored_labels:
+        labels = with_ignored_labels(labels)
     share = len(inputs) // dp_degree
     rows = slice(dp_rank * share, (dp_rank + 1) * share)
     context = functools.partial(loss_parallel_context, dims, config)
@@ -105,7 +118,9 @@ def _run_layout(world_size: int, degrees, sections) -> dict:
 
 
 def _run_layouts(rank: int, world_size: int, names: list[str], hf_dump: str | None = None) -> dict:
-    results = {name: _run_layout(world_size, LAYOUTS[name][1], LAYOUTS[name][2]) for name in names}
+    results = {
+        name: _run_layout(world_size, LAYOUTS[name][1], LAYOUTS[name][2], IGNORED_LABELS in name) for name in names
+    }
     if world_size == HSDP_ACCUMULATION_WORLD:
         results[HSDP_ACCUMULATION] = _hsdp_accumulation(world_size)
     if hf_dump is not None:
@@ -202,8 +217,11 @@ def _hf_source() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference() -> dict:
-    return reference_step()
+def _reference(ignored_labels: bool = False) -> dict:
+    if not ignored_labels:
+        return reference_step()
+    inputs, labels = batch()
+    return adamw_step(materialize(meta_model()), inputs, with_ignored_labels(labels))
 
 
 def _assert_close_dicts(actual: dict, expected: dict, tolerance: dict, what: str) -> None:
@@ -215,7 +233,7 @@ def _assert_close_dicts(actual: dict, expected: dict, tolerance: dict, what: str
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_trains_like_one_process(layout):
     world_size = LAYOUTS[layout][0]
-    reference = _reference()
+    reference = _reference(IGNORED_LABELS in layout)
     for rank, results in enumerate(_results_for_world_size(world_size)):
         result = results[layout]
         assert result["loss"] == pytest.approx(reference["loss"], rel=1e-12, abs=0.0)

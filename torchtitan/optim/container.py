@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtitan.optim.quantized_checkpoint import entries_for_quantized, entry_sources
+from torchtitan.optim.quantized_checkpoint import entries_for_quantized, entry_sources, without_scales
 from torchtitan.optim.state_init import initialise_state
 from torchtitan.optim.torchao_adapter import quantized_state_kept
 
@@ -60,7 +60,8 @@ class OptimizersContainer:
         """Flattened state of all parts, keyed by parameter name: DCP saves it and reshards it on load.
 
         Quantized states are :class:`QuantizedEntry` objects, which DCP writes as float32 one tensor at a time (with
-        ``QuantizedStateSavePlanner``) and which ``read_in_groups`` reads back; ``plain_values`` makes them tensors.
+        ``QuantizedStateSavePlanner``) and which ``read_in_groups`` reads back, each with its block scales beside it
+        (``<key>.block_scales``); ``plain_values`` makes them tensors.
         """
         state: dict[str, Any] = {}
         for model, optimizer in zip(self.model_parts, self.optimizers):
@@ -70,9 +71,10 @@ class OptimizersContainer:
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a flat state: plain tensors (quantized states as float32, quantized again here), or the entries of
-        ``state_dict()`` whose values ``read_in_groups`` already put in place."""
-        state_dict = entry_sources(state_dict)
+        """Load a flat state: plain tensors (quantized states as float32, quantized again here within one
+        re-quantization), or the entries of ``state_dict()`` whose values ``read_in_groups`` already put in place
+        (bit for bit). Block scales are read by ``read_in_groups`` only."""
+        state_dict = entry_sources(without_scales(state_dict))
         for model, optimizer in zip(self.model_parts, self.optimizers):
             # A fresh optimizer has no state to load into yet; create it (as zeros) first.
             initialise_state(optimizer)
