@@ -187,6 +187,14 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def with_ignored_labels(labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` with every third position of each sequence ignored (-100): the same count in every sequence, so
+    that every data-parallel share holds as many targets."""
+    ignored = labels.clone()
+    ignored[:, ::3] = -100
+    return ignored
+
+
 def adamw_step(model: Transformer, inputs, labels, loss_context=contextlib.nullcontext, loss_chunks: int = 1) -> dict:
     """One forward, backward and foreach-AdamW step, the loss over ``loss_chunks`` chunks of tokens.
 

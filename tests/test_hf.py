@@ -136,6 +136,36 @@ def test_exported_weights_give_our_logits_in_transformers(tmp_path, monkeypatch)
         torch.testing.assert_close(reread(inputs).logits.double(), model(inputs), rtol=1e-5, atol=1e-5)
 
 
+def test_an_export_fsyncs_every_file_and_its_folder_before_it_is_published(tmp_path, monkeypatch):
+    monkeypatch.setattr(hf, "MAX_FILE_BYTES", 40_000)  # several weight files and an index
+    events: list[tuple[str, str]] = []
+    fsync, rename = os.fsync, os.rename
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.path.realpath(os.readlink(f"/proc/self/fd/{fd}"))))
+        return fsync(fd)
+
+    def recording_rename(source, target):
+        events.append(("rename", os.path.realpath(source)))
+        return rename(source, target)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "rename", recording_rename)
+    manager = tiny_manager(materialize(meta_model()), hf_job(str(tmp_path)))
+    manager.hf_export_enabled = True
+    manager.save(1, force=True)
+    manager.close()
+    exported = tmp_path / "checkpoint" / "step-1-hf"
+    names = sorted(os.listdir(exported))
+    assert len([n for n in names if n.endswith(".safetensors")]) > 1 and "config.json" in names
+    renamed = [i for i, (kind, path) in enumerate(events) if kind == "rename" and ".step-1-hf.tmp-" in path]
+    assert len(renamed) == 1
+    temporary = events[renamed[0]][1]
+    synced = {path for kind, path in events[: renamed[0]] if kind == "fsync"}
+    assert {os.path.join(temporary, name) for name in names} <= synced
+    assert temporary in synced  # the folder's entries too
+
+
 def test_a_config_json_of_another_shape_is_one_line_naming_both(tmp_path):
     _hf_llama(tmp_path / "hf", args=dataclasses.replace(TINY, n_layers=3))
     with pytest.raises(UserError) as error:

@@ -207,6 +207,32 @@ def test_renamed_bool_keys_refuse_other_values_from_the_command_line_too():
         JobConfig.parse_args(["--training.enable_loss_parallel", "maybe"])
 
 
+@pytest.mark.parametrize(
+    "lines",
+    [
+        ("data_parallel_degree = 2", "data_parallel_shard_degree = 4"),
+        ("data_parallel_shard_degree = 4", "data_parallel_degree = 2"),
+    ],
+)
+def test_a_2024_key_and_its_current_name_in_one_file_are_refused_in_one_line(tmp_path, lines):
+    with pytest.raises(UserError) as refused:
+        _load(tmp_path, "[training]\n" + "\n".join(lines) + "\n")
+    message = str(refused.value)
+    assert "\n" not in message and "training.data_parallel_degree" in message
+    assert "keep only training.data_parallel_shard_degree" in message
+
+
+def test_a_2024_key_and_its_current_name_on_one_command_line_are_refused_in_one_line():
+    argv = ["--training.enable_loss_parallel", "false", "--training.disable_loss_parallel", "false"]
+    with pytest.raises(UserError, match="the command line sets both training.enable_loss_parallel .* keep only"):
+        JobConfig.parse_args(argv)
+
+
+def test_the_command_line_still_overrides_a_2024_key_of_the_file(tmp_path):
+    config = _load(tmp_path, "[training]\ndata_parallel_degree = 2\n", "--training.data_parallel_shard_degree", "4")
+    assert config.training.data_parallel_shard_degree == 4
+
+
 def test_ddp_replicates_over_the_data_parallel_ranks():
     config = job_config("--training.data_parallel_type", "ddp", "--training.tensor_parallel_degree", "2")
     dims = ParallelDims.from_job_config(config, world_size=8)

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.helpers import TINY, batch, grads, job_config, tiny_model
+from tests.helpers import TINY, batch, grads, job_config, tiny_model, with_ignored_labels
 from torchtitan.errors import UserError
-from torchtitan.loss import chunk_bounds
+from torchtitan.loss import IGNORE_INDEX, chunk_bounds
 
 TOLERANCE = dict(rtol=1e-9, atol=0.0)
 
 
-def _loss_and_grads(loss_chunks: int, scale: float = 1.0) -> tuple[float, dict]:
+def _loss_and_grads(loss_chunks: int, scale: float = 1.0, labels=None) -> tuple[float, dict]:
     model = tiny_model()
-    inputs, labels = batch()
-    loss = model(inputs, labels=labels, loss_chunks=loss_chunks)
+    inputs, batch_labels = batch()
+    loss = model(inputs, labels=batch_labels if labels is None else labels, loss_chunks=loss_chunks)
     (loss * scale).backward()
     return loss.item(), grads(model)
 
@@ -37,6 +38,32 @@ def test_chunked_loss_and_gradients_equal_whole_logits(loss_chunks):
     for name, grad in chunked_grads.items():
         torch.testing.assert_close(grad, whole_grads[name], **TOLERANCE, msg=name)
     assert whole_grads["output.weight"].abs().sum() > 0 and whole_grads["tok_embeddings.weight"].abs().sum() > 0
+
+
+def _with_ignored(labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` with a third of them, and all of the first sequence, ignored (``IGNORE_INDEX``)."""
+    ignored = with_ignored_labels(labels)
+    ignored[0] = IGNORE_INDEX
+    return ignored
+
+
+@pytest.mark.parametrize("loss_chunks", [1, 12, 96])  # 12: the first chunk (a sequence) is all ignored
+def test_ignored_labels_count_for_nothing_as_in_f_cross_entropy(loss_chunks):
+    model = tiny_model()
+    inputs, labels = batch()
+    labels = _with_ignored(labels)
+    assert loss_chunks == 1 or (labels.flatten()[: labels.numel() // loss_chunks] == IGNORE_INDEX).all()
+    with torch.no_grad():
+        logits = model(inputs).flatten(0, 1)
+        expected = F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX)
+        assert model(inputs, labels=labels, loss_chunks=loss_chunks).item() == pytest.approx(expected.item(), rel=1e-12)
+    loss, chunked_grads = _loss_and_grads(loss_chunks, labels=labels)
+    assert loss == pytest.approx(expected.item(), rel=1e-12)
+    # Its gradients are those of F.cross_entropy too.
+    reference = tiny_model()
+    F.cross_entropy(reference(inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX).backward()
+    for name, grad in grads(reference).items():
+        torch.testing.assert_close(chunked_grads[name], grad, **TOLERANCE, msg=name)
 
 
 def test_chunked_loss_without_gradients_equals_whole_logits():

@@ -2,8 +2,8 @@
 on 3, through the trainer's optimizer container and its safe reader.
 
 Saved and loaded as the trainer does (quantized states written and read one group at a time). A checkpoint holds
-plain tensors only (bf16 ``m`` as bf16, quantized ``m`` dequantized to float32, nothing of
-torchao's), the loaded state equals the saved one (bf16 exactly; quantized within one re-quantization, bound below),
+plain tensors only (bf16 ``m`` as bf16, quantized ``m`` dequantized to float32 with its block scales beside it,
+nothing of torchao's), the loaded state equals the saved one exactly (quantized ``m`` too, on another world size),
 and training continues from it as the uninterrupted run does.
 
 One launch saves every variant on 2 ranks and continues there; one launch loads them on 3; the test process loads
@@ -232,13 +232,10 @@ def test_loaded_state_equals_the_saved_state(saved, loaded, label, world_size):
             assert all(state[k].dtype == torch.bfloat16 for k in state if k.endswith(".m"))
             continue
         assert all(rank[label]["live_quantized"])  # every matrix quantized again on load, not kept as float32
-        step = _requantization_step(label)
+        # Quantized m too: its blocks are the same on 2, 3 and 1 ranks, and their saved scales come back with it.
+        assert any(key.endswith(".m.block_scales") for key in saved_state)
         for key, value in saved_state.items():
-            if key.endswith(".m"):
-                bound = (step + 1e-6) * value.abs().max().item()  # plus float32 rounding of code x scale
-                assert (state[key] - value).abs().max().item() <= bound, key
-            else:  # v and the step counters are float32: exact
-                assert torch.equal(state[key], value), key
+            assert torch.equal(state[key], value), key
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
@@ -254,9 +251,9 @@ def test_training_continues_as_the_uninterrupted_run(saved, loaded, label, world
             assert _max_difference(uninterrupted, resumed) < 1e-10
             continue
         assert _max_difference(uninterrupted, resumed) < 0.1 * lost
-        # Re-quantizing moved m by at most that fraction of its block's scale, and each update after it by about as
-        # much of one step (lr): the mean drift stays below it (8-bit: 7e-5, measured 1.3e-5; 4-bit: 1.1e-3,
-        # measured 1.4e-4).
+        # The state loads exactly; float32 gradients summed in another order by FSDP may still move an m across a
+        # code boundary, by at most a code gap of its block's scale, and each update after it by about as much of
+        # one step (lr): the mean drift stays below that.
         drift = [(uninterrupted[k] - resumed[k]).abs().mean().item() for k in resumed]
         assert sum(drift) / len(drift) < _requantization_step(label) * LR
 

@@ -52,10 +52,10 @@ needs_torchao = pytest.mark.skipif(
     torchao_optim is None, reason="needs torchao for the low-bit optimizers: pip install 'torchtitan[lowbit]'"
 )
 
-# Every matrix 128 x 128 (4 key/value heads of 32 rows): one compiled shape, and each of two FSDP ranks holds 8192
-# values of it, above torchao's threshold for quantizing a tensor (4096 values; smaller ones keep plain state).
+# Every matrix 256 x 256: one compiled shape, rows a whole number of 8-bit (256) and 4-bit (128) blocks, and at least
+# torchao's 4096 values for quantized state (smaller tensors, and 1-D ones, keep plain state).
 LOW_BIT = dataclasses.replace(
-    TINY, dim=128, n_layers=1, n_kv_heads=None, vocab_size=128, multiple_of=128, ffn_dim_multiplier=0.375
+    TINY, dim=256, n_layers=1, n_kv_heads=None, vocab_size=128, multiple_of=256, ffn_dim_multiplier=0.375
 )
 LOW_BIT_NAMES = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
 
@@ -561,7 +561,7 @@ def test_low_bit_dcp_round_trip_and_resume(tmp_path):
     metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
     saved = metadata["optimizer.state.layers.0.attention.wq.weight.exp_avg"]
     assert type(saved).__name__ == "TensorStorageMetadata" and saved.properties.dtype == torch.float32
-    assert tuple(saved.size) == (128, 128)
+    assert tuple(saved.size) == (256, 256)
 
     # Within 8-bit noise of the uninterrupted run, and far closer than a resume that lost the moments.
     resumed_error = max_difference(uninterrupted, resumed)

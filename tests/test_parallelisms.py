@@ -38,6 +38,7 @@ from tests.helpers import (
     tiny_model,
     to_numpy,
     weights,
+    with_ignored_labels,
 )
 from torchtitan.checkpoint import hf
 from torchtitan.checkpoint.manager import model_state_of
@@ -85,10 +86,20 @@ LAYOUTS = {
     "fsdp2_tied": (2, (1, -1, 1), {"model": TIED}),
     "tp2_tied_chunked_loss": (2, (1, 1, 2), {"model": TIED, "loss": CHUNKS}),
     "fsdp2_x_tp2_tied": (4, (1, 2, 2), {"model": TIED}),
+    # Labels partly ignored (-100): the loss is the mean over the others, as F.cross_entropy's.
+    "fsdp2_ignored_labels_chunked_loss": (2, (1, 2, 1), {"loss": CHUNKS}),
+    "tp2_ignored_labels": (2, (1, 1, 2), {}),
+    "tp2_ignored_labels_chunked_loss": (2, (1, 1, 2), {"loss": CHUNKS}),
+    "tp2_gathered_logits_ignored_labels_chunked_loss": (
+        2,
+        (1, 1, 2),
+        {"loss": CHUNKS, "training": {"disable_loss_parallel": True}},
+    ),
 }
+IGNORED_LABELS = "ignored_labels"  # in a layout's name: its labels are with_ignored_labels(labels)
 
 
-def _run_layout(world_size: int, degrees, sections) -> dict:
+def _run_layout(world_size: int, degrees, sections, ignored_labels: bool = False) -> dict:
     config = job_config(**sections)
     dims = ParallelDims(*degrees, world_size, enable_loss_parallel=not config.training.disable_loss_parallel)
     mesh = dims.build_mesh("cpu")
@@ -96,6 +107,8 @@ def _run_layout(world_size: int, degrees, sections) -> dict:
     tied = model.output.weight is model.tok_embeddings.weight
     dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
     inputs, labels = batch()
+    if ignored_labels:
+        labels = with_ignored_labels(labels)
     share = len(inputs) // dp_degree
     rows = slice(dp_rank * share, (dp_rank + 1) * share)
     context = functools.partial(loss_parallel_context, dims, config)
@@ -119,7 +132,9 @@ def _layout_args(sections: dict):
 
 
 def _run_layouts(rank: int, world_size: int, names: list[str], hf_dump: str | None = None) -> dict:
-    results = {name: _run_layout(world_size, LAYOUTS[name][1], LAYOUTS[name][2]) for name in names}
+    results = {
+        name: _run_layout(world_size, LAYOUTS[name][1], LAYOUTS[name][2], IGNORED_LABELS in name) for name in names
+    }
     if world_size == HSDP_ACCUMULATION_WORLD:
         results[HSDP_ACCUMULATION] = _hsdp_accumulation(world_size)
     if hf_dump is not None:
@@ -228,8 +243,12 @@ def _hf_source() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(tied: bool = False) -> dict:
-    return reference_step(replace(TINY, enable_weight_tying=tied))
+def _reference(tied: bool = False, ignored_labels: bool = False) -> dict:
+    args = replace(TINY, enable_weight_tying=tied)
+    if not ignored_labels:
+        return reference_step(args)
+    inputs, labels = batch()
+    return adamw_step(materialize(meta_model(args)), inputs, with_ignored_labels(labels))
 
 
 def _assert_close_dicts(actual: dict, expected: dict, tolerance: dict, what: str) -> None:
@@ -242,7 +261,7 @@ def _assert_close_dicts(actual: dict, expected: dict, tolerance: dict, what: str
 def test_layout_trains_like_one_process(layout):
     world_size, _, sections = LAYOUTS[layout]
     tied = _layout_args(sections).enable_weight_tying
-    reference = _reference(tied)
+    reference = _reference(tied, IGNORED_LABELS in layout)
     for rank, results in enumerate(_results_for_world_size(world_size)):
         result = results[layout]
         assert result["tied"] == tied

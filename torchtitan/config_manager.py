@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torchtitan.errors import UserError
-from torchtitan.legacy_config import LEGACY_KEYS, LEGACY_SECTIONS, translate
+from torchtitan.legacy_config import LEGACY_KEYS, LEGACY_SECTIONS, refuse_both_names, translate
 from torchtitan.lr_scheduling import DECAY_TYPES
 from torchtitan.models.norm_types import NORM_TYPES, RMSNORM_TYPES
 from torchtitan.models.rope_types import ROPE_SCALING_TYPES
@@ -434,6 +434,7 @@ class JobConfig:
             print(help_text(cls, prog))
             raise SystemExit(0)
         overrides = _split_command_line(cls, argv)
+        refuse_both_names((key for key, _ in overrides), "the command line")
         config = cls()
         # The last --job.config_file wins, like any other repeated option.
         config_file = next((v for k, v in reversed(overrides) if k == "job.config_file"), None)
@@ -680,6 +681,9 @@ def _apply_toml(config: JobConfig, path: str) -> None:
         raise UserError(f"config file '{path}' is not valid TOML: {e}") from None
     cls = type(config)
     sections = _sections(cls)
+    refuse_both_names(
+        (f"{s}.{name}" for s, t in zip(data, data.values()) if isinstance(t, dict) for name in t), f"'{path}'"
+    )
     for section, table in data.items():
         if section not in sections and section not in LEGACY_SECTIONS:
             raise _unknown("config section", f"[{section}]", [f"[{s}]" for s in sections])

@@ -13,7 +13,7 @@ This module is torch-free, like ``config_manager``, which calls :func:`translate
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from torchtitan.errors import UserError
 
@@ -123,3 +123,16 @@ def translate(key: str, value: Any) -> Optional[list[tuple[str, Any]]]:
     if (key, value) in LEGACY_VALUES:
         raise UserError(f"{key} = {value!r}: {LEGACY_VALUES[(key, value)]}")
     return None
+
+
+def refuse_both_names(keys: Iterable[str], where: str) -> None:
+    """UserError if ``keys`` (those set in one place: a config file, or the command line) hold a 2024 key and the key
+    it is written to: one of them would silently win by its position."""
+    given = set(keys)
+    for key in given:
+        target = getattr(LEGACY_KEYS.get(key), "target", None)
+        if target in given:
+            raise UserError(
+                f"{where} sets both {key} (torchtitan's 2024 name) and {target}, which it is written to; "
+                f"keep only {target}"
+            )

@@ -13,6 +13,9 @@ its input, and backward only scales them by the incoming gradient. Every matmul 
 cost is a weight-sized gradient held from the end of forward, where whole logits would be held instead. The weight's
 gradient is summed in the weight's compute dtype: under bf16 mixed precision it is rounded once per chunk, where
 whole logits round it once.
+
+Labels equal to ``IGNORE_INDEX`` (-100, as in ``F.cross_entropy``) count for nothing: the mean is over the other
+tokens, in either way and in every layout.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
+IGNORE_INDEX = -100  # a label that is not a target (padding, masked tokens): F.cross_entropy's default
+
 
 def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
     # At least float32 for the softmax; float64 runs stay float64 so that parity checks can be exact.
@@ -28,9 +33,10 @@ def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``(batch, seq, vocab)`` logits against ``(batch, seq)`` labels."""
+    """Mean next-token cross-entropy of ``(batch, seq, vocab)`` logits against ``(batch, seq)`` labels, over the
+    labels that are not ``IGNORE_INDEX``."""
     logits = logits.flatten(0, 1)
-    return F.cross_entropy(logits.to(_loss_dtype(logits.dtype)), labels.flatten())
+    return F.cross_entropy(logits.to(_loss_dtype(logits.dtype)), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
 def chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:
@@ -43,7 +49,12 @@ def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_paral
     """Sum of the tokens' cross-entropies; vocabulary-sharded logits are gathered unless the loss is parallel."""
     if isinstance(logits, DTensor) and not loss_parallel:
         logits = logits.full_tensor()
-    return F.cross_entropy(logits.to(_loss_dtype(logits.dtype)), labels, reduction="sum")
+    return F.cross_entropy(logits.to(_loss_dtype(logits.dtype)), labels, reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def _targets(labels: torch.Tensor) -> torch.Tensor:
+    """How many labels are targets (not ``IGNORE_INDEX``): what the mean divides by (a tensor: no device sync)."""
+    return (labels != IGNORE_INDEX).sum()
 
 
 def _replicated(hidden: torch.Tensor) -> torch.Tensor:
@@ -62,11 +73,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_hidden_chunks = []
         total = None
+        targets = _targets(labels)
         for start, end in chunk_bounds(labels.numel(), num_chunks):
             chunk = hidden[start:end]
             logits = F.linear(chunk, weight).requires_grad_()
             with torch.enable_grad():
-                loss = _summed_cross_entropy(logits, labels[start:end], loss_parallel) / labels.numel()
+                loss = _summed_cross_entropy(logits, labels[start:end], loss_parallel) / targets
             (grad_logits,) = torch.autograd.grad(loss, logits)
             del logits
             if need_hidden:
@@ -100,14 +112,15 @@ def _chunked_loss_without_grad(hidden, weight, labels, num_chunks: int, loss_par
     for start, end in chunk_bounds(labels.numel(), num_chunks):
         loss = _summed_cross_entropy(F.linear(hidden[start:end], weight), labels[start:end], loss_parallel)
         total = loss if total is None else total + loss
-    return total / labels.numel()
+    return total / _targets(labels)
 
 
 def chunked_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, num_chunks: int, *, loss_parallel: bool = False
 ) -> torch.Tensor:
-    """Mean cross-entropy of the logits ``hidden @ weight.T`` against ``labels``, ``num_chunks`` chunks of tokens at
-    a time: the same loss and gradients as :func:`cross_entropy` of whole logits, to rounding.
+    """Mean cross-entropy of the logits ``hidden @ weight.T`` against ``labels`` (over those that are not
+    ``IGNORE_INDEX``), ``num_chunks`` chunks of tokens at a time: the same loss and gradients as
+    :func:`cross_entropy` of whole logits, to rounding.
 
     ``hidden`` is ``(batch, seq, dim)`` (sequence-sharded under tensor parallelism), ``weight`` the output
     projection's ``(vocab, dim)`` (vocabulary-sharded under tensor parallelism), ``labels`` ``(batch, seq)``.

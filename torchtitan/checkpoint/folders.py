@@ -85,6 +85,15 @@ def temporary_name(final_path: str, token: str) -> str:
     return os.path.join(head, f".{name}.tmp-{token}")
 
 
+def fsync_file(path: str) -> None:
+    """Make a written file's contents durable before it is published."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_folder(path: str) -> None:
     """Make renames and new entries in ``path`` durable (a no-op where folders cannot be opened)."""
     try:

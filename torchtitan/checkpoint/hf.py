@@ -31,6 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from torchtitan.checkpoint.folders import fsync_file
 from torchtitan.errors import UserError
 from torchtitan.models.llama.model import ModelArgs
 from torchtitan.models.roles import canonical_name
@@ -340,7 +341,9 @@ def write_hf_weights(
 ) -> None:
     """Write ``model_state`` (any layout; every rank calls this) as a Hugging Face Llama folder; rank 0 writes.
 
-    Tensors are gathered whole one at a time, so rank 0 holds at most one file's worth of weights.
+    Tensors are gathered whole one at a time, so rank 0 holds at most one file's worth of weights. Every file is
+    fsynced once written, so that the folder, once published (``folders.publish`` fsyncs it before its rename),
+    holds complete files after a crash.
     """
     from safetensors.torch import save_file
 
@@ -363,11 +366,19 @@ def write_hf_weights(
         last_of_file = position + 1 == len(files) or files[position + 1] != files[position]
         if last_of_file:
             save_file(pending, os.path.join(folder, files[position]), metadata={"format": "pt"})
+            fsync_file(os.path.join(folder, files[position]))
             pending = {}
     if rank != 0:
         return
-    with open(os.path.join(folder, CONFIG_FILE), "w") as f:
-        json.dump(hf_config(args, dtype, token_ids), f, indent=2)
+    _write_json(os.path.join(folder, CONFIG_FILE), hf_config(args, dtype, token_ids))
     if len(set(files)) > 1:
-        with open(os.path.join(folder, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
+        _write_json(
+            os.path.join(folder, INDEX_FILE), {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        )
+
+
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())

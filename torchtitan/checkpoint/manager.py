@@ -62,6 +62,7 @@ from torchtitan.optim.state.quantized_checkpoint import (
     QuantizedStateSavePlanner,
     entry_sources,
     read_in_groups,
+    scales_keys,
     stage_entries,
 )
 from torchtitan.utils import DTYPES
@@ -643,6 +644,7 @@ class CheckpointManager:
         }
         reader = SafeFileSystemReader(path)
         metadata = reader.read_metadata()
+        self._without_unsaved_scales(path, metadata, optimizer_state)
         plain_names = list(self._plain_objects())
         self._check_matches(path, metadata, state, plain_names)
         for name in plain_names:
@@ -656,6 +658,19 @@ class CheckpointManager:
         plain = {name: decode_plain(state[name].numpy().tobytes()) for name in plain_names}
         for name, obj in self._plain_objects().items():
             obj.load_state_dict(plain[name])
+
+    @staticmethod
+    def _without_unsaved_scales(path: str, metadata: Any, optimizer_state: dict[str, Any]) -> None:
+        """Read a checkpoint saved without block scales (older ones) by quantizing its values alone, said once."""
+        unsaved = [k for k in scales_keys(optimizer_state) if f"{OPTIMIZER}.{k}" not in metadata.state_dict_metadata]
+        if not unsaved:
+            return
+        for key in unsaved:
+            del optimizer_state[key]
+        logger.warning(
+            f"checkpoint: '{path}' holds no block scales for {len(unsaved)} quantized optimizer states (saved by an "
+            "earlier version); they are quantized again from their values, within one quantization step"
+        )
 
     def _read_part(self, path: str, state: dict[str, Any]) -> None:
         """Fill ``state`` in place from the checkpoint at ``path`` (DCP reads only the keys given)."""

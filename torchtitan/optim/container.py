@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchtitan.logging import logger
 from torchtitan.optim.lowbit.torchao_adapter import quantized_state_kept
 from torchtitan.optim.state.initialise import initialise_state
-from torchtitan.optim.state.quantized_checkpoint import entries_for_quantized, entry_sources
+from torchtitan.optim.state.quantized_checkpoint import entries_for_quantized, entry_sources, without_scales
 
 # Flattened keys ("state.<param fqn>.exp_avg") let DCP match state to parameters by name, whatever the sharding.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -61,7 +61,8 @@ class OptimizersContainer:
         """Flattened state of all parts, keyed by parameter name: DCP saves it and reshards it on load.
 
         Quantized states are :class:`QuantizedEntry` objects, which DCP writes as float32 one tensor at a time (with
-        ``QuantizedStateSavePlanner``) and which ``read_in_groups`` reads back; ``plain_values`` makes them tensors.
+        ``QuantizedStateSavePlanner``) and which ``read_in_groups`` reads back, each with its block scales beside it
+        (``<key>.block_scales``); ``plain_values`` makes them tensors.
         """
         state: dict[str, Any] = {}
         for model, optimizer in zip(self.model_parts, self.optimizers):
@@ -71,9 +72,10 @@ class OptimizersContainer:
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a flat state: plain tensors (quantized states as float32, quantized again here), or the entries of
-        ``state_dict()`` whose values ``read_in_groups`` already put in place."""
-        state_dict = entry_sources(state_dict)
+        """Load a flat state: plain tensors (quantized states as float32, quantized again here within one
+        re-quantization), or the entries of ``state_dict()`` whose values ``read_in_groups`` already put in place
+        (bit for bit). Block scales are read by ``read_in_groups`` only."""
+        state_dict = entry_sources(without_scales(state_dict))
         replaced: dict[str, tuple[Any, Any]] = {}
         for model, optimizer in zip(self.model_parts, self.optimizers):
             # A fresh optimizer has no state to load into yet; create it (as zeros) first.

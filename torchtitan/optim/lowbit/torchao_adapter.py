@@ -1,11 +1,14 @@
 """torchao's low-bit optimizers, adapted to the trainer: a quiet import, a compile cache per optimizer kind, and
 checkpoints of plain tensors.
 
-The low-bit AdamW variants come from torchao (the ``lowbit`` extra). Their quantized moments are written to
-checkpoints as plain float32 tensors shaped like the parameter and quantized again on load, so a low-bit checkpoint
-reshards across world sizes like an AdamW one and loads without torchao's tensor classes. AdamMini8bit/4bit store
-their momentum in torchao's quantized classes too and use the same hooks. The trainer's checkpoints make those
-float32 values one tensor at a time (``quantized_checkpoint``), never all at once.
+The low-bit AdamW variants come from torchao (the ``lowbit`` extra), except for one thing: which states are
+quantized is decided on the whole parameter (``state_storage.quantized_layout``), not on each rank's shard as torchao
+does, so that the state is the same in every layout. Their quantized moments are written to checkpoints as plain
+float32 tensors shaped like the parameter and quantized again on load, so a low-bit checkpoint reshards across world
+sizes like an AdamW one and loads without torchao's tensor classes. AdamMini8bit/4bit store their momentum in
+torchao's quantized classes too and use the same hooks. The trainer's checkpoints make those float32 values one
+tensor at a time and save each state's block scales beside them, so that a load restores the quantized state bit for
+bit (``quantized_checkpoint``).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from typing import Any, Iterator
 
 import torch
 
-from torchtitan.optim.state.storage import dequantized, is_quantized
+from torchtitan.optim.state.storage import dequantized, is_quantized, laid_out_like, quantized_layout
 from torchtitan.optim.state.torchao_import import import_torchao_optim
+from torchtitan.utils import local_tensor
 
 _low_bit_classes: dict[str, type] = {}
 
@@ -33,7 +37,18 @@ def low_bit_class(name: str) -> type:
             with separate_compile_cache(name):
                 return base.step(self, closure)
 
-        _low_bit_classes[name] = type(name, (base,), {"step": step, "__module__": __name__})
+        def _new_buffer(self, p, signed):
+            # torchao judges the local shard (at least 4096 values, a whole number of blocks): one parameter would
+            # be quantized on one rank and not on eight. Judge the whole parameter instead.
+            local = local_tensor(p)
+            if quantized_layout(p, self.block_size):
+                out = self._subclass_zeros(local, signed, self.block_size)
+            else:
+                out = torch.zeros_like(local)
+            return laid_out_like(p, out).to(p.device)  # as torchao: kept on the parameter's device (CPU offload)
+
+        members = {"step": step, "_new_buffer": _new_buffer, "__module__": __name__}
+        _low_bit_classes[name] = type(name, (base,), members)
     return _low_bit_classes[name]
 
 
@@ -69,11 +84,12 @@ def _default_inductor_cache_dir() -> str:
 def portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:
     """Make ``optimizer.state_dict()`` hold plain float tensors and ``load_state_dict`` quantize them again.
 
-    Plain tensors shaped like the parameter reshard through DCP like any AdamW state; the quantized classes do not
-    (their block scales follow the local shard) and need torchao's classes to unpickle. Quantizing the saved values
-    again is exact for the second moment and for FP8; a first-moment block whose largest value is negative comes back
-    with a slightly smaller scale (torchao's signed code tables end below -1: -0.993 for 8-bit, -0.8875 for 4-bit),
-    so a resumed run matches an uninterrupted one up to that quantization noise.
+    Plain tensors shaped like the parameter reshard through DCP like any AdamW state; the quantized classes need
+    torchao's classes to unpickle. Values alone do not carry the block scales: quantizing them again here takes each
+    block's largest magnitude, which for a first-moment block whose largest value is negative is slightly smaller
+    than the saved scale (torchao's signed code tables end above -1: -0.993 for 8-bit, -0.8875 for 4-bit). The
+    trainer's checkpoints therefore also save the scales and restore the state bit for bit
+    (``quantized_checkpoint``); this plain path is within one re-quantization.
     """
     # Live quantized tensors, per parameter, between the pre- and the post-hook of one load_state_dict call.
     live_quantized: dict[torch.Tensor, dict[str, torch.Tensor]] = {}

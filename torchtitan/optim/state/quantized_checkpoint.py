@@ -1,17 +1,27 @@
-"""Quantized optimizer state in DCP checkpoints, without a float32 copy of all of it on the device.
+"""Quantized optimizer state in DCP checkpoints: restored bit for bit, without a float32 copy of all of it on the
+device.
 
-A checkpoint holds a quantized state (torchao's 8-/4-bit tensors) as plain float32 values shaped like the parameter,
-so that it reshards and loads like any AdamW state (see ``torchao_adapter.portable_quantized_state``). Dequantizing
-every state before DCP writes anything would raise the device's peak by 4 bytes per quantized element, more than a
-4-bit optimizer saves. Here the values are made one tensor at a time instead:
+A checkpoint holds a quantized state (torchao's 8-/4-bit and float8 tensors) as plain float32 values shaped like the
+parameter, so that it reshards and loads like any AdamW state (see ``torchao_adapter.portable_quantized_state``), and
+beside them, under ``<key>.block_scales``, its block scales (``state_storage.block_scales``: the state's shape with
+the last dimension counted in blocks). The blocks are the same in every layout (``state_storage.quantized_layout``),
+so the scales reshard like the values, and a load quantizes each value with its saved block's scale: codes and
+scales come back bit for bit, at the same layout or another. (Quantizing the values alone would take each block's
+largest magnitude as its scale, which shrinks a signed block whose largest magnitude is negative on every
+save and load.) A checkpoint written without scales loads within one re-quantization.
+
+Dequantizing every state before DCP writes anything would raise the device's peak by 4 bytes per quantized element,
+more than a 4-bit optimizer saves. Here the values are made one tensor at a time instead:
 
 - saving: the optimizers' state dict holds a :class:`QuantizedEntry` per quantized state. DCP plans it as the float32
   tensor (or DTensor shard) it stands for, and :class:`QuantizedStateSavePlanner` dequantizes it when the writer
   asks for its data, which the writer copies to the host and drops before the next one (DCP keeps a rank's host
   copies until its file is written: host memory, like an async save's staging). An async save stages each entry to
-  host memory (pinned where CUDA is available) one at a time, before the background write starts;
-- loading: :func:`read_in_groups` reads the quantized states in groups of at most the largest one's float32 size
-  (one DCP load per group, into float32 buffers) and quantizes each group into the live state before the next.
+  host memory (pinned where CUDA is available) one at a time, before the background write starts. The scales are
+  small plain tensors (views of the live ones), saved as they are;
+- loading: :func:`read_in_groups` reads the quantized states and their scales in groups of at most the largest
+  state's float32 size (one DCP load per group, into float32 buffers) and quantizes each group into the live state
+  before the next.
 """
 
 from __future__ import annotations
@@ -25,10 +35,11 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from torchtitan.optim.state.storage import dequantized, is_quantized
+from torchtitan.optim.state.storage import block_scales, dequantized, is_quantized, quantize_with_scales
 from torchtitan.utils import local_tensor
 
 _SAVED_DTYPE = torch.float32  # what a checkpoint holds for a quantized state
+SCALES_SUFFIX = ".block_scales"  # the key of a quantized state's block scales: the state's own key and this
 
 
 class QuantizedEntry:
@@ -61,22 +72,23 @@ class QuantizedEntry:
 
     def empty_values(self) -> Tensor:
         """An uninitialised float32 tensor (a DTensor with the source's layout) for DCP to load this state into."""
-        local = torch.empty(self.local_source.shape, dtype=_SAVED_DTYPE, device=self.local_source.device)
-        if not isinstance(self.source, DTensor):
-            return local
-        return DTensor.from_local(
-            local,
-            self.source.device_mesh,
-            self.source.placements,
-            run_check=False,
-            shape=self.source.shape,
-            stride=self.source.stride(),
-        )
+        return _empty_like(self.source)
 
-    def quantize_from(self, values: Tensor) -> None:
-        """Quantize ``values`` (float32, laid out like the source) into the live state."""
-        local = local_tensor(values)
-        self.local_source.copy_(local)
+    def scales(self) -> Tensor:
+        """The live state's block scales (a view; a DTensor laid out like the source when it is one)."""
+        return block_scales(self.source)
+
+    def empty_scales(self) -> Tensor:
+        """An uninitialised tensor laid out like :meth:`scales`, for DCP to load the saved scales into."""
+        return _empty_like(self.scales())
+
+    def quantize_from(self, values: Tensor, scales: Tensor | None = None) -> None:
+        """Quantize ``values`` (float32, laid out like the source) into the live state: with the saved block
+        ``scales`` (laid out like :meth:`scales`) exactly as they were saved, without them as torchao quantizes."""
+        if scales is None:
+            self.local_source.copy_(local_tensor(values))
+        else:
+            quantize_with_scales(self.local_source, local_tensor(values), local_tensor(scales))
 
     def staged(self) -> "QuantizedEntry":
         """The same entry with its local values copied to host memory now (pinned where CUDA is available)."""
@@ -121,9 +133,47 @@ class QuantizedStateSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
+def _empty_like(template: Tensor) -> Tensor:
+    """An uninitialised float32 tensor shaped and laid out like ``template`` (a DTensor when it is one)."""
+    local = local_tensor(template)
+    values = torch.empty(local.shape, dtype=_SAVED_DTYPE, device=local.device)
+    if not isinstance(template, DTensor):
+        return values
+    return DTensor.from_local(
+        values,
+        template.device_mesh,
+        template.placements,
+        run_check=False,
+        shape=template.shape,
+        stride=template.stride(),
+    )
+
+
 def entries_for_quantized(flat_state: dict[str, Any]) -> dict[str, Any]:
-    """``flat_state`` with every quantized tensor replaced by a :class:`QuantizedEntry` for it."""
-    return {key: QuantizedEntry(value) if is_quantized(value) else value for key, value in flat_state.items()}
+    """``flat_state`` with every quantized tensor replaced by a :class:`QuantizedEntry` for it, and its block scales
+    beside it (key + ``SCALES_SUFFIX``)."""
+    out: dict[str, Any] = {}
+    for key, value in flat_state.items():
+        if is_quantized(value):
+            out[key] = QuantizedEntry(value)
+            out[key + SCALES_SUFFIX] = out[key].scales()
+        else:
+            out[key] = value
+    return out
+
+
+def without_scales(flat_state: dict[str, Any]) -> dict[str, Any]:
+    """``flat_state`` without the block scales that :func:`entries_for_quantized` put beside its quantized states."""
+    return {key: value for key, value in flat_state.items() if not _is_scales_key(flat_state, key)}
+
+
+def scales_keys(flat_state: dict[str, Any]) -> list[str]:
+    """The keys of the block scales beside ``flat_state``'s quantized states."""
+    return [key for key in flat_state if _is_scales_key(flat_state, key)]
+
+
+def _is_scales_key(flat_state: dict[str, Any], key: str) -> bool:
+    return key.endswith(SCALES_SUFFIX) and key.removesuffix(SCALES_SUFFIX) in flat_state
 
 
 def stage_entries(state: Any) -> Any:
@@ -156,27 +206,31 @@ def read_in_groups(
     """Fill a nested state dict in place through ``read``, its :class:`QuantizedEntry` values a group at a time.
 
     ``read(part)`` fills ``part`` (a state dict of the same nesting) in place, e.g. with one ``dcp.load``. It is
-    called once with the entries taken out of ``state`` (and put back after), then once per group of entries with
-    float32 buffers, which are quantized into the live state and freed before the next group is read.
+    called once with the entries and their block scales taken out of ``state`` (and put back after), then once per
+    group of entries with float32 buffers for their values and scales, which are quantized into the live state
+    (bit for bit, see :meth:`QuantizedEntry.quantize_from`) and freed before the next group is read. An entry whose
+    scales are not in ``state`` (a checkpoint saved without them) is quantized from its values alone.
 
     Ranks may group differently (their shards, and which of them are quantized, differ), but a collective ``read``
     must run as often on each: ``agree_on_count(groups)`` returns the count all ranks use (their largest), and a rank
     with fewer groups reads nothing in the remaining calls.
     """
     entries = _take_entries(state, ())
+    scales = _take_scales(state, entries)
     try:
         read(state)  # DCP also sets non-tensor values (hyperparameters) in these very dicts
     finally:
-        for path, entry in entries.items():
-            _nested({path: entry}, into=state)
+        _nested({**entries, **scales}, into=state)
     groups = list(entry_groups(entries))
     groups += [{}] * (agree_on_count(len(groups)) - len(groups))
     for group in groups:
         buffers = {path: entry.empty_values() for path, entry in group.items()}
-        read(_nested(buffers))
+        scale_buffers = {_scales_path(path): entry.empty_scales() for path, entry in group.items()}
+        scale_buffers = {path: buffer for path, buffer in scale_buffers.items() if path in scales}
+        read(_nested({**buffers, **scale_buffers}))
         for path, entry in group.items():
-            entry.quantize_from(buffers[path])
-        del buffers
+            entry.quantize_from(buffers[path], scale_buffers.get(_scales_path(path)))
+        del buffers, scale_buffers
 
 
 def _take_entries(state: dict[str, Any], prefix: tuple[str, ...]) -> dict[tuple[str, ...], QuantizedEntry]:
@@ -187,6 +241,25 @@ def _take_entries(state: dict[str, Any], prefix: tuple[str, ...]) -> dict[tuple[
             taken[(*prefix, key)] = state.pop(key)
         elif isinstance(value, dict):
             taken.update(_take_entries(value, (*prefix, key)))
+    return taken
+
+
+def _scales_path(path: tuple[str, ...]) -> tuple[str, ...]:
+    return (*path[:-1], path[-1] + SCALES_SUFFIX)
+
+
+def _take_scales(
+    state: dict[str, Any], entries: dict[tuple[str, ...], QuantizedEntry]
+) -> dict[tuple[str, ...], Tensor]:
+    """Remove the block scales beside ``entries`` from ``state``; the removed scales by path."""
+    taken = {}
+    for path in entries:
+        level = state
+        for key in path[:-1]:
+            level = level[key]
+        scales_key = path[-1] + SCALES_SUFFIX
+        if scales_key in level:
+            taken[_scales_path(path)] = level.pop(scales_key)
     return taken
 
 
@@ -202,7 +275,8 @@ def _nested(values: dict[tuple[str, ...], Any], into: dict[str, Any] | None = No
 
 
 def entry_sources(state: dict[str, Any]) -> dict[str, Any]:
-    """A flat state with every :class:`QuantizedEntry` replaced by the live (quantized) tensor it stands for."""
+    """A flat state with every :class:`QuantizedEntry` replaced by the live (quantized) tensor it stands for (block
+    scales kept as they are)."""
     return {key: value.source if isinstance(value, QuantizedEntry) else value for key, value in state.items()}
 
 
@@ -215,6 +289,9 @@ def plain_values(state: dict[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "QuantizedEntry",
+    "SCALES_SUFFIX",
+    "scales_keys",
+    "without_scales",
     "entry_sources",
     "QuantizedStateSavePlanner",
     "entries_for_quantized",

@@ -6,6 +6,9 @@ the storage (stochastic rounding for bfloat16; blockwise quantization for the to
 float32 whatever the weights' dtype (float64 for float64 weights). The quantized tensors are
 torchao's ``OptimState8bit`` / ``OptimState4bit`` (the ones its AdamW8bit/AdamW4bit keep), wrapped in a DTensor
 exactly when the parameter is one.
+
+Whether a state is quantized, and into which blocks, is decided on the whole parameter (``quantized_layout``), never on
+a rank's shard: the same parameter has the same state format, the same bytes and the same values in every layout.
 """
 
 from __future__ import annotations
@@ -17,13 +20,42 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtitan.utils import local_tensor
+from torchtitan.errors import UserError
+from torchtitan.utils import local_tensor, split_dim
 
 FLOAT32, BFLOAT16, INT8, INT4 = "float32", "bfloat16", "int8", "int4"
 STATE_DTYPES = (FLOAT32, BFLOAT16)  # what [optimizer] state_dtype offers
 DEFAULT_BLOCK_SIZE = {INT8: 256, INT4: 128}  # torchao's defaults for its 8- and 4-bit moments
 # Like torchao (after bitsandbytes): tensors smaller than this keep float32 state even when quantized is asked for.
 MIN_QUANTIZED_NUMEL = 4096
+
+
+def quantized_layout(param: Tensor, block_size: int) -> bool:
+    """Whether ``param``'s state is quantized in blocks of ``block_size``, judged on the whole parameter.
+
+    A quantized state is cut into blocks of ``block_size`` consecutive values along the last dimension, so the
+    parameter needs at least two dimensions, ``MIN_QUANTIZED_NUMEL`` values and a last dimension that is a whole
+    number of blocks. Such blocks never straddle two shards of a split along any other dimension (FSDP's rows, even
+    uneven ones), so every layout holds the same blocks. A split of the last dimension itself (tensor parallelism)
+    must cut it into whole blocks too: otherwise the state would differ from the unsplit one, which is refused.
+    """
+    shape = param.shape
+    if len(shape) < 2 or param.numel() < MIN_QUANTIZED_NUMEL or shape[-1] % block_size:
+        return False
+    if isinstance(param, DTensor):
+        extent = shape[-1]
+        for mesh_dim, placement in enumerate(param.placements):
+            if split_dim(placement) in (len(shape) - 1, -1):
+                parts = param.device_mesh.size(mesh_dim)
+                extent = -(-extent // parts)  # the largest part; the others are whole blocks when it is
+                if extent % block_size:
+                    raise UserError(
+                        f"the quantized optimizer state of a {tuple(shape)} parameter is kept in blocks of "
+                        f"{block_size} along its last dimension, which the layout splits into parts of up to "
+                        f"{extent}; choose a tensor parallel degree that cuts {shape[-1]} into multiples of "
+                        f"{block_size}, or an --optimizer.block_size that divides {extent}"
+                    )
+    return True
 
 
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:
@@ -36,23 +68,30 @@ def new_state(param: Tensor, storage: str, block_size: int | None = None, signed
     """Zeros shaped like ``param`` (a DTensor with its layout when ``param`` is one), stored as ``storage``."""
     local = local_tensor(param)
     if storage in (INT8, INT4):
-        out = _quantized_zeros(local, storage, block_size or DEFAULT_BLOCK_SIZE[storage], signed)
+        out = _quantized_zeros(param, storage, block_size or DEFAULT_BLOCK_SIZE[storage], signed)
     elif storage == BFLOAT16:
         out = torch.zeros_like(local, dtype=torch.bfloat16, memory_format=torch.preserve_format)
     elif storage == FLOAT32:
         out = torch.zeros_like(local, dtype=at_least_float32(local.dtype), memory_format=torch.preserve_format)
     else:
         raise ValueError(f"unknown state storage {storage!r}")
+    return laid_out_like(param, out)
+
+
+def laid_out_like(param: Tensor, local: Tensor) -> Tensor:
+    """``local`` (this rank's state of ``param``) as a DTensor with ``param``'s layout, or as it is for a plain
+    ``param``."""
     if not isinstance(param, DTensor):
-        return out
+        return local
     # Local shards may differ in shape between ranks (uneven first dimension): give the global shape explicitly.
     return DTensor.from_local(
-        out, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
 
 
-def _quantized_zeros(local: Tensor, storage: str, block_size: int, signed: bool) -> Tensor:
-    if local.numel() < MIN_QUANTIZED_NUMEL or local.numel() % block_size:
+def _quantized_zeros(param: Tensor, storage: str, block_size: int, signed: bool) -> Tensor:
+    local = local_tensor(param)
+    if not quantized_layout(param, block_size):
         return torch.zeros_like(local, dtype=at_least_float32(local.dtype))
     from torchtitan.optim.state.torchao_import import import_torchao_optim
 
@@ -68,6 +107,65 @@ def is_quantized(value: Any) -> bool:
     """A torchao quantized state tensor (possibly a DTensor shard of one)."""
     local = local_tensor(value)
     return is_traceable_wrapper_subclass(local) and callable(getattr(local, "dequantize", None))
+
+
+def block_scales(value: Tensor) -> Tensor:
+    """A quantized state's block scales, shaped like the state with its last dimension counted in blocks.
+
+    A view of the live scales (a DTensor laid out like ``value`` when it is one). With the blocks that
+    :func:`quantized_layout` chooses, this tensor is the same in every layout, so it reshards like the state.
+    """
+    local = local_tensor(value)
+    scales = local.scale.view(_block_grid(local.shape, local.block_size))
+    if not isinstance(value, DTensor):
+        return scales
+    shape = torch.Size(_block_grid(value.shape, local.block_size))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(scales, value.device_mesh, value.placements, run_check=False, shape=shape, stride=stride)
+
+
+def _block_grid(shape: torch.Size, block_size: int) -> tuple[int, ...]:
+    return (*shape[:-1], shape[-1] // block_size)
+
+
+def quantize_with_scales(stored: Tensor, values: Tensor, scales: Tensor) -> None:
+    """Quantize ``values`` into the local quantized state ``stored``, block by block with the given ``scales``.
+
+    Quantizing divides each block by its scale and stores the nearest code. torchao takes a block's largest
+    magnitude as its scale, but the signed code tables end above -1 (-0.993 for 8-bit, -0.8875 for 4-bit): values
+    read back from a block whose largest magnitude is negative have a smaller maximum, and quantizing them again
+    would shrink that block. With the block's own scale instead, each value ``code * scale`` divides back to its
+    code (within float32 rounding, far less than the gap to the next code), so the codes and scales come back bit
+    for bit.
+    """
+    from torchao.optim import quant_utils
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    blocks = values.reshape(-1, stored.block_size)
+    block_scales = scales.reshape(-1, 1).to(values.dtype)
+    # The code search holds about 45 bytes of temporaries per value (int64 indices, gathered codes): a sixteenth of
+    # the blocks at a time keeps them under the tensor's own float32 size, which a load holds anyway.
+    per_slice = max(1, -(-blocks.shape[0] // _QUANTIZE_SLICES))
+    packed = isinstance(stored, OptimState4bit)
+    if blocks.shape[0] == 0:  # a rank without a share of this parameter
+        return
+    codes_out = stored.codes.view(-1).view(blocks.shape[0], -1)  # each block's codes (4-bit: two a byte)
+    for start in range(0, blocks.shape[0], per_slice):
+        rows = slice(start, start + per_slice)
+        scaled = blocks[rows] / block_scales[rows]
+        if isinstance(stored, OptimState8bit):
+            codes = quant_utils.quantize_8bit_with_qmap(scaled, stored.qmap)
+        elif packed:
+            unpacked = quant_utils.quantize_4bit_with_qmap(scaled.reshape(-1), stored.qmap)
+            codes = (unpacked[::2] << 4) | unpacked[1::2]  # two codes a byte, as torchao packs them
+        else:  # torchao's float8 state: the code is the scaled value in float8
+            codes = scaled.to(stored.codes.dtype)
+        codes_out[rows].copy_(codes.reshape(codes_out[rows].shape))
+    stored.scale.copy_(scales.reshape(-1))
+
+
+_QUANTIZE_SLICES = 16
 
 
 def write_state(stored: Tensor, value: Tensor, step: Tensor) -> None:
