@@ -1,6 +1,6 @@
 """estimation.py's CUDA mode against a real training step on this machine's GPU (skipped, saying so, without one).
 
-The README's GPU figures come from this mode. Here one process trains the debug model on the GPU and the CUDA
+The GPU figures of docs/memory.md come from this mode. Here one process trains the debug model on the GPU and the CUDA
 allocator's own peak (``torch.cuda.max_memory_allocated``) over one step is compared with the estimate of that step.
 One GPU allows one rank only, so FSDP's bf16 mixed precision is not part of this check (it needs 2 or more ranks).
 """
