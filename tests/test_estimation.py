@@ -27,7 +27,7 @@ from torchtitan.estimation.tracker import GATHERED_PARAMS, PARAMS, storages_of
 
 VOCAB = 512
 # Estimate vs the allocator's measured peak, as (lowest, highest) relative error. One process: the same allocations
-# as the real step, so the bound is the memory page's 0.2% (docs/memory.md). Two gloo ranks: the estimate leaves out gloo's temporary
+# as the real step, so the bound is docs/memory.md's 0.2%. Two gloo ranks: the estimate leaves out gloo's temporary
 # copies of the tensors it sends (real on CPU, no counterpart under NCCL), measured at 4-4.5% of the peak on the
 # debug model; the estimate must stay below the measurement and within 6% of it.
 ONE_PROCESS_TOLERANCE = (-0.002, 0.002)
