@@ -354,3 +354,100 @@ def test_the_plan_names_muon_family_runs_as_train_py_logs_them():
         ("Muon", "Muon_lr1e-2_seed0"),
         ("NorMuon", "NorMuon_lr1e-2_seed0"),
     ]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Token budgets
+
+
+def status_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "sweep_status.json").read_text())
+
+
+def test_budgets_are_runs_of_their_own_length_and_schedule_and_the_report_fits_them(tmp_path, capsys):
+    dump = tmp_path / "budgets"
+    # debug_model.toml: batch 4 x seq_len 256 x 1 data-parallel rank x 1 micro-batch = 1024 tokens per step, and a
+    # warmup of 4 of its 40 steps: each budget warms up a tenth of its own steps.
+    grid = ["--optimizers", "AdamW", "--lrs", "1e-3"]
+    assert fake_sweep(dump, *grid, "--budgets", "4096,6e3,8192") == 0
+    runs = dump / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == [
+        "AdamW_lr1e-3_seed0_tokens4.096e3",
+        "AdamW_lr1e-3_seed0_tokens6e3",
+        "AdamW_lr1e-3_seed0_tokens8.192e3",
+    ]
+    for label, tokens, steps, warmup in (("4.096e3", 4096, 4, 0), ("6e3", 6000, 5, 0), ("8.192e3", 8192, 8, 1)):
+        run = runs / f"AdamW_lr1e-3_seed0_tokens{label}"
+        status = status_of(run)
+        assert (status["budget"], status["steps"], status["warmup_steps"]) == (tokens, steps, warmup)
+        assert f"--training.steps {steps} --training.warmup_steps {warmup}" in status["command"]
+        assert logged(run, LOSS)[-1][0] == steps  # trained its own length, not a cut of a longer run
+    report = json.loads((dump / "sweep.json").read_text())
+    assert sorted(r["name"] for r in report["runs"]) == sorted(p.name for p in runs.iterdir())
+    assert report["budgets"] == [4096, 6000, 8192]
+    fit = report["budget_fit"]
+    best = [b["best"]["AdamW"]["loss_mean"] for b in report["best_by_budget"]]
+    assert [p["loss"] for p in fit["points"]] == best and best == sorted(best, reverse=True)
+    assert fit["fit"] is not None and fit["fit"]["beta"] > 0
+
+    # A fourth budget extends the study: only its run trains.
+    capsys.readouterr()
+    assert fake_sweep(dump, *grid, "--budgets", "4096,6e3,8192,1.2e4") == 0
+    assert capsys.readouterr().out.count("earlier, skipped") == 3
+    assert [attempts(p) for p in sorted(runs.iterdir())] == [1, 1, 1, 1]
+    assert status_of(runs / "AdamW_lr1e-3_seed0_tokens1.2e4")["steps"] == 11
+    assert len(json.loads((dump / "sweep.json").read_text())["budget_fit"]["points"]) == 4
+
+
+def test_budgets_in_tokens_per_parameter_count_the_non_embedding_parameters(tmp_path):
+    from torchtitan.config_manager import JobConfig
+    from torchtitan.models.llama import non_embedding_params
+    from torchtitan.preflight import model_args_for
+
+    dump = tmp_path / "x"
+    batch = ["--training.batch_size", "8192", "--training.seq_len", "256"]  # 2^21 tokens per step
+    assert (
+        fake_sweep(
+            dump,
+            "--optimizers",
+            "AdamW",
+            "--lrs",
+            "1e-3",
+            "--budgets",
+            "0.5x,1x",
+            "--warmup-fraction",
+            "0.25",
+            "--",
+            *batch,
+        )
+        == 0
+    )
+    config = JobConfig.parse_args(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), *batch])
+    params = non_embedding_params(model_args_for(config, vocab_size=1))
+    for label, multiple in (("0.5x", 0.5), ("1x", 1.0)):
+        status = status_of(dump / "runs" / f"AdamW_lr1e-3_seed0_tokens{label}")
+        steps = round(multiple * 20 * params) // 2**21
+        assert (status["budget"], status["steps"]) == (round(multiple * 20 * params), steps)
+        assert status["warmup_steps"] == round(steps / 4)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budgets", "2e8,fast"], "budget 'fast' is neither a token count nor a multiple"),
+        (["--budgets", "0x"], "budget '0x' is neither"),
+        (["--budgets", "1000"], "budget 1e3 (1,000 tokens) is less than one step of 1,024 tokens"),
+        (["--budgets", "4096,4.096e3"], "lists a budget twice"),
+        (["--budgets", "4096", "--warmup-fraction", "1"], "--warmup-fraction must be at least 0 and below 1"),
+        (["--warmup-fraction", "0.1"], "--warmup-fraction applies to --budgets"),
+        (["--budgets", "4096", "--", "--training.steps", "3"], "--training.steps is set by the sweep for each budget"),
+        (["--budgets", "4096", "--", "--training.warmup_steps=3"], "use --warmup-fraction"),
+    ],
+)
+def test_bad_budgets_are_one_line_and_run_nothing(tmp_path, capsys, args, message):
+    dump = tmp_path / "sweep"
+    tail = args[args.index("--") :] if "--" in args else []
+    head = args[: len(args) - len(tail)]
+    assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", *head, *tail) == 2
+    assert message in one_error_line(capsys)
+    assert not (dump / "runs").exists()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import UserError
-from torchtitan.tools.sweep_plan import RUNS_FOLDER, STATUS_FILE, RunSpec
+from torchtitan.tools.sweep_plan import RUNS_FOLDER, STATUS_FILE, Budget, RunSpec
 
 # The tags train.py logs (see train.py's metrics); GPU runs log the allocator's peak, CPU runs the process RSS.
 LOSS = "loss_metrics/global_avg_loss"
@@ -224,16 +224,32 @@ def write_status(run_dir: Path, status: dict) -> None:
     tmp.replace(run_dir / STATUS_FILE)
 
 
+def status_budget(status: dict) -> Optional[Budget]:
+    """The budget a sweep run's status records (None for a run of a sweep without --budgets)."""
+    if "budget_label" not in status:
+        return None
+    return Budget(status["budget_label"], int(status["budget"]), int(status["steps"]), int(status["warmup_steps"]))
+
+
 def load_sweep_runs(dump: Path) -> list[SweepRun]:
     """Every run in the sweep's folder that ended (has a status); optimizers in the order they first ended (the
-    sweep's order), then by lr and seed."""
+    sweep's order), then by budget, lr and seed."""
     runs = []
     for status_path in sorted((dump / RUNS_FOLDER).glob(f"*/{STATUS_FILE}")):
         status = json.loads(status_path.read_text())
-        spec = RunSpec(status["optimizer"], float(status["lr"]), int(status["seed"]))
+        spec = RunSpec(status["optimizer"], float(status["lr"]), int(status["seed"]), status_budget(status))
         run_dir = status_path.parent
         runs.append(SweepRun(spec, status, merged_scalars(run_dir), read_dataset(run_dir)))
     first_ended: dict[str, float] = {}
     for r in runs:
         first_ended[r.spec.optimizer] = min(first_ended.get(r.spec.optimizer, math.inf), r.status["ended"])
-    return sorted(runs, key=lambda r: (first_ended[r.spec.optimizer], r.spec.optimizer, r.spec.lr, r.spec.seed))
+    return sorted(
+        runs,
+        key=lambda r: (
+            first_ended[r.spec.optimizer],
+            r.spec.optimizer,
+            r.spec.budget.tokens if r.spec.budget else 0,
+            r.spec.lr,
+            r.spec.seed,
+        ),
+    )

@@ -1,12 +1,14 @@
 """Learning-rate sweeps for fair optimizer comparisons: every optimizer at its own best lr.
 
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --optimizers AdamW,AdamMini --lrs 3e-4,1e-3,3e-3 \\
-        [--seeds 0,1,2] [--vary-data-seed] [--baseline AdamW] [--nproc N] [--config-file X.toml] [--last-k 10] \\
-        -- [train.py options]
+        [--seeds 0,1,2] [--vary-data-seed] [--budgets 2e8,4e8 | 1x,2x] [--warmup-fraction F] [--baseline AdamW] \\
+        [--nproc N] [--config-file X.toml] [--last-k 10] -- [train.py options]
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only [--baseline AdamW]
 
 Every (optimizer, lr, seed) runs once through ``run_llama_train.sh`` with the same config and options, in its own
-folder ``{dump}/runs/{Optimizer}_lr{lr}_seed{seed}`` (its TensorBoard logs, checkpoints and ``train.log``). After a
+folder ``{dump}/runs/{Optimizer}_lr{lr}_seed{seed}`` (its TensorBoard logs, checkpoints and ``train.log``); with
+``--budgets`` once per budget, ``..._tokens{budget}``, its training.steps the whole steps that fit in the budget and
+its warmup a share of them (docs/study-runs.md). After a
 run ends the sweep writes ``sweep_status.json`` into that folder: the exit code, the command and the outcome:
 
 * ``finished`` - exit 0 with finite losses;
@@ -48,12 +50,16 @@ from torchtitan.tools.sweep_plan import (
     RUNS_FOLDER,
     check_settings,
     check_train_options,
+    fit_budgets,
     items,
+    job_warmup_fraction,
     lock_sweep,
+    parse_budgets,
     parse_lrs,
     parse_seeds,
     plan,
     preflight_jobs,
+    tokens_per_step,
 )
 from torchtitan.tools.sweep_plot import plot_budgets, plot_main, plot_sensitivity, plot_sweep
 from torchtitan.tools.sweep_runner import run_sweep
@@ -125,6 +131,19 @@ def _parser() -> argparse.ArgumentParser:
         "initial weights (for data that has a seed)",
     )
     p.add_argument(
+        "--budgets",
+        default=None,
+        help="token budgets, each its own run with its own training.steps and schedule: tokens (2e8,4e8) or "
+        "multiples of 20 tokens per non-embedding parameter of the model (1x,2x); default: the job's training.steps",
+    )
+    p.add_argument(
+        "--warmup-fraction",
+        type=float,
+        default=None,
+        help="with --budgets: each budget warms up this share of its steps (default: the job's training.warmup_steps "
+        "/ training.steps)",
+    )
+    p.add_argument(
         "--nproc",
         type=int,
         default=None,
@@ -155,6 +174,25 @@ def _default_nproc() -> int:
     return torch.cuda.device_count() or 1
 
 
+def _budgets(args, config_file: str, nproc: int, train_args: list[str]) -> tuple[list, Optional[float]]:
+    """The runs' budgets, each fitted to the job's tokens per step, and their warmup share; ``[None], None``
+    without --budgets (every run the job's own length)."""
+    if args.budgets is None:
+        if args.warmup_fraction is not None:
+            raise UserError("--warmup-fraction applies to --budgets; add --budgets, or set --training.warmup_steps")
+        return [None], None
+    budgets = parse_budgets(args.budgets)
+    if not budgets:
+        raise UserError("--budgets is empty; give BUDGETS like '2e8,4e8' or '1x,2x', or leave it out")
+    fraction = args.warmup_fraction
+    if fraction is None:
+        fraction = job_warmup_fraction(config_file, train_args)
+    elif not 0 <= fraction < 1:
+        raise UserError(f"--warmup-fraction must be at least 0 and below 1; got {fraction:g}")
+    per_step, params = tokens_per_step(config_file, nproc, train_args)
+    return fit_budgets(budgets, per_step, params, fraction), fraction
+
+
 def sweep(argv: Sequence[str]) -> int:
     argv = list(argv)
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -170,12 +208,15 @@ def sweep(argv: Sequence[str]) -> int:
             raise UserError(f"--nproc must be at least 1; got {args.nproc}")
         nproc = args.nproc or _default_nproc()
         config_file = str(Path(args.config_file).resolve())
-        check_train_options(train_args, args.vary_data_seed)
-        specs = plan(items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds))
+        check_train_options(train_args, args.vary_data_seed, budgets=args.budgets is not None)
+        budgets, warmup_fraction = _budgets(args, config_file, nproc, train_args)
+        specs = plan(items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds), budgets)
         preflight_jobs(specs, config_file, nproc, train_args, args.vary_data_seed)
         settings = {"config_file": config_file, "nproc": nproc, "train_args": train_args}
         if args.vary_data_seed:  # recorded only when set, so that sweeps started before the flag resume
             settings["vary_data_seed"] = True
+        if warmup_fraction is not None:  # the budgets themselves may grow: new budgets extend the sweep
+            settings["warmup_fraction"] = warmup_fraction
         with lock_sweep(dump):
             check_settings(dump, settings)
             launcher = shlex.split(args.launcher)

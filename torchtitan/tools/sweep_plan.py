@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from torchtitan.errors import UserError
 
@@ -32,6 +32,10 @@ SWEEP_OPTIONS = {
     "training.seed": "--seeds",
     "job.dump_folder": "--dump-folder",
 }
+# With --budgets each run's length and warmup come from its budget.
+BUDGET_OPTIONS = {"training.steps": "--budgets", "training.warmup_steps": "--warmup-fraction"}
+# A budget of "Nx" is N times this many tokens per non-embedding parameter (Chinchilla's rule of thumb).
+TOKENS_PER_PARAM = 20
 # With --vary-data-seed each run's seed is its data seed too (data that has a seed: its order), and the sweep sets it.
 DATA_SEED_OPTION = "training.data_seed"
 
@@ -44,14 +48,35 @@ def lr_label(lr: float) -> str:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """A run's token budget: the tokens asked for (``label`` as the user wrote it, normalised: ``2e8``, ``1x``),
+    the optimizer steps that fit in it and the warmup fitted to those steps."""
+
+    label: str
+    tokens: int
+    steps: int
+    warmup_steps: int
+
+    def status(self) -> dict:
+        return {
+            "budget": self.tokens,
+            "budget_label": self.label,
+            "steps": self.steps,
+            "warmup_steps": self.warmup_steps,
+        }
+
+
+@dataclass(frozen=True)
 class RunSpec:
     optimizer: str  # canonical name, as train.py logs it
     lr: float
     seed: int
+    budget: Optional[Budget] = None
 
     @property
     def name(self) -> str:
-        return f"{self.optimizer}_lr{lr_label(self.lr)}_seed{self.seed}"
+        tail = f"_tokens{self.budget.label}" if self.budget else ""
+        return f"{self.optimizer}_lr{lr_label(self.lr)}_seed{self.seed}{tail}"
 
 
 def items(raw: str) -> list[str]:
@@ -78,15 +103,85 @@ def parse_seeds(raw: str) -> list[int]:
     return [int(item) for item in items(raw)]
 
 
-def plan(optimizers: Sequence[str], lrs: Sequence[float], seeds: Sequence[int]) -> list[RunSpec]:
-    """Every combination, optimizer-major; names resolved as train.py does (``adam_mini`` is AdamMini)."""
+def parse_budgets(raw: str) -> list[tuple[str, float, bool]]:
+    """(label, value, is_multiple) per budget: tokens (``2e8``) or multiples of TOKENS_PER_PARAM tokens per
+    non-embedding parameter (``1x``)."""
+    budgets = []
+    for item in items(raw):
+        multiple = item.lower().endswith("x")
+        try:
+            value = float(item[:-1] if multiple else item)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(
+                f"budget '{item}' is neither a token count nor a multiple of {TOKENS_PER_PARAM} tokens per "
+                "parameter; give BUDGETS like '2e8,4e8' or '1x,2x'"
+            )
+        budgets.append((f"{value:g}x" if multiple else lr_label(float(round(value))), value, multiple))
+    return budgets
+
+
+def tokens_per_step(config_file: str, nproc: int, train_args: Sequence[str]) -> tuple[int, int]:
+    """(tokens per optimizer step, non-embedding parameters) of the job: batch_size x seq_len x data-parallel
+    degree x gradient_accumulation_steps, and the flavor's parameters counted on the meta device."""
+    from torchtitan.config_manager import JobConfig
+    from torchtitan.models.llama import non_embedding_params
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
+    from torchtitan.preflight import model_args_for
+
+    config = JobConfig.parse_args(["--job.config_file", config_file, *train_args])
+    dims = ParallelDims.from_job_config(config, nproc)
+    dims.validate()
+    t = config.training
+    per_step = t.batch_size * t.seq_len * dims.dp_replicate * dims.dp_shard * t.gradient_accumulation_steps
+    return per_step, non_embedding_params(model_args_for(config, vocab_size=1))
+
+
+def job_warmup_fraction(config_file: str, train_args: Sequence[str]) -> float:
+    """The job's own warmup as a share of its steps: training.warmup_steps / training.steps."""
+    from torchtitan.config_manager import JobConfig
+
+    t = JobConfig.parse_args(["--job.config_file", config_file, *train_args]).training
+    return min(1.0, t.warmup_steps / t.steps)
+
+
+def fit_budgets(
+    budgets: Sequence[tuple[str, float, bool]], per_step: int, params: int, warmup_fraction: float
+) -> list[Budget]:
+    """Each budget's steps (the whole steps of ``per_step`` tokens that fit in it) and warmup (``warmup_fraction``
+    of those steps, rounded): every budget is a schedule of its own, not a cut of a longer one."""
+    fitted = []
+    for label, value, multiple in budgets:
+        tokens = round(value * TOKENS_PER_PARAM * params) if multiple else round(value)
+        steps = tokens // per_step
+        if steps < 1:
+            raise UserError(
+                f"budget {label} ({tokens:,} tokens) is less than one step of {per_step:,} tokens (batch_size x "
+                "seq_len x data-parallel degree x gradient_accumulation_steps); raise the budget or lower the batch"
+            )
+        fitted.append(Budget(label, tokens, steps, round(warmup_fraction * steps)))
+    repeated = sorted({b.label for b in fitted if [c.tokens for c in fitted].count(b.tokens) > 1})
+    if repeated:
+        raise UserError(f"the sweep lists a budget twice ({', '.join(repeated)} are the same tokens); give each once")
+    return fitted
+
+
+def plan(
+    optimizers: Sequence[str],
+    lrs: Sequence[float],
+    seeds: Sequence[int],
+    budgets: Sequence[Optional[Budget]] = (None,),
+) -> list[RunSpec]:
+    """Every combination, optimizer-major, then budget; names resolved as train.py does (``adam_mini`` is
+    AdamMini)."""
     from torchtitan.optim.builder import resolve_optimizer_name
 
     for what, values in (("optimizers", optimizers), ("lrs", lrs), ("seeds", seeds)):
         if not values:
             raise UserError(f"the sweep needs at least one of {what}; set {what.upper()} (space- or comma-separated)")
     names = [resolve_optimizer_name(name).name for name in optimizers]
-    specs = [RunSpec(o, lr, seed) for o in names for lr in lrs for seed in seeds]
+    specs = [RunSpec(o, lr, seed, b) for o in names for b in budgets for lr in lrs for seed in seeds]
     run_names = [s.name for s in specs]
     repeated = sorted({n for n in run_names if run_names.count(n) > 1})
     if repeated:
@@ -94,9 +189,14 @@ def plan(optimizers: Sequence[str], lrs: Sequence[float], seeds: Sequence[int]) 
     return specs
 
 
-def check_train_options(train_args: Sequence[str], vary_data_seed: bool = False) -> None:
+def check_train_options(train_args: Sequence[str], vary_data_seed: bool = False, budgets: bool = False) -> None:
     for arg in train_args:
         key = arg[2:].partition("=")[0] if arg.startswith("--") else None
+        if budgets and key in BUDGET_OPTIONS:
+            raise UserError(
+                f"--{key} is set by the sweep for each budget; remove it from the train.py options and use "
+                f"{BUDGET_OPTIONS[key]}"
+            )
         if key in SWEEP_OPTIONS:
             raise UserError(
                 f"--{key} is set by the sweep for each run; remove it from the train.py options and use "
@@ -112,6 +212,13 @@ def check_train_options(train_args: Sequence[str], vary_data_seed: bool = False)
 def spec_options(spec: RunSpec, vary_data_seed: bool = False) -> list[str]:
     """The train.py options a run's spec sets; with ``vary_data_seed`` its seed is its data seed too."""
     options = ["--optimizer.name", spec.optimizer, "--optimizer.lr", repr(spec.lr), "--training.seed", str(spec.seed)]
+    if spec.budget is not None:
+        options += [
+            "--training.steps",
+            str(spec.budget.steps),
+            "--training.warmup_steps",
+            str(spec.budget.warmup_steps),
+        ]
     return options + ([f"--{DATA_SEED_OPTION}", str(spec.seed)] if vary_data_seed else [])
 
 
@@ -135,15 +242,16 @@ def run_command(
 def preflight_jobs(
     specs: Sequence[RunSpec], config_file: str, nproc: int, train_args: Sequence[str], vary_data_seed: bool = False
 ) -> None:
-    """Check each optimizer's job as train.py will, so that a mistake stops the sweep before any run starts."""
+    """Check each optimizer's job (at each budget) as train.py will, so that a mistake stops the sweep before any
+    run starts."""
     from torchtitan.config_manager import JobConfig
     from torchtitan.preflight import preflight
 
     checked = set()
     for spec in specs:
-        if spec.optimizer in checked:
+        if (spec.optimizer, spec.budget) in checked:
             continue
-        checked.add(spec.optimizer)
+        checked.add((spec.optimizer, spec.budget))
         config = JobConfig.parse_args(
             ["--job.config_file", config_file, *train_args, *spec_options(spec, vary_data_seed)]
         )

@@ -73,6 +73,7 @@ def train_one(spec: RunSpec, run_dir: Path, command: list[str], env: dict, vary_
         "lr": spec.lr,
         "seed": spec.seed,
         **({"data_seed": spec.seed} if vary_data_seed else {}),
+        **(spec.budget.status() if spec.budget else {}),
         "outcome": outcome(exit_code, scalars),
         "exit_code": exit_code,
         "command": shlex.join(command),

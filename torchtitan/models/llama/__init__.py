@@ -2,9 +2,14 @@
 
 import dataclasses
 
+import torch
+
 from torchtitan.models.llama.model import ModelArgs, Transformer
 
-__all__ = ["ModelArgs", "Transformer", "llama3_configs"]
+__all__ = ["LADDER", "ModelArgs", "Transformer", "llama3_configs", "non_embedding_params"]
+
+# The weights that hold one row per token of the vocabulary.
+EMBEDDING_WEIGHTS = ("tok_embeddings.weight", "output.weight")
 
 # Llama 3.1 / 3.2 / 3.3 scale RoPE the same way ("llama3" in their config.json); only the factor differs.
 _LLAMA31_ROPE = dict(
@@ -92,3 +97,25 @@ llama3_configs.update(
         ),
     }
 )
+
+# The ladder: Llama 3 shapes (grouped-query attention, SwiGLU, head_dim 64 up to 300M and 128 above) for scaling
+# studies on one node, named by their non-embedding parameters (``ModelArgs.non_embedding_params``: every weight but
+# the embedding and the output projection, so the count does not depend on the tokenizer). docs/study-runs.md lists
+# the exact counts.
+LADDER = {
+    "ladder-30M": ModelArgs(dim=512, n_layers=10, n_heads=8, n_kv_heads=2),
+    "ladder-60M": ModelArgs(dim=768, n_layers=10, n_heads=12, n_kv_heads=4),
+    "ladder-130M": ModelArgs(dim=768, n_layers=20, n_heads=12, n_kv_heads=4),
+    "ladder-300M": ModelArgs(dim=1024, n_layers=26, n_heads=16, n_kv_heads=4),
+    "ladder-520M": ModelArgs(dim=1536, n_layers=20, n_heads=12, n_kv_heads=4),
+    "ladder-1.2B": ModelArgs(dim=2048, n_layers=25, n_heads=16, n_kv_heads=8),
+}
+llama3_configs.update(LADDER)
+
+
+def non_embedding_params(args: ModelArgs) -> int:
+    """Parameters of the model other than the embedding and the output projection, counted on the meta device (no
+    memory, any size, whatever the vocabulary)."""
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(args, vocab_size=1))
+    return sum(p.numel() for name, p in model.named_parameters() if name not in EMBEDDING_WEIGHTS)
