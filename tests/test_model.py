@@ -169,3 +169,39 @@ def test_canonical_name():
 def test_debug_flavor_is_small():
     args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=2256)
     assert count(args) < 10_000_000
+
+
+LADDER_SIZES = {
+    "ladder-30M": 30e6,
+    "ladder-60M": 60e6,
+    "ladder-130M": 130e6,
+    "ladder-300M": 300e6,
+    "ladder-520M": 520e6,
+    "ladder-1.2B": 1.2e9,
+}
+
+
+def test_the_ladder_is_llama_3_shaped_and_named_by_its_non_embedding_parameters():
+    from torchtitan.models.llama import LADDER, non_embedding_params
+
+    assert list(LADDER) == list(LADDER_SIZES)
+    for flavor, size in LADDER_SIZES.items():
+        args = llama3_configs[flavor]
+        assert args is LADDER[flavor]
+        assert args.kv_heads < args.n_heads and args.head_dim in (64, 128), flavor  # grouped-query attention
+        assert args.vocab_size == -1 and args.rope_theta == 500000 and args.norm_type == "rmsnorm", flavor
+        # Every weight but the embedding and output rows: an arithmetic count of the shapes.
+        embedding_rows = 2 * args.dim  # the embedding and output of a one-token vocabulary
+        assert non_embedding_params(args) == expected_count(dataclasses.replace(args, vocab_size=1)) - embedding_rows
+        assert abs(non_embedding_params(args) - size) / size < 0.1, flavor
+
+
+def test_the_docs_list_the_ladder_exact_counts():
+    import re
+    from pathlib import Path
+
+    from torchtitan.models.llama import LADDER, non_embedding_params
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "study-runs.md").read_text()
+    rows = dict(re.findall(r"^\| `(ladder-[^`]+)` \|[^\n]*?\| ([\d,]+) \|$", page, flags=re.M))
+    assert rows == {flavor: f"{non_embedding_params(args):,}" for flavor, args in LADDER.items()}
