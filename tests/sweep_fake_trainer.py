@@ -3,8 +3,9 @@
 Takes the options the sweep passes (``--optimizer.name``, ``--optimizer.lr``, ``--training.seed``,
 ``--job.dump_folder``, ``--training.steps``) and writes TensorBoard events where train.py would, with the trainer's
 tags. The training loss is lowest at lr 1e-3, the validation loss (logged when FAKE_VALIDATION is set) at lr 1e-2,
-and each seed adds 0.01 per seed number. FAKE_OUTCOMES, a JSON object from run name
-(``{Optimizer}_lr{lr}_seed{seed}``) to one of the behaviours below, makes a run misbehave:
+each seed adds 0.01 per seed number, and a weight decay (``--optimizer.weight_decay``) its distance from 0.1 (0.3
+for Muon). FAKE_OUTCOMES, a JSON object from run name (``{Optimizer}_lr{lr}_seed{seed}``) to one of the behaviours
+below, makes a run misbehave:
   "nan"   - logs a NaN loss from step 3 on and exits 0;
   "exit3" - logs two steps, prints an ``error: ... non-finite ...`` line and exits 3, as train.py's guard does;
   "exit1" - logs two steps and crashes;
@@ -54,6 +55,7 @@ def main() -> int:
         writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
 
     distance = abs(math.log10(lr) + 3)
+    weight_decay_distance = abs(float(o.get("optimizer.weight_decay", "0.1")) - (0.3 if optimizer == "Muon" else 0.1))
     log(0, "optimizer/state_bytes", {"AdamMini": 1 << 20}.get(optimizer, 2 << 20))
     for step in range(1, steps + 1):
         if behaviour in ("exit3", "exit1") and step == 3:
@@ -62,7 +64,7 @@ def main() -> int:
                 print(f"error: the loss was non-finite at step {step}; lower optimizer.lr", file=sys.stderr)
                 return 3
             raise RuntimeError("the fake trainer crashed")
-        loss = 2.0 + distance + 0.01 * seed + 4.0 / step
+        loss = 2.0 + distance + weight_decay_distance + 0.01 * seed + 4.0 / step
         log(step, "loss_metrics/global_avg_loss", math.nan if behaviour == "nan" and step >= 3 else loss)
         log(step, "throughput/tps", 1000.0 + 100.0 * seed + (500.0 if optimizer == "AdamMini" else 0.0))
         log(step, "memory/rss(GiB)", 0.5 + 0.01 * step)

@@ -451,3 +451,60 @@ def test_bad_budgets_are_one_line_and_run_nothing(tmp_path, capsys, args, messag
     assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", *head, *tail) == 2
     assert message in one_error_line(capsys)
     assert not (dump / "runs").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Any option as an axis
+
+
+def test_any_option_is_an_axis_globally_or_per_optimizer_and_the_grid_extends(tmp_path, capsys):
+    dump = tmp_path / "axes"
+    # The fake's loss is lowest at weight decay 0.1 for AdamW and 0.3 for Muon; beta2 changes nothing in it.
+    grid = ["--optimizers", "AdamW,Muon", "--lrs", "1e-3", "--axis", "Muon:optimizer.beta2=0.95,0.99"]
+    assert fake_sweep(dump, *grid, "--axis", "optimizer.weight_decay=0.0,0.1,0.3") == 0
+    runs = dump / "runs"
+    names = sorted(p.name for p in runs.iterdir())
+    assert names == sorted(
+        [f"AdamW_lr1e-3_seed0_optimizer.weight_decay{wd}" for wd in ("0.0", "0.1", "0.3")]
+        + [
+            f"Muon_lr1e-3_seed0_optimizer.beta2{b2}_optimizer.weight_decay{wd}"
+            for b2 in ("0.95", "0.99")
+            for wd in ("0.0", "0.1", "0.3")
+        ]
+    )
+    status = status_of(runs / "Muon_lr1e-3_seed0_optimizer.beta20.99_optimizer.weight_decay0.3")
+    assert status["options"] == {"optimizer.beta2": 0.99, "optimizer.weight_decay": 0.3}
+    assert "--optimizer.beta2 0.99 --optimizer.weight_decay 0.3" in status["command"]
+    report = json.loads((dump / "sweep.json").read_text())
+    assert report["best"]["AdamW"]["settings"] == {"lr": 1e-3, "optimizer.weight_decay": 0.1}
+    assert report["best"]["Muon"]["settings"]["optimizer.weight_decay"] == 0.3
+    assert len(report["grid"]) == 9  # one cell per value of every axis
+    assert sorted(r["name"] for r in report["runs"]) == names
+
+    # A new value extends the grid: only its runs train.
+    capsys.readouterr()
+    assert fake_sweep(dump, *grid, "--axis", "optimizer.weight_decay=0.0,0.1,0.3,0.2") == 0
+    assert capsys.readouterr().out.count("earlier, skipped") == 9
+    new = [p.name for p in runs.iterdir() if "weight_decay0.2" in p.name]
+    assert len(new) == 3 and all(attempts(p) == 1 for p in runs.iterdir())
+
+
+@pytest.mark.parametrize(
+    "axis, message",
+    [
+        (["--axis", "optimizer.weight_decay"], "is not an axis; give one like"),
+        (["--axis", "optimizer.lr=1e-3,1e-2"], "--axis optimizer.lr is swept by the sweep's own --lrs"),
+        (["--axis", "optimizer.weight_decay=0.1,0.10"], "lists a value twice"),
+        (["--axis", "Muon:optimizer.beta2=0.9"], "Muon is not in --optimizers"),
+        (["--axis", "optimizer.eps=1e-8", "--axis", "AdamW:optimizer.eps=1e-6"], "is given twice for AdamW's runs"),
+        (["--axis", "optimizer.eps=1e-8", "--", "--optimizer.eps", "1e-6"], "also set among the train.py options"),
+        (["--axis", "optimizer.wd=0.1"], "unknown config key 'optimizer.wd'"),
+    ],
+)
+def test_bad_axes_are_one_line_and_run_nothing(tmp_path, capsys, axis, message):
+    dump = tmp_path / "sweep"
+    tail = axis[axis.index("--") :] if "--" in axis else []
+    head = axis[: len(axis) - len(tail)]
+    assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", *head, *tail) == 2
+    assert message in one_error_line(capsys)
+    assert not (dump / "runs").exists()

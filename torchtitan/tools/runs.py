@@ -237,7 +237,8 @@ def load_sweep_runs(dump: Path) -> list[SweepRun]:
     runs = []
     for status_path in sorted((dump / RUNS_FOLDER).glob(f"*/{STATUS_FILE}")):
         status = json.loads(status_path.read_text())
-        spec = RunSpec(status["optimizer"], float(status["lr"]), int(status["seed"]), status_budget(status))
+        options = tuple(sorted(status.get("option_values", {}).items()))
+        spec = RunSpec(status["optimizer"], float(status["lr"]), int(status["seed"]), status_budget(status), options)
         run_dir = status_path.parent
         runs.append(SweepRun(spec, status, merged_scalars(run_dir), read_dataset(run_dir)))
     first_ended: dict[str, float] = {}

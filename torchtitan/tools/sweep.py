@@ -1,15 +1,17 @@
 """Learning-rate sweeps for fair optimizer comparisons: every optimizer at its own best lr.
 
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --optimizers AdamW,AdamMini --lrs 3e-4,1e-3,3e-3 \\
-        [--seeds 0,1,2] [--vary-data-seed] [--budgets 2e8,4e8 | 1x,2x] [--warmup-fraction F] [--baseline AdamW] \\
-        [--nproc N] [--config-file X.toml] [--last-k 10] -- [train.py options]
+        [--seeds 0,1,2] [--vary-data-seed] [--axis [OPTIMIZER:]SECTION.KEY=V1,V2 ...] \\
+        [--budgets 2e8,4e8 | 1x,2x] [--warmup-fraction F] [--baseline AdamW] [--nproc N] [--config-file X.toml] \\
+        [--last-k 10] -- [train.py options]
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only [--baseline AdamW]
 
 Every (optimizer, lr, seed) runs once through ``run_llama_train.sh`` with the same config and options, in its own
 folder ``{dump}/runs/{Optimizer}_lr{lr}_seed{seed}`` (its TensorBoard logs, checkpoints and ``train.log``); with
-``--budgets`` once per budget, ``..._tokens{budget}``, its training.steps the whole steps that fit in the budget and
-its warmup a share of them (docs/study-runs.md). After a
-run ends the sweep writes ``sweep_status.json`` into that folder: the exit code, the command and the outcome:
+``--axis`` once per value of every axis, ``..._{option}{value}``, and with ``--budgets`` once per budget,
+``..._tokens{budget}``, its training.steps the whole steps that fit in the budget and its warmup a share of them
+(docs/study-runs.md). After a run ends the sweep writes ``sweep_status.json`` into that folder: the exit code, the
+command and the outcome:
 
 * ``finished`` - exit 0 with finite losses;
 * ``diverged`` - exit 3 (train.py stopped on non-finite loss or gradients) or a non-finite logged loss;
@@ -54,6 +56,7 @@ from torchtitan.tools.sweep_plan import (
     items,
     job_warmup_fraction,
     lock_sweep,
+    parse_axis,
     parse_budgets,
     parse_lrs,
     parse_seeds,
@@ -129,6 +132,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="give each run its seed as training.data_seed too, so that seeds vary the data order as well as the "
         "initial weights (for data that has a seed)",
+    )
+    p.add_argument(
+        "--axis",
+        action="append",
+        default=[],
+        metavar="[OPTIMIZER:]SECTION.KEY=V1,V2",
+        help="sweep a train.py option over these values, for every optimizer or for one (AdamW:optimizer.beta2="
+        "0.95,0.99); repeat for more axes; every combination is a cell, named by each value",
     )
     p.add_argument(
         "--budgets",
@@ -210,7 +221,8 @@ def sweep(argv: Sequence[str]) -> int:
         config_file = str(Path(args.config_file).resolve())
         check_train_options(train_args, args.vary_data_seed, budgets=args.budgets is not None)
         budgets, warmup_fraction = _budgets(args, config_file, nproc, train_args)
-        specs = plan(items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds), budgets)
+        axes = [parse_axis(raw) for raw in args.axis]
+        specs = plan(items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds), budgets, axes, train_args)
         preflight_jobs(specs, config_file, nproc, train_args, args.vary_data_seed)
         settings = {"config_file": config_file, "nproc": nproc, "train_args": train_args}
         if args.vary_data_seed:  # recorded only when set, so that sweeps started before the flag resume

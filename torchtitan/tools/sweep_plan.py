@@ -72,11 +72,83 @@ class RunSpec:
     lr: float
     seed: int
     budget: Optional[Budget] = None
+    options: tuple[tuple[str, str], ...] = ()  # (train.py option, value as given) of every swept axis, by option
 
     @property
     def name(self) -> str:
-        tail = f"_tokens{self.budget.label}" if self.budget else ""
+        tail = "".join(f"_{key}{value}" for key, value in self.options)
+        tail += f"_tokens{self.budget.label}" if self.budget else ""
         return f"{self.optimizer}_lr{lr_label(self.lr)}_seed{self.seed}{tail}"
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One swept train.py option: its values, for every optimizer (``optimizer`` None) or for one."""
+
+    key: str
+    values: tuple[str, ...]
+    optimizer: Optional[str] = None
+
+
+def axis_value(text: str):
+    """A swept value as the report orders it: a number where it reads as one, else its text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
+def parse_axis(raw: str) -> Axis:
+    """``section.key=V1,V2`` (every optimizer) or ``Optimizer:section.key=V1,V2`` (that optimizer's runs)."""
+    head, equals, values = raw.partition("=")
+    scope, _, key = head.rpartition(":")
+    listed = items(values)
+    if not equals or "." not in key or not listed:
+        raise UserError(
+            f"--axis '{raw}' is not an axis; give one like 'optimizer.weight_decay=0.0,0.1' or "
+            "'AdamW:optimizer.beta2=0.95,0.99'"
+        )
+    if key in SWEEP_OPTIONS or key in BUDGET_OPTIONS:
+        flag = SWEEP_OPTIONS.get(key) or BUDGET_OPTIONS[key]
+        raise UserError(f"--axis {key} is swept by the sweep's own {flag}; use that")
+    bad = [v for v in listed if "/" in v]
+    if bad:
+        raise UserError(f"--axis {key} value '{bad[0]}' names a path; axis values name run folders, give plain values")
+    parsed = [axis_value(v) for v in listed]
+    if len(set(map(repr, parsed))) < len(parsed):
+        raise UserError(f"--axis {key} lists a value twice ({', '.join(listed)}); give each once")
+    return Axis(key, tuple(listed), scope or None)
+
+
+def axes_for(optimizer: str, axes: Sequence[Axis]) -> list[Axis]:
+    """The axes of one optimizer's runs (optimizer names already resolved), by option."""
+    return sorted((a for a in axes if a.optimizer in (None, optimizer)), key=lambda a: a.key)
+
+
+def check_axes(axes: Sequence[Axis], optimizers: Sequence[str], train_args: Sequence[str]) -> list[Axis]:
+    """Axes with their optimizer names resolved as train.py does; one line for an axis that would sweep nothing
+    new (a key given twice for the same runs, an optimizer not in the sweep, a key also among the fixed options)."""
+    from torchtitan.optim.builder import resolve_optimizer_name
+
+    fixed = {arg[2:].partition("=")[0] for arg in train_args if arg.startswith("--")}
+    resolved = []
+    for axis in axes:
+        optimizer = resolve_optimizer_name(axis.optimizer).name if axis.optimizer else None
+        if optimizer is not None and optimizer not in optimizers:
+            raise UserError(
+                f"--axis {axis.optimizer}:{axis.key}: {optimizer} is not in --optimizers; add it or drop the axis"
+            )
+        if axis.key in fixed:
+            raise UserError(f"--axis {axis.key} is also set among the train.py options; remove it from one of them")
+        resolved.append(Axis(axis.key, axis.values, optimizer))
+    for optimizer in optimizers:
+        keys = [a.key for a in axes_for(optimizer, resolved)]
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise UserError(f"--axis {repeated[0]} is given twice for {optimizer}'s runs; give it once")
+    return resolved
 
 
 def items(raw: str) -> list[str]:
@@ -172,21 +244,38 @@ def plan(
     lrs: Sequence[float],
     seeds: Sequence[int],
     budgets: Sequence[Optional[Budget]] = (None,),
+    axes: Sequence[Axis] = (),
+    train_args: Sequence[str] = (),
 ) -> list[RunSpec]:
-    """Every combination, optimizer-major, then budget; names resolved as train.py does (``adam_mini`` is
-    AdamMini)."""
+    """Every combination, optimizer-major, then budget, then the axes' values; names resolved as train.py does
+    (``adam_mini`` is AdamMini)."""
     from torchtitan.optim.builder import resolve_optimizer_name
 
     for what, values in (("optimizers", optimizers), ("lrs", lrs), ("seeds", seeds)):
         if not values:
             raise UserError(f"the sweep needs at least one of {what}; set {what.upper()} (space- or comma-separated)")
     names = [resolve_optimizer_name(name).name for name in optimizers]
-    specs = [RunSpec(o, lr, seed, b) for o in names for b in budgets for lr in lrs for seed in seeds]
+    axes = check_axes(axes, names, train_args)
+    specs = [
+        RunSpec(o, lr, seed, b, options)
+        for o in names
+        for b in budgets
+        for options in _axis_points(axes_for(o, axes))
+        for lr in lrs
+        for seed in seeds
+    ]
     run_names = [s.name for s in specs]
     repeated = sorted({n for n in run_names if run_names.count(n) > 1})
     if repeated:
         raise UserError(f"the sweep lists a run twice ({', '.join(repeated)}); give each optimizer, lr and seed once")
     return specs
+
+
+def _axis_points(axes: Sequence[Axis]) -> list[tuple[tuple[str, str], ...]]:
+    points: list[tuple[tuple[str, str], ...]] = [()]
+    for axis in axes:
+        points = [(*point, (axis.key, value)) for point in points for value in axis.values]
+    return points
 
 
 def check_train_options(train_args: Sequence[str], vary_data_seed: bool = False, budgets: bool = False) -> None:
@@ -212,6 +301,8 @@ def check_train_options(train_args: Sequence[str], vary_data_seed: bool = False,
 def spec_options(spec: RunSpec, vary_data_seed: bool = False) -> list[str]:
     """The train.py options a run's spec sets; with ``vary_data_seed`` its seed is its data seed too."""
     options = ["--optimizer.name", spec.optimizer, "--optimizer.lr", repr(spec.lr), "--training.seed", str(spec.seed)]
+    for key, value in spec.options:
+        options += [f"--{key}", value]
     if spec.budget is not None:
         options += [
             "--training.steps",
@@ -242,16 +333,16 @@ def run_command(
 def preflight_jobs(
     specs: Sequence[RunSpec], config_file: str, nproc: int, train_args: Sequence[str], vary_data_seed: bool = False
 ) -> None:
-    """Check each optimizer's job (at each budget) as train.py will, so that a mistake stops the sweep before any
-    run starts."""
+    """Check each optimizer's job (at each budget and point of its axes) as train.py will, so that a mistake stops
+    the sweep before any run starts."""
     from torchtitan.config_manager import JobConfig
     from torchtitan.preflight import preflight
 
     checked = set()
     for spec in specs:
-        if (spec.optimizer, spec.budget) in checked:
+        if (spec.optimizer, spec.budget, spec.options) in checked:
             continue
-        checked.add((spec.optimizer, spec.budget))
+        checked.add((spec.optimizer, spec.budget, spec.options))
         config = JobConfig.parse_args(
             ["--job.config_file", config_file, *train_args, *spec_options(spec, vary_data_seed)]
         )

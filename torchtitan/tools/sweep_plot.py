@@ -117,7 +117,7 @@ def plot_sensitivity(report: dict) -> Optional[bytes]:
     budget = report["budgets"][-1] if report["budgets"] else None
     for ax, key in zip(axes, keys):
         for i, (optimizer, b) in enumerate(report["best"].items()):
-            if b["settings"] is None:
+            if b["settings"] is None or key not in b["settings"]:  # an axis of other optimizers only
                 continue
             others = {k: v for k, v in b["settings"].items() if k != key}
             cells = [

@@ -19,6 +19,7 @@ from torchtitan.tools.sweep_plan import (
     FINISHED,
     LOG_FILE,
     RunSpec,
+    axis_value,
     run_command,
     run_folder,
 )
@@ -73,6 +74,8 @@ def train_one(spec: RunSpec, run_dir: Path, command: list[str], env: dict, vary_
         "lr": spec.lr,
         "seed": spec.seed,
         **({"data_seed": spec.seed} if vary_data_seed else {}),
+        **({"options": {k: axis_value(v) for k, v in spec.options}} if spec.options else {}),
+        **({"option_values": dict(spec.options)} if spec.options else {}),
         **(spec.budget.status() if spec.budget else {}),
         "outcome": outcome(exit_code, scalars),
         "exit_code": exit_code,
