@@ -481,6 +481,12 @@ def test_any_option_is_an_axis_globally_or_per_optimizer_and_the_grid_extends(tm
     assert len(report["grid"]) == 9  # one cell per value of every axis
     assert sorted(r["name"] for r in report["runs"]) == names
 
+    # Without budgets a run's length and warmup are axes like any other option.
+    assert fake_sweep(tmp_path / "steps", "--optimizers", "AdamW", "--lrs", "1e-3", "--axis", "training.steps=4,5") == 0
+    assert [
+        logged(tmp_path / "steps" / "runs" / f"AdamW_lr1e-3_seed0_training.steps{n}", LOSS)[-1][0] for n in (4, 5)
+    ] == [4, 5]
+
     # A new value extends the grid: only its runs train.
     capsys.readouterr()
     assert fake_sweep(dump, *grid, "--axis", "optimizer.weight_decay=0.0,0.1,0.3,0.2") == 0
@@ -499,6 +505,7 @@ def test_any_option_is_an_axis_globally_or_per_optimizer_and_the_grid_extends(tm
         (["--axis", "optimizer.eps=1e-8", "--axis", "AdamW:optimizer.eps=1e-6"], "is given twice for AdamW's runs"),
         (["--axis", "optimizer.eps=1e-8", "--", "--optimizer.eps", "1e-6"], "also set among the train.py options"),
         (["--axis", "optimizer.wd=0.1"], "unknown config key 'optimizer.wd'"),
+        (["--budgets", "4096", "--axis", "training.warmup_steps=1,2"], "swept by the sweep's own --warmup-fraction"),
     ],
 )
 def test_bad_axes_are_one_line_and_run_nothing(tmp_path, capsys, axis, message):

@@ -100,8 +100,9 @@ def axis_value(text: str):
     return text
 
 
-def parse_axis(raw: str) -> Axis:
-    """``section.key=V1,V2`` (every optimizer) or ``Optimizer:section.key=V1,V2`` (that optimizer's runs)."""
+def parse_axis(raw: str, budgets: bool = False) -> Axis:
+    """``section.key=V1,V2`` (every optimizer) or ``Optimizer:section.key=V1,V2`` (that optimizer's runs); with
+    ``budgets`` the options each budget sets are not axes."""
     head, equals, values = raw.partition("=")
     scope, _, key = head.rpartition(":")
     listed = items(values)
@@ -110,7 +111,7 @@ def parse_axis(raw: str) -> Axis:
             f"--axis '{raw}' is not an axis; give one like 'optimizer.weight_decay=0.0,0.1' or "
             "'AdamW:optimizer.beta2=0.95,0.99'"
         )
-    if key in SWEEP_OPTIONS or key in BUDGET_OPTIONS:
+    if key in SWEEP_OPTIONS or (budgets and key in BUDGET_OPTIONS):
         flag = SWEEP_OPTIONS.get(key) or BUDGET_OPTIONS[key]
         raise UserError(f"--axis {key} is swept by the sweep's own {flag}; use that")
     bad = [v for v in listed if "/" in v]
