@@ -372,11 +372,11 @@ def test_budgets_are_runs_of_their_own_length_and_schedule_and_the_report_fits_t
     assert fake_sweep(dump, *grid, "--budgets", "4096,6e3,8192") == 0
     runs = dump / "runs"
     assert sorted(p.name for p in runs.iterdir()) == [
-        "AdamW_lr1e-3_seed0_tokens4.096e3",
+        "AdamW_lr1e-3_seed0_tokens4096",
         "AdamW_lr1e-3_seed0_tokens6e3",
-        "AdamW_lr1e-3_seed0_tokens8.192e3",
+        "AdamW_lr1e-3_seed0_tokens8192",
     ]
-    for label, tokens, steps, warmup in (("4.096e3", 4096, 4, 0), ("6e3", 6000, 5, 0), ("8.192e3", 8192, 8, 1)):
+    for label, tokens, steps, warmup in (("4096", 4096, 4, 0), ("6e3", 6000, 5, 0), ("8192", 8192, 8, 1)):
         run = runs / f"AdamW_lr1e-3_seed0_tokens{label}"
         status = status_of(run)
         assert (status["budget"], status["steps"], status["warmup_steps"]) == (tokens, steps, warmup)
@@ -437,7 +437,7 @@ def test_budgets_in_tokens_per_parameter_count_the_non_embedding_parameters(tmp_
         (["--budgets", "2e8,fast"], "budget 'fast' is neither a token count nor a multiple"),
         (["--budgets", "0x"], "budget '0x' is neither"),
         (["--budgets", "1000"], "budget 1e3 (1,000 tokens) is less than one step of 1,024 tokens"),
-        (["--budgets", "4096,4.096e3"], "lists a budget twice"),
+        (["--budgets", "4096,4.096e3"], "lists the budget of 4096 tokens twice"),
         (["--budgets", "4096", "--warmup-fraction", "1"], "--warmup-fraction must be at least 0 and below 1"),
         (["--warmup-fraction", "0.1"], "--warmup-fraction applies to --budgets"),
         (["--budgets", "4096", "--", "--training.steps", "3"], "--training.steps is set by the sweep for each budget"),

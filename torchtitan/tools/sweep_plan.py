@@ -47,6 +47,11 @@ def lr_label(lr: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
+def tokens_label(tokens: int) -> str:
+    """A short, exact name for a token count: the shorter of its scientific form and its digits (2e8, 4096)."""
+    return min(lr_label(float(tokens)), str(tokens), key=len)
+
+
 @dataclass(frozen=True)
 class Budget:
     """A run's token budget: the tokens asked for (``label`` as the user wrote it, normalised: ``2e8``, ``1x``),
@@ -191,7 +196,7 @@ def parse_budgets(raw: str) -> list[tuple[str, float, bool]]:
                 f"budget '{item}' is neither a token count nor a multiple of {TOKENS_PER_PARAM} tokens per "
                 "parameter; give BUDGETS like '2e8,4e8' or '1x,2x'"
             )
-        budgets.append((f"{value:g}x" if multiple else lr_label(float(round(value))), value, multiple))
+        budgets.append((f"{value:g}x" if multiple else tokens_label(round(value)), value, multiple))
     return budgets
 
 
@@ -236,7 +241,7 @@ def fit_budgets(
         fitted.append(Budget(label, tokens, steps, round(warmup_fraction * steps)))
     repeated = sorted({b.label for b in fitted if [c.tokens for c in fitted].count(b.tokens) > 1})
     if repeated:
-        raise UserError(f"the sweep lists a budget twice ({', '.join(repeated)} are the same tokens); give each once")
+        raise UserError(f"the sweep lists the budget of {', '.join(repeated)} tokens twice; give each budget once")
     return fitted
 
 
