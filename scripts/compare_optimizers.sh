@@ -10,6 +10,8 @@
 #   LAST_K       final training loss = mean of the last k logged values (default: 10)
 #   BASELINE     the optimizer the others are compared with (default: AdamW)
 #   VARY_DATA_SEED  set (to anything) to give each run its seed as its data seed too
+#   BUDGETS      token budgets, each its own run: tokens ("2e8 4e8") or multiples of 20 tokens per non-embedding
+#                parameter ("1x 2x"); WARMUP_FRACTION: each budget's warmup share of its steps (docs/study-runs.md)
 #   extra arguments go to every train.py run, e.g. scripts/compare_optimizers.sh --training.steps 200
 # The sweep itself is python -m torchtitan.tools.sweep (--help for its options).
 set -euo pipefail
@@ -19,4 +21,5 @@ exec python -m torchtitan.tools.sweep \
     --optimizers "${OPTIMIZERS:-AdamW AdamMini}" --lrs "${LRS:-3e-4 1e-3 3e-3}" --seeds "${SEEDS:-0}" \
     ${NGPU:+--nproc "$NGPU"} --config-file "${CONFIG_FILE:-./train_configs/debug_model.toml}" \
     --last-k "${LAST_K:-10}" ${BASELINE:+--baseline "$BASELINE"} ${VARY_DATA_SEED:+--vary-data-seed} \
+    ${BUDGETS:+--budgets "$BUDGETS"} ${WARMUP_FRACTION:+--warmup-fraction "$WARMUP_FRACTION"} \
     --dump-folder "${DUMP_FOLDER:-./outputs/sweep}" -- "$@"

@@ -515,3 +515,16 @@ def test_bad_axes_are_one_line_and_run_nothing(tmp_path, capsys, axis, message):
     assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", *head, *tail) == 2
     assert message in one_error_line(capsys)
     assert not (dump / "runs").exists()
+
+
+def test_the_comparison_script_passes_budgets_and_warmup_fraction(tmp_path):
+    # Checked before any run starts: a budget below one step (debug_model.toml: 1024 tokens), then a bad fraction.
+    script = [str(ROOT / "scripts" / "compare_optimizers.sh")]
+    for extra, message in (
+        ({"BUDGETS": "1000 4096"}, "error: budget 1e3 (1,000 tokens) is less than one step of 1,024 tokens"),
+        ({"BUDGETS": "4096", "WARMUP_FRACTION": "1.5"}, "error: --warmup-fraction must be at least 0 and below 1"),
+    ):
+        sweep_env = env(OPTIMIZERS="AdamW", LRS="1e-3", NGPU="1", DUMP_FOLDER=str(tmp_path / "sweep"), **extra)
+        proc = subprocess.run(script, cwd=tmp_path, env=sweep_env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and proc.stderr.strip().startswith(message), proc.stderr
+        assert not (tmp_path / "sweep" / "runs").exists()
