@@ -506,6 +506,7 @@ def test_any_option_is_an_axis_globally_or_per_optimizer_and_the_grid_extends(tm
         (["--axis", "optimizer.eps=1e-8", "--", "--optimizer.eps", "1e-6"], "also set among the train.py options"),
         (["--axis", "optimizer.wd=0.1"], "unknown config key 'optimizer.wd'"),
         (["--budgets", "4096", "--axis", "training.warmup_steps=1,2"], "swept by the sweep's own --warmup-fraction"),
+        (["--vary-data-seed", "--axis", "training.data_seed=1,2"], "is set by --vary-data-seed for each run"),
     ],
 )
 def test_bad_axes_are_one_line_and_run_nothing(tmp_path, capsys, axis, message):

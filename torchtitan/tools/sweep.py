@@ -221,7 +221,7 @@ def sweep(argv: Sequence[str]) -> int:
         config_file = str(Path(args.config_file).resolve())
         check_train_options(train_args, args.vary_data_seed, budgets=args.budgets is not None)
         budgets, warmup_fraction = _budgets(args, config_file, nproc, train_args)
-        axes = [parse_axis(raw, budgets=args.budgets is not None) for raw in args.axis]
+        axes = [parse_axis(raw, args.budgets is not None, args.vary_data_seed) for raw in args.axis]
         specs = plan(items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds), budgets, axes, train_args)
         preflight_jobs(specs, config_file, nproc, train_args, args.vary_data_seed)
         settings = {"config_file": config_file, "nproc": nproc, "train_args": train_args}

@@ -105,9 +105,9 @@ def axis_value(text: str):
     return text
 
 
-def parse_axis(raw: str, budgets: bool = False) -> Axis:
+def parse_axis(raw: str, budgets: bool = False, vary_data_seed: bool = False) -> Axis:
     """``section.key=V1,V2`` (every optimizer) or ``Optimizer:section.key=V1,V2`` (that optimizer's runs); with
-    ``budgets`` the options each budget sets are not axes."""
+    ``budgets`` the options each budget sets are not axes, with ``vary_data_seed`` the data seed is not."""
     head, equals, values = raw.partition("=")
     scope, _, key = head.rpartition(":")
     listed = items(values)
@@ -119,6 +119,8 @@ def parse_axis(raw: str, budgets: bool = False) -> Axis:
     if key in SWEEP_OPTIONS or (budgets and key in BUDGET_OPTIONS):
         flag = SWEEP_OPTIONS.get(key) or BUDGET_OPTIONS[key]
         raise UserError(f"--axis {key} is swept by the sweep's own {flag}; use that")
+    if vary_data_seed and key == DATA_SEED_OPTION:
+        raise UserError(f"--axis {key} is set by --vary-data-seed for each run; drop one of them")
     bad = [v for v in listed if "/" in v]
     if bad:
         raise UserError(f"--axis {key} value '{bad[0]}' names a path; axis values name run folders, give plain values")
