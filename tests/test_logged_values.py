@@ -117,10 +117,10 @@ def test_compare_runs_reads_the_real_run(run, tmp_path, capsys):
     steps = per_step(run)
     assert summary["name"] in table and summary["path"] == str(run["folder"])
     assert summary["last_step"] == 5
-    last_two = [float(np.float32(steps[s]["loss_metrics/global_avg_loss"])) for s in (4, 5)]
+    last_two = [steps[s]["loss_metrics/global_avg_loss"] for s in (4, 5)]  # metrics.jsonl: full precision
     assert summary["final_loss"] == pytest.approx(sum(last_two) / 2, rel=1e-12)
     assert summary["final_loss_steps"] == 2
-    tps = [float(np.float32(steps[s]["throughput/tps"])) for s in LOGGED_STEPS]
+    tps = [steps[s]["throughput/tps"] for s in LOGGED_STEPS]
     assert summary["mean_tps"] == pytest.approx(sum(tps) / len(tps), rel=1e-12)
     assert summary["tokens_seen"] == steps[5]["throughput/tokens_seen"]
     assert summary["peak_memory_tag"] == memory_tag()

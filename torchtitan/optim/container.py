@@ -112,7 +112,8 @@ class OptimizersContainer:
         )
 
 
-# Set by the lr schedule at every step (and by its load); never a setting to keep or report.
+# Set by the lr schedule at every step: where the checkpoint stopped, kept as loaded (the resumed schedule sets it
+# again at its next step); never a setting to replace or report.
 _SCHEDULED = frozenset({"lr"})
 
 
@@ -126,7 +127,8 @@ def restore_job_settings(optimizer: torch.optim.Optimizer, settings: list[dict[s
 
     torch's ``load_state_dict`` takes every param-group value from the checkpoint; the job says how to train on
     (betas, eps, weight decay, momentum, Newton–Schulz steps, ...), the checkpoint only where it stopped. Returns
-    ``{key: (checkpoint's value, job's value)}`` for the values that differed (the lr the schedule sets aside).
+    ``{key: (checkpoint's value, job's value)}`` for the values that differed; the lr, which the schedule sets,
+    stays the checkpoint's.
     """
     if len(settings) != len(optimizer.param_groups):
         raise RuntimeError(
@@ -138,7 +140,9 @@ def restore_job_settings(optimizer: torch.optim.Optimizer, settings: list[dict[s
         for key in saved.keys() - job.keys():
             del group[key]
         for key, value in job.items():
-            if key not in _SCHEDULED and not _same(saved.get(key), value):
+            if key in _SCHEDULED and key in saved:
+                continue
+            if not _same(saved.get(key), value):
                 replaced.setdefault(key, (_plain(saved.get(key)), _plain(value)))
             group[key] = value
     return replaced
