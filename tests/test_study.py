@@ -130,6 +130,8 @@ def test_power_law_fit_recovers_its_parameters():
     assert three.beta == pytest.approx(0.3, rel=1e-5) and three.rms_residual < 1e-9
     assert statistics.fit_power_law(budgets[:2], losses[:2]) is None
     assert statistics.fit_power_law(budgets[:3], [2.0, 2.5, 3.0]) is None  # loss rising with the budget
+    # Falling linearly in log D: the best "power law" has beta at the scan's end and a floor far below zero.
+    assert statistics.fit_power_law(budgets, [5.0 - 0.5 * math.log(d) for d in budgets]) is None
 
 
 # ----------------------------------------------------------------------------------------------------------------

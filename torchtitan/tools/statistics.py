@@ -254,12 +254,17 @@ def _linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float,
     return a, c, sum((a * x + c - y) ** 2 for x, y in zip(xs, ys))
 
 
+_BETA_RANGE = (1e-3, 5.0)  # the exponents a fit may take; LLM loss-vs-data exponents are about 0.1 to 0.5
+
+
 def fit_power_law(tokens: Sequence[float], losses: Sequence[float]) -> Optional[PowerLaw]:
     """Least-squares fit of L(D) = alpha * D^(-beta) + gamma, alpha > 0 and beta > 0, to three or more budgets.
 
     For a fixed beta the best alpha and gamma are a linear fit of L against D^(-beta); beta is found by a coarse
-    scan of log(beta) then golden-section refinement. None when fewer than three distinct budgets are given or when
-    no falling power law fits (the loss does not decrease with the budget).
+    scan of log(beta) then golden-section refinement. None when fewer than three distinct budgets are given, when
+    no falling power law fits (the loss does not decrease with the budget), or when the best fit is not one to
+    read tokens from: beta at an end of the scanned range [1e-3, 5] (the curve is no power law over these budgets,
+    e.g. a loss falling linearly in log D), or a floor gamma below zero (no cross-entropy gets there).
     """
     if len(set(tokens)) < 3 or len(tokens) != len(losses):
         return None
@@ -273,7 +278,9 @@ def fit_power_law(tokens: Sequence[float], losses: Sequence[float]) -> Optional[
         a, _, sse = solve(math.exp(log_beta))
         return sse if a > 0 else math.inf
 
-    grid = [math.log(1e-3) + i * (math.log(5.0) - math.log(1e-3)) / 200 for i in range(201)]
+    grid = [
+        math.log(_BETA_RANGE[0]) + i * (math.log(_BETA_RANGE[1]) - math.log(_BETA_RANGE[0])) / 200 for i in range(201)
+    ]
     costs = [cost(g) for g in grid]
     best = min(range(len(grid)), key=costs.__getitem__)
     if not math.isfinite(costs[best]):
@@ -290,7 +297,8 @@ def fit_power_law(tokens: Sequence[float], losses: Sequence[float]) -> Optional[
             x2 = low + ratio * (high - low)
     beta = math.exp((low + high) / 2.0)
     a, gamma, sse = solve(beta)
-    if not a > 0:
+    at_an_end = not (1.01 * _BETA_RANGE[0] < beta < _BETA_RANGE[1] / 1.01)
+    if not a > 0 or at_an_end or gamma < 0:
         return None
     # alpha * (D / scale)^(-beta) = (alpha * scale^beta) * D^(-beta)
     return PowerLaw(a * scale**beta, beta, gamma, math.sqrt(sse / len(tokens)))

@@ -294,7 +294,10 @@ def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -
     fit = statistics.fit_power_law([d for d, _ in points], [loss for _, loss in points])
     result = {"baseline": baseline, "points": [{"tokens": d, "loss": loss} for d, loss in points], "fit": None}
     if fit is None:
-        result["error"] = f"{baseline}'s best loss does not fall with the budget: no power law fits"
+        result["error"] = (
+            f"{baseline}'s best loss does not fall with the budget as a power law with a floor at or above zero: "
+            "no fit (more or longer budgets may give one)"
+        )
         return result
     result["fit"] = {"alpha": fit.alpha, "beta": fit.beta, "gamma": fit.gamma, "rms_residual": fit.rms_residual}
     speedups = {}
