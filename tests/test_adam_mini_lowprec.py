@@ -28,8 +28,8 @@ from torchtitan.optim.lowbit.torchao_adapter import portable_quantized_state
 from torchtitan.optim.state.initialise import initialise_state
 from torchtitan.optim.state.storage import is_quantized, round_to_bfloat16_stochastically
 
-# Wide enough that some matrices reach torchao's 4096-entry threshold for quantized state.
-WIDE = dataclasses.replace(TINY, dim=64, vocab_size=96)
+# Wide enough that matrices are quantized: at least 4096 entries and rows of whole 256-entry blocks.
+WIDE = dataclasses.replace(TINY, dim=256, vocab_size=96)
 STEPS = 4
 
 

@@ -224,3 +224,14 @@ def test_hugging_face_tokenizer_mistakes_are_one_line(tmp_path: Path):
     messages = [_assert_one_line_user_error(case) for case in cases]
     assert all("model.tokenizer_path" in message for message in messages)
     assert "no <|begin_of_text|>" in messages[2] and "without tokenizer.json" in messages[4]
+
+
+def test_a_hugging_face_tokenizer_has_a_fingerprint_of_its_files(tmp_path):
+    """Runs record the fingerprint of the tokenizer they read with (dataset.json, the tokens manifest check)."""
+    folder = hf_tokenizer_folder(tmp_path / "model")
+    first = build_tokenizer(str(folder)).fingerprint
+    assert first == build_tokenizer(str(folder / "tokenizer.json")).fingerprint and len(first) == 16
+    other = json.loads((folder / "tokenizer.json").read_text())
+    other["added_tokens"][-1]["content"] += "x"  # another special token
+    (folder / "tokenizer.json").write_text(json.dumps(other))
+    assert build_tokenizer(str(folder)).fingerprint != first

@@ -229,6 +229,9 @@ class HFTokenizer(Tokenizer):
         configured = self._configured_tokens(folder)
         self.bos_id = self._special_id(file, BOS_TOKEN, configured.get("bos_token"), "bos_token")
         self.eos_id = self._special_id(file, EOS_TOKEN, configured.get("eos_token"), "eos_token")
+        # The ids depend on tokenizer.json and on which tokens tokenizer_config.json makes BOS and EOS.
+        ids = f"{file_fingerprint(file)}:{self.bos_id}:{self.eos_id}".encode()
+        self.fingerprint = hashlib.sha256(ids).hexdigest()[:16]
 
     @staticmethod
     def _configured_tokens(folder: str) -> dict:
