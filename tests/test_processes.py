@@ -48,6 +48,7 @@ def test_a_timeout_ends_the_tree_and_reports_the_output():
 def test_leftovers_of_a_session_that_died_are_found():
     import os
     import subprocess
+    import time
 
     from tests.processes import MARK, end_tree, left_by_ended_suites
 
@@ -59,6 +60,10 @@ def test_leftovers_of_a_session_that_died_are_found():
         start_new_session=True,
     )
     try:
+        # Until the child has exec'd, /proc shows the parent's environment (without the mark): wait for it.
+        deadline = time.monotonic() + 30
+        while orphan.pid not in left_by_ended_suites() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert orphan.pid in left_by_ended_suites()
     finally:
         end_tree(orphan.pid, dead_suite)
