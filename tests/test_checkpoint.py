@@ -369,13 +369,9 @@ def test_plain_state_is_stored_as_json(tmp_path):
 # SIGKILL in the middle of a save
 
 
-@pytest.mark.parametrize("mode", ["disabled", "async"])
-def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, mode):
-    # The save at step 2 completes; the one at step 4 writes its data files and stalls before its metadata.
-    code = (
-        "from tests.helpers import Trainer, checkpoint_job\n"
-        f"Trainer(checkpoint_job({str(tmp_path)!r}, steps=4, interval=2, async_mode={mode!r})).run(4)\n"
-    )
+@contextlib.contextmanager
+def _stalled_in_save_at_step_2(code: str):
+    """A process running ``code`` under STALL_IN_SAVE, yielded once its step-2 save has stalled; SIGKILLed after."""
     with processes.started(
         [sys.executable, STALL_IN_SAVE, "-c", code],
         stdout=subprocess.PIPE,
@@ -385,8 +381,20 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, mode):
     ) as child:
         output = processes.LineReader(child.stdout)
         output.wait_for(lambda lines: any(line.startswith("STALLED") for line in lines), timeout=300)
-        # With async saves the background thread is writing; a synchronous save blocks the loop. Leaving the
-        # block SIGKILLs it.
+        yield child
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, mode):
+    # The save at step 2 completes; the one at step 4 writes its data files and stalls before its metadata.
+    code = (
+        "from tests.helpers import Trainer, checkpoint_job\n"
+        f"Trainer(checkpoint_job({str(tmp_path)!r}, steps=4, interval=2, async_mode={mode!r})).run(4)\n"
+    )
+    # With async saves the background thread is writing; a synchronous save blocks the loop. Leaving the block
+    # SIGKILLs it.
+    with _stalled_in_save_at_step_2(code) as child:
+        pass
     assert child.returncode == -signal.SIGKILL
     folder = tmp_path / "checkpoint"
     leftovers = [name for name in os.listdir(folder) if name.startswith(".step-4.tmp-")]
@@ -407,15 +415,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_keeps_the_save_in_progre
         f"Trainer(checkpoint_job({str(tmp_path)!r}, steps=4, interval=2)).run(4)\n"
     )
     folder = tmp_path / "checkpoint"
-    with processes.started(
-        [sys.executable, STALL_IN_SAVE, "-c", code],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "STALL_AT_SAVE": "2"},
-    ) as child:
-        output = processes.LineReader(child.stdout)
-        output.wait_for(lambda lines: any(line.startswith("STALLED") for line in lines), timeout=300)
+    with _stalled_in_save_at_step_2(code) as child:
         in_use = sorted(os.listdir(folder))
         assert any(name.startswith(".step-4.tmp-") for name in in_use)
         refusal = re.escape(f"checkpoint folder '{folder}' is in use by another run (pid {child.pid} on ")
