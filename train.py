@@ -8,6 +8,7 @@ loss, backward, clip, divergence guard, update) live in ``torchtitan/training.py
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -22,8 +23,8 @@ import torch.distributed as dist
 from torchtitan import training
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.collectives import all_reduce_scalar, set_collective_timeout
-from torchtitan.config_manager import JobConfig
-from torchtitan.datasets.build import build_data_loader, dataset_record, write_dataset_record
+from torchtitan.config_manager import JOB_CONFIG_RECORD, JobConfig
+from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset_record
 from torchtitan.errors import exit_code
 from torchtitan.garbage_collection import GarbageCollection
 from torchtitan.guard import DivergenceGuard
@@ -37,6 +38,7 @@ from torchtitan.metrics import (
     model_flops_per_token,
     peak_flops,
     reset_peak_memory,
+    run_header,
 )
 from torchtitan.optim import build_optimizers
 from torchtitan.preflight import preflight
@@ -105,7 +107,9 @@ def main(job_config: JobConfig) -> None:
     checkpoint.load(step=job_config.checkpoint.load_step)
 
     metric_logger = build_metric_logger(job_config, optimizers.name, rank, _world_group())
-    write_dataset_record(metric_logger.run_dir if rank == 0 else None, data_record)
+    if rank == 0:  # what the run read and the whole config it ran with, beside its metrics
+        metric_logger.write_record(DATASET_RECORD, json.dumps(data_record, indent=1))
+        metric_logger.write_record(JOB_CONFIG_RECORD, job_config.to_toml(run_header(world_size, device)))
     optimizers.initialise_state()  # a fresh run's state exists from the start (measured, and checkpointable)
     state_bytes = all_reduce_scalar(optimizers.state_bytes(), "sum", _world_group(), device)
     metric_logger.log({"optimizer/state_bytes": state_bytes}, train_state.step)

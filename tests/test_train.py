@@ -26,6 +26,24 @@ def test_one_process_trains_and_logs(debug_run):
     assert TAGS | {memory_tag()} <= event_tags(directory)
 
 
+def test_the_run_folder_keeps_the_resolved_config_it_ran_with(debug_run):
+    from torchtitan.config_manager import JobConfig
+
+    path, _ = debug_run
+    record = run_dir(path) / "job_config.toml"
+    lines = record.read_text().splitlines()
+    assert lines[1].startswith("# command: train.py --job.config_file ") and "--checkpoint.last_save_in_hf" in lines[1]
+    assert lines[2].startswith("# 1 process(es) on ")
+    fixture_args = ["--profiling.enable_profiling", "--profiling.profile_freq", "2", "--training.gc_freq", "3"]
+    ran = JobConfig.parse_args(
+        [*DEBUG_RUN, "--job.dump_folder", str(path), *fixture_args, "--checkpoint.last_save_in_hf"]
+    )
+    read_back = JobConfig.parse_args(["--job.config_file", str(record)])
+    assert read_back.job.config_file == str(record)
+    read_back.job.config_file = ran.job.config_file
+    assert read_back == ran
+
+
 def test_identical_runs_give_identical_losses_and_the_seed_matters(debug_run, tmp_path):
     # On a GPU, bit-identical runs need the deterministic kernels (the documented switch); on CPU they are the default.
     extra = ["--training.deterministic"] if uses_cuda() else []

@@ -30,6 +30,10 @@ else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 
+# Each run's resolved config, written beside its metrics (train.py) and read back by ``--job.config_file``.
+JOB_CONFIG_RECORD = "job_config.toml"
+
+
 def opt(default: Any, help: str, **checks: Any) -> Any:
     """A config field: its default, one line of help and its range checks."""
     if isinstance(default, (list, dict)):
@@ -585,6 +589,18 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    def to_toml(self, header: str = "") -> str:
+        """The whole resolved config as a TOML file that ``--job.config_file`` reads back to the same config: every
+        key, unset ones (None, the default of every optional key) left out; ``header`` goes first as comments."""
+        import tomli_w
+
+        tables = {
+            section: {key: value for key, value in values.items() if value is not None}
+            for section, values in self.to_dict().items()
+        }
+        comments = "".join(f"# {line}\n" for line in header.splitlines())
+        return comments + tomli_w.dumps(tables)
 
 
 # ----------------------------------------------------------------------------------------------------------------

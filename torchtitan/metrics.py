@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shlex
+import sys
 import time
 from typing import Any, Optional
 
@@ -92,6 +94,15 @@ def run_dir_name(optimizer_name: str, when: Optional[float] = None) -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.localtime(when)) + f"_{optimizer_name}"
 
 
+def run_header(world_size: int, device: torch.device) -> str:
+    """The lines a run's ``job_config.toml`` starts with: how it was started, on what."""
+    return (
+        "The resolved config this run trained with; train.py --job.config_file reads it back to the same job.\n"
+        f"command: {shlex.join(['train.py', *sys.argv[1:]])}\n"
+        f"{world_size} process(es) on {device.type}, torch {torch.__version__}"
+    )
+
+
 class MetricLogger:
     """Writes scalars to TensorBoard and metrics.jsonl; a no-op without a run folder (ranks other than 0, unless
     ``metrics.rank_0_only`` is off)."""
@@ -117,6 +128,16 @@ class MetricLogger:
                 self.writer.add_scalar(tag, value, step)
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
+
+    def write_record(self, name: str, text: str) -> None:
+        """Write a file of facts about the run (``dataset.json``, ``job_config.toml``) into its folder, whole or not
+        at all; nothing without a folder."""
+        if self.run_dir is None:
+            return
+        path = os.path.join(self.run_dir, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -9,7 +9,6 @@ stream, null: the hub's files can change unseen. ``data_seed`` is null for text 
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Optional
 
@@ -38,17 +37,6 @@ def dataset_record(job_config: Any, tokenizer: Tokenizer) -> dict[str, Any]:
         "source": source,
         "data_seed": None,
     }
-
-
-def write_dataset_record(run_dir: Optional[str], record: dict[str, Any]) -> None:
-    """Write ``dataset.json`` into the run folder (nothing without one: ranks that write no metrics)."""
-    if run_dir is None:
-        return
-    path = os.path.join(run_dir, DATASET_RECORD)
-    temporary = path + ".tmp"
-    with open(temporary, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(temporary, path)
 
 
 def build_data_loader(
