@@ -4,7 +4,8 @@
 #   OPTIMIZERS   optimizer names (default: "AdamW AdamMini")
 #   LRS          peak learning rates (default: "3e-4 1e-3 3e-3")
 #   SEEDS        training.seed values (default: "0")
-#   NGPU         processes per run (default: the GPUs present, else 1)
+#   NGPU         processes per run (default: the GPUs present / PARALLEL, else 1)
+#   PARALLEL     runs at once, each on GPUs of its own (PARALLEL x NGPU at most the GPUs present; default 1)
 #   CONFIG_FILE  job config (default: ./train_configs/debug_model.toml)
 #   DUMP_FOLDER  the sweep's folder (default: ./outputs/sweep); run the same command again to resume a sweep
 #   LAST_K       final training loss = mean of the last k logged values (default: 10)
@@ -19,7 +20,7 @@ cd "$(dirname "$0")/.."
 
 exec python -m torchtitan.tools.sweep \
     --optimizers "${OPTIMIZERS:-AdamW AdamMini}" --lrs "${LRS:-3e-4 1e-3 3e-3}" --seeds "${SEEDS:-0}" \
-    ${NGPU:+--nproc "$NGPU"} --config-file "${CONFIG_FILE:-./train_configs/debug_model.toml}" \
+    ${NGPU:+--nproc "$NGPU"} ${PARALLEL:+--parallel "$PARALLEL"} --config-file "${CONFIG_FILE:-./train_configs/debug_model.toml}" \
     --last-k "${LAST_K:-10}" ${BASELINE:+--baseline "$BASELINE"} ${VARY_DATA_SEED:+--vary-data-seed} \
     ${BUDGETS:+--budgets "$BUDGETS"} ${WARMUP_FRACTION:+--warmup-fraction "$WARMUP_FRACTION"} \
     --dump-folder "${DUMP_FOLDER:-./outputs/sweep}" -- "$@"

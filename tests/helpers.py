@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import glob
 import json
+import os
 import sys
 import zlib
 from pathlib import Path
@@ -651,3 +652,69 @@ def hf_tokenizer_folder(folder, tiktoken_file: str | None = None) -> Path:
     config = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "tokenizer_class": "PreTrainedTokenizerFast"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The sweep: tests/sweep_fake_trainer.py stands in for run_llama_train.sh
+
+FAKE = f"{sys.executable} {ROOT / 'tests' / 'sweep_fake_trainer.py'}"
+
+
+def sweep_env(**extra) -> dict:
+    bin_dir = str(Path(sys.executable).parent)
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        **extra,
+    }
+
+
+def logged(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of one tag over all event folders of a run, read straight from TensorBoard, later wins."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folders = sorted({p.parent for p in run_dir.rglob("events.out.tfevents*")})
+    by_step: dict[int, float] = {}
+    for folder in folders:
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            by_step.update((e.step, e.value) for e in acc.Scalars(tag))
+    return sorted(by_step.items())
+
+
+def attempts(run_dir: Path) -> int:
+    """How many times the sweep launched this run: each launch writes its command line to train.log."""
+    return sum(line.startswith("$ ") for line in (run_dir / "train.log").read_text().splitlines())
+
+
+def snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.rglob("*") if p.is_file()
+    }
+
+
+def fake_sweep(dump: Path, *args: str, outcomes: dict | None = None, validation: bool = False, **environ) -> int:
+    """The sweep's ``main`` with the fake trainer, one process a run; ``outcomes`` and ``validation`` as the fake
+    trainer's FAKE_OUTCOMES and FAKE_VALIDATION, ``environ`` more variables for its runs (FAKE_SECONDS, ...)."""
+    from torchtitan.tools.sweep import main
+
+    added = {"FAKE_OUTCOMES": json.dumps(outcomes or {}), "FAKE_VALIDATION": "1" if validation else "", **environ}
+    os.environ.update(added)
+    try:
+        return main(["--dump-folder", str(dump), "--launcher", FAKE, "--nproc", "1", "--last-k", "3", *args])
+    finally:
+        for key in added:
+            del os.environ[key]
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def status_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "sweep_status.json").read_text())

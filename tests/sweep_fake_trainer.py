@@ -4,8 +4,10 @@ Takes the options the sweep passes (``--optimizer.name``, ``--optimizer.lr``, ``
 ``--job.dump_folder``, ``--training.steps``) and writes TensorBoard events where train.py would, with the trainer's
 tags. The training loss is lowest at lr 1e-3, the validation loss (logged when FAKE_VALIDATION is set) at lr 1e-2,
 each seed adds 0.01 per seed number, and a weight decay (``--optimizer.weight_decay``) its distance from 0.1 (0.3
-for Muon). FAKE_OUTCOMES, a JSON object from run name (``{Optimizer}_lr{lr}_seed{seed}``) to one of the behaviours
-below, makes a run misbehave:
+for Muon). FAKE_SECONDS makes each run last that long; FAKE_RECORD makes it write ``fake_run.json`` into its folder
+(the GPUs and processes the sweep gave it, when it started and ended). FAKE_OUTCOMES, a JSON object from run name
+(``{Optimizer}_lr{lr}_seed{seed}``, or the whole run folder's name) to one of the behaviours below, makes a run
+misbehave:
   "nan"   - logs a NaN loss from step 3 on and exits 0;
   "exit3" - logs two steps, prints an ``error: ... non-finite ...`` line and exits 3, as train.py's guard does;
   "exit1" - logs two steps and crashes;
@@ -37,8 +39,10 @@ def main() -> int:
     optimizer, lr, seed = o["optimizer.name"], float(o["optimizer.lr"]), int(o["training.seed"])
     steps = int(o.get("training.steps", "6"))
     name = f"{optimizer}_lr{lr_label(lr)}_seed{seed}"
-    behaviour = json.loads(os.environ.get("FAKE_OUTCOMES", "{}")).get(name)
     dump = Path(o["job.dump_folder"])
+    outcomes = json.loads(os.environ.get("FAKE_OUTCOMES", "{}"))
+    behaviour = outcomes.get(dump.name, outcomes.get(name))
+    started = time.time()
     if behaviour == "exit2":
         print("error: training.steps is too large for this test; lower it", file=sys.stderr)
         return 2
@@ -71,6 +75,11 @@ def main() -> int:
         if os.environ.get("FAKE_VALIDATION") and step % 2 == 0:
             log(step, "validation/loss", 3.0 + abs(math.log10(lr) + 2) + 0.01 * seed + 2.0 / step)
     writer.close()
+    time.sleep(float(os.environ.get("FAKE_SECONDS") or 0))
+    if os.environ.get("FAKE_RECORD"):
+        keys = ("CUDA_VISIBLE_DEVICES", "NGPU")
+        record = {"start": started, "end": time.time(), **{k: os.environ.get(k) for k in keys}}
+        (dump / "fake_run.json").write_text(json.dumps(record))
     return 0
 
 

@@ -19,48 +19,32 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.helpers import (
+    FAKE,
+    LOSS,
+    ROOT,
+    attempts,
+    fake_sweep,
+    logged,
+    one_error_line,
+    snapshot,
+    status_of,
+)
+from tests.helpers import sweep_env as env
 from torchtitan.tools.compare_runs import main as compare_main
 from torchtitan.tools.sweep import main
 
-ROOT = Path(__file__).resolve().parents[1]
-FAKE = f"{sys.executable} {ROOT / 'tests' / 'sweep_fake_trainer.py'}"
-LOSS = "loss_metrics/global_avg_loss"
 
-
-def env(**extra) -> dict:
-    bin_dir = str(Path(sys.executable).parent)
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        **extra,
-    }
-
-
-def logged(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    """(step, value) of one tag over all event folders of a run, read straight from TensorBoard, later wins."""
-    folders = sorted({p.parent for p in run_dir.rglob("events.out.tfevents*")})
-    by_step: dict[int, float] = {}
-    for folder in folders:
-        acc = EventAccumulator(str(folder))
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            by_step.update((e.step, e.value) for e in acc.Scalars(tag))
-    return sorted(by_step.items())
-
-
-def attempts(run_dir: Path) -> int:
-    """How many times the sweep launched this run: each launch writes its command line to train.log."""
-    return sum(line.startswith("$ ") for line in (run_dir / "train.log").read_text().splitlines())
-
-
-def snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
-    return {
-        str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.rglob("*") if p.is_file()
-    }
+def metrics(run_dir: Path, *tags: str) -> list:
+    """(step, values of ``tags``) of every line of a run's metrics.jsonl files, as logged (NaN compares equal)."""
+    rows = []
+    for path in sorted(run_dir.rglob("metrics.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if tags[0] in row:
+                rows.append((row["step"], *(repr(row.get(tag)) for tag in tags)))
+    return rows
 
 
 def check_png(path: Path) -> None:
@@ -80,8 +64,9 @@ def markdown_row(md: str, optimizer: str, table: int) -> str:
 
 
 def test_tiny_sweep_end_to_end_ranks_and_shows_divergence(tmp_path, capsys):
-    # Two real runs, the fewest that show both outcomes: a finished lr and a diverging one. What the sweep does with
-    # many runs (seeds, retries, resuming, extending) is the fake trainer's part below.
+    # Two real runs at once, the fewest that show both outcomes: a finished lr and a diverging one; then the
+    # finished one again alone, which logs the same numbers. What the sweep does with many runs (seeds, retries,
+    # resuming, extending, descents) is the fake trainer's part below and in test_sweep_search.py.
     dump = tmp_path / "sweep"
     command = [
         str(ROOT / "scripts" / "compare_optimizers.sh"),
@@ -98,8 +83,11 @@ def test_tiny_sweep_end_to_end_ranks_and_shows_divergence(tmp_path, capsys):
         "--training.max_norm",
         "0",
     ]
-    sweep_env = env(OPTIMIZERS="adam_mini", LRS="1e-3 1e6", NGPU="1", LAST_K="2", DUMP_FOLDER=str(dump))
+    sweep_env = env(OPTIMIZERS="adam_mini", LRS="1e-3 1e6", NGPU="1", LAST_K="2", DUMP_FOLDER=str(dump), PARALLEL="2")
     proc = subprocess.run(command, cwd=tmp_path, env=sweep_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    alone = {**sweep_env, "PARALLEL": "1", "LRS": "1e-3", "DUMP_FOLDER": str(tmp_path / "alone")}
+    proc = subprocess.run(command, cwd=tmp_path, env=alone, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = dump / "runs"
     assert sorted(p.name for p in runs.iterdir()) == ["AdamMini_lr1e-3_seed0", "AdamMini_lr1e6_seed0"]
@@ -131,6 +119,17 @@ def test_tiny_sweep_end_to_end_ranks_and_shows_divergence(tmp_path, capsys):
     assert bad["outcome"] == "diverged" and bad["diverged_at_step"] == first_nan and bad["final_loss"] is None
     assert f"diverged (step {first_nan})" in markdown_row(md, "AdamMini", 1)
 
+    # The two ran at once (each its own process) and logged what the same run alone logs, step for step.
+    first, second = (status_of(runs / r["name"]) for r in (good, bad))
+    assert first["started"] < second["ended"] and second["started"] < first["ended"]
+    assert metrics(runs / good["name"], LOSS, "grad_norm") == metrics(
+        tmp_path / "alone" / "runs" / good["name"], LOSS, "grad_norm"
+    )
+    # Each run keeps the resolved config it trained with, which the page links.
+    page = (dump / "study.html").read_text()
+    for run in (good, bad):
+        assert run["config"] and (dump / run["config"]).is_file() and f'href="{run["config"]}"' in page
+
     # compare_runs reads the same runs into the same numbers (one summary for both tools).
     for run in (good, bad):
         assert compare_main([str(runs / run["name"]), "--out", str(tmp_path / "c.png"), "--last-k", "2", "--json"]) == 0
@@ -150,15 +149,6 @@ def test_the_fake_trainer_starts_without_torch():
     code = "import sys, tests.sweep_fake_trainer; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
-
-
-def fake_sweep(dump: Path, *args: str, outcomes: dict | None = None, validation: bool = False) -> int:
-    os.environ["FAKE_OUTCOMES"] = json.dumps(outcomes or {})
-    os.environ["FAKE_VALIDATION"] = "1" if validation else ""
-    try:
-        return main(["--dump-folder", str(dump), "--launcher", FAKE, "--nproc", "1", "--last-k", "3", *args])
-    finally:
-        del os.environ["FAKE_OUTCOMES"], os.environ["FAKE_VALIDATION"]
 
 
 def test_seeds_divergence_by_exit_code_and_failures_retried(tmp_path, capsys):
@@ -241,12 +231,6 @@ def test_validation_loss_ranks_when_every_run_logs_it(tmp_path, capsys):
     assert not report["by_validation"] and report["best"]["AdamW"]["lr"] == 1e-3
 
 
-def one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -298,8 +282,10 @@ def test_other_options_a_second_sweep_and_a_user_error_in_a_run_stop_the_sweep(t
     assert not (tmp_path / "b" / "runs" / "AdamW_lr1e-2_seed0").exists()
 
 
-def test_interrupted_sweep_ends_its_run_and_leaves_it_unfinished(tmp_path):
+def test_interrupted_sweep_ends_its_runs_and_leaves_them_unfinished(tmp_path):
+    # Two runs at once, both still training when the sweep is stopped: neither outlives it, neither has a status.
     dump = tmp_path / "sweep"
+    names = ["AdamW_lr1e-3_seed0", "AdamW_lr1e-2_seed0"]
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -311,39 +297,41 @@ def test_interrupted_sweep_ends_its_run_and_leaves_it_unfinished(tmp_path):
             FAKE,
             "--nproc",
             "1",
+            "--parallel",
+            "2",
             "--optimizers",
             "AdamW",
             "--lrs",
-            "1e-3",
+            "1e-3,1e-2",
         ],
         cwd=ROOT,
-        env=env(FAKE_OUTCOMES=json.dumps({"AdamW_lr1e-3_seed0": "hang"})),
+        env=env(FAKE_OUTCOMES=json.dumps({name: "hang" for name in names})),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    pid_file = dump / "runs" / "AdamW_lr1e-3_seed0" / "fake.pid"
-    trainer = None
+    pid_files = [dump / "runs" / name / "fake.pid" for name in names]
+    trainers = []
     try:
         deadline = time.monotonic() + 120
-        while not (pid_file.exists() and pid_file.read_text()) and proc.poll() is None:
-            assert time.monotonic() < deadline, "the fake run never started"
+        while not all(p.exists() and p.read_text() for p in pid_files) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the fake runs never started"
             time.sleep(0.1)
-        trainer = int(pid_file.read_text())
+        trainers = [int(p.read_text()) for p in pid_files]
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
-        for pid in (proc.pid, trainer):
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for pid in (proc.pid, *trainers):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait()
     assert proc.returncode == 130
     assert err.strip() == "error: sweep interrupted; run the same command again to resume it"
-    assert not Path(f"/proc/{trainer}").exists() or "zombie" in Path(f"/proc/{trainer}/status").read_text()
-    assert not (pid_file.parent / "sweep_status.json").exists()
+    for trainer, pid_file in zip(trainers, pid_files):
+        assert not Path(f"/proc/{trainer}").exists() or "zombie" in Path(f"/proc/{trainer}/status").read_text()
+        assert not (pid_file.parent / "sweep_status.json").exists()
 
 
 def test_the_plan_names_muon_family_runs_as_train_py_logs_them():
@@ -358,10 +346,6 @@ def test_the_plan_names_muon_family_runs_as_train_py_logs_them():
 
 # ----------------------------------------------------------------------------------------------------------------
 # Token budgets
-
-
-def status_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "sweep_status.json").read_text())
 
 
 def test_budgets_are_runs_of_their_own_length_and_schedule_and_the_report_fits_them(tmp_path, capsys):

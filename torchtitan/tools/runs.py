@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from torchtitan.config_manager import JOB_CONFIG_RECORD  # the resolved config a run trained with
 from torchtitan.errors import UserError
 from torchtitan.tools.sweep_plan import RUNS_FOLDER, STATUS_FILE, Budget, RunSpec
 
@@ -56,6 +57,7 @@ class SweepRun:
     status: dict
     scalars: dict[str, Series]
     dataset: Optional[dict] = None  # its dataset.json; None for a run that wrote none
+    config: Optional[str] = None  # its latest job_config.toml, relative to the run's folder; None if none written
 
 
 def _has_event_files(folder: Path) -> bool:
@@ -142,13 +144,20 @@ def merged_scalars(run_dir: Path) -> dict[str, Series]:
     return {tag: _series(by_step) for tag, by_step in merged.items()}
 
 
-def read_dataset(run_dir: Path) -> Optional[dict]:
-    """The ``dataset.json`` of the run's latest logging folder that has one; None when none has."""
+def latest_record(run_dir: Path, name: str) -> Optional[Path]:
+    """The file ``name`` in the run's latest logging folder that has one (train.py writes ``dataset.json`` and
+    ``job_config.toml`` beside its metrics); None when none has."""
     found = None
     for folder in _logging_folders(run_dir):
-        if (folder / DATASET_FILE).is_file():
-            found = json.loads((folder / DATASET_FILE).read_text())
+        if (folder / name).is_file():
+            found = folder / name
     return found
+
+
+def read_dataset(run_dir: Path) -> Optional[dict]:
+    """The ``dataset.json`` of the run's latest logging folder that has one; None when none has."""
+    path = latest_record(run_dir, DATASET_FILE)
+    return None if path is None else json.loads(path.read_text())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -231,26 +240,46 @@ def status_budget(status: dict) -> Optional[Budget]:
     return Budget(status["budget_label"], int(status["budget"]), int(status["steps"]), int(status["warmup_steps"]))
 
 
-def load_sweep_runs(dump: Path) -> list[SweepRun]:
-    """Every run in the sweep's folder that ended (has a status); optimizers in the order they first ended (the
-    sweep's order), then by budget, lr and seed."""
-    runs = []
-    for status_path in sorted((dump / RUNS_FOLDER).glob(f"*/{STATUS_FILE}")):
-        status = json.loads(status_path.read_text())
-        options = tuple(sorted(status.get("option_values", {}).items()))
-        spec = RunSpec(status["optimizer"], float(status["lr"]), int(status["seed"]), status_budget(status), options)
-        run_dir = status_path.parent
-        runs.append(SweepRun(spec, status, merged_scalars(run_dir), read_dataset(run_dir)))
-    first_ended: dict[str, float] = {}
+def load_sweep_run(status_path: Path) -> SweepRun:
+    """The run whose ``sweep_status.json`` this is, with its scalars and data record."""
+    status = json.loads(status_path.read_text())
+    options = tuple(sorted(status.get("option_values", {}).items()))
+    spec = RunSpec(status["optimizer"], float(status["lr"]), int(status["seed"]), status_budget(status), options)
+    run_dir = status_path.parent
+    config = latest_record(run_dir, JOB_CONFIG_RECORD)
+    return SweepRun(
+        spec, status, merged_scalars(run_dir), read_dataset(run_dir), config and str(config.relative_to(run_dir))
+    )
+
+
+def status_paths(dump: Path) -> list[Path]:
+    """The ``sweep_status.json`` of every run in the sweep's folder that ended."""
+    return sorted((dump / RUNS_FOLDER).glob(f"*/{STATUS_FILE}"))
+
+
+def started(status: dict) -> float:
+    """When a run started (statuses of older sweeps record only when it ended and how long it took)."""
+    return status.get("started", status["ended"] - status.get("seconds", 0.0))
+
+
+def sweep_order(runs: Sequence[SweepRun]) -> list[SweepRun]:
+    """Optimizers in the order the sweep first started them (its plan's order, however many runs go at once), then
+    by budget, lr and seed."""
+    first: dict[str, float] = {}
     for r in runs:
-        first_ended[r.spec.optimizer] = min(first_ended.get(r.spec.optimizer, math.inf), r.status["ended"])
+        first[r.spec.optimizer] = min(first.get(r.spec.optimizer, math.inf), started(r.status))
     return sorted(
         runs,
         key=lambda r: (
-            first_ended[r.spec.optimizer],
+            first[r.spec.optimizer],
             r.spec.optimizer,
             r.spec.budget.tokens if r.spec.budget else 0,
             r.spec.lr,
             r.spec.seed,
         ),
     )
+
+
+def load_sweep_runs(dump: Path) -> list[SweepRun]:
+    """Every run in the sweep's folder that ended (has a status), in :func:`sweep_order`."""
+    return sweep_order([load_sweep_run(path) for path in status_paths(dump)])

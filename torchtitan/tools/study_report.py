@@ -11,7 +11,7 @@ import html
 from typing import Optional, Sequence
 
 from torchtitan.tools.summary import settings_label, settings_order
-from torchtitan.tools.sweep_plan import DIVERGED, FINISHED
+from torchtitan.tools.sweep_plan import COMMAND_FILE, DIVERGED, FINISHED, LOG_FILE, lr_label, tokens_label
 
 VERDICT_COLUMNS = (
     "optimizer",
@@ -94,6 +94,33 @@ def cell_text(cell: dict, runs: Sequence[dict]) -> str:
     return f"failed{count} (exit {', '.join(str(r['exit_code']) for r in bad)})"
 
 
+def _cell_runs(cell: dict, runs: Sequence[dict]) -> list[dict]:
+    return [
+        r
+        for r in runs
+        if r["optimizer"] == cell["optimizer"] and r["budget"] == cell["budget"] and r["settings"] == cell["settings"]
+    ]
+
+
+def grid_folders(report: dict) -> list[list[list[tuple[int, str]]]]:
+    """(seed, run folder) of each cell of :func:`grid_rows`' rows, in the same places (the optimizer column has
+    none)."""
+    budget = report["budgets"][-1] if report["budgets"] else None
+    cells = [c for c in report["grid"] if c["budget"] == budget]
+    labels = list(
+        dict.fromkeys(settings_label(c["settings"]) for c in sorted(cells, key=lambda c: settings_order(c["settings"])))
+    )
+    folders = []
+    for optimizer in report["best"]:
+        mine = {settings_label(c["settings"]): c for c in cells if c["optimizer"] == optimizer}
+        row: list[list[tuple[int, str]]] = [[]]
+        for label in labels:
+            runs = _cell_runs(mine[label], report["runs"]) if label in mine else []
+            row.append(sorted((r["seed"], r["folder"]) for r in runs))
+        folders.append(row)
+    return folders
+
+
 def grid_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     """Every cell at the verdict's budget: one row per optimizer, one column per setting; the best in bold."""
     budget = report["budgets"][-1] if report["budgets"] else None
@@ -154,11 +181,86 @@ def notes(report: dict) -> list[str]:
     return lines
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+# ----------------------------------------------------------------------------------------------------------------
+# Coordinate descent and the runs
+
+
+def _value_text(key: str, value) -> str:
+    return lr_label(value) if key == "lr" else str(value)
+
+
+def _score_text(loss: Optional[float], failed: bool = False) -> str:
+    if failed:
+        return "failed"
+    if loss is None:
+        return "not run"
+    return "diverged" if loss == float("inf") else f"{loss:.4f}"
+
+
+DESCENT_STATES = {
+    "converged": "converged",
+    "running": "not finished (run the sweep again to go on)",
+    "blocked": "stopped at a run that failed (run the sweep again to retry it)",
+}
+
+
+def descent_sections(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """One (title, header, rows) per descent: its start, then each step along a setting, what it tried and where
+    it went."""
+    sections = []
+    for d in report.get("descents") or []:
+        budget = "" if d["budget"] is None else f" at {tokens_label(d['budget'])} tokens"
+        title = (
+            f"{d['optimizer']}{budget}: {DESCENT_STATES[d['state']]} at {settings_label(d['best'])} "
+            f"(loss {_score_text(d['best_loss'])}); {d['points_scored']} of {d['grid_points']} grid points trained."
+        )
+        start = d["path"][0]
+        rows = [["start", "", "", f"{settings_label(start['settings'])}: {_score_text(start['loss'])}", ""]]
+        for number, step in enumerate(d["path"][1:], 1):
+            key = step["setting"]
+            tried = ", ".join(
+                f"{_value_text(key, t['value'])}: {_score_text(t['loss'], t['failed'])}" for t in step["tried"]
+            )
+            went = f"moved to {_value_text(key, step['to'])}" if step["moved"] else "stayed"
+            went = "stopped" if step["moved"] is None else went
+            rows.append([str(number), key, _value_text(key, step["from"]), tried, went])
+        sections.append((title, ["step", "setting", "from", "tried (loss)", "then"], rows))
+    return sections
+
+
+RUN_COLUMNS = ("run", "outcome", "loss ranked", "seconds", "command", "config", "log")
+Link = tuple[str, str]  # (text, path relative to the sweep's folder)
+
+
+def run_rows(report: dict) -> list[list]:
+    """Every run: its folder, outcome, ranked loss, time, and links to its command.sh, job_config.toml and
+    train.log (cells that are links are (text, path))."""
+    rows = []
+    for r in report["runs"]:
+        config = r.get("config")
+        rows.append(
+            [
+                (r["name"], r["folder"] + "/"),
+                r["outcome"],
+                _score_text(r["rank_loss"]) if r["outcome"] == FINISHED else r["outcome"],
+                "n/a" if r.get("seconds") is None else f"{r['seconds']:.0f}",
+                (COMMAND_FILE, f"{r['folder']}/{COMMAND_FILE}"),
+                ("job_config.toml", config) if config else "n/a",
+                (LOG_FILE, f"{r['folder']}/{LOG_FILE}"),
+            ]
+        )
+    return rows
+
+
+def _md_cell(cell) -> str:
+    return f"[{cell[0]}]({cell[1]})" if isinstance(cell, tuple) else cell
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
     return [
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
+        *("| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows),
     ]
 
 
@@ -203,6 +305,9 @@ def format_markdown(report: dict) -> str:
     budget = budget_rows(report)
     if budget is not None:
         lines += ["", fit_text(report), "", *_table(*budget)]
+    for title, descent_header, descent_rows in descent_sections(report):
+        lines += ["", f"Coordinate descent, {title}", "", *_table(descent_header, descent_rows)]
+    lines += ["", "Every run (paths relative to the sweep's folder):", "", *_table(RUN_COLUMNS, run_rows(report))]
     return "\n".join(lines) + "\n"
 
 
@@ -210,14 +315,30 @@ def format_markdown(report: dict) -> str:
 # study.html
 
 
-def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    def cell(text: str, tag: str) -> str:
-        bold = text.startswith("**") and text.endswith("**")
-        inner = html.escape(text[2:-2] if bold else text)
-        return f"<{tag}>{'<b>' + inner + '</b>' if bold else inner}</{tag}>"
+def _a(text: str, href: str) -> str:
+    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
+
+
+def _html_table(header: Sequence[str], rows: Sequence[Sequence], links: Optional[Sequence[Sequence]] = None) -> str:
+    """A table of text cells (``**bold**``) and link cells ((text, path)); ``links`` adds, per cell, more
+    (text, path) links after its text."""
+
+    def cell(content, tag: str, more: Sequence[Link] = ()) -> str:
+        if isinstance(content, tuple):
+            inner = _a(*content)
+        else:
+            bold = content.startswith("**") and content.endswith("**")
+            inner = html.escape(content[2:-2] if bold else content)
+            inner = f"<b>{inner}</b>" if bold else inner
+        if more:
+            inner += " " + " ".join(_a(*link) for link in more)
+        return f"<{tag}>{inner}</{tag}>"
 
     head = "".join(cell(h, "th") for h in header)
-    body = "".join("<tr>" + "".join(cell(c, "td") for c in row) + "</tr>" for row in rows)
+    body = "".join(
+        "<tr>" + "".join(cell(c, "td", links[i][j] if links else ()) for j, c in enumerate(row)) + "</tr>"
+        for i, row in enumerate(rows)
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -250,7 +371,14 @@ def format_html(report: dict, figures: dict[str, Optional[bytes]], title: str) -
         _html_table(VERDICT_COLUMNS, verdict_rows(report)),
         _figure(figures.get("main"), "loss against tokens at each optimizer's best settings, and final loss ± 95% CI"),
         "<h2>Every setting</h2>",
-        _html_table(*grid_rows(report)),
+        "<p>Each cell links the run folder of each of its seeds.</p>",
+        _html_table(
+            *grid_rows(report),
+            [
+                [[(f"seed {seed}", f"{folder}/") for seed, folder in cell] for cell in row]
+                for row in grid_folders(report)
+            ],
+        ),
         "<h2>Sensitivity</h2>",
         _figure(
             figures.get("sensitivity"),
@@ -268,9 +396,18 @@ def format_html(report: dict, figures: dict[str, Optional[bytes]], title: str) -
     else:
         parts += [f"<p>{html.escape(fit_text(report))}</p>", _html_table(*budget)]
         parts.append(_figure(figures.get("budgets"), "the baseline's fit over budgets and D_eff / D per optimizer"))
+    sections = descent_sections(report)
+    if sections:
+        parts.append("<h2>Coordinate descent</h2>")
+    for title, descent_header, descent_rows in sections:
+        parts += [f"<p>{html.escape(title)}</p>", _html_table(descent_header, descent_rows)]
     parts += [
         "<h2>Overview</h2>",
         _figure(figures.get("overview"), "loss curves, loss against lr, memory and tokens/s (sweep.png)"),
+        "<h2>Every run</h2>",
+        "<p>Each run's folder, the command it ran with (command.sh), its resolved config (job_config.toml) and its "
+        "log; paths are relative to this page.</p>",
+        _html_table(RUN_COLUMNS, run_rows(report)),
         "</body></html>",
     ]
     return "\n".join(parts) + "\n"

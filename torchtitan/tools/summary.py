@@ -24,7 +24,7 @@ from torchtitan.tools.runs import (
     Series,
     SweepRun,
 )
-from torchtitan.tools.sweep_plan import DIVERGED, FAILED, FINISHED, lr_label
+from torchtitan.tools.sweep_plan import DIVERGED, FAILED, FINISHED, RUNS_FOLDER, lr_label
 
 DEFAULT_BASELINE = "AdamW"
 
@@ -121,6 +121,10 @@ def sweep_run_summary(run: SweepRun, last_k: int, by_validation: bool) -> dict:
         "outcome": status["outcome"],
         "exit_code": status["exit_code"],
         "message": status.get("message"),
+        # Where it ran and with what, relative to the sweep's folder: its folder, command.sh and job_config.toml.
+        "folder": f"{RUNS_FOLDER}/{run.spec.name}",
+        "config": None if run.config is None else f"{RUNS_FOLDER}/{run.spec.name}/{run.config}",
+        "seconds": status.get("seconds"),
         **summarize(run.scalars, last_k),
     }
     if status["outcome"] != FINISHED:  # e.g. stopped by the guard (exit 3) before anything non-finite was logged

@@ -1,8 +1,9 @@
-"""Learning-rate sweeps for fair optimizer comparisons: every optimizer at its own best lr.
+"""Sweeps for fair optimizer comparisons: every optimizer at its own best settings.
 
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --optimizers AdamW,AdamMini --lrs 3e-4,1e-3,3e-3 \\
         [--seeds 0,1,2] [--vary-data-seed] [--axis [OPTIMIZER:]SECTION.KEY=V1,V2 ...] \\
-        [--budgets 2e8,4e8 | 1x,2x] [--warmup-fraction F] [--baseline AdamW] [--nproc N] [--config-file X.toml] \\
+        [--search grid | coordinate [--start [OPTIMIZER:]SECTION.KEY=V ...]] [--budgets 2e8,4e8 | 1x,2x] \\
+        [--warmup-fraction F] [--baseline AdamW] [--nproc N] [--parallel K] [--config-file X.toml] \\
         [--last-k 10] -- [train.py options]
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only [--baseline AdamW]
 
@@ -10,8 +11,10 @@ Every (optimizer, lr, seed) runs once through ``run_llama_train.sh`` with the sa
 folder ``{dump}/runs/{Optimizer}_lr{lr}_seed{seed}`` (its TensorBoard logs, checkpoints and ``train.log``); with
 ``--axis`` once per value of every axis, ``..._{option}{value}``, and with ``--budgets`` once per budget,
 ``..._tokens{budget}``, its training.steps the whole steps that fit in the budget and its warmup a share of them
-(docs/study-runs.md). After a run ends the sweep writes ``sweep_status.json`` into that folder: the exit code, the
-command and the outcome:
+(docs/study-runs.md). ``--search coordinate`` trains only the points a coordinate descent from a start point visits
+(``sweep_search``). ``--parallel K`` trains K runs at once, each on GPUs of its own. Each run's folder keeps the
+command it ran with (``command.sh``) and, from train.py, its resolved config (``job_config.toml``); after a run ends
+the sweep writes ``sweep_status.json`` into that folder: the exit code, the command, its environment and the outcome:
 
 * ``finished`` - exit 0 with finite losses;
 * ``diverged`` - exit 3 (train.py stopped on non-finite loss or gradients) or a non-finite logged loss;
@@ -29,15 +32,17 @@ at matched loss; across three or more budgets a power-law fit). docs/optimizer-s
 computed.
 
 Modules: ``sweep_plan`` (the runs, their folders and options, the checks before any starts), ``sweep_runner`` (the
-launcher processes and their outcomes), ``runs`` (reading logged scalars), ``summary`` (the numbers, shared with
-``compare_runs``), ``statistics`` (t, Welch, speedup, the fit), ``sweep_plot`` (the figures), ``study_report``
-(tables and the page); this one writes the report and reads the command line.
+launcher processes K at a time, their slots and outcomes), ``sweep_search`` (coordinate descent), ``runs`` (reading
+logged scalars), ``summary`` (the numbers, shared with ``compare_runs``), ``statistics`` (t, Welch, speedup, the
+fit), ``sweep_plot`` (the figures), ``study_report`` (tables and the page); this one writes the report and reads the
+command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -50,6 +55,7 @@ from torchtitan.tools.summary import DEFAULT_BASELINE, summarize_sweep
 from torchtitan.tools.sweep_plan import (
     FAILED,
     RUNS_FOLDER,
+    check_axes,
     check_settings,
     check_train_options,
     fit_budgets,
@@ -65,10 +71,20 @@ from torchtitan.tools.sweep_plan import (
     tokens_per_step,
 )
 from torchtitan.tools.sweep_plot import plot_budgets, plot_main, plot_sensitivity, plot_sweep
-from torchtitan.tools.sweep_runner import run_sweep
+from torchtitan.tools.sweep_runner import Runner, plan_slots, run_all, visible_gpus
+from torchtitan.tools.sweep_search import (
+    descent_report,
+    parse_starts,
+    read_search,
+    run_descents,
+    search_spaces,
+    specs_of,
+    write_search,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "./train_configs/debug_model.toml"
+SEARCHES = ("grid", "coordinate")
 REPORT_NAME = "sweep"  # sweep.png, sweep.md, sweep.json
 PAGE_NAME = "study.html"  # the one self-contained page: tables and every figure
 
@@ -85,6 +101,7 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
     if not runs:
         return None
     report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE)
+    report["descents"] = descent_report(read_search(dump), report["runs"])
     if baseline is not None and not report["baseline_found"]:
         raise UserError(
             f"--baseline {baseline} is not an optimizer of this sweep ({', '.join(report['best'])}); name one of them"
@@ -155,10 +172,32 @@ def _parser() -> argparse.ArgumentParser:
         "/ training.steps)",
     )
     p.add_argument(
+        "--search",
+        choices=SEARCHES,
+        default="grid",
+        help="grid: train every combination of the swept settings; coordinate: coordinate descent from a start "
+        "point per optimizer, one setting at a time, to a point no single step improves (default grid)",
+    )
+    p.add_argument(
+        "--start",
+        action="append",
+        default=[],
+        metavar="[OPTIMIZER:]SECTION.KEY=VALUE",
+        help="with --search coordinate: where the descent starts on a swept setting (optimizer.lr or an --axis "
+        "option), for every optimizer or for one; default: the middle of its values",
+    )
+    p.add_argument(
         "--nproc",
         type=int,
         default=None,
-        help="processes per run (NGPU of run_llama_train.sh; default: the GPUs present, else 1)",
+        help="processes per run (NGPU of run_llama_train.sh; default: the GPUs present / --parallel, else 1)",
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="runs at once, each on GPUs of its own (CUDA_VISIBLE_DEVICES; --parallel x --nproc at most the GPUs "
+        "present), or as K processes on a machine without GPUs (default 1)",
     )
     p.add_argument("--config-file", default=DEFAULT_CONFIG, help=f"job config of every run (default {DEFAULT_CONFIG})")
     p.add_argument(
@@ -179,10 +218,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _default_nproc() -> int:
-    import torch
-
-    return torch.cuda.device_count() or 1
+def _default_nproc(gpus: list[str], parallel: int) -> int:
+    return max(1, len(gpus) // parallel)
 
 
 def _budgets(args, config_file: str, nproc: int, train_args: list[str]) -> tuple[list, Optional[float]]:
@@ -204,6 +241,35 @@ def _budgets(args, config_file: str, nproc: int, train_args: list[str]) -> tuple
     return fit_budgets(budgets, per_step, params, fraction), fraction
 
 
+def _search_spaces(specs, lrs, axes, train_args, starts) -> dict:
+    """Each optimizer's grid and start for a coordinate descent (one line for a grid with nothing to descend)."""
+    optimizers = list(dict.fromkeys(s.optimizer for s in specs))
+    spaces = search_spaces(optimizers, lrs, check_axes(axes, optimizers, train_args), parse_starts(starts))
+    if all(len(c.values) == 1 for space in spaces.values() for c in space.coordinates):
+        raise UserError(
+            "--search coordinate has nothing to descend: every swept setting has one value; give --lrs or an "
+            "--axis two or more values, or drop --search coordinate"
+        )
+    return spaces
+
+
+def _to_check(specs, spaces) -> list:
+    """The runs whose jobs preflight checks before any run starts: all of a grid; for a descent, every value of
+    each setting once (from the start point), since the points it visits are not known in advance."""
+    if spaces is None:
+        return specs
+    budgets = list(dict.fromkeys(s.budget for s in specs))
+    seed = specs[0].seed
+    checked = []
+    for optimizer, space in spaces.items():
+        points = {space.start}
+        for n, c in enumerate(space.coordinates):
+            points |= {space.start[:n] + (i,) + space.start[n + 1 :] for i in range(len(c.values))}
+        for budget in budgets:
+            checked += [spec for p in sorted(points) for spec in specs_of(optimizer, budget, space, p, [seed])]
+    return checked
+
+
 def sweep(argv: Sequence[str]) -> int:
     argv = list(argv)
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -217,13 +283,21 @@ def sweep(argv: Sequence[str]) -> int:
     else:
         if args.nproc is not None and args.nproc < 1:
             raise UserError(f"--nproc must be at least 1; got {args.nproc}")
-        nproc = args.nproc or _default_nproc()
+        gpus = visible_gpus(dict(os.environ))
+        nproc = args.nproc or _default_nproc(gpus, args.parallel)
+        slots = plan_slots(args.parallel, nproc, gpus)
         config_file = str(Path(args.config_file).resolve())
         check_train_options(train_args, args.vary_data_seed, budgets=args.budgets is not None)
+        if args.start and args.search != "coordinate":
+            raise UserError("--start sets where a coordinate descent starts; add --search coordinate or drop --start")
         budgets, warmup_fraction = _budgets(args, config_file, nproc, train_args)
         axes = [parse_axis(raw, args.budgets is not None, args.vary_data_seed) for raw in args.axis]
-        specs = plan(items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds), budgets, axes, train_args)
-        preflight_jobs(specs, config_file, nproc, train_args, args.vary_data_seed)
+        optimizers, lrs, seeds = items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds)
+        specs = plan(optimizers, lrs, seeds, budgets, axes, train_args)
+        spaces = None
+        if args.search == "coordinate":
+            spaces = _search_spaces(specs, lrs, axes, train_args, args.start)
+        preflight_jobs(_to_check(specs, spaces), config_file, nproc, train_args, args.vary_data_seed)
         settings = {"config_file": config_file, "nproc": nproc, "train_args": train_args}
         if args.vary_data_seed:  # recorded only when set, so that sweeps started before the flag resume
             settings["vary_data_seed"] = True
@@ -232,7 +306,16 @@ def sweep(argv: Sequence[str]) -> int:
         with lock_sweep(dump):
             check_settings(dump, settings)
             launcher = shlex.split(args.launcher)
-            statuses = run_sweep(specs, dump, config_file, nproc, train_args, launcher, args.vary_data_seed)
+            runner = Runner(dump, config_file, nproc, train_args, launcher, slots, args.vary_data_seed)
+            write_search(dump, args.search, spaces or {}, seeds, budgets)
+            if spaces is None:
+                statuses = run_all(runner, specs)
+                failed = [s for s in statuses if s["outcome"] == FAILED]
+                failed_text = f"{len(failed)} of {len(statuses)} runs failed (see their train.log)"
+            else:
+                found = run_descents(runner, read_search(dump), budgets, args.last_k)
+                failed = [d for _, _, _, d in found if d.state == "blocked"]
+                failed_text = f"{len(failed)} of {len(found)} descents stopped at a run that failed (see its train.log)"
     report = write_report(dump, args.last_k, args.baseline)
     if report is None:
         raise UserError(f"no run in '{dump}' has ended yet; run the sweep first")
@@ -240,13 +323,8 @@ def sweep(argv: Sequence[str]) -> int:
     print(f"wrote {dump / REPORT_NAME}.png, .md, .json and {dump / PAGE_NAME}")
     if args.report_only:
         return 0
-    failed = [s for s in statuses if s["outcome"] == FAILED]
     if failed:
-        print(
-            f"error: {len(failed)} of {len(statuses)} runs failed (see their train.log); run the same command "
-            "again to retry them",
-            file=sys.stderr,
-        )
+        print(f"error: {failed_text}; run the same command again to retry", file=sys.stderr)
         return 1
     return 0
 

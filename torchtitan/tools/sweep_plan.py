@@ -23,6 +23,7 @@ STATUS_FILE = "sweep_status.json"
 SETTINGS_FILE = "sweep_settings.json"
 LOCK_FILE = "sweep.lock"
 LOG_FILE = "train.log"
+COMMAND_FILE = "command.sh"  # the run's exact command, environment and folder, runnable again
 # A run's outcome, recorded in its status when it ends.
 FINISHED, DIVERGED, FAILED = "finished", "diverged", "failed"
 # Options each run gets from the sweep itself; setting them in the shared options would make every run the same.

@@ -1,4 +1,5 @@
-"""Running a sweep's runs: one launcher process at a time, its log, its outcome, and its end when interrupted."""
+"""Running a sweep's runs: K launcher processes at a time, each in a slot of its own (its own GPUs on a GPU machine),
+each run's log, command and outcome, and the end of every run still going when the sweep is interrupted."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import shlex
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from torchtitan.errors import DIVERGENCE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 from torchtitan.tools.runs import LOSS, Series, merged_scalars, read_status, write_status
 from torchtitan.tools.summary import diverged_at_step
 from torchtitan.tools.sweep_plan import (
+    COMMAND_FILE,
     DIVERGED,
     FAILED,
     FINISHED,
@@ -23,6 +26,11 @@ from torchtitan.tools.sweep_plan import (
     run_command,
     run_folder,
 )
+
+# How often the runner looks for runs that ended (a run takes seconds at the very least).
+POLL_SECONDS = 0.1
+# The environment a run gets from the sweep, recorded in its status and command.sh (the rest is the sweep's own).
+RUN_ENVIRONMENT = ("NGPU", "CONFIG_FILE", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
 
 
 def outcome(exit_code: int, scalars: dict[str, Series]) -> str:
@@ -35,99 +43,237 @@ def outcome(exit_code: int, scalars: dict[str, Series]) -> str:
     return FINISHED if LOSS in scalars else FAILED
 
 
+def is_done(status: Optional[dict]) -> bool:
+    """A run that never trains again: it finished or diverged (a failed or interrupted one is tried again)."""
+    return status is not None and status["outcome"] in (FINISHED, DIVERGED)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Slots: where K runs go at once
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One place a run trains: its GPUs (CUDA_VISIBLE_DEVICES) on a GPU machine, none on CPU."""
+
+    number: int
+    gpus: tuple[str, ...] = ()
+
+    def environment(self) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus)} if self.gpus else {}
+
+
+def visible_gpus(environ: dict[str, str]) -> list[str]:
+    """The GPUs this process may use, by the ids its runs are given: CUDA_VISIBLE_DEVICES' entries where it is set
+    (as many as torch sees), else 0 .. count-1."""
+    import torch
+
+    count = torch.cuda.device_count()
+    listed = [g.strip() for g in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return listed[:count] if "CUDA_VISIBLE_DEVICES" in environ else [str(i) for i in range(count)]
+
+
+def plan_slots(parallel: int, nproc: int, gpus: Sequence[str]) -> list[Slot]:
+    """K slots of ``nproc`` GPUs each, the GPUs in order and never shared (K x nproc at most the GPUs present); on
+    a machine without GPUs, K slots of CPU processes."""
+    if parallel < 1:
+        raise UserError(f"--parallel must be at least 1; got {parallel}")
+    if not gpus:
+        return [Slot(number) for number in range(parallel)]
+    if parallel * nproc > len(gpus):
+        raise UserError(
+            f"--parallel {parallel} runs of {nproc} GPU(s) each need {parallel * nproc} GPUs, but {len(gpus)} are "
+            f"present ({','.join(gpus)}); lower --parallel or --nproc"
+        )
+    return [Slot(n, tuple(gpus[n * nproc : (n + 1) * nproc])) for n in range(parallel)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One run
+
+
 def _last_error_line(log: Path) -> str:
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     errors = [line for line in lines if line.startswith("error:")]
     return (errors or lines or ["(no output)"])[-1].strip()
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """End the launcher and everything it started (torchrun forwards SIGTERM to its workers)."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
-def train_one(spec: RunSpec, run_dir: Path, command: list[str], env: dict, vary_data_seed: bool = False) -> dict:
-    """Run one job to its end, log to ``train.log``, and record the outcome in ``sweep_status.json``."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    with open(run_dir / LOG_FILE, "ab") as log:
+def _stop(processes: Sequence[subprocess.Popen]) -> None:
+    """End launchers and everything they started (torchrun forwards SIGTERM to its workers): SIGTERM to every
+    process group at once, SIGKILL to those still there after 30 s."""
+    for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        alive = [p for p in processes if p.poll() is None]
+        for process in alive:
+            _signal_group(process, sig)
+        deadline = time.monotonic() + wait
+        for process in alive:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def command_script(command: Sequence[str], environment: dict[str, str], cwd: str) -> str:
+    """``command.sh``: the run's exact command, in the folder and with the environment the sweep gave it."""
+    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in environment.items())
+    return (
+        "#!/usr/bin/env bash\n"
+        "# The command the sweep ran this run with; running it again resumes or repeats the run in this folder.\n"
+        f"cd {shlex.quote(cwd)}\n"
+        f"{assignments} exec {shlex.join(command)}\n"
+    )
+
+
+@dataclass
+class _Running:
+    spec: RunSpec
+    slot: Slot
+    process: subprocess.Popen
+    log: object
+    command: list[str]
+    environment: dict[str, str]
+    started: float
+    label: str
+
+
+class Runner:
+    """Trains runs K at a time, one per slot: ``start`` a run on a free slot, ``wait`` for the next one to end.
+
+    Each run's folder gets ``train.log`` (every attempt's output, each after a ``$ command`` line), ``command.sh``
+    and, when it ends, ``sweep_status.json``. Used as a context manager: leaving it by an exception (an interrupt, a
+    user error in one run) ends every run still going, which then has no status and trains again next time."""
+
+    def __init__(
+        self,
+        dump: Path,
+        config_file: str,
+        nproc: int,
+        train_args: Sequence[str],
+        launcher: Sequence[str],
+        slots: Sequence[Slot],
+        vary_data_seed: bool = False,
+    ):
+        self.dump = dump
+        self.train_args = list(train_args)
+        self.launcher = list(launcher)
+        self.vary_data_seed = vary_data_seed
+        self.slots = list(slots)
+        self.base_environment = {"NGPU": str(nproc), "CONFIG_FILE": config_file}
+        self.running: list[_Running] = []
+
+    def __enter__(self) -> "Runner":
+        self._previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.running:  # left by an exception: no run outlives the sweep
+                _stop([r.process for r in self.running])
+                for r in self.running:
+                    r.log.close()
+                self.running.clear()
+        finally:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def free(self) -> int:
+        return len(self.slots) - len(self.running)
+
+    def start(self, spec: RunSpec, label: str) -> None:
+        busy = {r.slot for r in self.running}
+        slot = next(s for s in self.slots if s not in busy)
+        run_dir = run_folder(self.dump, spec)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        command = run_command(spec, run_dir, self.train_args, self.launcher, self.vary_data_seed)
+        environment = {**os.environ, **self.base_environment, **slot.environment()}
+        recorded = {k: environment[k] for k in RUN_ENVIRONMENT if k in environment}
+        (run_dir / COMMAND_FILE).write_text(command_script(command, recorded, os.getcwd()))
+        log = open(run_dir / LOG_FILE, "ab")
         log.write(f"\n$ {shlex.join(command)}\n".encode())
         log.flush()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            exit_code = process.wait()
-        except BaseException:  # interrupted: leave no marker, so that the next sweep runs it again
-            _stop(process)
-            raise
-    scalars = merged_scalars(run_dir)
-    status = {
-        "optimizer": spec.optimizer,
-        "lr": spec.lr,
-        "seed": spec.seed,
-        **({"data_seed": spec.seed} if vary_data_seed else {}),
-        **({"options": {k: axis_value(v) for k, v in spec.options}} if spec.options else {}),
-        **({"option_values": dict(spec.options)} if spec.options else {}),
-        **(spec.budget.status() if spec.budget else {}),
-        "outcome": outcome(exit_code, scalars),
-        "exit_code": exit_code,
-        "command": shlex.join(command),
-        "seconds": round(time.time() - started, 1),
-        "ended": time.time(),
-    }
-    if status["outcome"] == DIVERGED and exit_code == 0:
-        status["message"] = f"non-finite loss logged at step {diverged_at_step(scalars)}"
-    elif status["outcome"] != FINISHED:
-        status["message"] = _last_error_line(run_dir / LOG_FILE)
-    write_status(run_dir, status)
-    return status
+        where = f" on GPU {','.join(slot.gpus)}" if slot.gpus else ""
+        print(f"{label} {spec.name}: training{where} (log: {run_dir / LOG_FILE})", flush=True)
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+        )
+        self.running.append(_Running(spec, slot, process, log, command, recorded, time.time(), label))
+
+    def wait(self) -> tuple[RunSpec, dict]:
+        """The next run to end and its status (written to its folder); a run stopped by a mistake in its options
+        ends the sweep with that mistake."""
+        while True:
+            ended = next((r for r in self.running if r.process.poll() is not None), None)
+            if ended is not None:
+                break
+            time.sleep(POLL_SECONDS)
+        self.running.remove(ended)
+        ended.log.close()
+        status = self._record(ended)
+        message = f" ({status['message']})" if "message" in status else ""
+        print(
+            f"{ended.label} {ended.spec.name}: {status['outcome']}, exit {status['exit_code']}, "
+            f"{status['seconds']:.0f} s{message}",
+            flush=True,
+        )
+        if status["exit_code"] == USER_ERROR_EXIT_CODE:
+            raise UserError(f"{ended.spec.name} stopped on a mistake in its options: {status['message']}")
+        return ended.spec, status
+
+    def _record(self, run: _Running) -> dict:
+        spec, exit_code = run.spec, run.process.returncode
+        run_dir = run_folder(self.dump, spec)
+        scalars = merged_scalars(run_dir)
+        status = {
+            "optimizer": spec.optimizer,
+            "lr": spec.lr,
+            "seed": spec.seed,
+            **({"data_seed": spec.seed} if self.vary_data_seed else {}),
+            **({"options": {k: axis_value(v) for k, v in spec.options}} if spec.options else {}),
+            **({"option_values": dict(spec.options)} if spec.options else {}),
+            **(spec.budget.status() if spec.budget else {}),
+            "outcome": outcome(exit_code, scalars),
+            "exit_code": exit_code,
+            "command": shlex.join(run.command),
+            "environment": run.environment,
+            "started": run.started,
+            "seconds": round(time.time() - run.started, 1),
+            "ended": time.time(),
+        }
+        if status["outcome"] == DIVERGED and exit_code == 0:
+            status["message"] = f"non-finite loss logged at step {diverged_at_step(scalars)}"
+        elif status["outcome"] != FINISHED:
+            status["message"] = _last_error_line(run_dir / LOG_FILE)
+        write_status(run_dir, status)
+        return status
 
 
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run_sweep(
-    specs: Sequence[RunSpec],
-    dump: Path,
-    config_file: str,
-    nproc: int,
-    train_args: Sequence[str],
-    launcher: Sequence[str],
-    vary_data_seed: bool = False,
-) -> list[dict]:
-    """Run every spec not yet finished or diverged; returns the status of each spec, in order."""
-    env = {**os.environ, "NGPU": str(nproc), "CONFIG_FILE": config_file}
-    statuses = []
-    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    try:
-        for index, spec in enumerate(specs, 1):
-            run_dir = run_folder(dump, spec)
-            head = f"[{index}/{len(specs)}] {spec.name}:"
-            status = read_status(run_dir)
-            if status is not None and status["outcome"] in (FINISHED, DIVERGED):
-                print(f"{head} {status['outcome']} earlier, skipped", flush=True)
-                statuses.append(status)
-                continue
-            print(f"{head} training (log: {run_dir / LOG_FILE})", flush=True)
-            command = run_command(spec, run_dir, train_args, launcher, vary_data_seed)
-            status = train_one(spec, run_dir, command, env, vary_data_seed)
-            message = f" ({status['message']})" if "message" in status else ""
-            print(
-                f"{head} {status['outcome']}, exit {status['exit_code']}, {status['seconds']:.0f} s{message}",
-                flush=True,
-            )
-            statuses.append(status)
-            if status["exit_code"] == USER_ERROR_EXIT_CODE:
-                raise UserError(f"{spec.name} stopped on a mistake in its options: {status['message']}")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return statuses
+def run_all(runner: Runner, specs: Sequence[RunSpec]) -> list[dict]:
+    """Run every spec not yet finished or diverged, as many at once as the runner has slots, in the plan's order;
+    the status of each spec, in order."""
+    statuses: dict[str, dict] = {}
+    queue = []
+    for index, spec in enumerate(specs, 1):
+        status = read_status(run_folder(runner.dump, spec))
+        if is_done(status):
+            print(f"[{index}/{len(specs)}] {spec.name}: {status['outcome']} earlier, skipped", flush=True)
+            statuses[spec.name] = status
+        else:
+            queue.append((index, spec))
+    with runner:
+        while queue or runner.running:
+            while queue and runner.free():
+                index, spec = queue.pop(0)
+                runner.start(spec, f"[{index}/{len(specs)}]")
+            spec, status = runner.wait()
+            statuses[spec.name] = status
+    return [statuses[spec.name] for spec in specs]

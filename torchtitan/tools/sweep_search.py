@@ -1,0 +1,385 @@
+"""Coordinate descent over a sweep's grid: from a start point per optimizer, one setting at a time, to a point that no
+single step along any setting improves.
+
+The descent is a pure function of the scores of the points it asks for (:func:`descend`): it asks for a point's
+score, and stops with the points it still needs when one is unknown. Running it again over the scores of more
+finished runs goes further along the same path, so that the sweep resumes a descent by replaying it over its run
+folders, and the report draws the path from the run folders alone (``search.json`` records the grid and the start).
+
+The score of a point is the mean over its seeds of the loss the report ranks by; a point where a seed diverged
+scores infinity (worse than any finished point), one where a seed failed blocks the descent until it is trained
+again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+from torchtitan.errors import UserError
+from torchtitan.tools.runs import SweepRun, load_sweep_run, read_status, status_paths, sweep_order
+from torchtitan.tools.summary import summarize_sweep
+from torchtitan.tools.sweep_plan import Axis, Budget, RunSpec, axes_for, axis_value, items, lr_label, run_folder
+from torchtitan.tools.sweep_runner import Runner, is_done
+
+SEARCH_FILE = "search.json"  # the last search of a dump folder: its method and, for a descent, the grid and start
+LR = "lr"  # the coordinate of the sweep's --lrs
+
+
+class Blocked:
+    """The score of a point where a run failed: the descent cannot tell whether it is better."""
+
+    def __repr__(self) -> str:
+        return "BLOCKED"
+
+
+BLOCKED = Blocked()
+Score = Union[float, None, Blocked]  # a loss (inf: diverged), None: not known yet, BLOCKED: a run failed
+
+
+@dataclass(frozen=True)
+class Coordinate:
+    """One setting the descent moves along: ``lr`` or a train.py option, its values in grid order (numbers
+    ascending) as given on the command line."""
+
+    key: str
+    values: tuple[str, ...]
+
+    def value(self, index: int):
+        return float(self.values[index]) if self.key == LR else axis_value(self.values[index])
+
+
+@dataclass(frozen=True)
+class Space:
+    """One optimizer's grid (coordinates, lr first) and where its descent starts (an index per coordinate)."""
+
+    coordinates: tuple[Coordinate, ...]
+    start: tuple[int, ...]
+
+    def settings(self, point: Sequence[int]) -> dict:
+        """A point as the report keys its cells: ``{"lr": 0.001, "optimizer.weight_decay": 0.1}``."""
+        return {c.key: c.value(i) for c, i in zip(self.coordinates, point)}
+
+    def options(self, point: Sequence[int]) -> tuple[tuple[str, str], ...]:
+        """A point's swept train.py options other than the lr, as a run spec holds them (by option)."""
+        return tuple(sorted((c.key, c.values[i]) for c, i in zip(self.coordinates, point) if c.key != LR))
+
+    def lr(self, point: Sequence[int]) -> float:
+        return next(float(c.values[i]) for c, i in zip(self.coordinates, point) if c.key == LR)
+
+    def to_json(self) -> dict:
+        return {
+            "coordinates": [{"key": c.key, "values": list(c.values)} for c in self.coordinates],
+            "start": {c.key: c.values[i] for c, i in zip(self.coordinates, self.start)},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Space":
+        coordinates = tuple(Coordinate(c["key"], tuple(c["values"])) for c in data["coordinates"])
+        return cls(coordinates, tuple(c.values.index(data["start"][c.key]) for c in coordinates))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The descent
+
+
+@dataclass
+class Descent:
+    """Where a descent got to: the path so far (its start, then one entry per step along a coordinate), the points
+    it needs scored to go on, and its state: ``converged``, ``running`` (points needed) or ``blocked``."""
+
+    path: list[dict]
+    needed: list[tuple[int, ...]]
+    state: str
+    current: tuple[int, ...]
+    score: Score
+
+
+def descend(space: Space, score: Callable[[tuple[int, ...]], Score]) -> Descent:
+    """Coordinate descent from ``space.start``: along each coordinate in turn, score the neighbours of the current
+    point (the next value on each side); move to the better one when it beats the current point and keep going that
+    way while each next value beats it; stop when every coordinate has been tried since the last move."""
+    current = space.start
+    current_score = score(current)
+    path = [{"step": "start", "point": current, "score": current_score}]
+    if current_score is None:
+        return Descent(path, [current], "running", current, None)
+    if current_score is BLOCKED:
+        return Descent(path, [], "blocked", current, current_score)
+    count, coordinate, unchanged = len(space.coordinates), 0, 0
+    while unchanged < count:
+        direction = 0  # 0: both sides; then -1 or +1, the side the descent is moving to
+        moved = False
+        while True:
+            sides = [d for d in (-1, 1) if direction in (0, d)]
+            tried = [_along(current, coordinate, d) for d in sides]
+            tried = [p for p in tried if 0 <= p[coordinate] < len(space.coordinates[coordinate].values)]
+            if not tried:
+                break
+            scores = [score(p) for p in tried]
+            unknown = [p for p, s in zip(tried, scores) if s is None]
+            if unknown:
+                return Descent(path, unknown, "running", current, current_score)
+            step = {"step": "try", "coordinate": coordinate, "from": current, "tried": list(zip(tried, scores))}
+            path.append(step)
+            if any(s is BLOCKED for s in scores):
+                return Descent(path, [], "blocked", current, current_score)
+            best, best_score = min(zip(tried, scores), key=lambda ps: ps[1])
+            if not best_score < current_score:
+                step["moved"] = False
+                break
+            step["moved"], step["to"] = True, best
+            direction = best[coordinate] - current[coordinate]
+            current, current_score, moved = best, best_score, True
+        unchanged = 1 if moved else unchanged + 1
+        coordinate = (coordinate + 1) % count
+    return Descent(path, [], "converged", current, current_score)
+
+
+def _along(point: tuple[int, ...], coordinate: int, direction: int) -> tuple[int, ...]:
+    return tuple(i + direction if c == coordinate else i for c, i in enumerate(point))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# From the command line: the grid and the start of each optimizer
+
+
+def parse_starts(raw: Sequence[str]) -> list[tuple[Optional[str], str, str]]:
+    """``--start [OPTIMIZER:]KEY=VALUE`` as (optimizer or None, key, value)."""
+    starts = []
+    for entry in raw:
+        head, equals, value = entry.partition("=")
+        scope, _, key = head.rpartition(":")
+        if not equals or "." not in key or not value or len(items(value)) != 1:
+            raise UserError(
+                f"--start '{entry}' is not a start point; give one value of a swept setting, like "
+                "'optimizer.lr=1e-3' or 'AdamW:optimizer.weight_decay=0.1'"
+            )
+        starts.append((scope or None, key, value))
+    return starts
+
+
+def _grid_order(values: Sequence[str], numeric: Callable[[str], object]) -> tuple[str, ...]:
+    parsed = [numeric(v) for v in values]
+    if all(isinstance(p, (int, float)) for p in parsed):
+        return tuple(v for _, v in sorted(zip(parsed, values), key=lambda pv: pv[0]))
+    return tuple(values)  # words: in the order given
+
+
+def search_spaces(
+    optimizers: Sequence[str],
+    lrs: Sequence[float],
+    axes: Sequence[Axis],
+    starts: Sequence[tuple[Optional[str], str, str]],
+) -> dict[str, Space]:
+    """Each optimizer's grid (the lrs, then its axes by option; numbers in ascending order) and start point: the
+    ``--start`` value of a setting where given, else the middle of its values (the lower middle of an even count).
+    ``axes`` and ``optimizers`` are resolved names (``sweep_plan.plan`` checked them)."""
+    from torchtitan.optim.builder import resolve_optimizer_name
+
+    resolved = [(resolve_optimizer_name(o).name if o else None, k, v) for o, k, v in starts]
+    for optimizer, key, _ in resolved:
+        if optimizer is not None and optimizer not in optimizers:
+            raise UserError(f"--start {optimizer}:{key}: {optimizer} is not in --optimizers; add it or drop the start")
+    spaces = {}
+    for optimizer in optimizers:
+        coordinates = [Coordinate(LR, _grid_order([lr_label(lr) for lr in lrs], float))]
+        coordinates += [Coordinate(a.key, _grid_order(a.values, axis_value)) for a in axes_for(optimizer, axes)]
+        start = [(len(c.values) - 1) // 2 for c in coordinates]
+        keys = {("optimizer.lr" if c.key == LR else c.key): n for n, c in enumerate(coordinates)}
+        mine = [(o, k, v) for o, k, v in resolved if o in (None, optimizer)]
+        for scope, key, value in mine:
+            if key not in keys:
+                raise UserError(
+                    f"--start {key} is not a swept setting of {optimizer}'s runs; start from a value of --lrs "
+                    "(optimizer.lr) or of an --axis"
+                )
+            if scope is None and any(o == optimizer and k == key for o, k, _ in mine):
+                continue  # the optimizer's own start wins over the global one
+            c = coordinates[keys[key]]
+            parse = float if c.key == LR else axis_value
+            index = next((n for n, v in enumerate(c.values) if parse(v) == parse(value)), None)
+            if index is None:
+                raise UserError(
+                    f"--start {key}={value} is not one of its values ({', '.join(c.values)}); start from one of them"
+                )
+            start[keys[key]] = index
+        spaces[optimizer] = Space(tuple(coordinates), tuple(start))
+    return spaces
+
+
+def write_search(dump: Path, method: str, spaces: dict[str, Space], seeds: Sequence[int], budgets) -> None:
+    """``search.json``: the last search of the dump folder, which the report draws."""
+    data: dict = {"method": method}
+    if method == "coordinate":
+        data["seeds"] = list(seeds)
+        data["budgets"] = [None if b is None else b.tokens for b in budgets]
+        data["spaces"] = {o: s.to_json() for o, s in spaces.items()}
+    tmp = dump / f"{SEARCH_FILE}.tmp"
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(dump / SEARCH_FILE)
+
+
+def read_search(dump: Path) -> Optional[dict]:
+    path = dump / SEARCH_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scores from a sweep's runs
+
+
+def point_score(
+    summaries: Sequence[dict], optimizer: str, budget: Optional[int], settings: dict, seeds: Sequence[int]
+) -> Score:
+    """The mean over ``seeds`` of the ranked loss of the point's runs (``summary.summarize_sweep``'s run
+    summaries); inf where a seed diverged; BLOCKED where one failed; None while a seed has not ended."""
+    key = _settings_key(settings)
+    by_seed = {
+        r["seed"]: r
+        for r in summaries
+        if r["optimizer"] == optimizer and r["budget"] == budget and _settings_key(r["settings"]) == key
+    }
+    if any(seed not in by_seed for seed in seeds):
+        return None
+    runs = [by_seed[seed] for seed in seeds]
+    if any(r["outcome"] == "failed" for r in runs):
+        return BLOCKED
+    losses = [r["rank_loss"] for r in runs]
+    if any(r["outcome"] != "finished" or loss is None for r, loss in zip(runs, losses)):
+        return math.inf
+    return sum(losses) / len(losses)
+
+
+def _settings_key(settings: dict) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in settings.items()))
+
+
+Retry = Callable[[str, Optional[int], Space, tuple], bool]
+
+
+def descents(search: dict, summaries: Sequence[dict], retry: Retry) -> list:
+    """(optimizer, budget, space, descent) of every descent ``search`` (``search.json``) holds, over the scores of
+    ``summaries``; a failed point for which ``retry(optimizer, budget tokens, space, point)`` is true counts as not
+    scored yet."""
+    found = []
+    for optimizer, data in search["spaces"].items():
+        space = Space.from_json(data)
+        for budget in search["budgets"]:
+
+            def score(point, optimizer=optimizer, budget=budget, space=space):
+                settings = space.settings(point)
+                s = point_score(summaries, optimizer, budget, settings, search["seeds"])
+                return None if s is BLOCKED and retry(optimizer, budget, space, point) else s
+
+            found.append((optimizer, budget, space, descend(space, score)))
+    return found
+
+
+def descent_report(search: Optional[dict], summaries: Sequence[dict]) -> Optional[list[dict]]:
+    """The report's account of each descent: its state, best point and every step, with settings and scores (inf
+    for diverged, None for blocked or not yet run). None when the last search of the folder was not a descent."""
+    if not search or search.get("method") != "coordinate":
+        return None
+    report = []
+    for optimizer, budget, space, descent in descents(search, summaries, lambda *_: False):
+        report.append(
+            {
+                "optimizer": optimizer,
+                "budget": budget,
+                "state": descent.state,
+                "best": space.settings(descent.current),
+                "best_loss": _number(descent.score),
+                "points_scored": len(_scored(descent.path)),
+                "grid_points": math.prod(len(c.values) for c in space.coordinates),
+                "path": [_step(space, s) for s in descent.path],
+            }
+        )
+    return report
+
+
+def _number(score: Score) -> Optional[float]:
+    return score if isinstance(score, float) else None
+
+
+def _scored(path: Sequence[dict]) -> set:
+    points = {path[0]["point"]} if path and path[0]["score"] is not None else set()
+    for step in path[1:]:
+        points |= {p for p, s in step["tried"] if s is not None}
+    return points
+
+
+def _step(space: Space, step: dict) -> dict:
+    if step["step"] == "start":
+        return {"step": "start", "settings": space.settings(step["point"]), "loss": _number(step["score"])}
+    coordinate = space.coordinates[step["coordinate"]]
+    return {
+        "step": "try",
+        "setting": coordinate.key,
+        "from": coordinate.value(step["from"][step["coordinate"]]),
+        "tried": [
+            {"value": coordinate.value(p[step["coordinate"]]), "loss": _number(s), "failed": s is BLOCKED}
+            for p, s in step["tried"]
+        ],
+        "moved": step.get("moved"),
+        "to": coordinate.value(step["to"][step["coordinate"]]) if step.get("moved") else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running a descent
+
+
+def specs_of(optimizer: str, budget: Optional[Budget], space: Space, point, seeds: Sequence[int]) -> list[RunSpec]:
+    return [RunSpec(optimizer, space.lr(point), seed, budget, space.options(point)) for seed in seeds]
+
+
+def _refresh(dump: Path, loaded: dict[Path, SweepRun]) -> list[SweepRun]:
+    """The sweep's ended runs, reading the scalars of a run only when its status is new or changed."""
+    for path in status_paths(dump):
+        status = json.loads(path.read_text())
+        if path not in loaded or loaded[path].status != status:
+            loaded[path] = load_sweep_run(path)
+    return sweep_order(list(loaded.values()))
+
+
+def run_descents(runner: Runner, search: dict, budgets: Sequence[Optional[Budget]], last_k: int) -> list:
+    """Train what the descents of ``search`` need, as many runs at once as the runner has slots, until every descent
+    converged or is blocked by a run that failed in this sweep (failed runs of earlier sweeps are tried again);
+    returns the descents, as :func:`descents` does."""
+    seeds = search["seeds"]
+    by_tokens = {None if b is None else b.tokens: b for b in budgets}
+    attempted: set[str] = set()
+    loaded: dict[Path, SweepRun] = {}
+
+    def specs(optimizer: str, tokens: Optional[int], space: Space, point) -> list[RunSpec]:
+        return specs_of(optimizer, by_tokens[tokens], space, point, seeds)
+
+    def retry(optimizer: str, tokens: Optional[int], space: Space, point) -> bool:
+        return not any(spec.name in attempted for spec in specs(optimizer, tokens, space, point))
+
+    started = 0
+    with runner:
+        while True:
+            runs = _refresh(runner.dump, loaded)
+            summaries = summarize_sweep(runs, last_k)["runs"] if runs else []
+            found = descents(search, summaries, retry)
+            wanted: list[RunSpec] = []
+            for optimizer, tokens, space, descent in found:
+                for point in descent.needed:
+                    for spec in specs(optimizer, tokens, space, point):
+                        if spec.name in attempted or spec in wanted:
+                            continue  # running now, or failed in this sweep: the descent is blocked on it
+                        if not is_done(read_status(run_folder(runner.dump, spec))):
+                            wanted.append(spec)
+            while wanted and runner.free():
+                started += 1
+                spec = wanted.pop(0)
+                attempted.add(spec.name)
+                runner.start(spec, f"[descent, run {started}]")
+            if not runner.running:
+                return found
+            runner.wait()
