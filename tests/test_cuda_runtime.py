@@ -1,12 +1,13 @@
 """On a CUDA GPU: a one-GPU job computes in bf16 through CUDA autocast over float32 weights, memory metrics come
-from the allocator, and the device is in the MFU table. Skipped without CUDA (scripts/gpu_check.sh runs it)."""
+from the allocator, the device is in the MFU table, and the sweep hands out the GPUs torch sees. Skipped without
+CUDA (scripts/gpu_check.sh runs it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.helpers import TINY, job_config
+from tests.helpers import TINY, fake_sweep, job_config, one_error_line, status_of
 from torchtitan import training
 from torchtitan.metrics import memory_metrics, peak_flops
 from torchtitan.parallelisms import ParallelDims
@@ -32,3 +33,14 @@ def test_one_gpu_job_computes_in_bf16_with_float32_weights():
 def test_this_gpu_has_an_mfu_peak():
     name = torch.cuda.get_device_name()
     assert peak_flops(torch.device("cuda")) is not None, f"add '{name}' to torchtitan/metrics.py's peak table"
+
+
+def test_the_sweep_gives_each_run_gpus_that_torch_sees_and_no_more(tmp_path, capsys):
+    count = torch.cuda.device_count()
+    assert fake_sweep(tmp_path / "ok", "--optimizers", "AdamW", "--lrs", "1e-3", "--parallel", "1") == 0
+    environment = status_of(tmp_path / "ok" / "runs" / "AdamW_lr1e-3_seed0")["environment"]
+    assert environment["CUDA_VISIBLE_DEVICES"] == "0" and environment["NGPU"] == "1"
+    capsys.readouterr()
+    assert fake_sweep(tmp_path / "no", "--optimizers", "AdamW", "--lrs", "1e-3", "--parallel", str(count + 1)) == 2
+    assert f"need {count + 1} GPUs, but {count} are present" in one_error_line(capsys)
+    assert not (tmp_path / "no").exists()

@@ -411,3 +411,35 @@ def test_the_vocabulary_comes_from_a_hugging_face_tokenizer_folder(tmp_path):
     notes: list[str] = []
     job = job_config("--model.flavor", "3.2-1B", "--model.tokenizer_path", str(folder))
     assert vocab_size(job, notes) == 2256 and notes == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model ladder's rows in docs/memory.md
+
+
+def _ladder_page() -> tuple[list[str], dict[tuple[str, str], list[str]]]:
+    """The command docs/memory.md shows for the ladder (for ladder-130M) and its table, by (flavor, optimizer)."""
+    import re
+    import shlex
+
+    page = (ROOT / "docs" / "memory.md").read_text()
+    section = page[page.index("## The model ladder on one GPU") :]
+    command = re.search(r"```bash\n(python estimation.py .*?)\n```", section, flags=re.S).group(1)
+    argv = shlex.split(command.replace("\\\n", " "))[2:]
+    rows = re.findall(r"^\| `(ladder-[^`]+)` \| (\w+) \| ([^\n]*) \|$", section, flags=re.M)
+    return argv, {(flavor, optimizer): cells.split(" | ") for flavor, optimizer, cells in rows}
+
+
+@pytest.mark.parametrize(
+    "flavor", ["ladder-30M", "ladder-60M", "ladder-130M", "ladder-300M", "ladder-520M", "ladder-1.2B"]
+)
+def test_the_ladder_rows_of_the_memory_page_are_what_estimation_py_prints(flavor):
+    from torchtitan.models.llama import LADDER
+
+    argv, table = _ladder_page()
+    assert {f for f, _ in table} == set(LADDER)  # a row for every rung, and no other
+    argv = [flavor if arg == "ladder-130M" else arg for arg in argv]
+    estimate = estimate_memory(JobConfig.parse_args(argv, prog="estimation.py"))
+    for o in estimate.optimizers:
+        columns = (o.params, o.gradients, o.optimizer_state, o.activations, o.peak)
+        assert table[flavor, o.optimizer] == [f"{value / 2**30:.2f}" for value in columns]
