@@ -1,4 +1,4 @@
-"""Python garbage collection at chosen steps (``training.gc_freq``).
+"""Python garbage collection at chosen steps (``training.gc_freq``), and collections that look only at new objects.
 
 An automatic collection pauses one rank at a moment of its own choosing, and every other rank then waits for it at
 the next collective. With ``gc_freq = N`` automatic collection is off and every rank collects at the same steps.
@@ -7,6 +7,21 @@ the next collective. With ``gc_freq = N`` automatic collection is off and every 
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
+from typing import Iterator
+
+
+@contextmanager
+def collecting_only_new_objects() -> Iterator[None]:
+    """Set aside every object that exists now (torch's, sympy's, fake-tensor caches: hundreds of thousands) from the
+    garbage collector until the block ends, so that a ``gc.collect()`` inside it, which frees what one optimizer's
+    run or simulation left, looks only at what was made since: milliseconds instead of ~0.2 s. Nothing made inside
+    the block is kept longer than without it."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class GarbageCollection:

@@ -32,6 +32,7 @@ from torchtitan.estimation.tracker import (
     TRANSIENT,
     LiveMemoryTracker,
 )
+from torchtitan.garbage_collection import collecting_only_new_objects
 from torchtitan.optim.builder import (
     OPTIMIZERS,
     OptimizerKind,
@@ -455,7 +456,7 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
     world = fake_world(settings.world_size) if parallel_dims.any_parallelism else nullcontext()
     if any(choice.name in _LOW_BIT for choice in choices):
         precompute_quantization_maps()
-    with world:
+    with world, collecting_only_new_objects():
         # Mesh and sharding plan are built for real (on the meta device); only tensors with data are fake.
         # The simulated mesh and fake tensors live on the CPU (fake collectives need no GPU); a CUDA job computes in
         # training.mixed_precision_param as train.py's would (FSDP2's policy, or autocast, here CPU autocast).

@@ -38,6 +38,7 @@ import torch
 from torchtitan.config_manager import JobConfig
 from torchtitan.cuda_allocator import allocator_environ, allocator_setting
 from torchtitan.errors import UserError, exit_code
+from torchtitan.garbage_collection import collecting_only_new_objects
 from torchtitan.process_tree import kill_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -1019,7 +1020,7 @@ def run_child(name: str, function: str, ctx: Context) -> int:
     ctx.deadline = time.monotonic() + step_budget(name, ctx.dry_run) if name in STEPS else None
     ctx.found = json.loads(imports_path(ctx.out).read_text())  # the parent's probe
     try:
-        with _dry_run_settings() if ctx.dry_run else contextlib.nullcontext():
+        with _dry_run_settings() if ctx.dry_run else contextlib.nullcontext(), collecting_only_new_objects():
             result = step(ctx)
     except Exception as e:  # noqa: BLE001 - the parent reports it as this step's failure
         partial = json.loads(result_path(ctx.out, name).read_text()) if result_path(ctx.out, name).is_file() else {}
