@@ -24,6 +24,7 @@ from torchtitan.config_manager import JobConfig
 from torchtitan.estimation import LiveMemoryTracker, estimate_memory
 from torchtitan.estimation.simulate import simulated_implementation
 from torchtitan.estimation.tracker import GATHERED_PARAMS, PARAMS, storages_of
+from torchtitan.garbage_collection import collecting_only_new_objects
 
 VOCAB = 512
 # Estimate vs the allocator's measured peak, as (lowest, highest) relative error. One process: the same allocations
@@ -89,22 +90,25 @@ def _measure_real_steps(job: JobConfig, world_size: int, mesh, optimizer_names: 
     model = debug_model(job, VOCAB, mesh, parallel_dims, torch.device("cpu"))
     data = random_batches(job, VOCAB, seed)
     measured = {}
-    for name in optimizer_names:
-        named = copy.deepcopy(job)
-        named.optimizer.name = name
-        optimizers = build_optimizers([model], named)
-        step = lambda: training.train_step(model, optimizers, data, parallel_dims, named, torch.device("cpu"))  # noqa
-        step()  # warm-up: creates the optimizer state
-        for p in model.parameters():
-            p.grad = None
-        gc.collect()
-        before = _live_bytes(model, optimizers)
-        peak = before + _allocator_peak_above_start(step)
-        measured[name] = {"peak": peak, "state": optimizers.state_bytes()}
-        del optimizers
-        for p in model.parameters():
-            p.grad = None
-        gc.collect()
+    # The test process's objects are many, and a full collection slow: the collections below look only at what the
+    # loop makes (what one optimizer's steps left, freed before the next is measured).
+    with collecting_only_new_objects():
+        for name in optimizer_names:
+            named = copy.deepcopy(job)
+            named.optimizer.name = name
+            optimizers = build_optimizers([model], named)
+            step = lambda: training.train_step(model, optimizers, data, parallel_dims, named, torch.device("cpu"))  # noqa
+            step()  # warm-up: creates the optimizer state
+            for p in model.parameters():
+                p.grad = None
+            gc.collect()
+            before = _live_bytes(model, optimizers)
+            peak = before + _allocator_peak_above_start(step)
+            measured[name] = {"peak": peak, "state": optimizers.state_bytes()}
+            del optimizers
+            for p in model.parameters():
+                p.grad = None
+            gc.collect()
     return measured
 
 
@@ -430,9 +434,9 @@ def _ladder_page() -> tuple[list[str], dict[tuple[str, str], list[str]]]:
     return argv, {(flavor, optimizer): cells.split(" | ") for flavor, optimizer, cells in rows}
 
 
-@pytest.mark.parametrize(
-    "flavor", ["ladder-30M", "ladder-60M", "ladder-130M", "ladder-300M", "ladder-520M", "ladder-1.2B"]
-)
+# Every rung has its rows; two are estimated again here, one of each head size (64 up to ladder-300M, 128 above), as
+# each estimate takes seconds.
+@pytest.mark.parametrize("flavor", ["ladder-30M", "ladder-520M"])
 def test_the_ladder_rows_of_the_memory_page_are_what_estimation_py_prints(flavor):
     from torchtitan.models.llama import LADDER
 

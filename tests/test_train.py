@@ -78,16 +78,11 @@ def one_process_float64(tmp_path_factory):
     return losses_with
 
 
+# train.py end to end on the two 4-rank layouts, which between them run FSDP, TP (loss parallel), HSDP and 2 and 4
+# data readers; every layout's step, the 2-rank ones included, against one process: tests/test_parallelisms.py.
 @pytest.mark.parametrize(
     "nproc, layout",
     [
-        (2, ["--training.batch_size", "2"]),  # FSDP over 2 ranks
-        # TP 2 (loss parallel); two loader workers, so that it reads as the two data-parallel ranks of fsdp2 do.
-        (
-            2,
-            ["--training.tensor_parallel_degree", "2", "--training.batch_size", "2"]
-            + ["--training.gradient_accumulation_steps", "2", "--training.data_workers", "2"],
-        ),
         # FSDP 2 x TP 2; the training timeout (after the first step) goes to every group and changes no number.
         (
             4,
@@ -102,7 +97,7 @@ def one_process_float64(tmp_path_factory):
         ),
         (4, ["--training.data_parallel_replicate_degree", "2", "--training.batch_size", "1"]),  # HSDP 2 x 2
     ],
-    ids=["fsdp2", "tp2", "fsdp2_x_tp2", "hsdp2x2"],
+    ids=["fsdp2_x_tp2", "hsdp2x2"],
 )
 def test_parallel_layouts_match_one_process(tmp_path, one_process_float64, nproc, layout):
     # Same global batch (4 sequences from the same data readers), so every layout sees exactly the data one process
