@@ -10,6 +10,7 @@ import base64
 import html
 from typing import Optional, Sequence
 
+from torchtitan.config_manager import JOB_CONFIG_RECORD
 from torchtitan.tools.summary import settings_label, settings_order
 from torchtitan.tools.sweep_plan import COMMAND_FILE, DIVERGED, FINISHED, LOG_FILE, lr_label, tokens_label
 
@@ -76,25 +77,8 @@ def verdict_rows(report: dict) -> list[list[str]]:
     return rows
 
 
-def cell_text(cell: dict, runs: Sequence[dict]) -> str:
-    if cell["outcome"] == FINISHED:
-        return loss_text(cell["loss_mean"], cell["loss_ci"], len(cell["seeds"]))
-    bad = [
-        r
-        for r in runs
-        if r["optimizer"] == cell["optimizer"]
-        and r["budget"] == cell["budget"]
-        and r["settings"] == cell["settings"]
-        and r["outcome"] == cell["outcome"]
-    ]
-    count = f" {len(bad)}/{len(cell['seeds'])} seeds" if len(cell["seeds"]) > 1 else ""
-    if cell["outcome"] == DIVERGED:
-        steps = sorted(r["diverged_at_step"] for r in bad if r["diverged_at_step"] is not None)
-        return f"diverged{count}" + (f" (step {steps[0]})" if steps else "")
-    return f"failed{count} (exit {', '.join(str(r['exit_code']) for r in bad)})"
-
-
 def _cell_runs(cell: dict, runs: Sequence[dict]) -> list[dict]:
+    """The runs (one per seed) of a cell."""
     return [
         r
         for r in runs
@@ -102,35 +86,34 @@ def _cell_runs(cell: dict, runs: Sequence[dict]) -> list[dict]:
     ]
 
 
-def grid_folders(report: dict) -> list[list[list[tuple[int, str]]]]:
-    """(seed, run folder) of each cell of :func:`grid_rows`' rows, in the same places (the optimizer column has
-    none)."""
+def cell_text(cell: dict, runs: Sequence[dict]) -> str:
+    if cell["outcome"] == FINISHED:
+        return loss_text(cell["loss_mean"], cell["loss_ci"], len(cell["seeds"]))
+    bad = [r for r in _cell_runs(cell, runs) if r["outcome"] == cell["outcome"]]
+    count = f" {len(bad)}/{len(cell['seeds'])} seeds" if len(cell["seeds"]) > 1 else ""
+    if cell["outcome"] == DIVERGED:
+        steps = sorted(r["diverged_at_step"] for r in bad if r["diverged_at_step"] is not None)
+        return f"diverged{count}" + (f" (step {steps[0]})" if steps else "")
+    return f"failed{count} (exit {', '.join(str(r['exit_code']) for r in bad)})"
+
+
+def _grid(report: dict) -> tuple[list[str], list[dict[str, dict]]]:
+    """The grid at the verdict's budget: its column labels (every setting, in order) and, per optimizer row, its
+    cells by label."""
     budget = report["budgets"][-1] if report["budgets"] else None
     cells = [c for c in report["grid"] if c["budget"] == budget]
     labels = list(
         dict.fromkeys(settings_label(c["settings"]) for c in sorted(cells, key=lambda c: settings_order(c["settings"])))
     )
-    folders = []
-    for optimizer in report["best"]:
-        mine = {settings_label(c["settings"]): c for c in cells if c["optimizer"] == optimizer}
-        row: list[list[tuple[int, str]]] = [[]]
-        for label in labels:
-            runs = _cell_runs(mine[label], report["runs"]) if label in mine else []
-            row.append(sorted((r["seed"], r["folder"]) for r in runs))
-        folders.append(row)
-    return folders
+    rows = [{settings_label(c["settings"]): c for c in cells if c["optimizer"] == o} for o in report["best"]]
+    return labels, rows
 
 
 def grid_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     """Every cell at the verdict's budget: one row per optimizer, one column per setting; the best in bold."""
-    budget = report["budgets"][-1] if report["budgets"] else None
-    cells = [c for c in report["grid"] if c["budget"] == budget]
-    labels = list(
-        dict.fromkeys(settings_label(c["settings"]) for c in sorted(cells, key=lambda c: settings_order(c["settings"])))
-    )
+    labels, cells = _grid(report)
     rows = []
-    for optimizer, b in report["best"].items():
-        mine = {settings_label(c["settings"]): c for c in cells if c["optimizer"] == optimizer}
+    for (optimizer, b), mine in zip(report["best"].items(), cells):
         best = settings_label(b["settings"]) if b["settings"] else None
         row = [optimizer]
         for label in labels:
@@ -138,6 +121,24 @@ def grid_rows(report: dict) -> tuple[list[str], list[list[str]]]:
             row.append(f"**{text}**" if label == best else text)
         rows.append(row)
     return ["optimizer", *labels], rows
+
+
+def grid_folders(report: dict) -> list[list[list[tuple[int, str]]]]:
+    """(seed, run folder) of each cell of :func:`grid_rows`' rows, in the same places (none in the optimizer
+    column)."""
+    labels, cells = _grid(report)
+    return [
+        [
+            [],
+            *(
+                sorted((r["seed"], r["folder"]) for r in _cell_runs(mine[label], report["runs"]))
+                if label in mine
+                else []
+                for label in labels
+            ),
+        ]
+        for mine in cells
+    ]
 
 
 def notes(report: dict) -> list[str]:
@@ -245,7 +246,7 @@ def run_rows(report: dict) -> list[list]:
                 _score_text(r["rank_loss"]) if r["outcome"] == FINISHED else r["outcome"],
                 "n/a" if r.get("seconds") is None else f"{r['seconds']:.0f}",
                 (COMMAND_FILE, f"{r['folder']}/{COMMAND_FILE}"),
-                ("job_config.toml", config) if config else "n/a",
+                (JOB_CONFIG_RECORD, config) if config else "n/a",
                 (LOG_FILE, f"{r['folder']}/{LOG_FILE}"),
             ]
         )

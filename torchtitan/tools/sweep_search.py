@@ -22,7 +22,18 @@ from typing import Callable, Optional, Sequence, Union
 from torchtitan.errors import UserError
 from torchtitan.tools.runs import SweepRun, load_sweep_run, read_status, status_paths, sweep_order
 from torchtitan.tools.summary import summarize_sweep
-from torchtitan.tools.sweep_plan import Axis, Budget, RunSpec, axes_for, axis_value, items, lr_label, run_folder
+from torchtitan.tools.sweep_plan import (
+    FAILED,
+    FINISHED,
+    Axis,
+    Budget,
+    RunSpec,
+    axes_for,
+    axis_value,
+    items,
+    lr_label,
+    run_folder,
+)
 from torchtitan.tools.sweep_runner import Runner, is_done
 
 SEARCH_FILE = "search.json"  # the last search of a dump folder: its method and, for a descent, the grid and start
@@ -246,10 +257,10 @@ def point_score(
     if any(seed not in by_seed for seed in seeds):
         return None
     runs = [by_seed[seed] for seed in seeds]
-    if any(r["outcome"] == "failed" for r in runs):
+    if any(r["outcome"] == FAILED for r in runs):
         return BLOCKED
     losses = [r["rank_loss"] for r in runs]
-    if any(r["outcome"] != "finished" or loss is None for r, loss in zip(runs, losses)):
+    if any(r["outcome"] != FINISHED or loss is None for r, loss in zip(runs, losses)):
         return math.inf
     return sum(losses) / len(losses)
 
