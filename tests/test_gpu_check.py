@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tests import processes
 from tests.distributed import launch_env
@@ -134,6 +135,12 @@ def hanging_step(ctx):
     time.sleep(600)
 
 
+def skip_the_import_probe(monkeypatch) -> None:
+    """What the probe would find, without its process (seconds of importing every package): torch alone, as the
+    made-up steps below need nothing else. The probe itself is the dry run's and the torchao test's."""
+    monkeypatch.setattr(gpu_check, "probe_imports", lambda ctx: {"torch": torch.__version__})
+
+
 def test_a_failing_hanging_or_unequipped_step_fails_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(
         gpu_check,
@@ -148,6 +155,7 @@ def test_a_failing_hanging_or_unequipped_step_fails_alone(tmp_path, monkeypatch)
     )
     # The steps that finish get time for a loaded machine to start Python and torch; the hanging one a short budget.
     monkeypatch.setattr(gpu_check, "step_budget", lambda name, dry_run: 20 if name == "hangs" else 120)
+    skip_the_import_probe(monkeypatch)
     started = time.monotonic()
     report = gpu_check.run(tmp_path, dry_run=True)
     steps = report["steps"]
@@ -244,6 +252,7 @@ def test_sigterm_ends_the_check_with_its_processes_and_a_report(tmp_path, monkey
             "after": gpu_check.Step(fine_step, 1, 2),
         },
     )
+    skip_the_import_probe(monkeypatch)
     saved = gpu_check.result_path(tmp_path, "hangs")
 
     def terminate_once_the_step_hangs():

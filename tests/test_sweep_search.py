@@ -337,3 +337,17 @@ def test_each_run_keeps_its_command_which_runs_again_and_the_report_links_it(tmp
         assert cell in page
     assert 'href="runs/AdamW_lr1e-2_seed1/command.sh"' in page
     assert all(Path(dump / link).name != "job_config.toml" for link in links)  # the fake trainer writes none
+
+
+def test_the_report_is_rewritten_while_the_sweep_trains(tmp_path, monkeypatch, capsys):
+    import torchtitan.tools.sweep as sweep_module
+
+    # Every run's end rewrites the report (a real sweep: at most every INTERIM_REPORT_SECONDS); the third run stops
+    # the sweep with a mistake before its final report, and the page shows the two runs that ended.
+    monkeypatch.setattr(sweep_module, "INTERIM_REPORT_SECONDS", 0.0)
+    outcomes = {"AdamW_lr1e-2_seed0": "exit2"}
+    assert fake_sweep(tmp_path / "sweep", "--optimizers", "AdamW", "--lrs", "1e-4,1e-3,1e-2", outcomes=outcomes) == 2
+    assert capsys.readouterr().out.count("report so far: ") == 2
+    report = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [r["name"] for r in report["runs"]] == ["AdamW_lr1e-4_seed0", "AdamW_lr1e-3_seed0"]
+    assert (tmp_path / "sweep" / "study.html").is_file()

@@ -45,6 +45,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -87,6 +88,7 @@ DEFAULT_CONFIG = "./train_configs/debug_model.toml"
 SEARCHES = ("grid", "coordinate")
 REPORT_NAME = "sweep"  # sweep.png, sweep.md, sweep.json
 PAGE_NAME = "study.html"  # the one self-contained page: tables and every figure
+INTERIM_REPORT_SECONDS = 600.0  # while training, the report is rewritten at most this often
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -120,6 +122,26 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
     tmp.write_text(page)
     tmp.replace(dump / PAGE_NAME)
     return report
+
+
+class InterimReport:
+    """The report rewritten while a sweep trains, after a run ends and at most every ``INTERIM_REPORT_SECONDS``, so
+    that ``study.html`` shows a long study as it stands. A report that cannot be written yet (runs on other data)
+    is one line, and the sweep goes on; the final report says it again and fails."""
+
+    def __init__(self, dump: Path, last_k: int, baseline: Optional[str]):
+        self.dump, self.last_k, self.baseline = dump, last_k, baseline
+        self.last = time.monotonic()
+
+    def __call__(self) -> None:
+        if time.monotonic() - self.last < INTERIM_REPORT_SECONDS:
+            return
+        try:
+            write_report(self.dump, self.last_k, self.baseline)
+            print(f"report so far: {self.dump / PAGE_NAME}", flush=True)
+        except UserError as e:
+            print(f"note: no report yet: {e}", flush=True)
+        self.last = time.monotonic()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -306,7 +328,8 @@ def sweep(argv: Sequence[str]) -> int:
         with lock_sweep(dump):
             check_settings(dump, settings)
             launcher = shlex.split(args.launcher)
-            runner = Runner(dump, config_file, nproc, train_args, launcher, slots, args.vary_data_seed)
+            interim = InterimReport(dump, args.last_k, args.baseline)
+            runner = Runner(dump, config_file, nproc, train_args, launcher, slots, args.vary_data_seed, interim)
             write_search(dump, args.search, spaces or {}, seeds, budgets)
             if spaces is None:
                 statuses = run_all(runner, specs)

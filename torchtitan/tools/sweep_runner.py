@@ -10,7 +10,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from torchtitan.errors import DIVERGENCE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 from torchtitan.tools.runs import LOSS, Series, merged_scalars, read_status, write_status
@@ -147,8 +147,9 @@ class Runner:
     """Trains runs K at a time, one per slot: ``start`` a run on a free slot, ``wait`` for the next one to end.
 
     Each run's folder gets ``train.log`` (every attempt's output, each after a ``$ command`` line), ``command.sh``
-    and, when it ends, ``sweep_status.json``. Used as a context manager: leaving it by an exception (an interrupt, a
-    user error in one run) ends every run still going, which then has no status and trains again next time."""
+    and, when it ends, ``sweep_status.json``; then ``after_each`` is called. Used as a context manager: leaving it
+    by an exception (an interrupt, a user error in one run) ends every run still going, which then has no status and
+    trains again next time."""
 
     def __init__(
         self,
@@ -159,6 +160,7 @@ class Runner:
         launcher: Sequence[str],
         slots: Sequence[Slot],
         vary_data_seed: bool = False,
+        after_each: Optional[Callable[[], None]] = None,
     ):
         self.dump = dump
         self.train_args = list(train_args)
@@ -167,6 +169,7 @@ class Runner:
         self.slots = list(slots)
         self.base_environment = {"NGPU": str(nproc), "CONFIG_FILE": config_file}
         self.running: list[_Running] = []
+        self.after_each = after_each  # called after each run's status is written (the sweep's interim report)
 
     def __enter__(self) -> "Runner":
         self._previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -223,6 +226,8 @@ class Runner:
         )
         if status["exit_code"] == USER_ERROR_EXIT_CODE:
             raise UserError(f"{ended.spec.name} stopped on a mistake in its options: {status['message']}")
+        if self.after_each is not None:
+            self.after_each()
         return ended.spec, status
 
     def _record(self, run: _Running) -> dict:
