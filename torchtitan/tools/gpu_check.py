@@ -70,8 +70,9 @@ PACKAGES = (
     "sentencepiece",
     "tensorboard",
     "matplotlib",
+    "tomli_w",
 )
-TRAIN_PY_NEEDS = ("torchdata", "datasets")  # train.py's data loader
+TRAIN_PY_NEEDS = ("torchdata", "datasets", "tomli_w")  # train.py's data loader and its job_config.toml
 
 
 # ----------------------------------------------------------------------------------------------------------------
