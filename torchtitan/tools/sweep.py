@@ -126,8 +126,8 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
 
 class InterimReport:
     """The report rewritten while a sweep trains, after a run ends and at most every ``INTERIM_REPORT_SECONDS``, so
-    that ``study.html`` shows a long study as it stands. A report that cannot be written yet (runs on other data)
-    is one line, and the sweep goes on; the final report says it again and fails."""
+    that ``study.html`` shows a long study as it stands. A report that cannot be written yet (runs on other data, or
+    any other failure) is one line, and the runs go on; the final report says it again and fails."""
 
     def __init__(self, dump: Path, last_k: int, baseline: Optional[str]):
         self.dump, self.last_k, self.baseline = dump, last_k, baseline
@@ -139,7 +139,7 @@ class InterimReport:
         try:
             write_report(self.dump, self.last_k, self.baseline)
             print(f"report so far: {self.dump / PAGE_NAME}", flush=True)
-        except UserError as e:
+        except Exception as e:  # noqa: BLE001 - a report that fails must not stop the runs; the final one raises
             print(f"note: no report yet: {e}", flush=True)
         self.last = time.monotonic()
 
