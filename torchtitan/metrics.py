@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from torchtitan.collectives import all_gather_objects
+from torchtitan.files import write_text_atomically
 from torchtitan.logging import logger
 
 # Dense bf16 peak FLOP/s per device, for MFU, as (part of torch.cuda.get_device_name, FLOP/s): the first match
@@ -132,12 +133,8 @@ class MetricLogger:
     def write_record(self, name: str, text: str) -> None:
         """Write a file of facts about the run (``dataset.json``, ``job_config.toml``) into its folder, whole or not
         at all; nothing without a folder."""
-        if self.run_dir is None:
-            return
-        path = os.path.join(self.run_dir, name)
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+        if self.run_dir is not None:
+            write_text_atomically(os.path.join(self.run_dir, name), text)
 
     def close(self) -> None:
         if self.writer is not None:

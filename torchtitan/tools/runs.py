@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from torchtitan.config_manager import JOB_CONFIG_RECORD  # the resolved config a run trained with
 from torchtitan.errors import UserError
+from torchtitan.files import write_text_atomically
 from torchtitan.tools.sweep_plan import RUNS_FOLDER, STATUS_FILE, Budget, RunSpec
 
 # The tags train.py logs (see train.py's metrics); GPU runs log the allocator's peak, CPU runs the process RSS.
@@ -228,9 +229,7 @@ def read_status(run_dir: Path) -> Optional[dict]:
 
 def write_status(run_dir: Path, status: dict) -> None:
     """Write ``sweep_status.json`` atomically: a run has a complete status or none."""
-    tmp = run_dir / f"{STATUS_FILE}.tmp"
-    tmp.write_text(json.dumps(status, indent=2) + "\n")
-    tmp.replace(run_dir / STATUS_FILE)
+    write_text_atomically(run_dir / STATUS_FILE, json.dumps(status, indent=2) + "\n")
 
 
 def status_budget(status: dict) -> Optional[Budget]:

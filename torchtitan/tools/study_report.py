@@ -11,7 +11,7 @@ import html
 from typing import Optional, Sequence
 
 from torchtitan.config_manager import JOB_CONFIG_RECORD
-from torchtitan.tools.summary import settings_label, settings_order
+from torchtitan.tools.summary import cell_runs, settings_label, settings_order
 from torchtitan.tools.sweep_plan import COMMAND_FILE, DIVERGED, FINISHED, LOG_FILE, lr_label, tokens_label
 
 VERDICT_COLUMNS = (
@@ -78,12 +78,7 @@ def verdict_rows(report: dict) -> list[list[str]]:
 
 
 def _cell_runs(cell: dict, runs: Sequence[dict]) -> list[dict]:
-    """The runs (one per seed) of a cell."""
-    return [
-        r
-        for r in runs
-        if r["optimizer"] == cell["optimizer"] and r["budget"] == cell["budget"] and r["settings"] == cell["settings"]
-    ]
+    return cell_runs(runs, cell["optimizer"], cell["budget"], cell["settings"])
 
 
 def cell_text(cell: dict, runs: Sequence[dict]) -> str:

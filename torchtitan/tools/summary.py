@@ -325,7 +325,8 @@ def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -
     return result
 
 
-def _cell_runs(summaries: Sequence[dict], optimizer: str, budget, settings: Optional[dict]) -> list[dict]:
+def cell_runs(summaries: Sequence[dict], optimizer: str, budget, settings: Optional[dict]) -> list[dict]:
+    """The run summaries (one per seed) of the cell (optimizer, budget, settings)."""
     if settings is None:
         return []
     return [
@@ -337,7 +338,7 @@ def _cell_runs(summaries: Sequence[dict], optimizer: str, budget, settings: Opti
 
 def _cell_tokens(summaries: Sequence[dict], optimizer: str, budget, settings: dict) -> float:
     """Mean tokens trained on by a cell's finished runs at their ranked loss."""
-    runs = _cell_runs(summaries, optimizer, budget, settings)
+    runs = cell_runs(summaries, optimizer, budget, settings)
     return statistics.mean([r["rank_tokens"] for r in runs if r["rank_tokens"] is not None])
 
 
@@ -360,7 +361,7 @@ def summarize_sweep(runs: Sequence[SweepRun], last_k: int, baseline: str = DEFAU
                 continue
             settings = {_key(r["settings"]): r["settings"] for r in mine}
             cells = [
-                _cell(optimizer, budget, s, _cell_runs(mine, optimizer, budget, s))
+                _cell(optimizer, budget, s, cell_runs(mine, optimizer, budget, s))
                 for s in sorted(settings.values(), key=settings_order)
             ]
             grid.extend(cells)
@@ -370,7 +371,7 @@ def summarize_sweep(runs: Sequence[SweepRun], last_k: int, baseline: str = DEFAU
     by_name = {r.spec.name: r for r in runs}
     for budget, best in best_by_budget.items():
         base = best.get(baseline)
-        base_runs = _cell_runs(summaries, baseline, budget, base["settings"]) if base else []
+        base_runs = cell_runs(summaries, baseline, budget, base["settings"]) if base else []
         curves = {}
         for r in base_runs:
             if r["outcome"] == FINISHED:
@@ -378,7 +379,7 @@ def summarize_sweep(runs: Sequence[SweepRun], last_k: int, baseline: str = DEFAU
                 if curve is not None:
                     curves[r["name"]] = curve
         for optimizer, b in best.items():
-            chosen = _cell_runs(summaries, optimizer, budget, b["settings"])
+            chosen = cell_runs(summaries, optimizer, budget, b["settings"])
             b["versus_baseline"] = _versus(chosen, base_runs) if base_runs else None
             b["speedup"] = _speedup_of(chosen, base_runs, curves) if curves else None
 

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import UserError, exit_code
+from torchtitan.files import write_text_atomically
 from torchtitan.tools.runs import load_sweep_runs
 from torchtitan.tools.study_report import format_html, format_markdown
 from torchtitan.tools.summary import DEFAULT_BASELINE, summarize_sweep
@@ -117,10 +118,7 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
         "budgets": plot_budgets(report),
         "overview": (dump / f"{REPORT_NAME}.png").read_bytes(),
     }
-    page = format_html(report, figures, f"Optimizer study: {dump.name}")
-    tmp = dump / f"{PAGE_NAME}.tmp"
-    tmp.write_text(page)
-    tmp.replace(dump / PAGE_NAME)
+    write_text_atomically(dump / PAGE_NAME, format_html(report, figures, f"Optimizer study: {dump.name}"))
     return report
 
 

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from torchtitan.errors import UserError
+from torchtitan.files import write_text_atomically
 from torchtitan.tools.runs import SweepRun, load_sweep_run, read_status, status_paths, sweep_order
-from torchtitan.tools.summary import summarize_sweep
+from torchtitan.tools.summary import cell_runs, summarize_sweep
 from torchtitan.tools.sweep_plan import (
     FAILED,
     FINISHED,
@@ -229,9 +230,7 @@ def write_search(dump: Path, method: str, spaces: dict[str, Space], seeds: Seque
         data["seeds"] = list(seeds)
         data["budgets"] = [None if b is None else b.tokens for b in budgets]
         data["spaces"] = {o: s.to_json() for o, s in spaces.items()}
-    tmp = dump / f"{SEARCH_FILE}.tmp"
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(dump / SEARCH_FILE)
+    write_text_atomically(dump / SEARCH_FILE, json.dumps(data, indent=2) + "\n")
 
 
 def read_search(dump: Path) -> Optional[dict]:
@@ -248,12 +247,7 @@ def point_score(
 ) -> Score:
     """The mean over ``seeds`` of the ranked loss of the point's runs (``summary.summarize_sweep``'s run
     summaries); inf where a seed diverged; BLOCKED where one failed; None while a seed has not ended."""
-    key = _settings_key(settings)
-    by_seed = {
-        r["seed"]: r
-        for r in summaries
-        if r["optimizer"] == optimizer and r["budget"] == budget and _settings_key(r["settings"]) == key
-    }
+    by_seed = {r["seed"]: r for r in cell_runs(summaries, optimizer, budget, settings)}
     if any(seed not in by_seed for seed in seeds):
         return None
     runs = [by_seed[seed] for seed in seeds]
@@ -263,10 +257,6 @@ def point_score(
     if any(r["outcome"] != FINISHED or loss is None for r, loss in zip(runs, losses)):
         return math.inf
     return sum(losses) / len(losses)
-
-
-def _settings_key(settings: dict) -> tuple:
-    return tuple(sorted((k, repr(v)) for k, v in settings.items()))
 
 
 Retry = Callable[[str, Optional[int], Space, tuple], bool]
