@@ -55,7 +55,7 @@ def build(dump: Path, runs: int, steps: int, event_files: bool) -> None:
     lrs = [10 ** (-4 + 0.25 * i) for i in range(10)]
     cells = [(o, i, s) for o in range(len(OPTIMIZERS)) for i in range(len(lrs)) for s in range(5)][:runs]
     for o, i, s in cells:
-        from torchtitan.tools.sweep_plan import RunSpec
+        from torchtitan.study.plan import RunSpec
 
         spec = RunSpec(OPTIMIZERS[o], lrs[i], s)
         log_dir = dump / "runs" / spec.name / "tb" / f"20260101-000000_{spec.optimizer}"

@@ -26,7 +26,7 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from torchtitan.tools.sweep_plan import lr_label
+from torchtitan.study.plan import lr_label
 
 
 def options(argv: list[str]) -> dict[str, str]:

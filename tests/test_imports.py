@@ -220,3 +220,23 @@ def test_the_torch_free_modules_import_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["False"]
+
+
+def test_no_lower_layer_imports_the_study_or_the_tools():
+    # The study (torchtitan/study/) sits on the trainer's packages and the command-line tools on top of both: an
+    # arrow from the trainer up to either would make the trainer depend on the study's figures and statistics.
+    upper = ("torchtitan.study", "torchtitan.tools")
+    graph = import_graph(ROOT / "torchtitan")
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if not module.startswith(upper)
+        for target in targets
+        if target.startswith(upper)
+    )
+    assert upward == []
+    # The study never reads the command-line tools either.
+    assert [
+        m for m, targets in graph.items() if m.startswith(upper[0]) and any(t.startswith(upper[1]) for t in targets)
+    ] == []
+

@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 
 from torchtitan.errors import UserError
-from torchtitan.tools import statistics
-from torchtitan.tools.runs import (
+from torchtitan.study import statistics
+from torchtitan.study.figures import plot_budgets, swept_hyperparameters
+from torchtitan.study.plan import RunSpec, check_train_options, run_command
+from torchtitan.study.report import format_html, format_markdown, grid_rows
+from torchtitan.study.run_folders import (
     LOSS,
     TOKENS_SEEN,
     VALIDATION_LOSS,
@@ -23,11 +26,8 @@ from torchtitan.tools.runs import (
     read_metrics_jsonl,
     read_scalars,
 )
-from torchtitan.tools.study_report import format_html, format_markdown, grid_rows
-from torchtitan.tools.summary import summarize_sweep
+from torchtitan.study.summary import summarize_sweep
 from torchtitan.tools.sweep import main
-from torchtitan.tools.sweep_plan import RunSpec, check_train_options, run_command
-from torchtitan.tools.sweep_plot import plot_budgets, swept_hyperparameters
 
 TOKENS_PER_STEP = 512
 

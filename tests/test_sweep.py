@@ -335,7 +335,7 @@ def test_interrupted_sweep_ends_its_runs_and_leaves_them_unfinished(tmp_path):
 
 
 def test_the_plan_names_muon_family_runs_as_train_py_logs_them():
-    from torchtitan.tools.sweep_plan import plan
+    from torchtitan.study.plan import plan
 
     specs = plan(["muon", "nor_muon"], [1e-2], [0])
     assert [(s.optimizer, s.name) for s in specs] == [

@@ -18,8 +18,8 @@ import pytest
 
 from tests.helpers import FAKE, attempts, fake_sweep, one_error_line, status_of, sweep_env
 from torchtitan.errors import UserError
-from torchtitan.tools.sweep_plan import Axis, RunSpec
-from torchtitan.tools.sweep_search import (
+from torchtitan.study.plan import Axis, RunSpec
+from torchtitan.study.search import (
     BLOCKED,
     LR,
     Coordinate,
@@ -239,7 +239,7 @@ def test_a_descent_over_seeds_and_budgets_and_its_bad_input(tmp_path, capsys):
 
 
 def test_slots_give_each_run_gpus_of_its_own():
-    from torchtitan.tools.sweep_runner import Slot, plan_slots, visible_gpus
+    from torchtitan.study.scheduling import Slot, plan_slots, visible_gpus
 
     assert plan_slots(4, 2, [str(i) for i in range(8)]) == [
         Slot(0, ("0", "1")),
@@ -261,7 +261,7 @@ def test_slots_give_each_run_gpus_of_its_own():
 
 
 def fake_gpus(monkeypatch, gpus: list[str]) -> None:
-    import torchtitan.tools.sweep as sweep_module
+    import torchtitan.study.sweep as sweep_module
 
     monkeypatch.setattr(sweep_module, "visible_gpus", lambda environ: list(gpus))
 
@@ -340,7 +340,7 @@ def test_each_run_keeps_its_command_which_runs_again_and_the_report_links_it(tmp
 
 
 def test_the_report_is_rewritten_while_the_sweep_trains(tmp_path, monkeypatch, capsys):
-    import torchtitan.tools.sweep as sweep_module
+    import torchtitan.study.report as sweep_module
 
     # Every run's end rewrites the report (a real sweep: at most every INTERIM_REPORT_SECONDS); the third run stops
     # the sweep with a mistake before its final report, and the page shows the two runs that ended.

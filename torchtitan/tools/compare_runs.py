@@ -6,7 +6,7 @@ Each RUN_DIR is a run folder written by ``train.py`` (``{dump_folder}/tb/{YYYYmm
 holding several of them. The tool writes one PNG with loss against steps, loss against tokens seen and the gradient
 norm against steps, and prints a table per run: final loss (mean over the last k logged steps), mean tokens/s, peak
 memory and optimizer-state bytes; a run whose loss became non-finite shows as diverged at its first such step
-(the numbers are ``torchtitan.tools.summary.summarize``'s, the very ones an lr sweep ranks by).
+(the numbers are ``torchtitan.study.summary.summarize``'s, the very ones an lr sweep ranks by).
 ``--json`` writes the same numbers as JSON (to a file, or to stdout when no path is given, in which case the table
 is not printed). Reading runs is ``runs.py``; ``python -m torchtitan.tools.sweep`` runs lr sweeps.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import UserError, exit_code
-from torchtitan.tools.runs import GRAD_NORM, LOSS, TOKENS_SEEN, Run, Series, load_runs
-from torchtitan.tools.summary import summarize
+from torchtitan.study.run_folders import GRAD_NORM, LOSS, TOKENS_SEEN, Run, Series, load_runs
+from torchtitan.study.summary import summarize
 
 
 def summarize_run(run: Run, last_k: int) -> dict:

@@ -8,10 +8,10 @@ import io
 from pathlib import Path
 from typing import Optional, Sequence
 
-from torchtitan.tools import statistics
-from torchtitan.tools.runs import LOSS, VALIDATION_LOSS, Series, SweepRun
-from torchtitan.tools.summary import loss_curve, run_settings, settings_label
-from torchtitan.tools.sweep_plan import DIVERGED, FINISHED, lr_label
+from torchtitan.study import statistics
+from torchtitan.study.plan import DIVERGED, FINISHED, lr_label
+from torchtitan.study.run_folders import LOSS, VALIDATION_LOSS, Series, SweepRun
+from torchtitan.study.summary import loss_curve, run_settings, settings_label
 
 
 def _mean_curve(series: Sequence[Series]) -> tuple[list[int], list[float], list[float], list[float]]:

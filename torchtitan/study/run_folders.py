@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from torchtitan.config_manager import JOB_CONFIG_RECORD  # the resolved config a run trained with
 from torchtitan.errors import UserError
 from torchtitan.files import write_text_atomically
-from torchtitan.tools.sweep_plan import RUNS_FOLDER, STATUS_FILE, Budget, RunSpec
+from torchtitan.study.plan import RUNS_FOLDER, STATUS_FILE, Budget, RunSpec
 
 # The tags train.py logs (see train.py's metrics); GPU runs log the allocator's peak, CPU runs the process RSS.
 LOSS = "loss_metrics/global_avg_loss"

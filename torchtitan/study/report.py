@@ -8,11 +8,23 @@ from __future__ import annotations
 
 import base64
 import html
+import json
+import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.config_manager import JOB_CONFIG_RECORD
-from torchtitan.tools.summary import cell_runs, settings_label, settings_order
-from torchtitan.tools.sweep_plan import COMMAND_FILE, DIVERGED, FINISHED, LOG_FILE, lr_label, tokens_label
+from torchtitan.errors import UserError
+from torchtitan.files import write_text_atomically
+from torchtitan.study.figures import plot_budgets, plot_main, plot_sensitivity, plot_sweep
+from torchtitan.study.plan import COMMAND_FILE, DIVERGED, FINISHED, LOG_FILE, lr_label, tokens_label
+from torchtitan.study.run_folders import load_sweep_runs
+from torchtitan.study.search import descent_report, read_search
+from torchtitan.study.summary import DEFAULT_BASELINE, cell_runs, settings_label, settings_order, summarize_sweep
+
+REPORT_NAME = "sweep"  # sweep.png, sweep.md, sweep.json
+PAGE_NAME = "study.html"  # the one self-contained page: tables and every figure
+INTERIM_REPORT_SECONDS = 600.0  # while training, the report is rewritten at most this often
 
 VERDICT_COLUMNS = (
     "optimizer",
@@ -407,3 +419,53 @@ def format_html(report: dict, figures: dict[str, Optional[bytes]], title: str) -
         "</body></html>",
     ]
     return "\n".join(parts) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The report files
+
+
+def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Optional[dict]:
+    """sweep.png, sweep.md, sweep.json and study.html in the dump folder; None when no run has ended yet.
+
+    ``baseline`` None compares with AdamW where the sweep has it; a named baseline must be in the sweep."""
+    runs = load_sweep_runs(dump)
+    if not runs:
+        return None
+    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE)
+    report["descents"] = descent_report(read_search(dump), report["runs"])
+    if baseline is not None and not report["baseline_found"]:
+        raise UserError(
+            f"--baseline {baseline} is not an optimizer of this sweep ({', '.join(report['best'])}); name one of them"
+        )
+    plot_sweep(runs, report, dump / f"{REPORT_NAME}.png")
+    (dump / f"{REPORT_NAME}.md").write_text(format_markdown(report))
+    (dump / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
+    figures = {
+        "main": plot_main(runs, report),
+        "sensitivity": plot_sensitivity(report),
+        "budgets": plot_budgets(report),
+        "overview": (dump / f"{REPORT_NAME}.png").read_bytes(),
+    }
+    write_text_atomically(dump / PAGE_NAME, format_html(report, figures, f"Optimizer study: {dump.name}"))
+    return report
+
+
+class InterimReport:
+    """The report rewritten while a sweep trains, after a run ends and at most every ``INTERIM_REPORT_SECONDS``, so
+    that ``study.html`` shows a long study as it stands. A report that cannot be written yet (runs on other data, or
+    any other failure) is one line, and the runs go on; the final report says it again and fails."""
+
+    def __init__(self, dump: Path, last_k: int, baseline: Optional[str]):
+        self.dump, self.last_k, self.baseline = dump, last_k, baseline
+        self.last = time.monotonic()
+
+    def __call__(self) -> None:
+        if time.monotonic() - self.last < INTERIM_REPORT_SECONDS:
+            return
+        try:
+            write_report(self.dump, self.last_k, self.baseline)
+            print(f"report so far: {self.dump / PAGE_NAME}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a report that fails must not stop the runs; the final one raises
+            print(f"note: no report yet: {e}", flush=True)
+        self.last = time.monotonic()

@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from torchtitan.errors import DIVERGENCE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
-from torchtitan.tools.runs import LOSS, Series, merged_scalars, read_status, write_status
-from torchtitan.tools.summary import diverged_at_step
-from torchtitan.tools.sweep_plan import (
+from torchtitan.study.plan import (
     COMMAND_FILE,
     DIVERGED,
     FAILED,
@@ -26,6 +24,8 @@ from torchtitan.tools.sweep_plan import (
     run_command,
     run_folder,
 )
+from torchtitan.study.run_folders import LOSS, Series, merged_scalars, read_status, write_status
+from torchtitan.study.summary import diverged_at_step
 
 # How often the runner looks for runs that ended (a run takes seconds at the very least).
 POLL_SECONDS = 0.1

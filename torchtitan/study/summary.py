@@ -12,8 +12,9 @@ import math
 from typing import Optional, Sequence
 
 from torchtitan.errors import UserError
-from torchtitan.tools import statistics
-from torchtitan.tools.runs import (
+from torchtitan.study import statistics
+from torchtitan.study.plan import DIVERGED, FAILED, FINISHED, RUNS_FOLDER, lr_label
+from torchtitan.study.run_folders import (
     GRAD_NORM,
     LOSS,
     MEMORY_TAGS,
@@ -24,7 +25,6 @@ from torchtitan.tools.runs import (
     Series,
     SweepRun,
 )
-from torchtitan.tools.sweep_plan import DIVERGED, FAILED, FINISHED, RUNS_FOLDER, lr_label
 
 DEFAULT_BASELINE = "AdamW"
 

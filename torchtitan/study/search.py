@@ -21,9 +21,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from torchtitan.errors import UserError
 from torchtitan.files import write_text_atomically
-from torchtitan.tools.runs import SweepRun, load_sweep_run, read_status, status_paths, sweep_order
-from torchtitan.tools.summary import cell_runs, summarize_sweep
-from torchtitan.tools.sweep_plan import (
+from torchtitan.study.plan import (
     FAILED,
     FINISHED,
     Axis,
@@ -35,7 +33,9 @@ from torchtitan.tools.sweep_plan import (
     lr_label,
     run_folder,
 )
-from torchtitan.tools.sweep_runner import Runner, is_done
+from torchtitan.study.run_folders import SweepRun, load_sweep_run, read_status, status_paths, sweep_order
+from torchtitan.study.scheduling import Runner, is_done
+from torchtitan.study.summary import cell_runs, summarize_sweep
 
 SEARCH_FILE = "search.json"  # the last search of a dump folder: its method and, for a descent, the grid and start
 LR = "lr"  # the coordinate of the sweep's --lrs

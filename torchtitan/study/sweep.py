@@ -1,0 +1,150 @@
+"""A sweep end to end: the plan checked before any run starts, its runs trained (every cell of a grid, or the points
+a coordinate descent visits) K at a time, and the report written from the run folders.
+
+``python -m torchtitan.tools.sweep`` reads the command line and calls :func:`run_sweep`; the modules it joins are
+``plan`` (the runs, their folders and options, the checks), ``scheduling`` (the launcher processes K at a time),
+``search`` (coordinate descent), ``run_folders`` (reading what runs logged), ``summary`` and ``statistics`` (the
+numbers), ``figures`` and ``report`` (the page).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+from torchtitan.errors import UserError
+from torchtitan.study.plan import (
+    FAILED,
+    RUNS_FOLDER,
+    check_axes,
+    check_settings,
+    check_train_options,
+    fit_budgets,
+    items,
+    job_warmup_fraction,
+    lock_sweep,
+    parse_axis,
+    parse_budgets,
+    parse_lrs,
+    parse_seeds,
+    plan,
+    preflight_jobs,
+    tokens_per_step,
+)
+from torchtitan.study.report import PAGE_NAME, REPORT_NAME, InterimReport, format_markdown, write_report
+from torchtitan.study.scheduling import Runner, plan_slots, run_all, visible_gpus
+from torchtitan.study.search import parse_starts, read_search, run_descents, search_spaces, specs_of, write_search
+
+
+def _default_nproc(gpus: list[str], parallel: int) -> int:
+    return max(1, len(gpus) // parallel)
+
+
+def _budgets(args, config_file: str, nproc: int, train_args: list[str]) -> tuple[list, Optional[float]]:
+    """The runs' budgets, each fitted to the job's tokens per step, and their warmup share; ``[None], None``
+    without --budgets (every run the job's own length)."""
+    if args.budgets is None:
+        if args.warmup_fraction is not None:
+            raise UserError("--warmup-fraction applies to --budgets; add --budgets, or set --training.warmup_steps")
+        return [None], None
+    budgets = parse_budgets(args.budgets)
+    if not budgets:
+        raise UserError("--budgets is empty; give BUDGETS like '2e8,4e8' or '1x,2x', or leave it out")
+    fraction = args.warmup_fraction
+    if fraction is None:
+        fraction = job_warmup_fraction(config_file, train_args)
+    elif not 0 <= fraction < 1:
+        raise UserError(f"--warmup-fraction must be at least 0 and below 1; got {fraction:g}")
+    per_step, params = tokens_per_step(config_file, nproc, train_args)
+    return fit_budgets(budgets, per_step, params, fraction), fraction
+
+
+def _search_spaces(specs, lrs, axes, train_args, starts) -> dict:
+    """Each optimizer's grid and start for a coordinate descent (one line for a grid with nothing to descend)."""
+    optimizers = list(dict.fromkeys(s.optimizer for s in specs))
+    spaces = search_spaces(optimizers, lrs, check_axes(axes, optimizers, train_args), parse_starts(starts))
+    if all(len(c.values) == 1 for space in spaces.values() for c in space.coordinates):
+        raise UserError(
+            "--search coordinate has nothing to descend: every swept setting has one value; give --lrs or an "
+            "--axis two or more values, or drop --search coordinate"
+        )
+    return spaces
+
+
+def _to_check(specs, spaces) -> list:
+    """The runs whose jobs preflight checks before any run starts: all of a grid; for a descent, every value of
+    each setting once (from the start point), since the points it visits are not known in advance."""
+    if spaces is None:
+        return specs
+    budgets = list(dict.fromkeys(s.budget for s in specs))
+    seed = specs[0].seed
+    checked = []
+    for optimizer, space in spaces.items():
+        points = {space.start}
+        for n, c in enumerate(space.coordinates):
+            points |= {space.start[:n] + (i,) + space.start[n + 1 :] for i in range(len(c.values))}
+        for budget in budgets:
+            checked += [spec for p in sorted(points) for spec in specs_of(optimizer, budget, space, p, [seed])]
+    return checked
+
+
+def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
+    """Train what the sweep still lacks (nothing with ``--report-only``), write the report; the exit code."""
+    if args.last_k < 1:
+        raise UserError(f"--last-k must be at least 1; got {args.last_k}")
+    dump = Path(args.dump_folder).resolve()
+    if args.report_only:
+        if not (dump / RUNS_FOLDER).is_dir():
+            raise UserError(f"'{dump}' holds no sweep runs ({RUNS_FOLDER}/); pass the dump folder of a sweep")
+    else:
+        if args.nproc is not None and args.nproc < 1:
+            raise UserError(f"--nproc must be at least 1; got {args.nproc}")
+        gpus = visible_gpus(dict(os.environ))
+        nproc = args.nproc or _default_nproc(gpus, args.parallel)
+        slots = plan_slots(args.parallel, nproc, gpus)
+        config_file = str(Path(args.config_file).resolve())
+        check_train_options(train_args, args.vary_data_seed, budgets=args.budgets is not None)
+        if args.start and args.search != "coordinate":
+            raise UserError("--start sets where a coordinate descent starts; add --search coordinate or drop --start")
+        budgets, warmup_fraction = _budgets(args, config_file, nproc, train_args)
+        axes = [parse_axis(raw, args.budgets is not None, args.vary_data_seed) for raw in args.axis]
+        optimizers, lrs, seeds = items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds)
+        specs = plan(optimizers, lrs, seeds, budgets, axes, train_args)
+        spaces = None
+        if args.search == "coordinate":
+            spaces = _search_spaces(specs, lrs, axes, train_args, args.start)
+        preflight_jobs(_to_check(specs, spaces), config_file, nproc, train_args, args.vary_data_seed)
+        settings = {"config_file": config_file, "nproc": nproc, "train_args": train_args}
+        if args.vary_data_seed:  # recorded only when set, so that sweeps started before the flag resume
+            settings["vary_data_seed"] = True
+        if warmup_fraction is not None:  # the budgets themselves may grow: new budgets extend the sweep
+            settings["warmup_fraction"] = warmup_fraction
+        with lock_sweep(dump):
+            check_settings(dump, settings)
+            launcher = shlex.split(args.launcher)
+            interim = InterimReport(dump, args.last_k, args.baseline)
+            runner = Runner(dump, config_file, nproc, train_args, launcher, slots, args.vary_data_seed, interim)
+            write_search(dump, args.search, spaces or {}, seeds, budgets)
+            if spaces is None:
+                statuses = run_all(runner, specs)
+                failed = [s for s in statuses if s["outcome"] == FAILED]
+                failed_text = f"{len(failed)} of {len(statuses)} runs failed (see their train.log)"
+            else:
+                found = run_descents(runner, read_search(dump), budgets, args.last_k)
+                failed = [d for _, _, _, d in found if d.state == "blocked"]
+                failed_text = f"{len(failed)} of {len(found)} descents stopped at a run that failed (see its train.log)"
+    report = write_report(dump, args.last_k, args.baseline)
+    if report is None:
+        raise UserError(f"no run in '{dump}' has ended yet; run the sweep first")
+    print(format_markdown(report))
+    print(f"wrote {dump / REPORT_NAME}.png, .md, .json and {dump / PAGE_NAME}")
+    if args.report_only:
+        return 0
+    if failed:
+        print(f"error: {failed_text}; run the same command again to retry", file=sys.stderr)
+        return 1
+    return 0
