@@ -239,4 +239,3 @@ def test_no_lower_layer_imports_the_study_or_the_tools():
     assert [
         m for m, targets in graph.items() if m.startswith(upper[0]) and any(t.startswith(upper[1]) for t in targets)
     ] == []
-
