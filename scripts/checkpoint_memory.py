@@ -28,10 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torchtitan.checkpoint import CheckpointManager  # noqa: E402
 from torchtitan.config_manager import JobConfig  # noqa: E402
+from torchtitan.gpu_check.context import low_bit_names  # noqa: E402
 from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
 from torchtitan.optim import build_optimizers  # noqa: E402
 from torchtitan.optim.state.quantized_checkpoint import QuantizedEntry  # noqa: E402
-from torchtitan.tools.gpu_check import low_bit_names  # noqa: E402
 
 RISE_LIMIT = 2.5  # times the largest quantized state tensor's float32 bytes (2.25 expected for 4-bit)
 PLAIN_RISE_LIMIT = 1.0  # times the largest plain state tensor's bytes: one per-tensor temporary

@@ -14,7 +14,7 @@ WHEELS=(
     "datasets==5.2.0"      # train.py's text data loader (load_dataset)
     "dill==0.4.1"          # datasets' dependencies that the machine lacks
     "multiprocess==0.70.19"
-    "adam-mini==1.1.1"     # the reference Adam-mini in benchmarks/bench_optimizers.py and tests/test_adam_mini.py
+    "adam-mini==1.1.1"     # the reference Adam-mini in benchmarks/bench_optimizers.py and tests/optim/test_adam_mini.py
     "tomli-w==1.2.0"       # train.py's job_config.toml, each run's resolved config
 )
 LIMIT_BYTES=$((64 * 1024 * 1024))  # what travels with one device call, the working tree included

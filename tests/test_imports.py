@@ -239,3 +239,8 @@ def test_no_lower_layer_imports_the_study_or_the_tools():
     assert [
         m for m, targets in graph.items() if m.startswith(upper[0]) and any(t.startswith(upper[1]) for t in targets)
     ] == []
+
+
+def test_the_command_line_tools_are_thin():
+    lengths = {path.name: len(path.read_text().splitlines()) for path in (ROOT / "torchtitan" / "tools").glob("*.py")}
+    assert {name: n for name, n in lengths.items() if n > 250} == {}

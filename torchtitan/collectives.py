@@ -5,8 +5,8 @@ world group and every device-mesh group are NCCL, which reduces CUDA tensors onl
 torch builds mesh groups by splitting the NCCL communicator, so they would not inherit a CPU backend given to the
 world. Hence every helper here takes the ``device`` of the group it talks on and puts its tensor there: the training
 device for the world and mesh groups, ``cpu`` for a group created with ``backend="gloo"`` (the checkpoint
-manager's). ``tests/test_collectives.py`` checks over the source that no other module calls a collective on a group
-of the training device.
+manager's). ``tests/parallelisms/test_collectives.py`` checks over the source that no other module calls a collective
+on a group of the training device.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tests import processes
 from torchtitan.tools.compare_runs import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _f32(x: float) -> float:

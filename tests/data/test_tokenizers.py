@@ -15,7 +15,7 @@ from torchtitan.datasets import Tokenizer, build_tokenizer
 from torchtitan.datasets.tokenizer import HFTokenizer, SentencePieceTokenizer, TikTokenizer, _pieces_for_regex
 from torchtitan.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIKTOKEN_MODEL = REPO / "assets" / "tokenizer" / "tiktoken_test.model"
 SENTENCEPIECE_MODEL = REPO / "assets" / "tokenizer" / "sentencepiece_test.model"
 

@@ -179,8 +179,8 @@ def test_resume_on_another_world_size_continues_from_the_furthest_reader(referen
     assert "every reader continues from the furthest saved position" in output
     resumed = losses(dump)
     assert sorted(resumed) == list(range(MIDDLE + 1, STEPS + 1))
-    # Model and optimizer reshard exactly (tests/test_checkpoint.py); the data is dealt to other readers, so the
-    # losses differ from the straight run's, but every reader went on from the furthest saved position.
+    # Model and optimizer reshard exactly (tests/checkpoint/test_checkpoint.py); the data is dealt to other readers,
+    # so the losses differ from the straight run's, but every reader went on from the furthest saved position.
     saved, after = data_state(straight_dump, MIDDLE), data_state(dump, STEPS)
     assert saved["layout"] == {"dp_degree": 2, "workers": 1, "by_shard": False}  # one file: documents are dealt
     assert after["layout"] == {"dp_degree": world_size, "workers": 1, "by_shard": False}

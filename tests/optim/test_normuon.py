@@ -1,7 +1,7 @@
 """NorMuon in one process: against a reference written from the NorMuon reference code (microsoft/dion's
 ``normuon.py``) over Muon's momentum and Newton–Schulz, the rows it evens out, its options, and its state across a
-load. (Across processes: tests/test_adam_mini_distributed.py; names, state bytes and checkpoints:
-tests/test_optim_builder.py.)"""
+load. (Across processes: tests/optim/test_adam_mini_distributed.py; names, state bytes and checkpoints:
+tests/optim/test_optim_builder.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import job_config, max_difference, set_synthetic_grads, tiny_model, weights
-from tests.test_muon import loss_steps
+from tests.optim.test_muon import loss_steps
 from torchtitan.errors import UserError
 from torchtitan.optim import build_optimizers
 from torchtitan.optim.muon.normuon import NEURON_SECOND_MOMENT, NorMuon

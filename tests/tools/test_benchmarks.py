@@ -11,7 +11,8 @@ from benchmarks import bench_loss, bench_optimizers, bf16_momentum_rounding
 from scripts import checkpoint_memory
 from tests.helpers import DEBUG_CONFIG, job_config
 from torchtitan.errors import UserError
-from torchtitan.tools import gpu_check
+from torchtitan.gpu_check import context
+from torchtitan.gpu_check import steps as plan
 
 
 def test_bench_optimizers_times_only_the_chosen_optimizers(capsys):
@@ -25,13 +26,11 @@ def test_bench_optimizers_times_only_the_chosen_optimizers(capsys):
 
 
 def test_gpu_check_passes_its_optimizers_to_the_benchmark():
-    ctx = gpu_check.Context(
-        sizes=gpu_check.Sizes.for_run(True), out=None, dry_run=True, optimizers=["Muon", "AdamW8bit"]
-    )
+    ctx = context.Context(sizes=context.Sizes.for_run(True), out=None, dry_run=True, optimizers=["Muon", "AdamW8bit"])
     ctx.found = {"torchao": "0.17.0"}
-    assert gpu_check.bench_optimizer_names(ctx) == ["Muon"]
+    assert plan.bench_optimizer_names(ctx) == ["Muon"]
     ctx.optimizers, ctx.found = None, {"torchao": None}  # without torchao the low-bit variants are left out
-    assert gpu_check.bench_optimizer_names(ctx) == ["AdamW", "AdamMini", "Muon", "NorMuon"]
+    assert plan.bench_optimizer_names(ctx) == ["AdamW", "AdamMini", "Muon", "NorMuon"]
 
 
 def test_bench_loss_peaks_are_of_a_steady_step():

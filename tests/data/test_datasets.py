@@ -22,7 +22,7 @@ from tests.helpers import DEBUG_RUN, train_command
 from torchtitan.datasets import build_hf_data_loader, build_tokenizer, hf_datasets
 from torchtitan.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ASSETS = REPO / "assets"
 SAMPLE_JSONL = ASSETS / "data" / "sample" / "sample.jsonl"
 

@@ -53,7 +53,7 @@ def test_identical_runs_give_identical_losses_and_the_seed_matters(debug_run, tm
         train(reference, *extra)
     train(tmp_path / "b", *extra)
     assert losses(tmp_path / "b") == losses(reference)
-    # Another training.seed starts from other weights (the data are the same: tests/test_datasets.py).
+    # Another training.seed starts from other weights (the data are the same: tests/data/test_datasets.py).
     train(tmp_path / "c", "--training.steps", "1", "--training.seed", "1", *extra)
     assert losses(tmp_path / "c")[0] != losses(reference)[0]
 
@@ -79,7 +79,8 @@ def one_process_float64(tmp_path_factory):
 
 
 # train.py end to end on the two 4-rank layouts, which between them run FSDP, TP (loss parallel), HSDP and 2 and 4
-# data readers; every layout's step, the 2-rank ones included, against one process: tests/test_parallelisms.py.
+# data readers; every layout's step, the 2-rank ones included, against one process:
+# tests/parallelisms/test_parallelisms.py.
 @pytest.mark.parametrize(
     "nproc, layout",
     [

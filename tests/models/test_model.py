@@ -202,6 +202,6 @@ def test_the_docs_list_the_ladder_exact_counts():
 
     from torchtitan.models.llama import LADDER, non_embedding_params
 
-    page = (Path(__file__).resolve().parents[1] / "docs" / "study-runs.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "study-runs.md").read_text()
     rows = dict(re.findall(r"^\| `(ladder-[^`]+)` \|[^\n]*?\| ([\d,]+) \|$", page, flags=re.M))
     assert rows == {flavor: f"{non_embedding_params(args):,}" for flavor, args in LADDER.items()}

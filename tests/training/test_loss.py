@@ -3,8 +3,8 @@
 float64 on the tiny Llama of tests/helpers.py: chunking changes only the order of floating-point sums, so loss and
 gradients agree with whole logits to 1e-9 relative (observed: ~1e-15). The parallel layouts (FSDP, TP with the
 vocabulary-parallel and the gathered loss, FSDP x TP, HSDP, with activation checkpointing) are checked in
-tests/test_parallelisms.py, gradient accumulation in tests/test_train_step.py, compile in
-tests/test_parallel_ac_compile.py, validation in tests/test_validation.py.
+tests/parallelisms/test_parallelisms.py, gradient accumulation in tests/training/test_train_step.py, compile in
+tests/parallelisms/test_parallel_ac_compile.py, validation in tests/data/test_validation.py.
 """
 
 from __future__ import annotations

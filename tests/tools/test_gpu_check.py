@@ -20,6 +20,8 @@ from tests.distributed import launch_env
 from tests.helpers import ROOT
 from torchtitan.cuda_allocator import DEFAULT_ALLOC_CONF
 from torchtitan.errors import UserError
+from torchtitan.gpu_check import context, runner
+from torchtitan.gpu_check import steps as plan
 from torchtitan.optim.builder import OPTIMIZERS
 from torchtitan.tools import gpu_check
 
@@ -39,89 +41,89 @@ def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
     failed = {name: step.get("error") for name, step in report["steps"].items() if step["status"] != "ok"}
     assert failed == {} and done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.startswith("gpu_check: imports present: torch ")
-    assert list(report["steps"]) == list(gpu_check.STEPS)
+    assert list(report["steps"]) == list(plan.STEPS)
     trained = [row["optimizer"] for name in OPTIMIZER_STEPS_1B for row in report["steps"][name]["rows"]]
-    assert sorted(trained) == sorted(gpu_check.optimizer_specs())
+    assert sorted(trained) == sorted(context.optimizer_specs())
     for name in OPTIMIZER_STEPS_1B:
         for row in report["steps"][name]["rows"]:
             assert row["fits"] == "yes" and row["estimated peak allocated GiB"] is not None, row
             assert "estimate" not in row, row  # the estimate simulated the implementation the run took
     large = [row["optimizer"] for name in ("llama3_8b", "llama3_8b_more") for row in report["steps"][name]["rows"]]
-    assert sorted(large) == sorted(gpu_check.QUICK_8B + tuple(gpu_check.llama3_8b_more_specs()))
+    assert sorted(large) == sorted(context.QUICK_8B + tuple(plan.llama3_8b_more_specs()))
     assert {s.split(":")[0] for s in large} == set(OPTIMIZERS)
     assert all("estimated peak allocated GiB" not in row for row in report["steps"]["compiled_1b"]["rows"])
     assert report["steps"]["async_checkpoint"]["rows"][1]["resumed from step 4"] is True
     saved = report["steps"]["checkpoint_memory"]["text"]
-    assert "AdamMini4bit" in gpu_check.low_bit_names() and "--async-save" in saved
-    for name in ["AdamW", *gpu_check.low_bit_names()]:
+    assert "AdamMini4bit" in context.low_bit_names() and "--async-save" in saved
+    for name in ["AdamW", *context.low_bit_names()]:
         assert saved.count(f"\n{name} ") == 2, saved  # a table row in the synchronous and the asynchronous run
     assert "AdamW (fused)" in report["steps"]["adam_mini_step_1b"]["text"]
     assert "AdamMini (fused)" in report["steps"]["adam_mini_step_1b"]["text"]
     assert "Muon (bf16 NS)" in report["steps"]["bench_optimizers_100m"]["text"]
     listed = [row["result"] for row in report["steps"]["component_checks"]["rows"]]
-    assert listed == ["listed (dry run)"] * len(gpu_check.component_commands(out))
+    assert listed == ["listed (dry run)"] * len(plan.component_commands(out))
     markdown = (out / "gpu_check.md").read_text()
-    for name in gpu_check.STEPS:
+    for name in plan.STEPS:
         assert f"## {name}: ok" in markdown
     assert report["allocator"] == f"PYTORCH_CUDA_ALLOC_CONF={DEFAULT_ALLOC_CONF}"
     assert not list((out / "steps").glob("*.json.partial"))
 
 
 def test_plan_follows_the_registry():
-    specs = gpu_check.optimizer_specs()
+    specs = context.optimizer_specs()
     assert [s for s in specs if ":" not in s] == list(OPTIMIZERS)  # a new optimizer appears without edits here
     for variant in ("AdamW:implementation=fused", "AdamMini:implementation=foreach", "AdamMini:state_dtype=bfloat16"):
         assert variant in specs
-    assert gpu_check.optimizer_specs(["AdamMini4bit"]) == ["AdamMini4bit"]
+    assert context.optimizer_specs(["AdamMini4bit"]) == ["AdamMini4bit"]
     # The three 1B steps run every spec once; a new registry name lands in one of them.
     at_1b = [
-        *gpu_check.QUICK_OPTIMIZERS,
-        *gpu_check.optimizers_1b_variant_specs(),
-        *gpu_check.optimizers_1b_more_specs(),
+        *context.QUICK_OPTIMIZERS,
+        *plan.optimizers_1b_variant_specs(),
+        *plan.optimizers_1b_more_specs(),
     ]
     assert sorted(at_1b) == sorted(specs)
-    at_8b = [s.split(":")[0] for s in gpu_check.QUICK_8B] + gpu_check.llama3_8b_more_specs()
+    at_8b = [s.split(":")[0] for s in context.QUICK_8B] + plan.llama3_8b_more_specs()
     assert set(at_8b) == set(OPTIMIZERS)
-    assert "tests/test_estimation_cuda.py" in gpu_check.gpu_test_files()
+    assert "tests/estimation/test_estimation_cuda.py" in plan.gpu_test_files()
     # The component checks name scripts that exist (the list cannot outlive a renamed benchmark).
-    scripts = [command[1] for _, command, _ in gpu_check.component_commands(ROOT) if command[1].endswith(".py")]
+    scripts = [command[1] for _, command, _ in plan.component_commands(ROOT) if command[1].endswith(".py")]
     assert "benchmarks/bench_loss.py" in scripts and "train.py" in scripts
     assert all((ROOT / script).is_file() for script in scripts), scripts
 
 
 def test_groups_cover_the_plan_and_each_fits_one_device_command():
-    grouped = [step for steps in gpu_check.GROUPS.values() for step in steps]
-    assert sorted(grouped) == sorted(gpu_check.STEPS)  # every step in exactly one group
-    for name, steps in gpu_check.GROUPS.items():
-        assert gpu_check.group_seconds(steps) <= 9 * 60, name  # by the estimates
-        assert gpu_check.group_seconds(steps, budget=True) <= 10 * 60, name  # by the budgets: a command's limit
-        assert all(gpu_check.STEPS[s].estimate_s < gpu_check.STEPS[s].budget_s for s in steps)
-    assert gpu_check.group_seconds(gpu_check.GROUPS["quick"]) <= 8 * 60
-    assert gpu_check.steps_of("quick,gpu_tests") == [*gpu_check.GROUPS["quick"], "gpu_tests"]
+    grouped = [step for steps in plan.GROUPS.values() for step in steps]
+    assert sorted(grouped) == sorted(plan.STEPS)  # every step in exactly one group
+    for name, steps in plan.GROUPS.items():
+        assert plan.group_seconds(steps) <= 9 * 60, name  # by the estimates
+        assert plan.group_seconds(steps, budget=True) <= 10 * 60, name  # by the budgets: a command's limit
+        assert all(plan.STEPS[s].estimate_s < plan.STEPS[s].budget_s for s in steps)
+    assert plan.group_seconds(plan.GROUPS["quick"]) <= 8 * 60
+    assert runner.steps_of("quick,gpu_tests") == [*plan.GROUPS["quick"], "gpu_tests"]
     # docs/gpu-check.md gives each step's estimate as the plan has it.
     docs = (ROOT / "docs" / "gpu-check.md").read_text()
-    for name, step in gpu_check.STEPS.items():
+    for name, step in plan.STEPS.items():
         assert f"| `{name}` | {step.estimate_s} s | {step.budget_s} s |" in docs, name
-    for name in gpu_check.GROUPS:
+    for name in plan.GROUPS:
         assert f"--only {name}" in docs or (name == "quick" and "--quick" in docs)
 
 
 def test_steps_run_with_the_trainers_allocator_and_an_extended_pythonpath():
-    env = gpu_check.step_environment(False, {"PYTHONPATH": "/tmp/site", "PATH": "/bin"})
+    env = context.step_environment(False, {"PYTHONPATH": "/tmp/site", "PATH": "/bin"})
     assert env["PYTHONPATH"] == f"{ROOT}{os.pathsep}/tmp/site"  # wheels installed beside the project stay visible
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == DEFAULT_ALLOC_CONF and "CUDA_VISIBLE_DEVICES" not in env
-    kept = gpu_check.step_environment(False, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"})
+    kept = context.step_environment(False, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"})
     assert "PYTORCH_CUDA_ALLOC_CONF" not in kept and kept["PYTORCH_ALLOC_CONF"] == "expandable_segments:False"
     assert kept["PYTHONPATH"] == str(ROOT)
 
 
 # Steps for the tests below; each runs in a process of its own, which imports this module to find it.
 def fine_step(ctx):
-    return gpu_check.StepResult(rows=[{"checked": "yes"}])
+    return context.StepResult(rows=[{"checked": "yes"}])
 
 
 def broken_step(ctx):
-    ctx.save(gpu_check.StepResult(rows=[{"measured": "before breaking"}]))
+    ctx.save(context.StepResult(rows=[{"measured": "before breaking"}]))
     raise RuntimeError("broken on purpose")
 
 
@@ -131,33 +133,33 @@ def hanging_step(ctx):
     report = json.loads((ctx.out / "gpu_check.json").read_text())
     seen = {name: step["status"] for name, step in report["steps"].items()}
     started = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-    ctx.save(gpu_check.StepResult(rows=[{"report while running": json.dumps(seen), "started": started.pid}]))
+    ctx.save(context.StepResult(rows=[{"report while running": json.dumps(seen), "started": started.pid}]))
     time.sleep(600)
 
 
 def skip_the_import_probe(monkeypatch) -> None:
     """What the probe would find, without its process (seconds of importing every package): torch alone, as the
     made-up steps below need nothing else. The probe itself is the dry run's and the torchao test's."""
-    monkeypatch.setattr(gpu_check, "probe_imports", lambda ctx: {"torch": torch.__version__})
+    monkeypatch.setattr(runner, "probe_imports", lambda ctx: {"torch": torch.__version__})
 
 
 def test_a_failing_hanging_or_unequipped_step_fails_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        gpu_check,
+        runner,
         "STEPS",
         {
-            "fine": gpu_check.Step(fine_step, 1, 2),
-            "broken": gpu_check.Step(broken_step, 1, 2),
-            "unequipped": gpu_check.Step(fine_step, 1, 2, needs=("no_such_package_here",)),
-            "hangs": gpu_check.Step(hanging_step, 1, 2),
-            "after": gpu_check.Step(fine_step, 1, 2),
+            "fine": plan.Step(fine_step, 1, 2),
+            "broken": plan.Step(broken_step, 1, 2),
+            "unequipped": plan.Step(fine_step, 1, 2, needs=("no_such_package_here",)),
+            "hangs": plan.Step(hanging_step, 1, 2),
+            "after": plan.Step(fine_step, 1, 2),
         },
     )
     # The steps that finish get time for a loaded machine to start Python and torch; the hanging one a short budget.
-    monkeypatch.setattr(gpu_check, "step_budget", lambda name, dry_run: 20 if name == "hangs" else 120)
+    monkeypatch.setattr(runner, "step_budget", lambda name, dry_run: 20 if name == "hangs" else 120)
     skip_the_import_probe(monkeypatch)
     started = time.monotonic()
-    report = gpu_check.run(tmp_path, dry_run=True)
+    report = runner.run(tmp_path, dry_run=True)
     steps = report["steps"]
     assert steps["fine"]["status"] == "ok" and steps["fine"]["rows"] == [{"checked": "yes"}]
     assert steps["broken"]["status"] == "failed" and "broken on purpose" in steps["broken"]["error"]
@@ -186,7 +188,7 @@ def test_a_failing_hanging_or_unequipped_step_fails_alone(tmp_path, monkeypatch)
 
 def test_unknown_step_or_optimizer_is_a_user_error(capsys):
     with pytest.raises(UserError, match="unknown nope"):
-        gpu_check._names("nope", list(gpu_check.STEPS), "only")
+        runner.names_of("nope", list(plan.STEPS), "only")
     assert gpu_check.main(["--out", "/nonexistent/x", "--only", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --only: unknown nope;") and err.count("\n") == 1, err  # one line, no traceback
@@ -203,17 +205,17 @@ def test_a_failing_or_hanging_component_check_fails_its_step(tmp_path, monkeypat
         ("hangs", [sys.executable, "-c", "import time; time.sleep(60)"], ()),
         ("unequipped", [sys.executable, "-c", "print('never run')"], ("no_such_package_here",)),
     ]
-    monkeypatch.setattr(gpu_check, "component_commands", lambda out: commands)
-    monkeypatch.setattr(gpu_check, "COMMAND_TIMEOUT_S", 5)
-    ctx = gpu_check.Context(sizes=gpu_check.Sizes.for_run(dry_run=True), out=tmp_path, dry_run=False)
-    result = gpu_check.step_component_checks(ctx)
+    monkeypatch.setattr(plan, "component_commands", lambda out: commands)
+    monkeypatch.setattr(context, "COMMAND_TIMEOUT_S", 5)
+    ctx = context.Context(sizes=context.Sizes.for_run(dry_run=True), out=tmp_path, dry_run=False)
+    result = plan.step_component_checks(ctx)
     assert not stale.parent.exists()  # a rerun with the same --out starts the export afresh
-    assert len(gpu_check.broken_rows(result.rows)) == 2
+    assert len(runner.broken_rows(result.rows)) == 2
     results = {row["check"]: (row["result"], row.get("output")) for row in result.rows}
     assert results == {
         "passes": ("ok", "fine"),
-        "fails": (gpu_check.FAILED, "about to fail"),
-        "hangs": (gpu_check.FAILED, "(timed out after 5 s)"),
+        "fails": (context.FAILED, "about to fail"),
+        "hangs": (context.FAILED, "(timed out after 5 s)"),
         "unequipped": ("skipped: needs no_such_package_here (not importable)", None),
     }
 
@@ -244,16 +246,16 @@ def test_sigterm_ends_the_check_with_its_processes_and_a_report(tmp_path, monkey
     """``timeout`` ends a device command's check with SIGTERM: the running step and what it started are killed, its
     saved rows and the finished steps' results are in the report, and the remaining steps are not run."""
     monkeypatch.setattr(
-        gpu_check,
+        runner,
         "STEPS",
         {
-            "fine": gpu_check.Step(fine_step, 1, 2),
-            "hangs": gpu_check.Step(hanging_step, 1, 2),
-            "after": gpu_check.Step(fine_step, 1, 2),
+            "fine": plan.Step(fine_step, 1, 2),
+            "hangs": plan.Step(hanging_step, 1, 2),
+            "after": plan.Step(fine_step, 1, 2),
         },
     )
     skip_the_import_probe(monkeypatch)
-    saved = gpu_check.result_path(tmp_path, "hangs")
+    saved = context.result_path(tmp_path, "hangs")
 
     def terminate_once_the_step_hangs():
         deadline = time.monotonic() + 300
@@ -263,7 +265,7 @@ def test_sigterm_ends_the_check_with_its_processes_and_a_report(tmp_path, monkey
 
     previous = signal.getsignal(signal.SIGTERM)
     threading.Thread(target=terminate_once_the_step_hangs, daemon=True).start()
-    report = gpu_check.run(tmp_path, dry_run=True)
+    report = runner.run(tmp_path, dry_run=True)
     assert signal.getsignal(signal.SIGTERM) is previous  # the check's handler is undone
     assert report["ended"] == "SIGTERM"
     steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]

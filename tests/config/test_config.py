@@ -8,7 +8,7 @@ from torchtitan.config_manager import JobConfig, help_text
 from torchtitan.errors import UserError
 from torchtitan.preflight import preflight
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_toml(tmp_path, text):
@@ -149,7 +149,7 @@ def test_shipped_configs_parse_and_those_marked_for_integration_tests_pass_prefl
 
 
 def test_help_from_the_command_line():
-    # A mistake on train.py's command line, from a real process: tests/test_train.py.
+    # A mistake on train.py's command line, from a real process: tests/training/test_train.py.
     ok = processes.run([sys.executable, "train.py", "--help"], cwd=ROOT, timeout=300)
     assert ok.returncode == 0 and "--optimizer.name" in ok.stdout and "--training.max_skipped_steps" in ok.stdout
 

@@ -9,8 +9,8 @@ import pytest
 from tests.distributed import uses_cuda
 from tests.helpers import DEBUG_RUN, ROOT, event_tags, losses, metric_rows, run_dir, train
 
-# The compiled low-bit step is covered by tests/test_optim_builder.py; here the low-bit optimizers run eagerly so the
-# suite pays for no further compiles (TORCHDYNAMO_DISABLE is torch's own switch).
+# The compiled low-bit step is covered by tests/optim/test_optim_builder.py; here the low-bit optimizers run eagerly so
+# the suite pays for no further compiles (TORCHDYNAMO_DISABLE is torch's own switch).
 EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 
 
@@ -60,7 +60,7 @@ def test_two_fsdp_processes(tmp_path, name):
     # 2 ranks of 2 sequences see the global batch one process sees when it takes 2 micro-batches of 2 sequences from
     # 2 loader workers (each rank, like each worker, reads its own share of the documents): the same losses, up to
     # float32 summation order on CPU, or FSDP's bf16 compute (training.mixed_precision_param) on GPUs. (AdamW's FSDP
-    # run against one process, in float64, is tests/test_train.py's fsdp2_x_tp2 layout.)
+    # run against one process, in float64, is tests/training/test_train.py's fsdp2_x_tp2 layout.)
     train(tmp_path / "two", "--optimizer.name", name, "--training.steps", "4", nproc=2)
     on_gpus = uses_cuda(2)
     train(
@@ -114,8 +114,8 @@ def test_adam_mini_resume_equals_uninterrupted_run(tmp_path):
 
 
 def test_low_bit_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
-    # The checkpoint holds each quantized state's block scales beside its values (tests/test_lowprec_checkpoints.py):
-    # a resumed 8-bit run continues bit for bit.
+    # The checkpoint holds each quantized state's block scales beside its values
+    # (tests/checkpoint/test_lowprec_checkpoints.py): a resumed 8-bit run continues bit for bit.
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     straight, resumed = resumed_vs_straight(tmp_path, "AdamW8bit")
     assert len(resumed) == 4
@@ -134,7 +134,7 @@ def test_low_bit_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     ],
 )
 def test_bad_optimizer_input(tmp_path, args, message, monkeypatch, capsys):
-    # In this process (a real process's exit code and output are checked by tests/test_train.py).
+    # In this process (a real process's exit code and output are checked by tests/training/test_train.py).
     import train as train_module
 
     monkeypatch.setattr(sys, "argv", ["train.py", *DEBUG_RUN, "--job.dump_folder", str(tmp_path), *args])

@@ -691,7 +691,7 @@ def test_fsdp_two_ranks_resume_exactly_and_reshard_to_one(name, fsdp_exact_runs)
         assert torch.equal(torch.as_tensor(loaded[key]).to(value.dtype), value), key
 
 
-LOW_BIT_RESUME_NAMES = ("AdamW8bit",)  # AdamMini's quantized momentum: tests/test_lowprec_checkpoints.py
+LOW_BIT_RESUME_NAMES = ("AdamW8bit",)  # AdamMini's quantized momentum: tests/checkpoint/test_lowprec_checkpoints.py
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from torchtitan.datasets.tokens import (
 from torchtitan.errors import UserError
 from torchtitan.tools.pretokenize import pretokenize
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIKTOKEN = str(REPO / "assets" / "tokenizer" / "tiktoken_test.model")
 SENTENCEPIECE = str(REPO / "assets" / "tokenizer" / "sentencepiece_test.model")
 

@@ -1,0 +1,275 @@
+"""Running the plan: each step in a process of its own, stopped at its budget, the report rewritten after every
+step, SIGTERM ending the check with its processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from torchtitan.cuda_allocator import allocator_setting
+from torchtitan.errors import UserError
+from torchtitan.garbage_collection import collecting_only_new_objects
+from torchtitan.gpu_check.context import (
+    DRY_RUN_BUDGET_S,
+    FAILED,
+    REPO_ROOT,
+    Context,
+    Sizes,
+    dry_run_settings,
+    imports_line,
+    imports_path,
+    log_path,
+    missing_needs,
+    result_json,
+    result_path,
+    run_command,
+    skipped_text,
+    step_env,
+    wait_or_kill,
+    write_atomically,
+)
+from torchtitan.gpu_check.steps import GROUPS, STEPS
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running the plan and the report
+
+
+def _child_command(name: str, ctx: Context) -> list[str]:
+    function = STEPS[name].run
+    command = [sys.executable, "-m", "torchtitan.tools.gpu_check", "--out", str(ctx.out), "--child", name]
+    command += ["--step-function", f"{function.__module__}:{function.__qualname__}"]
+    command += ["--dry-run"] if ctx.dry_run else []
+    command += ["--optimizers", ",".join(ctx.optimizers)] if ctx.optimizers else []
+    return command
+
+
+def step_budget(name: str, dry_run: bool) -> int:
+    return DRY_RUN_BUDGET_S if dry_run else STEPS[name].budget_s
+
+
+def run_step(name: str, ctx: Context) -> dict[str, Any]:
+    """Run step ``name`` in a process of its own, stopped at its budget; what it measured, how it ended."""
+    started = time.perf_counter()
+    missing = missing_needs(STEPS[name].needs, ctx.found)
+    if missing:
+        outcome: dict[str, Any] = {"status": "skipped", "error": skipped_text(missing), "seconds": 0.0}
+        print(f"gpu_check: {name}: {outcome['error']}", flush=True)
+        return outcome
+    budget = step_budget(name, ctx.dry_run)
+    saved = result_path(ctx.out, name)
+    saved.unlink(missing_ok=True)
+    log = log_path(ctx.out, name)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as output:
+        process = subprocess.Popen(
+            _child_command(name, ctx),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env=step_env(ctx),
+            start_new_session=True,
+        )
+        returncode = wait_or_kill(process, budget)
+    result = json.loads(saved.read_text()) if saved.is_file() else {}
+    saved.unlink(missing_ok=True)
+    outcome = {"status": "ok", "rows": result.get("rows", []), "notes": result.get("notes", [])}
+    outcome["text"] = result.get("text", "")
+    if returncode is None:
+        outcome.update(status="failed", error=f"stopped at its budget of {budget} s (what it measured is kept)")
+    elif "error" in result:
+        outcome.update(status="failed", error=result["error"], traceback=result.get("traceback", ""))
+    elif returncode != 0 or not result.get("done"):
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        outcome.update(status="failed", error=f"its process exited with {returncode} before finishing:\n{tail}")
+    else:
+        broken = broken_rows(outcome["rows"])
+        if broken:  # the other rows were still measured
+            outcome.update(
+                status="failed", error=f"{len(broken)} of {len(outcome['rows'])} runs failed (see the table)"
+            )
+    outcome["seconds"] = round(time.perf_counter() - started, 1)
+    outcome["budget s"] = budget
+    print(f"gpu_check: {name}: {outcome['status']} in {outcome['seconds']} s (budget {budget} s)", flush=True)
+    return outcome
+
+
+def broken_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of runs that failed: an error instead of a measurement or an estimate, a failed command."""
+    return [
+        row
+        for row in rows
+        if str(row.get("fits", "")).startswith("error")
+        or str(row.get("estimate", "")).startswith("error")
+        or row.get("result") == FAILED
+    ]
+
+
+def run_child(name: str, function: str, ctx: Context) -> int:
+    """The body of a step's own process: run the step, saving its result where :func:`run_step` reads it."""
+    import importlib
+
+    module, _, qualname = function.partition(":")
+    step = importlib.import_module(module)
+    for part in qualname.split("."):
+        step = getattr(step, part)
+    ctx.step = name
+    ctx.deadline = time.monotonic() + step_budget(name, ctx.dry_run) if name in STEPS else None
+    ctx.found = json.loads(imports_path(ctx.out).read_text())  # the parent's probe
+    try:
+        with dry_run_settings() if ctx.dry_run else contextlib.nullcontext(), collecting_only_new_objects():
+            result = step(ctx)
+    except Exception as e:  # noqa: BLE001 - the parent reports it as this step's failure
+        partial = json.loads(result_path(ctx.out, name).read_text()) if result_path(ctx.out, name).is_file() else {}
+        partial.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        write_atomically(result_path(ctx.out, name), json.dumps(partial, default=str))
+        traceback.print_exc()
+        return 1
+    write_atomically(result_path(ctx.out, name), json.dumps({**result_json(result), "done": True}, default=str))
+    return 0
+
+
+def probe_imports(ctx: Context) -> dict[str, Optional[str]]:
+    """:func:`importable` in a process started as the steps are (the parent keeps CUDA untouched)."""
+    code = "import json; from torchtitan.gpu_check.context import importable; print(json.dumps(importable()))"
+    done = run_command([sys.executable, "-c", code], ctx, timeout=120)
+    if not done.ok:
+        raise RuntimeError(f"the import probe {done.how_it_ended()}:\n{done.output[-2000:]}")
+    return json.loads(done.output.strip().splitlines()[-1])
+
+
+def device_description(dry_run: bool) -> str:
+    if dry_run:
+        return "CPU (dry run)"
+    # Without creating a CUDA context in this process (it would hold GPU memory the steps then lack).
+    done = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        if shutil.which("nvidia-smi")
+        else None
+    )
+    return (
+        done.stdout.strip().splitlines()[0] if done is not None and done.returncode == 0 and done.stdout else "CUDA GPU"
+    )
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# GPU check ({'dry run' if report['dry_run'] else 'GPU'})", ""]
+    lines += [f"{report['device']}, torch {report['torch']}, {report['seconds']} s so far", ""]
+    lines += [f"- {report['imports']}", f"- allocator: {report['allocator']}", ""]
+    for name, step in report["steps"].items():
+        budget = f", budget {step['budget s']} s" if "budget s" in step else ""
+        lines += [f"## {name}: {step['status']} ({step.get('seconds', 0)} s{budget})", ""]
+        if step.get("error"):
+            lines += ["```", step["error"], "```", ""]
+        lines += [f"- {note}" for note in step.get("notes", [])] + ([""] if step.get("notes") else [])
+        rows = step.get("rows", [])
+        if rows:
+            columns = list(dict.fromkeys(k for row in rows for k in row))
+            lines.append("| " + " | ".join(columns) + " |")
+            lines.append("|" + "---|" * len(columns))
+            for row in rows:
+                lines.append("| " + " | ".join("" if row.get(c) is None else str(row.get(c)) for c in columns) + " |")
+            lines.append("")
+        if step.get("text"):
+            lines += ["```", step["text"].rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    write_atomically(out / "gpu_check.json", json.dumps(report, indent=1, default=str))
+    write_atomically(out / "gpu_check.md", markdown(report))
+
+
+def run(out: Path, dry_run: bool, only: Optional[list[str]] = None, optimizers: Optional[list[str]] = None) -> dict:
+    if not dry_run and not torch.cuda.is_available():
+        raise UserError("no CUDA GPU found; run with --dry-run to check the plan on the CPU")
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(sizes=Sizes.for_run(dry_run), out=out, dry_run=dry_run, optimizers=optimizers)
+    started = time.perf_counter()
+    ctx.found = probe_imports(ctx)
+    write_atomically(imports_path(out), json.dumps(ctx.found))
+    line = imports_line(ctx.found)
+    print(line, flush=True)
+    names = only or list(STEPS)
+    report = {
+        "dry_run": dry_run,
+        "device": device_description(dry_run),
+        "torch": torch.__version__,
+        "imports": line,
+        "allocator": allocator_setting(step_env(ctx)),
+        "seconds": 0.0,
+        "steps": {name: {"status": "not run yet"} for name in names},
+    }
+    write_report(out, report)
+    with _ended_by_sigterm():
+        for name in names:
+            try:
+                report["steps"][name] = run_step(name, ctx)
+            except _Ended as e:  # the step's processes are gone; what it saved is kept
+                saved = result_path(out, name)
+                partial = json.loads(saved.read_text()) if saved.is_file() else {}
+                error = f"the check was ended ({e}) during this step"
+                report["steps"][name] = {**partial, "status": "failed", "error": error}
+                report["ended"] = str(e)
+                break
+            finally:
+                report["seconds"] = round(time.perf_counter() - started, 1)
+                write_report(out, report)
+    if "ended" in report:
+        print(f"gpu_check: ended by {report['ended']}; report in {out / 'gpu_check.md'}", flush=True)
+    return report
+
+
+class _Ended(Exception):
+    """The check was asked to end (SIGTERM, as ``timeout`` sends)."""
+
+
+@contextlib.contextmanager
+def _ended_by_sigterm() -> Iterator[None]:
+    """SIGTERM raises :class:`_Ended` where the check waits, so that the running step's processes (each in a session
+    of its own, which the signal does not reach) are killed and the report says where it stopped."""
+
+    def end(signum: int, frame: Any) -> None:
+        raise _Ended(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, end)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def steps_of(value: Optional[str]) -> Optional[list[str]]:
+    """``--only``'s steps: step and group names, comma-separated, in the plan's order."""
+    if value is None:
+        return None
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STEPS and n not in GROUPS]
+    if unknown or not names:
+        raise UserError(
+            f"--only: unknown {', '.join(unknown) or 'empty list'}; choose from the steps {', '.join(STEPS)} or the "
+            f"groups {', '.join(GROUPS)}"
+        )
+    chosen = {s for n in names for s in GROUPS.get(n, (n,))}
+    return [s for s in STEPS if s in chosen]
+
+
+def names_of(value: Optional[str], valid: list[str], what: str) -> Optional[list[str]]:
+    if value is None:
+        return None
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in valid]
+    if unknown or not names:
+        raise UserError(f"--{what}: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(valid)}")
+    return names
