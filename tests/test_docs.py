@@ -73,14 +73,21 @@ def unknown_dotted_options(page: Path, text: str) -> list[str]:
     return sorted(found)
 
 
+def named_modules(text: str) -> set[str]:
+    return set(re.findall(r"\bpython3? -m ([A-Za-z_][\w.]*)", text))
+
+
+def named_python_names(text: str) -> set[str]:
+    return {name for span in code_spans(text) for name in re.findall(r"(?<![\w./-])(torchtitan(?:\.\w+)+)", span)}
+
+
 def missing_modules(page: Path, text: str) -> list[str]:
-    modules = set(re.findall(r"\bpython3? -m ([A-Za-z_][\w.]*)", text))
-    return sorted(f"python -m {module}: no such module" for module in _fail_in_fresh_interpreter("module", modules))
+    failing = _fail_in_fresh_interpreter("module", named_modules(text))
+    return sorted(f"python -m {module}: no such module" for module in failing)
 
 
 def unknown_python_names(page: Path, text: str) -> list[str]:
-    names = {name for span in code_spans(text) for name in re.findall(r"(?<![\w./-])(torchtitan(?:\.\w+)+)", span)}
-    return sorted(f"{name} does not import" for name in _fail_in_fresh_interpreter("name", names))
+    return sorted(f"{name} does not import" for name in _fail_in_fresh_interpreter("name", named_python_names(text)))
 
 
 # Run in a fresh interpreter: importing what the docs name (the tools, torch.distributed.run, ...) into the test
@@ -115,18 +122,28 @@ print(json.dumps([name for name in names if not check(name)]))
 """
 
 
+# {kind: {name: whether it imports}}; the first question of a kind asks it of every page's names at once, so the
+# whole check starts one interpreter per kind rather than one per page.
+_CHECKED: dict[str, dict[str, bool]] = {"module": {}, "name": {}}
+_NAMED_ON_EVERY_PAGE = {"module": named_modules, "name": named_python_names}
+
+
 def _fail_in_fresh_interpreter(kind: str, names: set[str]) -> list[str]:
-    if not names:
-        return []
-    done = subprocess.run(
-        [sys.executable, "-c", _CHECK_IMPORTS],
-        input=json.dumps([kind, sorted(names)]),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    checked = _CHECKED[kind]
+    if names - checked.keys():
+        every = set().union(names, *(_NAMED_ON_EVERY_PAGE[kind](page.read_text()) for page in PAGES))
+        asked = sorted(every - checked.keys())
+        done = subprocess.run(
+            [sys.executable, "-c", _CHECK_IMPORTS],
+            input=json.dumps([kind, asked]),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        failing = set(json.loads(done.stdout.strip().splitlines()[-1]))
+        checked.update({name: name not in failing for name in asked})
+    return sorted(name for name in names if not checked[name])
 
 
 def missing_paths(page: Path, text: str) -> list[str]:
