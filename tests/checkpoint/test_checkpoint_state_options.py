@@ -116,6 +116,7 @@ def test_nothing_to_resume_names_the_folder_earlier_versions_used_for_every_stat
     manager = tiny_manager(model, config)
     assert manager.folder == os.path.join(str(tmp_path), "checkpoint", "AdamMini-state_dtype=bfloat16")
     earlier = os.path.join(str(tmp_path), "checkpoint", "AdamMini")
+    caplog.clear()  # the manager's own "checkpoint: folder ..." line, logged when an earlier test set INFO
     with caplog.at_level(logging.WARNING):
         assert not manager.load()
     assert not [r for r in caplog.records if earlier in r.getMessage()]  # nothing there yet: nothing to say
