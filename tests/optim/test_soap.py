@@ -1,0 +1,140 @@
+"""SOAP in one process: exact against pytorch_optimizer.SOAP (the reference code's algorithm) in float32 over 20
+steps with three eigenbasis refreshes, a side above max_precondition_dim left unrotated; the pure functions; the
+arguments checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtitan.errors import UserError
+from torchtitan.optim.soap import update
+from torchtitan.optim.soap.optimizer import SOAP
+from torchtitan.optim.soap.update import (
+    BASES,
+    EXP_AVG_SQ,
+    GRAMS,
+    matrix_state_numel,
+    new_matrix_state,
+    project,
+    project_back,
+    refresh_eigenbases,
+)
+
+STEPS, FREQUENCY = 20, 6  # refreshes after updates 6, 12 and 18
+# 12 x 8: both sides rotated; 6 x 20: only the rows' side (20 > max_precondition_dim); 24 x 18: neither.
+SHAPES = ((12, 8), (6, 20), (24, 18))
+MAX_DIM = 16
+OPTIONS = dict(lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, precondition_frequency=FREQUENCY)
+
+
+def _matrices(dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=dtype)) for shape in SHAPES]
+
+
+def _gradient(shape: tuple[int, int], step: int, index: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of very different scales, so that the statistics have distinct eigenvalues."""
+    generator = torch.Generator().manual_seed(1000 * index + step)
+    scales = torch.linspace(0.2, 3.0, shape[0], dtype=dtype).view(-1, 1)
+    return torch.randn(shape, generator=generator, dtype=dtype) * scales
+
+
+def _run(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int) -> list[list[torch.Tensor]]:
+    trajectory = []
+    for step in range(steps):
+        for index, p in enumerate(params):
+            p.grad = _gradient(tuple(p.shape), step, index, p.dtype)
+        optimizer.step()
+        trajectory.append([p.detach().clone() for p in params])
+    return trajectory
+
+
+@pytest.mark.parametrize("shampoo_beta", [None, 0.8])
+def test_equals_pytorch_optimizer_soap_in_float32_over_20_steps_with_three_refreshes(shampoo_beta, monkeypatch):
+    from pytorch_optimizer import SOAP as ReferenceSOAP
+
+    ours_params, reference_params = _matrices(), _matrices()
+    ours = SOAP(ours_params, shampoo_beta=shampoo_beta, max_precondition_dim=MAX_DIM, **OPTIONS)
+    refreshes = []  # the steps at which the first matrix's bases were refreshed
+    refresh = update.refresh_eigenbases
+
+    def counted(state):
+        if state is ours.state[ours_params[0]]:
+            refreshes.append(int(state["step"]))
+        refresh(state)
+
+    monkeypatch.setattr(update, "refresh_eigenbases", counted)
+    reference = ReferenceSOAP(
+        reference_params, shampoo_beta=shampoo_beta, max_precondition_dim=MAX_DIM, correct_bias=True, **OPTIONS
+    )
+    ours_trajectory = _run(ours, ours_params, STEPS)
+    reference_trajectory = _run(reference, reference_params, STEPS)
+    for step, (mine, theirs) in enumerate(zip(ours_trajectory, reference_trajectory)):
+        for index, (a, b) in enumerate(zip(mine, theirs)):
+            assert (a - b).abs().max().item() < 1e-6, f"step {step + 1}, matrix {SHAPES[index]}"
+    start = _matrices()
+    assert all((a - b).abs().max() > 0.1 for a, b in zip(ours_trajectory[-1], start))  # it trained
+    # The sides it rotates, as the reference: both, the rows' only, none.
+    rotated = [[key in ours.state[p] for key in BASES] for p in ours_params]
+    assert rotated == [[True, True], [True, False], [False, False]]
+    # Refreshed three times: after updates 6, 12 and 18 (steps 7, 13, 19; the first step makes no update).
+    assert refreshes == [7, 13, 19]
+
+
+def test_the_first_step_only_sets_the_bases_and_the_refresh_keeps_them_orthonormal():
+    (p,) = _matrices(torch.float64)[:1]
+    optimizer = SOAP([p], max_precondition_dim=MAX_DIM, **OPTIONS)
+    before = p.detach().clone()
+    p.grad = _gradient(tuple(p.shape), 0, 0, torch.float64)
+    optimizer.step()
+    assert torch.equal(p, before)
+    state = optimizer.state[p]
+    for side in (0, 1):
+        basis, gram = state[BASES[side]], state[GRAMS[side]]
+        diagonal = basis.T @ gram @ basis
+        # Eigenvectors by decreasing eigenvalue.
+        assert torch.allclose(diagonal, torch.diag(torch.diagonal(diagonal)), atol=1e-10)
+        assert (torch.diagonal(diagonal).diff() <= 1e-12).all()
+    state[EXP_AVG_SQ].copy_(torch.rand(state[EXP_AVG_SQ].shape, dtype=torch.float64))
+    refresh_eigenbases(state)
+    for side in (0, 1):
+        basis = state[BASES[side]]
+        assert torch.allclose(basis.T @ basis, torch.eye(basis.shape[0], dtype=torch.float64), atol=1e-12)
+
+
+def test_projection_and_its_inverse_round_trip_and_a_missing_side_is_the_identity():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 7, generator=generator, dtype=torch.float64)
+    left = torch.linalg.qr(torch.randn(5, 5, generator=generator, dtype=torch.float64)).Q
+    right = torch.linalg.qr(torch.randn(7, 7, generator=generator, dtype=torch.float64)).Q
+    assert torch.allclose(project_back(project(x, left, right), left, right), x, atol=1e-12)
+    assert torch.allclose(project(x, left, None), left.T @ x)
+    assert torch.equal(project(x, None, None), x)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_state_size_is_two_moments_and_a_statistic_and_basis_per_rotated_side(shape):
+    state = new_matrix_state(shape, torch.float32, torch.device("cpu"), MAX_DIM)
+    assert sum(t.numel() for t in state.values()) == matrix_state_numel(shape, MAX_DIM)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(precondition_frequency=0), "precondition_frequency"),
+        (dict(precondition_frequency=2.5), "precondition_frequency"),
+        (dict(max_precondition_dim=0), "max_precondition_dim"),
+        (dict(shampoo_beta=1.0), "shampoo_beta"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(eps=-1.0), "eps"),
+    ],
+)
+def test_wrong_arguments_are_user_errors(kwargs, fragment):
+    with pytest.raises(UserError, match=fragment):
+        SOAP(_matrices(), **kwargs)
+
+
+def test_vectors_are_refused():
+    with pytest.raises(UserError, match="2-D"):
+        SOAP([torch.nn.Parameter(torch.zeros(3))])
