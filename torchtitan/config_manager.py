@@ -3,7 +3,7 @@
 Every option lives in exactly one dataclass field below, with its default and a one-line help text in
 ``metadata``. Range checks are declared next to the field (``ge``, ``gt``, ``lt``, ``le``, ``choices``) so that the
 TOML loader, the command-line parser and ``--help`` all read the same facts; the Adam hyperparameters are checked by
-``torchtitan.optim.hyperparameters``, as the optimizer builder and ``AdamMini`` check them. Mistakes raise
+``torchtitan.optim.settings``, as the optimizer builder and ``AdamMini`` check them. Mistakes raise
 :class:`torchtitan.errors.UserError` with one line naming the key and, for typos, the closest valid key.
 """
 
@@ -114,7 +114,8 @@ class Optimizer:
         "optimizer: AdamW, Adam, AdamMini, AdamMini8bit, AdamMini4bit, AdamW8bit, AdamW4bit, "
         "AdamWFp8, Muon, NorMuon (case-insensitive)",
     )
-    # lr, beta1, beta2, eps and weight_decay are checked by torchtitan.optim.hyperparameters (torch.optim's rules).
+    # Read, checked and resolved in one pass by torchtitan.optim.settings (lr, betas, eps, weight_decay: torch.optim's
+    # rules; which optimizer takes which option: its TAKES table).
     lr: float = opt(8e-4, "peak learning rate")
     beta1: float = opt(0.9, "first-moment decay")
     beta2: float = opt(0.95, "second-moment decay")
@@ -458,9 +459,9 @@ class JobConfig:
     def validate(self) -> None:
         """Checks that span several keys; per-key ranges are checked from the field metadata."""
         from torchtitan.lr_scheduling import check_schedule, schedule_options  # torch-free, like this module
-        from torchtitan.optim.hyperparameters import Hyperparameters
+        from torchtitan.optim.settings import check_values
 
-        Hyperparameters.from_job_config(self).check()
+        check_values(self)
         t = self.training
         check_schedule(**schedule_options(t))
         if t.data_parallel_shard_degree == 0:
@@ -485,12 +486,7 @@ class JobConfig:
 
     def _refuse_options_that_do_nothing(self) -> None:
         """An option set where it cannot act would make a run look other than it is: refuse it."""
-        o, c, defaults = self.optimizer, self.checkpoint, Checkpoint()
-        if o.bf16_stochastic_round is not None and self.training.param_dtype != "bfloat16":
-            raise UserError(
-                f"optimizer.bf16_stochastic_round rounds bfloat16 weights, but training.param_dtype is "
-                f"{self.training.param_dtype}; remove it, or train bfloat16 weights"
-            )
+        c, defaults = self.checkpoint, Checkpoint()  # [optimizer]'s own: torchtitan.optim.settings.check_values
         if c.export_dtype != defaults.export_dtype and not (c.model_weights_only or c.last_save_in_hf):
             raise UserError(
                 "checkpoint.export_dtype sets the dtype of the weights exports, which are off; add "

@@ -14,7 +14,8 @@ from torchtitan.checkpoint import CheckpointManager
 from torchtitan.checkpoint.folders import resolve_folder
 from torchtitan.checkpoint.safe_reading import METADATA_FILE
 from torchtitan.errors import UserError
-from torchtitan.optim.builder import OPTIMIZERS, OPTION_RULES, state_label
+from torchtitan.optim.builder import OPTIMIZERS
+from torchtitan.optim.settings import OPTION_RULES, state_label
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 

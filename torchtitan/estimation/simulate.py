@@ -40,7 +40,7 @@ from torchtitan.optim.builder import (
     resolve_optimizer_name,
 )
 from torchtitan.optim.container import tensor_bytes
-from torchtitan.optim.hyperparameters import OPTIONAL_OPTIONS
+from torchtitan.optim.settings import OPTIONAL_OPTIONS
 from torchtitan.optim.state.quantized_checkpoint import QuantizedEntry
 from torchtitan.optim.state.torchao_import import import_torchao_optim
 

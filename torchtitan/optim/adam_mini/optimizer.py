@@ -48,7 +48,7 @@ from torchtitan.optim.adam_mini.partition import (
     unmatched_matrices,
 )
 from torchtitan.optim.adam_mini.statistics import Hyper
-from torchtitan.optim.hyperparameters import check_adam_hyperparameters
+from torchtitan.optim.settings import check_adam_hyperparameters
 from torchtitan.optim.state.storage import (
     BFLOAT16,
     FLOAT32,
