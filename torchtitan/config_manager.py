@@ -112,7 +112,7 @@ class Optimizer:
     name: str = opt(
         "AdamW",
         "optimizer: AdamW, Adam, AdamMini, AdamMini8bit, AdamMini4bit, AdamW8bit, AdamW4bit, "
-        "AdamWFp8, Muon, NorMuon (case-insensitive)",
+        "AdamWFp8, Muon, NorMuon, SOAP (case-insensitive)",
     )
     # Read, checked and resolved in one pass by torchtitan.optim.settings (lr, betas, eps, weight_decay: torch.optim's
     # rules; which optimizer takes which option: its TAKES table).
@@ -171,6 +171,19 @@ class Optimizer:
     )
     neuron_eps: Optional[float] = opt(
         None, "NorMuon: added to the root of the per-row second moment before dividing (unset: 1e-8)", ge=0.0
+    )
+    # SOAP only (Adam in the eigenbasis of Shampoo's preconditioner: beta1, beta2 and eps are its Adam's, and its
+    # AdamW part's with weight_decay and implementation).
+    precondition_frequency: Optional[int] = opt(
+        None, "SOAP: refresh the eigenbases after every this many updates (unset: 10)", gt=0
+    )
+    max_precondition_dim: Optional[int] = opt(
+        None,
+        "SOAP: a matrix side longer than this is not rotated (no statistic or basis kept for it; unset: 10000)",
+        gt=0,
+    )
+    shampoo_beta: Optional[float] = opt(
+        None, "SOAP: decay of Shampoo's statistics G G^T and G^T G (unset: beta2)", ge=0.0, lt=1.0
     )
 
 

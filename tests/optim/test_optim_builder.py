@@ -538,7 +538,7 @@ def resume_run(name: str, args: ModelArgs, dtype: torch.dtype, path) -> tuple[di
     return weights(net), resumed_weights, resumed(False)[0], container
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon", "NorMuon"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon", "NorMuon", "SOAP"])
 def test_dcp_resume_equals_uninterrupted_run(name, tmp_path):
     uninterrupted, resumed, without_state, _ = resume_run(name, TINY, torch.float64, tmp_path)
     assert max_difference(uninterrupted, resumed) == 0.0

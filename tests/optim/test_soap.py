@@ -138,3 +138,70 @@ def test_wrong_arguments_are_user_errors(kwargs, fragment):
 def test_vectors_are_refused():
     with pytest.raises(UserError, match="2-D"):
         SOAP([torch.nn.Parameter(torch.zeros(3))])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# As the builder makes it
+
+
+def test_builder_gives_hidden_matrices_to_soap_and_the_rest_to_adamw_with_the_options():
+    from tests.helpers import job_config, tiny_model
+    from torchtitan.optim import build_optimizers
+    from torchtitan.optim.muon.optimizer import split_hidden_matrices
+
+    model = tiny_model()
+    argv = ["--optimizer.name", "soap", "--optimizer.precondition_frequency", "3"]
+    argv += ["--optimizer.max_precondition_dim", "40", "--optimizer.shampoo_beta", "0.9", "--optimizer.beta1", "0.8"]
+    optimizer = build_optimizers([model], job_config(*argv)).optimizers[0]
+    assert isinstance(optimizer, SOAP)
+    soap_group, *adamw_groups = optimizer.param_groups
+    matrices, others = split_hidden_matrices(model.named_parameters(), model.named_param_roles())
+    assert soap_group["params"] == [p for _, p in matrices]
+    assert [p for group in adamw_groups for p in group["params"]] == [p for _, p in others]
+    assert isinstance(optimizer.others, torch.optim.AdamW)
+    assert soap_group["precondition_frequency"] == 3 and soap_group["max_precondition_dim"] == 40
+    assert soap_group["shampoo_beta"] == 0.9 and soap_group["betas"] == (0.8, 0.95)
+    assert adamw_groups[0]["betas"] == (0.8, 0.95)
+    defaults = build_optimizers([model], job_config("--optimizer.name", "SOAP")).optimizers[0].param_groups[0]
+    assert (defaults["precondition_frequency"], defaults["max_precondition_dim"]) == (10, 10000)
+    assert defaults["shampoo_beta"] == defaults["betas"][1]
+
+
+def test_unset_max_precondition_dim_means_the_optimizer_default():
+    from torchtitan.optim.settings import MAX_PRECONDITION_DIM, OPTION_RULES
+    from torchtitan.optim.soap.optimizer import DEFAULT_MAX_PRECONDITION_DIM
+
+    assert OPTION_RULES[MAX_PRECONDITION_DIM].unset_means == DEFAULT_MAX_PRECONDITION_DIM
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--optimizer.name", "AdamW", "--optimizer.precondition_frequency", "5"], "only to SOAP"),
+        (["--optimizer.name", "Muon", "--optimizer.shampoo_beta", "0.9"], "only to SOAP"),
+        (["--optimizer.name", "AdamMini", "--optimizer.max_precondition_dim", "100"], "only to SOAP"),
+        (["--optimizer.name", "SOAP", "--optimizer.momentum", "0.9"], "does not apply to SOAP"),
+        (["--optimizer.name", "SOAP", "--optimizer.state_dtype", "bfloat16"], "does not apply to SOAP"),
+    ],
+)
+def test_soap_options_are_refused_elsewhere_and_other_options_by_soap(argv, fragment):
+    from tests.helpers import job_config, tiny_model
+    from torchtitan.optim import build_optimizers
+
+    with pytest.raises(UserError, match=fragment):
+        build_optimizers([tiny_model()], job_config(*argv))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--optimizer.precondition_frequency", "0"],
+        ["--optimizer.max_precondition_dim", "0"],
+        ["--optimizer.shampoo_beta", "1.0"],
+    ],
+)
+def test_config_checks_soap_values(argv):
+    from tests.helpers import job_config
+
+    with pytest.raises(UserError, match=argv[0].removeprefix("--")):
+        job_config("--optimizer.name", "SOAP", *argv)

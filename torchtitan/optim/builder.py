@@ -8,7 +8,9 @@ torchao's low-bit optimizers are adapted in ``lowbit/torchao_adapter.py``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -21,8 +23,10 @@ from torchtitan.optim.settings import (
     BF16_STOCHASTIC_ROUND,
     BLOCK_SIZE,
     IMPLEMENTATION,
+    MAX_PRECONDITION_DIM,
     MUON_OPTIONS,
     NORMUON_OPTIONS,
+    SOAP_OPTIONS,
     STATE_DTYPE,
     TAKES,
     VALUE_BLOCKS,
@@ -140,6 +144,35 @@ def _muon_family_factory(name: str) -> Callable[[nn.Module, OptimizerSettings], 
     return build
 
 
+def _build_soap(model: nn.Module, settings: OptimizerSettings) -> torch.optim.Optimizer:
+    """SOAP on the hidden matrices (Muon's split); AdamW, as ``optimizer.name = "AdamW"`` has it with float32
+    moments, on everything else."""
+    from torchtitan.optim.muon.optimizer import split_hidden_matrices
+    from torchtitan.optim.soap.optimizer import SOAP, log_split
+
+    roles = model.named_param_roles() if hasattr(model, "named_param_roles") else None
+    matrices, others = split_hidden_matrices(model.named_parameters(), roles)
+    if not matrices:
+        raise UserError(
+            f"SOAP found no hidden matrices in {type(model).__name__} (2-D query, key, value, attention output or MLP "
+            "weights, by declared role or name); use AdamW for this model"
+        )
+    chosen = settings.chosen(*SOAP_OPTIONS)
+    log_split(matrices, others, chosen[MAX_PRECONDITION_DIM])
+    adamw_settings = dataclasses.replace(
+        settings, options=MappingProxyType({IMPLEMENTATION: settings.get(IMPLEMENTATION), STATE_DTYPE: "float32"})
+    )
+    return SOAP(
+        [p for _, p in matrices],
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+        others=_adamw_over([p for _, p in others], adamw_settings) if others else None,
+        **chosen,
+    )
+
+
 def _adam_mini_factory(quantized: Optional[str]) -> Callable[[nn.Module, OptimizerSettings], torch.optim.Optimizer]:
     """AdamMini with its momentum stored as ``state_dtype`` or, for AdamMini8bit/4bit, ``quantized``."""
 
@@ -230,6 +263,7 @@ _FACTORIES: dict[str, Callable[[nn.Module, OptimizerSettings], torch.optim.Optim
     "AdamWFp8": _low_bit_factory("AdamWFp8"),
     "Muon": _muon_family_factory("Muon"),
     "NorMuon": _muon_family_factory("NorMuon"),
+    "SOAP": _build_soap,
 }
 OPTIMIZERS: dict[str, OptimizerKind] = {name: OptimizerKind(name, _FACTORIES[name]) for name in TAKES}
 

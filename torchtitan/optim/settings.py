@@ -33,6 +33,12 @@ MUON_OPTIONS = (MOMENTUM, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR)
 NEURON_BETA2, NEURON_EPS = "neuron_beta2", "neuron_eps"
 NORMUON_OPTIONS = (NEURON_BETA2, NEURON_EPS)  # NorMuon's own, besides Muon's
 LOW_BIT_OPTIONS = (BLOCK_SIZE, BF16_STOCHASTIC_ROUND)
+PRECONDITION_FREQUENCY, MAX_PRECONDITION_DIM, SHAMPOO_BETA = (
+    "precondition_frequency",
+    "max_precondition_dim",
+    "shampoo_beta",
+)
+SOAP_OPTIONS = (PRECONDITION_FREQUENCY, MAX_PRECONDITION_DIM, SHAMPOO_BETA)
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,11 @@ OPTION_RULES: dict[str, OptionRule] = {
     **{option: OptionRule(shapes_state=False) for option in MUON_OPTIONS},
     # NorMuon's per-row second moment (its decay and epsilon): one value per row whatever they are.
     **{option: OptionRule(shapes_state=False) for option in NORMUON_OPTIONS},
+    # SOAP's refresh interval and Shampoo decay: the same state whatever they are.
+    PRECONDITION_FREQUENCY: OptionRule(shapes_state=False),
+    SHAMPOO_BETA: OptionRule(shapes_state=False),
+    # Which sides of a matrix keep a statistic and a basis.
+    MAX_PRECONDITION_DIM: OptionRule(shapes_state=True, unset_means=10000),
 }
 OPTIONAL_OPTIONS = tuple(OPTION_RULES)
 
@@ -78,6 +89,8 @@ TAKES: dict[str, tuple[str, ...]] = {
     # implementation and state_dtype apply to their AdamW part as to AdamW (state_dtype also to the momentum).
     "Muon": (IMPLEMENTATION, STATE_DTYPE, *MUON_OPTIONS),
     "NorMuon": (IMPLEMENTATION, STATE_DTYPE, *MUON_OPTIONS, *NORMUON_OPTIONS),
+    # implementation applies to its AdamW part as to AdamW.
+    "SOAP": (IMPLEMENTATION, *SOAP_OPTIONS),
 }
 OPTIMIZER_NAMES = tuple(TAKES)
 
@@ -240,6 +253,15 @@ def _check_adam_mini_implementation(settings: OptimizerSettings) -> None:
         raise UserError("optimizer.implementation for AdamMini is foreach or fused (it has no for-loop version)")
 
 
+def _check_soap_adamw_part(settings: OptimizerSettings) -> None:
+    """SOAP's AdamW part keeps float32 moments; for bfloat16 weights those come from our own step."""
+    if settings.weights_dtype == "bfloat16" and settings.get(IMPLEMENTATION) is not None:
+        raise UserError(
+            "optimizer.implementation chooses torch's kernels, which keep the moments in the weights' dtype; remove "
+            "it to get float32 moments for SOAP's AdamW part from a compiled step of our own"
+        )
+
+
 OWN_CHECKS: dict[str, tuple[Callable[[OptimizerSettings], None], ...]] = {
     "AdamW": (check_own_step_for_bfloat16_weights,),
     "Adam": (check_own_step_for_bfloat16_weights,),
@@ -248,6 +270,7 @@ OWN_CHECKS: dict[str, tuple[Callable[[OptimizerSettings], None], ...]] = {
     "AdamMini": (_check_adam_mini_implementation,),
     "AdamMini4bit": (_check_even_block_size,),
     "AdamW4bit": (_check_even_block_size,),
+    "SOAP": (_check_soap_adamw_part,),
 }
 
 
