@@ -12,6 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.distributed import run_workers
@@ -21,9 +28,11 @@ from torchtitan.models.roles import canonical_name
 from torchtitan.optim.muon.optimizer import split_hidden_matrices
 from torchtitan.optim.soap.optimizer import SOAP
 from torchtitan.optim.soap.update import BASES, EXP_AVG, matrix_state_numel
+from torchtitan.optim.state.initialise import initialise_state
 
 WORLD = 4
 STEPS = 6
+SAVE_AT = 3  # between the refreshes after updates 2 and 4
 # Refreshes after updates 2 and 4; the MLP's 85-neuron side is longer than 40 and stays unrotated.
 OPTIONS = dict(precondition_frequency=2, max_precondition_dim=40)
 # 85 hidden neurons: the MLP's matrices are cut 22, 21, 21, 21 by FSDP on 4 ranks, 43, 42 by TP (rows of w1 and w3,
@@ -84,17 +93,53 @@ def _collectives(layout: str) -> dict[str, Any]:
     return {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items() if n}
 
 
-def _runs(rank: int, world_size: int) -> bytes:
+def _train_steps(model: torch.nn.Module, optimizer: SOAP, steps: range) -> dict[str, torch.Tensor]:
+    for step in steps:
+        _set_grads(model, step)
+        optimizer.step()
+    return weights(model)
+
+
+def _save(layout: str, path: str) -> dict[str, torch.Tensor]:
+    model = _parallel_model(layout)
+    optimizer = soap_for(model)
+    trained = _train_steps(model, optimizer, range(SAVE_AT))
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path
+    )
+    return trained
+
+
+def _resume(layout: str, path: str) -> dict[str, torch.Tensor]:
+    """A fresh model and optimizer (state made by a zero step, as the trainer makes it) loaded from ``path``."""
+    model = _parallel_model(layout)
+    optimizer = soap_for(model)
+    initialise_state(optimizer)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    return _train_steps(model, optimizer, range(SAVE_AT, STEPS))
+
+
+def _runs(rank: int, world_size: int, checkpoint_dir: str) -> bytes:
     runs = {layout: _attempt(_train, layout) for layout in ("fsdp", "tp", "fsdp_tp", "hsdp")}
     runs["comm_fsdp"] = _attempt(_collectives, "fsdp")
+    runs["save"] = _attempt(_save, "fsdp", checkpoint_dir)
+    runs["resume_hsdp"] = _attempt(_resume, "hsdp", checkpoint_dir)
     buffer = io.BytesIO()
     torch.save(runs, buffer)
     return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")
-def world():
-    return [torch.load(io.BytesIO(data), weights_only=False) for data in run_workers(_runs, WORLD)]
+def checkpoint_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("soap_dcp"))
+
+
+@pytest.fixture(scope="module")
+def world(checkpoint_dir):
+    return [torch.load(io.BytesIO(data), weights_only=False) for data in run_workers(_runs, WORLD, (checkpoint_dir,))]
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +197,13 @@ def test_bases_are_kept_where_the_side_is_short_enough():
     optimizer.step()
     for p in optimizer.param_groups[0]["params"]:
         assert [key in optimizer.state[p] for key in BASES] == [s <= OPTIONS["max_precondition_dim"] for s in p.shape]
+
+
+def test_checkpoint_saved_under_fsdp_on_4_ranks_resumes_exactly_in_one_process_and_under_hsdp(
+    world, single_process, checkpoint_dir
+):
+    """Each matrix's state, saved whole by its owner, loads where the new layout's owner (or one process) wants it."""
+    _result(world, "save")
+    assert max_difference(_resume("single", checkpoint_dir), single_process["weights"]) < 1e-10
+    for resumed in _result(world, "resume_hsdp"):
+        assert max_difference(resumed, single_process["weights"]) < 1e-10
