@@ -36,7 +36,7 @@ def trained(tmp_path_factory, debug_run):
     return get
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "AdamW8bit", "AdamW4bit", "AdamWFp8", "Muon"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "AdamW8bit", "AdamW4bit", "AdamWFp8", "Muon", "SOAP"])
 def test_each_optimizer_trains(trained, name):
     path = trained(name)
     values = losses(path)
