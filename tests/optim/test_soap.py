@@ -205,3 +205,18 @@ def test_config_checks_soap_values(argv):
 
     with pytest.raises(UserError, match=argv[0].removeprefix("--")):
         job_config("--optimizer.name", "SOAP", *argv)
+
+
+def test_state_of_bfloat16_weights_is_float32_and_stays_so_across_a_load():
+    params = [torch.nn.Parameter(p.detach().bfloat16()) for p in _matrices()]
+    optimizer = SOAP(params, max_precondition_dim=MAX_DIM, **OPTIONS)
+    _run(optimizer, params, 3)
+    saved = optimizer.state_dict()
+    fresh = SOAP(params, max_precondition_dim=MAX_DIM, **OPTIONS)
+    fresh.load_state_dict(saved)
+    for p in params:
+        state = fresh.state[p]
+        assert {key: t.dtype for key, t in state.items() if key != "step"} == {
+            key: torch.float32 for key in optimizer.state[p] if key != "step"
+        }
+        assert all(torch.equal(state[key], optimizer.state[p][key]) for key in state)

@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import UserError
 from torchtitan.optim.muon.distributed import ShardedMatrix, sharded_matrix, transform_sharded
-from torchtitan.optim.soap.update import EXP_AVG, matrix_step, new_matrix_state, step_size
-from torchtitan.optim.state.storage import at_least_float32
+from torchtitan.optim.soap.update import BASES, EXP_AVG, EXP_AVG_SQ, GRAMS, matrix_step, new_matrix_state, step_size
+from torchtitan.optim.state.storage import FLOAT32, at_least_float32, keep_state_dtypes_on_load
 from torchtitan.utils import grad_like_param, local_tensor
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,8 @@ class SOAP(torch.optim.Optimizer):
         }
         super().__init__([soap_group] + (list(others.param_groups) if others is not None else []), {})
         self.others = others
+        # torch's load casts state to the weights' dtype; SOAP's (and its AdamW part's moments) stay float32.
+        keep_state_dtypes_on_load(self, {key: FLOAT32 for key in (EXP_AVG, EXP_AVG_SQ, *GRAMS, *BASES)})
         self._matrices: dict[Tensor, Optional[ShardedMatrix]] = {}
 
     @torch.no_grad()
