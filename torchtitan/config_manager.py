@@ -112,7 +112,7 @@ class Optimizer:
     name: str = opt(
         "AdamW",
         "optimizer: AdamW, Adam, AdamMini, AdamMini8bit, AdamMini4bit, AdamW8bit, AdamW4bit, "
-        "AdamWFp8, Muon, NorMuon (case-insensitive)",
+        "AdamWFp8, Muon, NorMuon, AdEMAMix (case-insensitive)",
     )
     # Read, checked and resolved in one pass by torchtitan.optim.settings (lr, betas, eps, weight_decay: torch.optim's
     # rules; which optimizer takes which option: its TAKES table).
@@ -130,7 +130,8 @@ class Optimizer:
     state_dtype: Optional[str] = opt(
         None,
         "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment; Muon, NorMuon: their momentum and "
-        "their AdamW part's moments (unset: float32, also for bfloat16 weights; bfloat16 is stochastically rounded)",
+        "their AdamW part's moments; AdEMAMix: its three moments (unset: float32, also for bfloat16 weights; "
+        "bfloat16 is stochastically rounded)",
         choices=("float32", "bfloat16"),
     )
     # AdamMini only.
@@ -171,6 +172,24 @@ class Optimizer:
     )
     neuron_eps: Optional[float] = opt(
         None, "NorMuon: added to the root of the per-row second moment before dividing (unset: 1e-8)", ge=0.0
+    )
+    # AdEMAMix only (optimizer.beta1 and beta2 are its fast momentum's and second moment's decays).
+    ademamix_alpha: Optional[float] = opt(
+        None,
+        "AdEMAMix: weight of the slow momentum in the update, reached at the end of its warm-up (unset: 5)",
+        ge=0.0,
+    )
+    ademamix_beta3: Optional[float] = opt(
+        None,
+        "AdEMAMix: decay of the slow momentum, reached at the end of its warm-up (unset: 0.9999)",
+        gt=0.0,
+        lt=1.0,
+    )
+    ademamix_warmup_steps: Optional[int] = opt(
+        None,
+        "AdEMAMix: steps over which alpha rises linearly from 0 and beta3 from beta1 (the paper's schedules); 0: "
+        "none; unset: training.steps, as the paper",
+        ge=0,
     )
 
 

@@ -6,7 +6,8 @@ only per-block sums (one all-reduce, no all-gather); a DCP checkpoint saved on 2
 Muon and NorMuon ride the same launches: FSDP2 on 2 and 3 ranks, TP, FSDP x TP (2 x 2, 3 x 2) and HSDP equal one
 process (float64 Newton–Schulz); a step's collectives are the owner rounds of ``muon_distributed`` (counted, with the
 entries sent), plus NorMuon's all-reduces of row sums and norms; Muon's checkpoint saved on 2 ranks resumes exactly on
-1 and 3.
+1 and 3. So does AdEMAMix: on 2 and 3 ranks (FSDP2), TP, FSDP x TP and HSDP it equals one process, and its step
+communicates nothing.
 
 Each world size is spawned once (module fixtures) and runs several layouts; a layout's failure is returned as its
 traceback so that only that layout's test fails."""
@@ -44,6 +45,7 @@ from tests.helpers import (
     HYPER,
     TINY,
     adam_mini_for,
+    ademamix_for,
     fsdp,
     grad_from_values,
     max_difference,
@@ -279,6 +281,16 @@ def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str 
         runs["muon_hsdp"] = _attempt(_train_muon, "hsdp", world_size, MUON_STEPS)
         runs["muon_comm_fsdp_tp"] = _attempt(_collectives_of_one_step, "fsdp_tp", world_size, muon_for)
     runs.update(_normuon_runs(world_size))
+    runs.update(_ademamix_runs(world_size))
+    return runs
+
+
+def _ademamix_runs(world_size: int) -> dict[str, Any]:
+    """AdEMAMix (element-wise: each shard steps on its own) in Muon's layouts, and its collectives under FSDP."""
+    layouts = {2: ("fsdp", "tp"), 3: ("fsdp",), 4: ("fsdp_tp", "hsdp")}.get(world_size, ())
+    runs = {f"ademamix_{layout}": _attempt(_train_muon, layout, world_size, STEPS, ademamix_for) for layout in layouts}
+    if world_size == 2:
+        runs["ademamix_comm_fsdp"] = _attempt(_collectives_of_one_step, "fsdp", world_size, ademamix_for)
     return runs
 
 
@@ -396,6 +408,7 @@ def single_process():
         "muon": _train_muon("single", 1, MUON_STEPS),
         "muon_uninterrupted": _train_muon("single", 1, SAVE_AT + RESUME_STEPS),
         "normuon": _train_muon("single", 1, MUON_STEPS, normuon_for),
+        "ademamix": _train_muon("single", 1, STEPS, ademamix_for),
     }
 
 
@@ -611,3 +624,22 @@ def test_normuon_step_is_muons_rounds_plus_all_reduces_of_row_sums_and_norms(req
         assert comm["counts"] == {"alltoall_base_": alltoalls, "all_reduce": 4}
         expected = [sum(p.shape[0] for p in column_split) // dp, 2 * row_split, 2 * row_split, 2 * len(column_split)]
         assert sorted(reduced) == sorted(expected)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# AdEMAMix
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world_name, layout",
+    [("world2", "fsdp"), ("world3", "fsdp"), ("world2", "tp"), ("world4", "fsdp_tp"), ("world4", "hsdp")],
+)
+def test_ademamix_parallel_run_equals_single_process(request, single_process, world_name, layout):
+    params = _result(request.getfixturevalue(world_name), f"ademamix_{layout}")
+    assert max_difference(params, single_process["ademamix"]) < 1e-12
+    assert max_difference(single_process["ademamix"], weights(tiny_model())) > 1e-3  # it trained
+
+
+def test_ademamix_step_communicates_nothing(world2):
+    assert _result(world2, "ademamix_comm_fsdp")["counts"] == {}

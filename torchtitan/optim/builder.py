@@ -18,6 +18,9 @@ from torchtitan.errors import UserError
 from torchtitan.optim.container import OptimizersContainer
 from torchtitan.optim.lowbit.torchao_adapter import low_bit_class, portable_quantized_state
 from torchtitan.optim.settings import (
+    ADEMAMIX_ALPHA,
+    ADEMAMIX_BETA3,
+    ADEMAMIX_WARMUP_STEPS,
     BF16_STOCHASTIC_ROUND,
     BLOCK_SIZE,
     IMPLEMENTATION,
@@ -218,6 +221,22 @@ class OptimizerKind:
         return state_options(self.name)
 
 
+def _build_ademamix(model: nn.Module, settings: OptimizerSettings) -> torch.optim.Optimizer:
+    from torchtitan.optim.ademamix.optimizer import AdEMAMix
+
+    return AdEMAMix(
+        trainable_parameters(model),
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+        alpha=settings.get(ADEMAMIX_ALPHA),
+        beta3=settings.get(ADEMAMIX_BETA3),
+        warmup_steps=settings.get(ADEMAMIX_WARMUP_STEPS),
+        state_dtype=settings.get(STATE_DTYPE),
+    )
+
+
 # The factory of each optimizer, in settings.TAKES' order (a test checks that the two name the same optimizers).
 _FACTORIES: dict[str, Callable[[nn.Module, OptimizerSettings], torch.optim.Optimizer]] = {
     "AdamW": _build_adamw,
@@ -230,6 +249,7 @@ _FACTORIES: dict[str, Callable[[nn.Module, OptimizerSettings], torch.optim.Optim
     "AdamWFp8": _low_bit_factory("AdamWFp8"),
     "Muon": _muon_family_factory("Muon"),
     "NorMuon": _muon_family_factory("NorMuon"),
+    "AdEMAMix": _build_ademamix,
 }
 OPTIMIZERS: dict[str, OptimizerKind] = {name: OptimizerKind(name, _FACTORIES[name]) for name in TAKES}
 

@@ -33,6 +33,8 @@ MUON_OPTIONS = (MOMENTUM, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR)
 NEURON_BETA2, NEURON_EPS = "neuron_beta2", "neuron_eps"
 NORMUON_OPTIONS = (NEURON_BETA2, NEURON_EPS)  # NorMuon's own, besides Muon's
 LOW_BIT_OPTIONS = (BLOCK_SIZE, BF16_STOCHASTIC_ROUND)
+ADEMAMIX_ALPHA, ADEMAMIX_BETA3, ADEMAMIX_WARMUP_STEPS = "ademamix_alpha", "ademamix_beta3", "ademamix_warmup_steps"
+ADEMAMIX_OPTIONS = (ADEMAMIX_ALPHA, ADEMAMIX_BETA3, ADEMAMIX_WARMUP_STEPS)
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,18 @@ class OptionRule:
     shape, quantization blocks), so their checkpoint folders are apart and a load refuses the other's.
     ``unset_means``: the value an unset option stands for in every optimizer that takes it, so that leaving it
     unset and naming that value are one state (and one setting: :class:`OptimizerSettings` holds that value).
+    ``unset_from``: where the value of an unset option comes from when it depends on the rest of the job.
     """
 
     shapes_state: bool
     unset_means: Optional[Any] = None
+    unset_from: Optional[Callable[[Any], Any]] = None
+
+    def resolve(self, value: Any, job_config: Any) -> Any:
+        """The option's setting: ``value`` if set, else what unset stands for (None: the optimizer's own default)."""
+        if value is not None:
+            return value
+        return self.unset_from(job_config) if self.unset_from is not None else self.unset_means
 
 
 # Every optional option, declared once (a test checks that every [optimizer] field is here or common to all).
@@ -61,6 +71,11 @@ OPTION_RULES: dict[str, OptionRule] = {
     **{option: OptionRule(shapes_state=False) for option in MUON_OPTIONS},
     # NorMuon's per-row second moment (its decay and epsilon): one value per row whatever they are.
     **{option: OptionRule(shapes_state=False) for option in NORMUON_OPTIONS},
+    # AdEMAMix's slow momentum: its weight and decay, and their warm-up (the paper's defaults; its warm-up spans the
+    # whole run). Three moments shaped like the parameter whatever they are.
+    ADEMAMIX_ALPHA: OptionRule(shapes_state=False, unset_means=5.0),
+    ADEMAMIX_BETA3: OptionRule(shapes_state=False, unset_means=0.9999),
+    ADEMAMIX_WARMUP_STEPS: OptionRule(shapes_state=False, unset_from=lambda job_config: job_config.training.steps),
 }
 OPTIONAL_OPTIONS = tuple(OPTION_RULES)
 
@@ -78,6 +93,7 @@ TAKES: dict[str, tuple[str, ...]] = {
     # implementation and state_dtype apply to their AdamW part as to AdamW (state_dtype also to the momentum).
     "Muon": (IMPLEMENTATION, STATE_DTYPE, *MUON_OPTIONS),
     "NorMuon": (IMPLEMENTATION, STATE_DTYPE, *MUON_OPTIONS, *NORMUON_OPTIONS),
+    "AdEMAMix": (STATE_DTYPE, *ADEMAMIX_OPTIONS),
 }
 OPTIMIZER_NAMES = tuple(TAKES)
 
@@ -190,10 +206,7 @@ def optimizer_settings(job_config: Any) -> OptimizerSettings:
     name = canonical_name(o.name)
     check_values(job_config)
     _refuse_options_not_taken(name, job_config)
-    options = {}
-    for option in TAKES[name]:
-        value = getattr(o, option)
-        options[option] = OPTION_RULES[option].unset_means if value is None else value
+    options = {option: OPTION_RULES[option].resolve(getattr(o, option), job_config) for option in TAKES[name]}
     settings = OptimizerSettings(
         name=name,
         lr=o.lr,
@@ -240,6 +253,17 @@ def _check_adam_mini_implementation(settings: OptimizerSettings) -> None:
         raise UserError("optimizer.implementation for AdamMini is foreach or fused (it has no for-loop version)")
 
 
+def _check_ademamix_warmup(settings: OptimizerSettings) -> None:
+    """The beta3 warm-up interpolates between beta1 and beta3 in log space (the paper's schedule)."""
+    beta1, beta3 = settings.betas[0], settings.get(ADEMAMIX_BETA3)
+    if settings.get(ADEMAMIX_WARMUP_STEPS) and not 0.0 < beta1 <= beta3:
+        raise UserError(
+            f"AdEMAMix's warm-up takes the slow momentum's decay from optimizer.beta1 ({beta1}) up to "
+            f"optimizer.ademamix_beta3 ({beta3}), so it needs 0 < beta1 <= ademamix_beta3; change one of them, or set "
+            "optimizer.ademamix_warmup_steps 0"
+        )
+
+
 OWN_CHECKS: dict[str, tuple[Callable[[OptimizerSettings], None], ...]] = {
     "AdamW": (check_own_step_for_bfloat16_weights,),
     "Adam": (check_own_step_for_bfloat16_weights,),
@@ -248,6 +272,7 @@ OWN_CHECKS: dict[str, tuple[Callable[[OptimizerSettings], None], ...]] = {
     "AdamMini": (_check_adam_mini_implementation,),
     "AdamMini4bit": (_check_even_block_size,),
     "AdamW4bit": (_check_even_block_size,),
+    "AdEMAMix": (_check_ademamix_warmup,),
 }
 
 
@@ -268,8 +293,7 @@ def state_signature(job_config: Any) -> dict[str, Any]:
     name = canonical_name(job_config.optimizer.name)
     signature = {}
     for option in state_options(name):
-        value = getattr(job_config.optimizer, option)
-        signature[option] = OPTION_RULES[option].unset_means if value is None else value
+        signature[option] = OPTION_RULES[option].resolve(getattr(job_config.optimizer, option), job_config)
     return signature
 
 
