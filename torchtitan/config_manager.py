@@ -173,6 +173,12 @@ class Optimizer:
     neuron_eps: Optional[float] = opt(
         None, "NorMuon: added to the root of the per-row second moment before dividing (unset: 1e-8)", ge=0.0
     )
+    normuon_step_size: Optional[str] = opt(
+        None,
+        "NorMuon: reference (the reference code's: Muon's lr scale times ||O||_F / ||N||_F) or rms (the paper's: "
+        "0.2 lr sqrt(rows cols) / ||N||_F, an update RMS of exactly 0.2 lr); unset: reference",
+        choices=("reference", "rms"),
+    )
     # AdEMAMix only (optimizer.beta1 and beta2 are its fast momentum's and second moment's decays).
     ademamix_alpha: Optional[float] = opt(
         None,

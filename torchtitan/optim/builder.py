@@ -26,6 +26,7 @@ from torchtitan.optim.settings import (
     IMPLEMENTATION,
     MUON_OPTIONS,
     NORMUON_OPTIONS,
+    NORMUON_STEP_SIZE,
     STATE_DTYPE,
     TAKES,
     VALUE_BLOCKS,
@@ -132,6 +133,8 @@ def _muon_family_factory(name: str) -> Callable[[nn.Module, OptimizerSettings], 
         # Options left unset take the optimizer's own defaults; [optimizer] names them as its constructor does.
         own = (*MUON_OPTIONS, STATE_DTYPE) + (NORMUON_OPTIONS if name == "NorMuon" else ())
         chosen = settings.chosen(*own)
+        if NORMUON_STEP_SIZE in chosen:
+            chosen["step_size"] = chosen.pop(NORMUON_STEP_SIZE)
         return {"Muon": Muon, "NorMuon": NorMuon}[name](
             [p for _, p in matrices],
             lr=settings.lr,

@@ -30,8 +30,8 @@ IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE = (
 )
 MOMENTUM, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR = "momentum", "nesterov", "ns_steps", "ns_dtype", "adjust_lr"
 MUON_OPTIONS = (MOMENTUM, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR)
-NEURON_BETA2, NEURON_EPS = "neuron_beta2", "neuron_eps"
-NORMUON_OPTIONS = (NEURON_BETA2, NEURON_EPS)  # NorMuon's own, besides Muon's
+NEURON_BETA2, NEURON_EPS, NORMUON_STEP_SIZE = "neuron_beta2", "neuron_eps", "normuon_step_size"
+NORMUON_OPTIONS = (NEURON_BETA2, NEURON_EPS, NORMUON_STEP_SIZE)  # NorMuon's own, besides Muon's
 LOW_BIT_OPTIONS = (BLOCK_SIZE, BF16_STOCHASTIC_ROUND)
 ADEMAMIX_ALPHA, ADEMAMIX_BETA3, ADEMAMIX_WARMUP_STEPS = "ademamix_alpha", "ademamix_beta3", "ademamix_warmup_steps"
 ADEMAMIX_OPTIONS = (ADEMAMIX_ALPHA, ADEMAMIX_BETA3, ADEMAMIX_WARMUP_STEPS)
@@ -69,8 +69,10 @@ OPTION_RULES: dict[str, OptionRule] = {
     # Muon's update rule (momentum, Nesterov, Newton-Schulz steps and dtype, lr scale): one momentum buffer whatever
     # they are.
     **{option: OptionRule(shapes_state=False) for option in MUON_OPTIONS},
-    # NorMuon's per-row second moment (its decay and epsilon): one value per row whatever they are.
-    **{option: OptionRule(shapes_state=False) for option in NORMUON_OPTIONS},
+    # NorMuon's per-row second moment (its decay and epsilon) and its step size: one value per row whatever they are.
+    NEURON_BETA2: OptionRule(shapes_state=False),
+    NEURON_EPS: OptionRule(shapes_state=False),
+    NORMUON_STEP_SIZE: OptionRule(shapes_state=False, unset_means="reference"),
     # AdEMAMix's slow momentum: its weight and decay, and their warm-up (the paper's defaults; its warm-up spans the
     # whole run). Three moments shaped like the parameter whatever they are.
     ADEMAMIX_ALPHA: OptionRule(shapes_state=False, unset_means=5.0),
@@ -253,6 +255,14 @@ def _check_adam_mini_implementation(settings: OptimizerSettings) -> None:
         raise UserError("optimizer.implementation for AdamMini is foreach or fused (it has no for-loop version)")
 
 
+def _check_normuon_step_size(settings: OptimizerSettings) -> None:
+    if settings.get(NORMUON_STEP_SIZE) == "rms" and settings.get(ADJUST_LR) is not None:
+        raise UserError(
+            "optimizer.adjust_lr does nothing with optimizer.normuon_step_size rms (its step, 0.2 lr sqrt(rows cols) "
+            "/ ||n||_F, gives every matrix an update RMS of 0.2 lr whatever its shape); remove one of them"
+        )
+
+
 def _check_ademamix_warmup(settings: OptimizerSettings) -> None:
     """The beta3 warm-up interpolates between beta1 and beta3 in log space (the paper's schedule)."""
     beta1, beta3 = settings.betas[0], settings.get(ADEMAMIX_BETA3)
@@ -268,7 +278,7 @@ OWN_CHECKS: dict[str, tuple[Callable[[OptimizerSettings], None], ...]] = {
     "AdamW": (check_own_step_for_bfloat16_weights,),
     "Adam": (check_own_step_for_bfloat16_weights,),
     "Muon": (check_own_step_for_bfloat16_weights,),  # its AdamW part
-    "NorMuon": (check_own_step_for_bfloat16_weights,),
+    "NorMuon": (check_own_step_for_bfloat16_weights, _check_normuon_step_size),
     "AdamMini": (_check_adam_mini_implementation,),
     "AdamMini4bit": (_check_even_block_size,),
     "AdamW4bit": (_check_even_block_size,),
