@@ -140,6 +140,33 @@ class Optimizer:
         "AdamMini: second moment of value weights per output row (per_row) or per tensor (per_tensor)",
         choices=("per_row", "per_tensor"),
     )
+    embedding_blocks: Optional[str] = opt(
+        None,
+        "AdamMini: second moment of the embedding per token (per_row, adam-mini 1.1.1's) or per element (per_element, "
+        "Adam's, as Adam-mini's first release); unset: per_row",
+        choices=("per_row", "per_element"),
+    )
+    output_blocks: Optional[str] = opt(
+        None,
+        "AdamMini: second moment of the output projection per token (per_row) or per element (per_element); unset: "
+        "per_row",
+        choices=("per_row", "per_element"),
+    )
+    attn_out_blocks: Optional[str] = opt(
+        None,
+        "AdamMini: second moment of attention output weights per output neuron (per_row, 1.1.1's) or one for the "
+        "whole matrix (per_tensor, the first release's); unset: per_row",
+        choices=("per_row", "per_tensor"),
+    )
+    mlp_blocks: Optional[str] = opt(
+        None,
+        "AdamMini: second moment of MLP weights per output neuron (per_row) or one for the whole matrix "
+        "(per_tensor); unset: per_row",
+        choices=("per_row", "per_tensor"),
+    )
+    norm_weight_decay: Optional[bool] = opt(
+        None, "AdamMini: decay the norms' scales too (unset: false, as adam-mini 1.1.1: neither norms nor biases)"
+    )
     # torchao low-bit optimizers only.
     block_size: Optional[int] = opt(None, "low-bit AdamW and AdamMini: quantization block size", gt=0)
     bf16_stochastic_round: Optional[bool] = opt(

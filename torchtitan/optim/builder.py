@@ -18,6 +18,7 @@ from torchtitan.errors import UserError
 from torchtitan.optim.container import OptimizersContainer
 from torchtitan.optim.lowbit.torchao_adapter import low_bit_class, portable_quantized_state
 from torchtitan.optim.settings import (
+    ADAM_MINI_PARTITION_OPTIONS,
     ADEMAMIX_ALPHA,
     ADEMAMIX_BETA3,
     ADEMAMIX_WARMUP_STEPS,
@@ -29,7 +30,6 @@ from torchtitan.optim.settings import (
     NORMUON_STEP_SIZE,
     STATE_DTYPE,
     TAKES,
-    VALUE_BLOCKS,
     OptimizerSettings,
     canonical_name,
     optimizer_settings,
@@ -185,7 +185,7 @@ def _build_adam_mini(model: nn.Module, settings: OptimizerSettings, **storage: A
         n_kv_heads=args.kv_heads,
         head_dim=args.head_dim,
         param_roles=model.named_param_roles(),
-        value_blocks=settings.get(VALUE_BLOCKS),
+        **{option: settings.get(option) for option in ADAM_MINI_PARTITION_OPTIONS},
         **storage,
     )
 

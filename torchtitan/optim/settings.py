@@ -33,6 +33,22 @@ MUON_OPTIONS = (MOMENTUM, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR)
 NEURON_BETA2, NEURON_EPS, NORMUON_STEP_SIZE = "neuron_beta2", "neuron_eps", "normuon_step_size"
 NORMUON_OPTIONS = (NEURON_BETA2, NEURON_EPS, NORMUON_STEP_SIZE)  # NorMuon's own, besides Muon's
 LOW_BIT_OPTIONS = (BLOCK_SIZE, BF16_STOCHASTIC_ROUND)
+EMBEDDING_BLOCKS, OUTPUT_BLOCKS, ATTN_OUT_BLOCKS, MLP_BLOCKS = (
+    "embedding_blocks",
+    "output_blocks",
+    "attn_out_blocks",
+    "mlp_blocks",
+)
+NORM_WEIGHT_DECAY = "norm_weight_decay"
+# Adam-mini's partition: a rule per role (value_blocks, then these), and weight decay on norms.
+ADAM_MINI_PARTITION_OPTIONS = (
+    VALUE_BLOCKS,
+    EMBEDDING_BLOCKS,
+    OUTPUT_BLOCKS,
+    ATTN_OUT_BLOCKS,
+    MLP_BLOCKS,
+    NORM_WEIGHT_DECAY,
+)
 ADEMAMIX_ALPHA, ADEMAMIX_BETA3, ADEMAMIX_WARMUP_STEPS = "ademamix_alpha", "ademamix_beta3", "ademamix_warmup_steps"
 ADEMAMIX_OPTIONS = (ADEMAMIX_ALPHA, ADEMAMIX_BETA3, ADEMAMIX_WARMUP_STEPS)
 
@@ -65,6 +81,10 @@ OPTION_RULES: dict[str, OptionRule] = {
     BF16_STOCHASTIC_ROUND: OptionRule(shapes_state=False),  # how weights are rounded, not the state
     STATE_DTYPE: OptionRule(shapes_state=True, unset_means="float32"),
     VALUE_BLOCKS: OptionRule(shapes_state=True, unset_means="per_row"),
+    # Adam-mini's other rules shape v ((blocks, 1), or the parameter's shape per element); decay shapes nothing.
+    **{option: OptionRule(shapes_state=True, unset_means="per_row") for option in (EMBEDDING_BLOCKS, OUTPUT_BLOCKS)},
+    **{option: OptionRule(shapes_state=True, unset_means="per_row") for option in (ATTN_OUT_BLOCKS, MLP_BLOCKS)},
+    NORM_WEIGHT_DECAY: OptionRule(shapes_state=False, unset_means=False),
     BLOCK_SIZE: OptionRule(shapes_state=True),
     # Muon's update rule (momentum, Nesterov, Newton-Schulz steps and dtype, lr scale): one momentum buffer whatever
     # they are.
@@ -86,9 +106,9 @@ OPTIONAL_OPTIONS = tuple(OPTION_RULES)
 TAKES: dict[str, tuple[str, ...]] = {
     "AdamW": (IMPLEMENTATION, STATE_DTYPE),
     "Adam": (IMPLEMENTATION, STATE_DTYPE),
-    "AdamMini": (VALUE_BLOCKS, IMPLEMENTATION, STATE_DTYPE),
-    "AdamMini8bit": (VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE),
-    "AdamMini4bit": (VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE),
+    "AdamMini": (*ADAM_MINI_PARTITION_OPTIONS, IMPLEMENTATION, STATE_DTYPE),
+    "AdamMini8bit": (*ADAM_MINI_PARTITION_OPTIONS, IMPLEMENTATION, BLOCK_SIZE),
+    "AdamMini4bit": (*ADAM_MINI_PARTITION_OPTIONS, IMPLEMENTATION, BLOCK_SIZE),
     "AdamW8bit": LOW_BIT_OPTIONS,
     "AdamW4bit": LOW_BIT_OPTIONS,
     "AdamWFp8": LOW_BIT_OPTIONS,
