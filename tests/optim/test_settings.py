@@ -57,7 +57,16 @@ def test_settings_are_resolved_once_and_hold_only_the_options_taken():
     settings = optimizer_settings(job_config("--optimizer.name", "adam-mini", "--optimizer.lr", "0.002"))
     assert settings.name == "AdamMini" and settings.lr == 0.002 and settings.betas == (0.9, 0.95)
     # Unset: what unset means for the state, or None (the optimizer's own default).
-    assert dict(settings.options) == {"value_blocks": "per_row", "implementation": None, "state_dtype": "float32"}
+    assert dict(settings.options) == {
+        "value_blocks": "per_row",
+        "embedding_blocks": "per_row",
+        "output_blocks": "per_row",
+        "attn_out_blocks": "per_row",
+        "mlp_blocks": "per_row",
+        "norm_weight_decay": False,
+        "implementation": None,
+        "state_dtype": "float32",
+    }
     with pytest.raises(KeyError):
         settings.get("block_size")
     with pytest.raises(TypeError):

@@ -13,6 +13,7 @@ One package per optimizer family:
 
 - ``adam_mini``: Adam-mini (block partition, blocks on a shard, block statistics, foreach and fused back ends).
 - ``muon``: the Muon family (the update with its AdamW part; Newton–Schulz on sharded matrices).
+- ``ademamix``: AdEMAMix (a fast and a slow momentum; element-wise, so DTensor shards step on their own).
 - ``lowbit``: AdamW with moments in another dtype than the weights (``adamw``); torchao's 8-bit, 4-bit and FP8
   AdamW, adapted (``torchao_adapter``).
 
@@ -30,6 +31,7 @@ import sys
 from typing import Any, Callable, Optional
 
 _HOMES = {
+    "AdEMAMix": "torchtitan.optim.ademamix.optimizer",
     "AdamMini": "torchtitan.optim.adam_mini.optimizer",
     "LowPrecisionAdam": "torchtitan.optim.lowbit.adamw",
     "Muon": "torchtitan.optim.muon.optimizer",

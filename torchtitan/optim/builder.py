@@ -20,16 +20,20 @@ from torchtitan.errors import UserError
 from torchtitan.optim.container import OptimizersContainer
 from torchtitan.optim.lowbit.torchao_adapter import low_bit_class, portable_quantized_state
 from torchtitan.optim.settings import (
+    ADAM_MINI_PARTITION_OPTIONS,
+    ADEMAMIX_ALPHA,
+    ADEMAMIX_BETA3,
+    ADEMAMIX_WARMUP_STEPS,
     BF16_STOCHASTIC_ROUND,
     BLOCK_SIZE,
     IMPLEMENTATION,
     MAX_PRECONDITION_DIM,
     MUON_OPTIONS,
     NORMUON_OPTIONS,
+    NORMUON_STEP_SIZE,
     SOAP_OPTIONS,
     STATE_DTYPE,
     TAKES,
-    VALUE_BLOCKS,
     OptimizerSettings,
     canonical_name,
     optimizer_settings,
@@ -133,6 +137,8 @@ def _muon_family_factory(name: str) -> Callable[[nn.Module, OptimizerSettings], 
         # Options left unset take the optimizer's own defaults; [optimizer] names them as its constructor does.
         own = (*MUON_OPTIONS, STATE_DTYPE) + (NORMUON_OPTIONS if name == "NorMuon" else ())
         chosen = settings.chosen(*own)
+        if NORMUON_STEP_SIZE in chosen:
+            chosen["step_size"] = chosen.pop(NORMUON_STEP_SIZE)
         return {"Muon": Muon, "NorMuon": NorMuon}[name](
             [p for _, p in matrices],
             lr=settings.lr,
@@ -212,7 +218,7 @@ def _build_adam_mini(model: nn.Module, settings: OptimizerSettings, **storage: A
         n_kv_heads=args.kv_heads,
         head_dim=args.head_dim,
         param_roles=model.named_param_roles(),
-        value_blocks=settings.get(VALUE_BLOCKS),
+        **{option: settings.get(option) for option in ADAM_MINI_PARTITION_OPTIONS},
         **storage,
     )
 
@@ -251,6 +257,22 @@ class OptimizerKind:
         return state_options(self.name)
 
 
+def _build_ademamix(model: nn.Module, settings: OptimizerSettings) -> torch.optim.Optimizer:
+    from torchtitan.optim.ademamix.optimizer import AdEMAMix
+
+    return AdEMAMix(
+        trainable_parameters(model),
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+        alpha=settings.get(ADEMAMIX_ALPHA),
+        beta3=settings.get(ADEMAMIX_BETA3),
+        warmup_steps=settings.get(ADEMAMIX_WARMUP_STEPS),
+        state_dtype=settings.get(STATE_DTYPE),
+    )
+
+
 # The factory of each optimizer, in settings.TAKES' order (a test checks that the two name the same optimizers).
 _FACTORIES: dict[str, Callable[[nn.Module, OptimizerSettings], torch.optim.Optimizer]] = {
     "AdamW": _build_adamw,
@@ -263,6 +285,7 @@ _FACTORIES: dict[str, Callable[[nn.Module, OptimizerSettings], torch.optim.Optim
     "AdamWFp8": _low_bit_factory("AdamWFp8"),
     "Muon": _muon_family_factory("Muon"),
     "NorMuon": _muon_family_factory("NorMuon"),
+    "AdEMAMix": _build_ademamix,
     "SOAP": _build_soap,
 }
 OPTIMIZERS: dict[str, OptimizerKind] = {name: OptimizerKind(name, _FACTORIES[name]) for name in TAKES}

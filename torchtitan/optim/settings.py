@@ -30,8 +30,8 @@ IMPLEMENTATION, VALUE_BLOCKS, BLOCK_SIZE, BF16_STOCHASTIC_ROUND, STATE_DTYPE = (
 )
 MOMENTUM, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR = "momentum", "nesterov", "ns_steps", "ns_dtype", "adjust_lr"
 MUON_OPTIONS = (MOMENTUM, NESTEROV, NS_STEPS, NS_DTYPE, ADJUST_LR)
-NEURON_BETA2, NEURON_EPS = "neuron_beta2", "neuron_eps"
-NORMUON_OPTIONS = (NEURON_BETA2, NEURON_EPS)  # NorMuon's own, besides Muon's
+NEURON_BETA2, NEURON_EPS, NORMUON_STEP_SIZE = "neuron_beta2", "neuron_eps", "normuon_step_size"
+NORMUON_OPTIONS = (NEURON_BETA2, NEURON_EPS, NORMUON_STEP_SIZE)  # NorMuon's own, besides Muon's
 LOW_BIT_OPTIONS = (BLOCK_SIZE, BF16_STOCHASTIC_ROUND)
 PRECONDITION_FREQUENCY, MAX_PRECONDITION_DIM, SHAMPOO_BETA = (
     "precondition_frequency",
@@ -39,6 +39,24 @@ PRECONDITION_FREQUENCY, MAX_PRECONDITION_DIM, SHAMPOO_BETA = (
     "shampoo_beta",
 )
 SOAP_OPTIONS = (PRECONDITION_FREQUENCY, MAX_PRECONDITION_DIM, SHAMPOO_BETA)
+EMBEDDING_BLOCKS, OUTPUT_BLOCKS, ATTN_OUT_BLOCKS, MLP_BLOCKS = (
+    "embedding_blocks",
+    "output_blocks",
+    "attn_out_blocks",
+    "mlp_blocks",
+)
+NORM_WEIGHT_DECAY = "norm_weight_decay"
+# Adam-mini's partition: a rule per role (value_blocks, then these), and weight decay on norms.
+ADAM_MINI_PARTITION_OPTIONS = (
+    VALUE_BLOCKS,
+    EMBEDDING_BLOCKS,
+    OUTPUT_BLOCKS,
+    ATTN_OUT_BLOCKS,
+    MLP_BLOCKS,
+    NORM_WEIGHT_DECAY,
+)
+ADEMAMIX_ALPHA, ADEMAMIX_BETA3, ADEMAMIX_WARMUP_STEPS = "ademamix_alpha", "ademamix_beta3", "ademamix_warmup_steps"
+ADEMAMIX_OPTIONS = (ADEMAMIX_ALPHA, ADEMAMIX_BETA3, ADEMAMIX_WARMUP_STEPS)
 
 
 @dataclass(frozen=True)
@@ -49,10 +67,18 @@ class OptionRule:
     shape, quantization blocks), so their checkpoint folders are apart and a load refuses the other's.
     ``unset_means``: the value an unset option stands for in every optimizer that takes it, so that leaving it
     unset and naming that value are one state (and one setting: :class:`OptimizerSettings` holds that value).
+    ``unset_from``: where the value of an unset option comes from when it depends on the rest of the job.
     """
 
     shapes_state: bool
     unset_means: Optional[Any] = None
+    unset_from: Optional[Callable[[Any], Any]] = None
+
+    def resolve(self, value: Any, job_config: Any) -> Any:
+        """The option's setting: ``value`` if set, else what unset stands for (None: the optimizer's own default)."""
+        if value is not None:
+            return value
+        return self.unset_from(job_config) if self.unset_from is not None else self.unset_means
 
 
 # Every optional option, declared once (a test checks that every [optimizer] field is here or common to all).
@@ -61,12 +87,23 @@ OPTION_RULES: dict[str, OptionRule] = {
     BF16_STOCHASTIC_ROUND: OptionRule(shapes_state=False),  # how weights are rounded, not the state
     STATE_DTYPE: OptionRule(shapes_state=True, unset_means="float32"),
     VALUE_BLOCKS: OptionRule(shapes_state=True, unset_means="per_row"),
+    # Adam-mini's other rules shape v ((blocks, 1), or the parameter's shape per element); decay shapes nothing.
+    **{option: OptionRule(shapes_state=True, unset_means="per_row") for option in (EMBEDDING_BLOCKS, OUTPUT_BLOCKS)},
+    **{option: OptionRule(shapes_state=True, unset_means="per_row") for option in (ATTN_OUT_BLOCKS, MLP_BLOCKS)},
+    NORM_WEIGHT_DECAY: OptionRule(shapes_state=False, unset_means=False),
     BLOCK_SIZE: OptionRule(shapes_state=True),
     # Muon's update rule (momentum, Nesterov, Newton-Schulz steps and dtype, lr scale): one momentum buffer whatever
     # they are.
     **{option: OptionRule(shapes_state=False) for option in MUON_OPTIONS},
-    # NorMuon's per-row second moment (its decay and epsilon): one value per row whatever they are.
-    **{option: OptionRule(shapes_state=False) for option in NORMUON_OPTIONS},
+    # NorMuon's per-row second moment (its decay and epsilon) and its step size: one value per row whatever they are.
+    NEURON_BETA2: OptionRule(shapes_state=False),
+    NEURON_EPS: OptionRule(shapes_state=False),
+    NORMUON_STEP_SIZE: OptionRule(shapes_state=False, unset_means="reference"),
+    # AdEMAMix's slow momentum: its weight and decay, and their warm-up (the paper's defaults; its warm-up spans the
+    # whole run). Three moments shaped like the parameter whatever they are.
+    ADEMAMIX_ALPHA: OptionRule(shapes_state=False, unset_means=5.0),
+    ADEMAMIX_BETA3: OptionRule(shapes_state=False, unset_means=0.9999),
+    ADEMAMIX_WARMUP_STEPS: OptionRule(shapes_state=False, unset_from=lambda job_config: job_config.training.steps),
     # SOAP's refresh interval and Shampoo decay: the same state whatever they are.
     PRECONDITION_FREQUENCY: OptionRule(shapes_state=False),
     SHAMPOO_BETA: OptionRule(shapes_state=False),
@@ -80,15 +117,16 @@ OPTIONAL_OPTIONS = tuple(OPTION_RULES)
 TAKES: dict[str, tuple[str, ...]] = {
     "AdamW": (IMPLEMENTATION, STATE_DTYPE),
     "Adam": (IMPLEMENTATION, STATE_DTYPE),
-    "AdamMini": (VALUE_BLOCKS, IMPLEMENTATION, STATE_DTYPE),
-    "AdamMini8bit": (VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE),
-    "AdamMini4bit": (VALUE_BLOCKS, IMPLEMENTATION, BLOCK_SIZE),
+    "AdamMini": (*ADAM_MINI_PARTITION_OPTIONS, IMPLEMENTATION, STATE_DTYPE),
+    "AdamMini8bit": (*ADAM_MINI_PARTITION_OPTIONS, IMPLEMENTATION, BLOCK_SIZE),
+    "AdamMini4bit": (*ADAM_MINI_PARTITION_OPTIONS, IMPLEMENTATION, BLOCK_SIZE),
     "AdamW8bit": LOW_BIT_OPTIONS,
     "AdamW4bit": LOW_BIT_OPTIONS,
     "AdamWFp8": LOW_BIT_OPTIONS,
     # implementation and state_dtype apply to their AdamW part as to AdamW (state_dtype also to the momentum).
     "Muon": (IMPLEMENTATION, STATE_DTYPE, *MUON_OPTIONS),
     "NorMuon": (IMPLEMENTATION, STATE_DTYPE, *MUON_OPTIONS, *NORMUON_OPTIONS),
+    "AdEMAMix": (STATE_DTYPE, *ADEMAMIX_OPTIONS),
     # implementation applies to its AdamW part as to AdamW.
     "SOAP": (IMPLEMENTATION, *SOAP_OPTIONS),
 }
@@ -203,10 +241,7 @@ def optimizer_settings(job_config: Any) -> OptimizerSettings:
     name = canonical_name(o.name)
     check_values(job_config)
     _refuse_options_not_taken(name, job_config)
-    options = {}
-    for option in TAKES[name]:
-        value = getattr(o, option)
-        options[option] = OPTION_RULES[option].unset_means if value is None else value
+    options = {option: OPTION_RULES[option].resolve(getattr(o, option), job_config) for option in TAKES[name]}
     settings = OptimizerSettings(
         name=name,
         lr=o.lr,
@@ -253,6 +288,25 @@ def _check_adam_mini_implementation(settings: OptimizerSettings) -> None:
         raise UserError("optimizer.implementation for AdamMini is foreach or fused (it has no for-loop version)")
 
 
+def _check_normuon_step_size(settings: OptimizerSettings) -> None:
+    if settings.get(NORMUON_STEP_SIZE) == "rms" and settings.get(ADJUST_LR) is not None:
+        raise UserError(
+            "optimizer.adjust_lr does nothing with optimizer.normuon_step_size rms (its step, 0.2 lr sqrt(rows cols) "
+            "/ ||n||_F, gives every matrix an update RMS of 0.2 lr whatever its shape); remove one of them"
+        )
+
+
+def _check_ademamix_warmup(settings: OptimizerSettings) -> None:
+    """The beta3 warm-up interpolates between beta1 and beta3 in log space (the paper's schedule)."""
+    beta1, beta3 = settings.betas[0], settings.get(ADEMAMIX_BETA3)
+    if settings.get(ADEMAMIX_WARMUP_STEPS) and not 0.0 < beta1 <= beta3:
+        raise UserError(
+            f"AdEMAMix's warm-up takes the slow momentum's decay from optimizer.beta1 ({beta1}) up to "
+            f"optimizer.ademamix_beta3 ({beta3}), so it needs 0 < beta1 <= ademamix_beta3; change one of them, or set "
+            "optimizer.ademamix_warmup_steps 0"
+        )
+
+
 def _check_soap_adamw_part(settings: OptimizerSettings) -> None:
     """SOAP's AdamW part keeps float32 moments; for bfloat16 weights those come from our own step."""
     if settings.weights_dtype == "bfloat16" and settings.get(IMPLEMENTATION) is not None:
@@ -266,10 +320,11 @@ OWN_CHECKS: dict[str, tuple[Callable[[OptimizerSettings], None], ...]] = {
     "AdamW": (check_own_step_for_bfloat16_weights,),
     "Adam": (check_own_step_for_bfloat16_weights,),
     "Muon": (check_own_step_for_bfloat16_weights,),  # its AdamW part
-    "NorMuon": (check_own_step_for_bfloat16_weights,),
+    "NorMuon": (check_own_step_for_bfloat16_weights, _check_normuon_step_size),
     "AdamMini": (_check_adam_mini_implementation,),
     "AdamMini4bit": (_check_even_block_size,),
     "AdamW4bit": (_check_even_block_size,),
+    "AdEMAMix": (_check_ademamix_warmup,),
     "SOAP": (_check_soap_adamw_part,),
 }
 
@@ -291,8 +346,7 @@ def state_signature(job_config: Any) -> dict[str, Any]:
     name = canonical_name(job_config.optimizer.name)
     signature = {}
     for option in state_options(name):
-        value = getattr(job_config.optimizer, option)
-        signature[option] = OPTION_RULES[option].unset_means if value is None else value
+        signature[option] = OPTION_RULES[option].resolve(getattr(job_config.optimizer, option), job_config)
     return signature
 
 
