@@ -537,3 +537,18 @@ def test_adam_minis_partition_rules_are_axes_of_a_study(tmp_path):
         dump / "runs" / "AdamMini_lr1e-3_seed0_optimizer.embedding_blocksper_element_optimizer.mlp_blocksper_tensor"
     )
     assert "--optimizer.embedding_blocks per_element --optimizer.mlp_blocks per_tensor" in status["command"]
+
+
+def test_soap_and_its_refresh_interval_are_a_study_axis(tmp_path):
+    dump = tmp_path / "soap"
+    axis = ["--axis", "SOAP:optimizer.precondition_frequency=10,50"]
+    assert fake_sweep(dump, "--optimizers", "AdamW,soap", "--lrs", "1e-3", *axis) == 0
+    names = sorted(p.name for p in (dump / "runs").iterdir())
+    assert names == [
+        "AdamW_lr1e-3_seed0",
+        "SOAP_lr1e-3_seed0_optimizer.precondition_frequency10",
+        "SOAP_lr1e-3_seed0_optimizer.precondition_frequency50",
+    ]
+    status = status_of(dump / "runs" / "SOAP_lr1e-3_seed0_optimizer.precondition_frequency50")
+    assert "--optimizer.name SOAP" in status["command"]
+    assert "--optimizer.precondition_frequency 50" in status["command"]

@@ -142,3 +142,16 @@ def test_bad_optimizer_input(tmp_path, args, message, monkeypatch, capsys):
     assert train_module.run() == 2
     last = [line for line in capsys.readouterr().err.splitlines() if line.strip()][-1]
     assert last.startswith("error: ") and message in last
+
+
+def test_compare_runs_tables_soap_beside_adamw_with_its_logged_state_bytes(trained, tmp_path):
+    from torchtitan.tools.compare_runs import compare
+
+    runs = [run_dir(trained("AdamW")), run_dir(trained("SOAP"))]
+    summaries = compare([str(r) for r in runs] + ["--out", str(tmp_path / "compare.png"), "--last-k", "2"])
+    by_name = {s["name"]: s for s in summaries}
+    soap = next(s for name, s in by_name.items() if name.endswith("_SOAP"))
+    assert soap["optimizer_state_bytes"] == state_bytes(trained("SOAP"))
+    # The debug model's hidden matrices are all rotated on both sides: far more state than AdamW's.
+    adamw = next(s for name, s in by_name.items() if name.endswith("_AdamW"))
+    assert soap["optimizer_state_bytes"] > 2 * adamw["optimizer_state_bytes"]
