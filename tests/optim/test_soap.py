@@ -220,3 +220,11 @@ def test_state_of_bfloat16_weights_is_float32_and_stays_so_across_a_load():
             key: torch.float32 for key in optimizer.state[p] if key != "step"
         }
         assert all(torch.equal(state[key], optimizer.state[p][key]) for key in state)
+
+
+def test_the_gpu_check_runs_soap_in_its_optimizer_and_large_groups_and_benchmarks_it():
+    from benchmarks.bench_optimizers import FAMILIES
+    from torchtitan.gpu_check import steps as plan
+
+    assert "SOAP" in plan.optimizers_1b_variant_specs() and "SOAP" in plan.llama3_8b_more_specs()
+    assert "SOAP" in FAMILIES
