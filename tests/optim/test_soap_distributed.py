@@ -13,22 +13,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.distributed import run_workers
 from tests.helpers import HYPER, TINY, fsdp, max_difference, tiny_model, weights
 from tests.optim.test_adam_mini_distributed import _attempt, _CollectiveSizes, _set_grads, _tensor_parallel
 from torchtitan.models.roles import canonical_name
+from torchtitan.optim.container import OptimizersContainer
 from torchtitan.optim.muon.optimizer import split_hidden_matrices
 from torchtitan.optim.soap.optimizer import SOAP
 from torchtitan.optim.soap.update import BASES, EXP_AVG, matrix_state_numel
-from torchtitan.optim.state.initialise import initialise_state
 
 WORLD = 4
 STEPS = 6
@@ -101,25 +96,23 @@ def _train_steps(model: torch.nn.Module, optimizer: SOAP, steps: range) -> dict[
 
 
 def _save(layout: str, path: str) -> dict[str, torch.Tensor]:
+    """Train SAVE_AT steps and save as the trainer does (the optimizers container's flat state dict)."""
     model = _parallel_model(layout)
-    optimizer = soap_for(model)
-    trained = _train_steps(model, optimizer, range(SAVE_AT))
-    dcp.save(
-        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path
-    )
+    optimizers = OptimizersContainer([model], [soap_for(model)], "SOAP")
+    trained = _train_steps(model, optimizers.optimizers[0], range(SAVE_AT))
+    dcp.save({"model": get_model_state_dict(model), "optim": optimizers.state_dict()}, checkpoint_id=path)
     return trained
 
 
 def _resume(layout: str, path: str) -> dict[str, torch.Tensor]:
-    """A fresh model and optimizer (state made by a zero step, as the trainer makes it) loaded from ``path``."""
+    """A fresh model and optimizer loaded from ``path`` as the trainer loads them; then the remaining steps."""
     model = _parallel_model(layout)
-    optimizer = soap_for(model)
-    initialise_state(optimizer)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    optimizers = OptimizersContainer([model], [soap_for(model)], "SOAP")
+    state = {"model": get_model_state_dict(model), "optim": optimizers.state_dict()}
     dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
-    return _train_steps(model, optimizer, range(SAVE_AT, STEPS))
+    optimizers.load_state_dict(state["optim"])
+    return _train_steps(model, optimizers.optimizers[0], range(SAVE_AT, STEPS))
 
 
 def _runs(rank: int, world_size: int, checkpoint_dir: str) -> bytes:
