@@ -228,3 +228,20 @@ def test_the_gpu_check_runs_soap_in_its_optimizer_and_large_groups_and_benchmark
 
     assert "SOAP" in plan.optimizers_1b_variant_specs() and "SOAP" in plan.llama3_8b_more_specs()
     assert "SOAP" in FAMILIES
+
+
+def test_eigenbasis_falls_back_to_float64_where_the_solver_fails(monkeypatch):
+    gram = torch.diag(torch.tensor([1.0, 3.0, 2.0]))
+    eigh = torch.linalg.eigh
+    calls = []
+
+    def failing_in_float32(matrix):
+        calls.append(matrix.dtype)
+        if matrix.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        return eigh(matrix)
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing_in_float32)
+    basis = update.eigenbasis(gram)
+    assert calls == [torch.float32, torch.float64] and basis.dtype == torch.float32
+    assert torch.equal(basis.abs(), torch.eye(3)[:, [1, 2, 0]])  # by decreasing eigenvalue: 3, 2, 1

@@ -94,9 +94,16 @@ def accumulate_grams(state: dict[str, Tensor], grad: Tensor, shampoo_beta: float
 
 
 def eigenbasis(gram: Tensor) -> Tensor:
-    """The eigenvectors of the symmetric ``gram``, by decreasing eigenvalue (as columns)."""
+    """The eigenvectors of the symmetric ``gram``, by decreasing eigenvalue (as columns).
+
+    Where the solver does not converge in ``gram``'s dtype (an ill-conditioned float32 statistic on a GPU), it runs
+    again in float64, as the reference does."""
     identity = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    _, vectors = torch.linalg.eigh(gram + EIGH_JITTER * identity)
+    try:
+        _, vectors = torch.linalg.eigh(gram + EIGH_JITTER * identity)
+    except torch.linalg.LinAlgError:
+        _, vectors = torch.linalg.eigh(gram.double() + EIGH_JITTER * identity.double())
+        vectors = vectors.to(gram.dtype)
     return vectors.flip(1)
 
 
