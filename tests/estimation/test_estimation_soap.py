@@ -80,3 +80,13 @@ def test_state_on_8_fsdp_ranks_is_every_eighth_matrix_whole_on_rank_0():
     steps = 4 * (len(matrices) + len(others))  # a float32 step counter per parameter
     assert soap.optimizer_state == matrix_state + adamw_part + steps
     print(f"SOAP state on rank 0 of FSDP 8: {soap.optimizer_state / adamw.optimizer_state:.2f}x AdamW's")
+
+
+def test_the_simulated_step_of_soaps_adamw_part_is_named_as_muons():
+    from tests.helpers import job_config
+    from torchtitan.estimation.simulate import simulated_implementation
+
+    job = job_config("--optimizer.name", "SOAP")
+    assert simulated_implementation(job, "cuda") == "AdamW part: foreach (torch's default on CUDA)"
+    job = job_config("--optimizer.name", "SOAP", "--optimizer.implementation", "fused")
+    assert simulated_implementation(job, "cpu") == "AdamW part: fused"
