@@ -118,6 +118,7 @@ def _resume(layout: str, path: str) -> dict[str, torch.Tensor]:
 def _runs(rank: int, world_size: int, checkpoint_dir: str) -> bytes:
     runs = {layout: _attempt(_train, layout) for layout in ("fsdp", "tp", "fsdp_tp", "hsdp")}
     runs["comm_fsdp"] = _attempt(_collectives, "fsdp")
+    runs["comm_fsdp_tp"] = _attempt(_collectives, "fsdp_tp")
     runs["save"] = _attempt(_save, "fsdp", checkpoint_dir)
     runs["resume_hsdp"] = _attempt(_resume, "hsdp", checkpoint_dir)
     buffer = io.BytesIO()
@@ -177,9 +178,11 @@ def test_each_matrix_state_lives_whole_on_one_rank_of_those_that_split_it(world,
     assert len(set(owners)) == len(COPIES[layout][0])
 
 
-def test_fsdp_step_is_owner_rounds_only(world):
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
+def test_a_step_is_owner_rounds_only(world, layout):
+    """Every matrix is split over all 4 ranks: one group, rounds of 4 matrices, two all-to-alls each."""
     matrices = len(split_hidden_matrices(tiny_model(ARGS).named_parameters())[0])
-    for counts in _result(world, "comm_fsdp"):
+    for counts in _result(world, f"comm_{layout}"):
         assert counts == {"alltoall_base_": 2 * math.ceil(matrices / WORLD)}
 
 
