@@ -1,8 +1,8 @@
 """Time ``step()`` of every AdamMini variant (foreach, fused; float32, bf16, 8-bit, 4-bit momentum), bf16-state
-AdamW, Muon and NorMuon (bfloat16 and float32 Newton–Schulz) and SOAP (fused AdamW for their other weights) against
-AdamW (fused and foreach) and, when installed, the official adam-mini 1.1.1, on the parameters of a Llama in one
-process; also count kernel launches (profiler) and compare optimizer-state bytes, and give NorMuon's step time against
-Muon's.
+AdamW, Muon and NorMuon (bfloat16 and float32 Newton–Schulz) and SOAP (fused AdamW for their other weights),
+AdEMAMix (float32 and bf16 moments) against AdamW (fused and foreach) and, when installed, the official adam-mini
+1.1.1, on the parameters of a Llama in one process; also count kernel launches (profiler) and compare
+optimizer-state bytes, and give NorMuon's step time against Muon's.
 
     python benchmarks/bench_optimizers.py                 # CUDA when available, else CPU
     python benchmarks/bench_optimizers.py --device cpu --steps 5
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchtitan.errors import UserError, exit_code  # noqa: E402
 from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
 from torchtitan.optim import AdamMini  # noqa: E402
+from torchtitan.optim.ademamix.optimizer import AdEMAMix  # noqa: E402
 from torchtitan.optim.container import tensor_bytes  # noqa: E402
 from torchtitan.optim.lowbit.adamw import LowPrecisionAdam  # noqa: E402
 from torchtitan.optim.muon.normuon import NorMuon  # noqa: E402
@@ -68,6 +69,8 @@ FAMILY = {
     "Muon (fp32 NS)": "Muon",
     "NorMuon (bf16 NS)": "NorMuon",
     "NorMuon (fp32 NS)": "NorMuon",
+    "AdEMAMix": "AdEMAMix",
+    "AdEMAMix bf16 state": "AdEMAMix",
     "SOAP": "SOAP",
     "adam_mini 1.1.1 (official)": "AdamMini",
 }
@@ -124,6 +127,8 @@ def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimiz
         "Muon (fp32 NS)": muon(ns_dtype="float32"),
         "NorMuon (bf16 NS)": muon(NorMuon),
         "NorMuon (fp32 NS)": muon(NorMuon, ns_dtype="float32"),
+        "AdEMAMix": lambda: AdEMAMix(model.parameters(), **HYPER, warmup_steps=1000),
+        "AdEMAMix bf16 state": lambda: AdEMAMix(model.parameters(), **HYPER, warmup_steps=1000, state_dtype="bfloat16"),
         "SOAP": muon(SOAP),
     }
     official = _official_adam_mini(model)

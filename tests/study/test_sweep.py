@@ -539,6 +539,20 @@ def test_adam_minis_partition_rules_are_axes_of_a_study(tmp_path):
     assert "--optimizer.embedding_blocks per_element --optimizer.mlp_blocks per_tensor" in status["command"]
 
 
+def test_ademamix_is_swept_with_its_own_options_as_axes(tmp_path):
+    dump = tmp_path / "ademamix"
+    axis = ["--axis", "AdEMAMix:optimizer.ademamix_alpha=5,8"]
+    assert fake_sweep(dump, "--optimizers", "AdamW,ademamix", "--lrs", "1e-3", *axis) == 0
+    names = sorted(p.name for p in (dump / "runs").iterdir())
+    assert names == [
+        "AdEMAMix_lr1e-3_seed0_optimizer.ademamix_alpha5",
+        "AdEMAMix_lr1e-3_seed0_optimizer.ademamix_alpha8",
+        "AdamW_lr1e-3_seed0",
+    ]
+    report = json.loads((dump / "sweep.json").read_text())
+    assert set(report["best"]) == {"AdamW", "AdEMAMix"}
+
+
 def test_soap_and_its_refresh_interval_are_a_study_axis(tmp_path):
     dump = tmp_path / "soap"
     axis = ["--axis", "SOAP:optimizer.precondition_frequency=10,50"]

@@ -36,7 +36,9 @@ def trained(tmp_path_factory, debug_run):
     return get
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "AdamW8bit", "AdamW4bit", "AdamWFp8", "Muon", "SOAP"])
+@pytest.mark.parametrize(
+    "name", ["AdamW", "Adam", "AdamMini", "AdamW8bit", "AdamW4bit", "AdamWFp8", "Muon", "AdEMAMix", "SOAP"]
+)
 def test_each_optimizer_trains(trained, name):
     path = trained(name)
     values = losses(path)
@@ -47,12 +49,15 @@ def test_each_optimizer_trains(trained, name):
 
 
 def test_state_bytes_ratios(trained):
-    measured = {name: state_bytes(trained(name)) for name in ["AdamW", "AdamMini", "AdamW8bit", "AdamW4bit", "Muon"]}
+    names = ["AdamW", "AdamMini", "AdamW8bit", "AdamW4bit", "Muon", "AdEMAMix"]
+    measured = {name: state_bytes(trained(name)) for name in names}
     assert measured["AdamMini"] <= 0.51 * measured["AdamW"]
     # Muon: one moment for the hidden matrices, AdamW's two for the embedding, output and norms.
     assert 0.5 * measured["AdamW"] < measured["Muon"] <= 0.75 * measured["AdamW"]
     assert measured["AdamW8bit"] <= 0.35 * measured["AdamW"]
     assert measured["AdamW4bit"] <= 0.25 * measured["AdamW"]
+    # AdEMAMix: three moments where AdamW has two, and the same step counters.
+    assert 1.49 * measured["AdamW"] < measured["AdEMAMix"] < 1.5 * measured["AdamW"]
 
 
 @pytest.mark.parametrize("name", ["AdamMini"])
