@@ -40,6 +40,7 @@ from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.lowbit import torchao_adapter
 from torchtitan.optim.muon.normuon import NorMuon
 from torchtitan.optim.muon.optimizer import Muon
+from torchtitan.optim.soap.optimizer import SOAP
 from torchtitan.optim.state.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_in_groups
 from torchtitan.optim.state.storage import is_quantized
 
@@ -119,6 +120,8 @@ def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
         ("nor_muon", "NorMuon"),
         ("AdEMAMix", "AdEMAMix"),
         ("ademamix", "AdEMAMix"),
+        ("SOAP", "SOAP"),
+        ("soap", "SOAP"),
     ],
 )
 def test_every_name_and_alias_builds_its_optimizer(given, canonical):
@@ -135,6 +138,7 @@ def test_every_name_and_alias_builds_its_optimizer(given, canonical):
         "Muon": Muon,
         "NorMuon": NorMuon,
         "AdEMAMix": AdEMAMix,
+        "SOAP": SOAP,
     }.get(canonical)
     assert isinstance(optimizer, expected or getattr(torchao_optim, canonical))
     if canonical == "Adam":
@@ -355,7 +359,7 @@ def test_adam_mini_needs_a_model_that_knows_its_shape():
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit", "Muon", "NorMuon", "AdEMAMix"))
+@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit", "Muon", "NorMuon", "AdEMAMix", "SOAP"))
 def test_lambda_lr_drives_every_optimizer_including_tensor_lr(name):
     optimizers = build_optimizers(
         [tiny_model(), tiny_model(seed=1)], job_config("--optimizer.name", name, "--optimizer.lr", "0.2")
@@ -430,6 +434,7 @@ TIED_NAMES = (
     "AdamMini",
     "Muon",
     "AdEMAMix",
+    "SOAP",
     low_bit("AdamMini8bit"),
     *(low_bit(name) for name in LOW_BIT_NAMES),
 )
@@ -491,7 +496,8 @@ def test_tensor_bytes_counts_quantized_parts():
 
 
 @pytest.mark.parametrize(
-    "name", ["AdamW", "Adam", "AdamMini", "Muon", "Muon:bfloat16", "NorMuon", "AdEMAMix", "AdEMAMix:bfloat16"]
+    "name",
+    ["AdamW", "Adam", "AdamMini", "Muon", "Muon:bfloat16", "NorMuon", "AdEMAMix", "AdEMAMix:bfloat16", "SOAP"],
 )
 def test_creating_state_early_does_not_change_training(name):
     """initialise_state() and state_dict() before the first step create the state; training must not notice (bf16
@@ -662,7 +668,7 @@ def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) 
     return plain_values(optimizers.state_dict())
 
 
-EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16", "Muon", "NorMuon", "AdEMAMix")
+EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16", "Muon", "NorMuon", "AdEMAMix", "SOAP")
 
 
 def _fsdp_resume_workers(

@@ -49,7 +49,7 @@ def test_each_optimizer_trains(trained, name):
 
 
 def test_state_bytes_ratios(trained):
-    names = ["AdamW", "AdamMini", "AdamW8bit", "AdamW4bit", "Muon", "AdEMAMix"]
+    names = ["AdamW", "AdamMini", "AdamW8bit", "AdamW4bit", "Muon", "AdEMAMix", "SOAP"]
     measured = {name: state_bytes(trained(name)) for name in names}
     assert measured["AdamMini"] <= 0.51 * measured["AdamW"]
     # Muon: one moment for the hidden matrices, AdamW's two for the embedding, output and norms.
@@ -58,6 +58,9 @@ def test_state_bytes_ratios(trained):
     assert measured["AdamW4bit"] <= 0.25 * measured["AdamW"]
     # AdEMAMix: three moments where AdamW has two, and the same step counters.
     assert 1.49 * measured["AdamW"] < measured["AdEMAMix"] < 1.5 * measured["AdamW"]
+    # SOAP: AdamW's two moments, plus a statistic and a basis per side of each hidden matrix (every side of the debug
+    # model's is rotated: 2 rows^2 + 2 cols^2 more per matrix).
+    assert 3.4 * measured["AdamW"] < measured["SOAP"] < 3.6 * measured["AdamW"]
 
 
 @pytest.mark.parametrize("name", ["AdamMini"])
