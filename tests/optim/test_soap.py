@@ -245,3 +245,16 @@ def test_eigenbasis_falls_back_to_float64_where_the_solver_fails(monkeypatch):
     basis = update.eigenbasis(gram)
     assert calls == [torch.float32, torch.float64] and basis.dtype == torch.float32
     assert torch.equal(basis.abs(), torch.eye(3)[:, [1, 2, 0]])  # by decreasing eigenvalue: 3, 2, 1
+
+
+def test_max_precondition_dim_shapes_the_state_and_the_other_options_do_not():
+    from tests.helpers import job_config
+    from torchtitan.optim.settings import state_label
+
+    assert state_label(job_config("--optimizer.name", "SOAP")) == "SOAP"
+    assert state_label(job_config("--optimizer.name", "SOAP", "--optimizer.max_precondition_dim", "10000")) == "SOAP"
+    assert state_label(job_config("--optimizer.name", "SOAP", "--optimizer.max_precondition_dim", "64")) == (
+        "SOAP-max_precondition_dim=64"
+    )
+    argv = ["--optimizer.precondition_frequency", "50", "--optimizer.shampoo_beta", "0.9"]
+    assert state_label(job_config("--optimizer.name", "SOAP", *argv)) == "SOAP"
