@@ -1,7 +1,8 @@
 """Time ``step()`` of every AdamMini variant (foreach, fused; float32, bf16, 8-bit, 4-bit momentum), bf16-state
-AdamW, Muon and NorMuon (bfloat16 and float32 Newton–Schulz; fused AdamW for their other weights) against AdamW
-(fused and foreach) and, when installed, the official adam-mini 1.1.1, on the parameters of a Llama in one process;
-also count kernel launches (profiler) and compare optimizer-state bytes, and give NorMuon's step time against Muon's.
+AdamW, Muon and NorMuon (bfloat16 and float32 Newton–Schulz) and SOAP (fused AdamW for their other weights),
+AdEMAMix (float32 and bf16 moments) against AdamW (fused and foreach) and, when installed, the official adam-mini
+1.1.1, on the parameters of a Llama in one process; also count kernel launches (profiler) and compare
+optimizer-state bytes, and give NorMuon's step time against Muon's.
 
     python benchmarks/bench_optimizers.py                 # CUDA when available, else CPU
     python benchmarks/bench_optimizers.py --device cpu --steps 5
@@ -12,7 +13,8 @@ also count kernel launches (profiler) and compare optimizer-state bytes, and giv
 Every optimizer steps the same parameters with the same (fixed) gradients. The optimizers take turns, one step each
 per round; times are medians over the rounds and ratios are the median, over rounds, of the step's time divided by
 fused AdamW's in the same round (NorMuon against Muon: the median of its time over Muon's, same Newton–Schulz
-dtype, same round).
+dtype, same round). SOAP refreshes its eigenbases every ``precondition_frequency`` (10) steps, which a median
+leaves out: its mean step time over the rounds, against fused AdamW's mean, is printed too.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchtitan.errors import UserError, exit_code  # noqa: E402
 from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
 from torchtitan.optim import AdamMini  # noqa: E402
+from torchtitan.optim.ademamix.optimizer import AdEMAMix  # noqa: E402
 from torchtitan.optim.container import tensor_bytes  # noqa: E402
 from torchtitan.optim.lowbit.adamw import LowPrecisionAdam  # noqa: E402
 from torchtitan.optim.muon.normuon import NorMuon  # noqa: E402
 from torchtitan.optim.muon.optimizer import Muon, split_hidden_matrices  # noqa: E402
+from torchtitan.optim.soap.optimizer import SOAP  # noqa: E402
 
 # ~106M parameters: Llama 3 shapes (GQA, SwiGLU) at GPT-2-small width with a 32k vocabulary.
 BENCH_ARGS = ModelArgs(dim=768, n_layers=8, n_heads=12, n_kv_heads=4, vocab_size=32000, multiple_of=256)
@@ -65,6 +69,9 @@ FAMILY = {
     "Muon (fp32 NS)": "Muon",
     "NorMuon (bf16 NS)": "NorMuon",
     "NorMuon (fp32 NS)": "NorMuon",
+    "AdEMAMix": "AdEMAMix",
+    "AdEMAMix bf16 state": "AdEMAMix",
+    "SOAP": "SOAP",
     "adam_mini 1.1.1 (official)": "AdamMini",
 }
 FAMILIES = tuple(dict.fromkeys(FAMILY.values()))
@@ -100,6 +107,8 @@ def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimiz
         def build() -> torch.optim.Optimizer:
             matrices, others = split_hidden_matrices(model.named_parameters(), model.named_param_roles())
             rest = torch.optim.AdamW([p for _, p in others], **HYPER, fused=True)
+            if cls is SOAP:
+                return SOAP([p for _, p in matrices], **HYPER, others=rest, **options)
             lr, weight_decay = HYPER["lr"], HYPER["weight_decay"]
             return cls([p for _, p in matrices], lr=lr, weight_decay=weight_decay, others=rest, **options)
 
@@ -118,6 +127,9 @@ def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimiz
         "Muon (fp32 NS)": muon(ns_dtype="float32"),
         "NorMuon (bf16 NS)": muon(NorMuon),
         "NorMuon (fp32 NS)": muon(NorMuon, ns_dtype="float32"),
+        "AdEMAMix": lambda: AdEMAMix(model.parameters(), **HYPER, warmup_steps=1000),
+        "AdEMAMix bf16 state": lambda: AdEMAMix(model.parameters(), **HYPER, warmup_steps=1000, state_dtype="bfloat16"),
+        "SOAP": muon(SOAP),
     }
     official = _official_adam_mini(model)
     if official is not None:
@@ -283,6 +295,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         if normuon in times and muon in times:
             ratio = statistics.median(n / m for n, m in zip(times[normuon], times[muon]))
             print(f"{normuon} step time vs {muon}: {ratio:.3f}x (median over rounds)")
+    if "SOAP" in times:
+        ratio = statistics.mean(times["SOAP"]) / statistics.mean(base)
+        print(f"SOAP mean step time vs {BASELINE}'s, eigenbasis refreshes included: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

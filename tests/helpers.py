@@ -273,6 +273,14 @@ def normuon_for(model: torch.nn.Module, *argv: str) -> torch.optim.Optimizer:
     return muon_for(model, *argv, name="NorMuon")
 
 
+def ademamix_for(model: torch.nn.Module, *argv: str) -> torch.optim.Optimizer:
+    """AdEMAMix as the builder makes it, with HYPER's lr, beta3 0.99 and a warm-up of 4 steps (a run of 5 steps
+    passes through both schedules and past their end), plus ``argv``."""
+    options = ("--optimizer.lr", str(HYPER["lr"]), "--optimizer.ademamix_beta3", "0.99")
+    warmup = ("--optimizer.ademamix_warmup_steps", "4")
+    return build_optimizers([model], job_config("--optimizer.name", "AdEMAMix", *options, *warmup, *argv)).optimizers[0]
+
+
 def run_single_process(
     steps: int, value_blocks: str = PER_ROW, grads_from_values: bool = False, **options
 ) -> dict[str, torch.Tensor]:

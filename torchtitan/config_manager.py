@@ -3,7 +3,7 @@
 Every option lives in exactly one dataclass field below, with its default and a one-line help text in
 ``metadata``. Range checks are declared next to the field (``ge``, ``gt``, ``lt``, ``le``, ``choices``) so that the
 TOML loader, the command-line parser and ``--help`` all read the same facts; the Adam hyperparameters are checked by
-``torchtitan.optim.hyperparameters``, as the optimizer builder and ``AdamMini`` check them. Mistakes raise
+``torchtitan.optim.settings``, as the optimizer builder and ``AdamMini`` check them. Mistakes raise
 :class:`torchtitan.errors.UserError` with one line naming the key and, for typos, the closest valid key.
 """
 
@@ -112,9 +112,10 @@ class Optimizer:
     name: str = opt(
         "AdamW",
         "optimizer: AdamW, Adam, AdamMini, AdamMini8bit, AdamMini4bit, AdamW8bit, AdamW4bit, "
-        "AdamWFp8, Muon, NorMuon (case-insensitive)",
+        "AdamWFp8, Muon, NorMuon, AdEMAMix, SOAP (case-insensitive)",
     )
-    # lr, beta1, beta2, eps and weight_decay are checked by torchtitan.optim.hyperparameters (torch.optim's rules).
+    # Read, checked and resolved in one pass by torchtitan.optim.settings (lr, betas, eps, weight_decay: torch.optim's
+    # rules; which optimizer takes which option: its TAKES table).
     lr: float = opt(8e-4, "peak learning rate")
     beta1: float = opt(0.9, "first-moment decay")
     beta2: float = opt(0.95, "second-moment decay")
@@ -129,7 +130,8 @@ class Optimizer:
     state_dtype: Optional[str] = opt(
         None,
         "AdamW, Adam: dtype of both moments; AdamMini: dtype of its first moment; Muon, NorMuon: their momentum and "
-        "their AdamW part's moments (unset: float32, also for bfloat16 weights; bfloat16 is stochastically rounded)",
+        "their AdamW part's moments; AdEMAMix: its three moments (unset: float32, also for bfloat16 weights; "
+        "bfloat16 is stochastically rounded)",
         choices=("float32", "bfloat16"),
     )
     # AdamMini only.
@@ -137,6 +139,33 @@ class Optimizer:
         None,
         "AdamMini: second moment of value weights per output row (per_row) or per tensor (per_tensor)",
         choices=("per_row", "per_tensor"),
+    )
+    embedding_blocks: Optional[str] = opt(
+        None,
+        "AdamMini: second moment of the embedding per token (per_row, adam-mini 1.1.1's) or per element (per_element, "
+        "Adam's, as Adam-mini's first release); unset: per_row",
+        choices=("per_row", "per_element"),
+    )
+    output_blocks: Optional[str] = opt(
+        None,
+        "AdamMini: second moment of the output projection per token (per_row) or per element (per_element); unset: "
+        "per_row",
+        choices=("per_row", "per_element"),
+    )
+    attn_out_blocks: Optional[str] = opt(
+        None,
+        "AdamMini: second moment of attention output weights per output neuron (per_row, 1.1.1's) or one for the "
+        "whole matrix (per_tensor, the first release's); unset: per_row",
+        choices=("per_row", "per_tensor"),
+    )
+    mlp_blocks: Optional[str] = opt(
+        None,
+        "AdamMini: second moment of MLP weights per output neuron (per_row) or one for the whole matrix "
+        "(per_tensor); unset: per_row",
+        choices=("per_row", "per_tensor"),
+    )
+    norm_weight_decay: Optional[bool] = opt(
+        None, "AdamMini: decay the norms' scales too (unset: false, as adam-mini 1.1.1: neither norms nor biases)"
     )
     # torchao low-bit optimizers only.
     block_size: Optional[int] = opt(None, "low-bit AdamW and AdamMini: quantization block size", gt=0)
@@ -170,6 +199,43 @@ class Optimizer:
     )
     neuron_eps: Optional[float] = opt(
         None, "NorMuon: added to the root of the per-row second moment before dividing (unset: 1e-8)", ge=0.0
+    )
+    normuon_step_size: Optional[str] = opt(
+        None,
+        "NorMuon: reference (the reference code's: Muon's lr scale times ||O||_F / ||N||_F) or rms (the paper's: "
+        "0.2 lr sqrt(rows cols) / ||N||_F, an update RMS of exactly 0.2 lr); unset: reference",
+        choices=("reference", "rms"),
+    )
+    # AdEMAMix only (optimizer.beta1 and beta2 are its fast momentum's and second moment's decays).
+    ademamix_alpha: Optional[float] = opt(
+        None,
+        "AdEMAMix: weight of the slow momentum in the update, reached at the end of its warm-up (unset: 5)",
+        ge=0.0,
+    )
+    ademamix_beta3: Optional[float] = opt(
+        None,
+        "AdEMAMix: decay of the slow momentum, reached at the end of its warm-up (unset: 0.9999)",
+        gt=0.0,
+        lt=1.0,
+    )
+    ademamix_warmup_steps: Optional[int] = opt(
+        None,
+        "AdEMAMix: steps over which alpha rises linearly from 0 and beta3 from beta1 (the paper's schedules); 0: "
+        "none; unset: training.steps, as the paper",
+        ge=0,
+    )
+    # SOAP only (Adam in the eigenbasis of Shampoo's preconditioner: beta1, beta2 and eps are its Adam's, and its
+    # AdamW part's with weight_decay and implementation).
+    precondition_frequency: Optional[int] = opt(
+        None, "SOAP: refresh the eigenbases after every this many updates (unset: 10)", gt=0
+    )
+    max_precondition_dim: Optional[int] = opt(
+        None,
+        "SOAP: a matrix side longer than this is not rotated (no statistic or basis kept for it; unset: 10000)",
+        gt=0,
+    )
+    shampoo_beta: Optional[float] = opt(
+        None, "SOAP: decay of Shampoo's statistics G G^T and G^T G (unset: beta2)", ge=0.0, lt=1.0
     )
 
 
@@ -458,9 +524,9 @@ class JobConfig:
     def validate(self) -> None:
         """Checks that span several keys; per-key ranges are checked from the field metadata."""
         from torchtitan.lr_scheduling import check_schedule, schedule_options  # torch-free, like this module
-        from torchtitan.optim.hyperparameters import Hyperparameters
+        from torchtitan.optim.settings import check_values
 
-        Hyperparameters.from_job_config(self).check()
+        check_values(self)
         t = self.training
         check_schedule(**schedule_options(t))
         if t.data_parallel_shard_degree == 0:
@@ -485,12 +551,7 @@ class JobConfig:
 
     def _refuse_options_that_do_nothing(self) -> None:
         """An option set where it cannot act would make a run look other than it is: refuse it."""
-        o, c, defaults = self.optimizer, self.checkpoint, Checkpoint()
-        if o.bf16_stochastic_round is not None and self.training.param_dtype != "bfloat16":
-            raise UserError(
-                f"optimizer.bf16_stochastic_round rounds bfloat16 weights, but training.param_dtype is "
-                f"{self.training.param_dtype}; remove it, or train bfloat16 weights"
-            )
+        c, defaults = self.checkpoint, Checkpoint()  # [optimizer]'s own: torchtitan.optim.settings.check_values
         if c.export_dtype != defaults.export_dtype and not (c.model_weights_only or c.last_save_in_hf):
             raise UserError(
                 "checkpoint.export_dtype sets the dtype of the weights exports, which are off; add "

@@ -69,15 +69,13 @@ def preflight(job_config: JobConfig, world_size: int):
     """
     # Imported here so that `--help` and config errors answer without importing torch.
     from torchtitan.datasets import build_tokenizer, check_hub_reachable, resolve_dataset
-    from torchtitan.optim.builder import Hyperparameters, check_hyperparameters, resolve_optimizer_name
+    from torchtitan.optim.settings import optimizer_settings
     from torchtitan.parallelisms import ParallelDims, validate_model_for_parallelism
 
     t = job_config.training
     parallel_dims = ParallelDims.from_job_config(job_config, world_size)
     # The optimizer's name and options (one that does not apply is an error), before any model is built.
-    check_hyperparameters(
-        resolve_optimizer_name(job_config.optimizer.name), Hyperparameters.from_job_config(job_config), t.param_dtype
-    )
+    optimizer_settings(job_config)
     resolve_dataset(t.dataset, t.dataset_path)
     if job_config.validation.enable:
         from torchtitan.validate import validation_data

@@ -129,7 +129,12 @@ def _assert_close(estimate, measured: dict, what: str, tolerance: tuple[float, f
 # output projection (the chunked loss reads the embedding's weight).
 @pytest.mark.parametrize(
     "loss_chunks, optimizers, tied",
-    [("1", "AdamW,AdamMini", "false"), ("4", "AdamW", "false"), ("4", "AdamW", "true"), ("1", "NorMuon", "false")],
+    [
+        ("1", "AdamW,AdamMini", "false"),
+        ("4", "AdamW", "false"),
+        ("4", "AdamW", "true"),
+        ("1", "NorMuon,AdEMAMix", "false"),
+    ],
 )
 def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers, tied):
     job = _job(
@@ -181,10 +186,13 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
         "--memory_estimation.world_size",
         "8",
         "--memory_estimation.optimizers",
-        "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit,Muon,NorMuon",
+        "AdamW,AdamMini,AdamW4bit,AdamMini:state_dtype=bfloat16,AdamMini4bit,Muon,NorMuon,AdEMAMix,"
+        "AdEMAMix:state_dtype=bfloat16",
     )
     estimate = estimate_memory(job)
-    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit, muon, normuon = estimate.optimizers
+    adamw, adam_mini, adamw_4bit, adam_mini_bf16, adam_mini_4bit, muon, normuon, ademamix, ademamix_bf16 = (
+        estimate.optimizers
+    )
     assert adam_mini_bf16.label == "AdamMini:state_dtype=bfloat16" and adam_mini_bf16.options == {
         "state_dtype": "bfloat16"
     }
@@ -207,6 +215,9 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     # NorMuon: Muon's, plus one float32 second moment per local row of a hidden matrix.
     rows = [math.ceil(p.shape[0] / 8) for p in model.parameters()]
     assert normuon.optimizer_state == muon_state + sum(4 * r for h, r in zip(hidden, rows) if h)
+    # AdEMAMix: three moments per element (float32 or bfloat16) and a float32 step counter per parameter.
+    assert ademamix.optimizer_state == 3 * 4 * sum(local_numels) + 4 * len(local_numels)
+    assert ademamix_bf16.optimizer_state == 3 * 2 * sum(local_numels) + 4 * len(local_numels)
     # Adam-mini keeps the first moment whole and one second moment per block: about half.
     assert 0.49 < adam_mini.optimizer_state / adamw.optimizer_state < 0.52
     # 4-bit moments: an eighth of AdamW's, plus scales and the small tensors kept in float32.

@@ -74,16 +74,32 @@ def reference_run(
     return params
 
 
-def reference_blocks(model: Transformer, value_blocks: str) -> tuple[dict, dict]:
+# Each optional partition rule (AdamMini's argument, its non-default value) and the weights it reblocks, by name.
+PARTITION_OPTIONS = {
+    "value_blocks": (PER_TENSOR, ("wv.weight",)),
+    "embedding_blocks": (PER_ELEMENT, ("tok_embeddings.weight",)),
+    "output_blocks": (PER_ELEMENT, ("output.weight",)),
+    "attn_out_blocks": (PER_TENSOR, ("wo.weight",)),
+    "mlp_blocks": (PER_TENSOR, ("w1.weight", "w2.weight", "w3.weight")),
+}
+REFERENCE_KIND = {PER_TENSOR: ("tensor", 0), PER_ELEMENT: ("element", 1)}
+
+
+def reference_blocks(
+    model: Transformer, value_blocks: str, norm_weight_decay: bool = False, **rules
+) -> tuple[dict, dict]:
+    """(blocks, decay) by name, written from the rules' descriptions: ``rules`` as AdamMini's partition arguments."""
     head_dim = model.args.head_dim
+    rules = {"value_blocks": value_blocks, **rules}
     blocks, decay = {}, {}
     for name, p in model.named_parameters():
+        chosen = [rule for option, rule in rules.items() if name.endswith(PARTITION_OPTIONS[option][1])]
         if p.dim() == 1:
-            blocks[name], decay[name] = ("tensor", 0), False
+            blocks[name], decay[name] = ("tensor", 0), norm_weight_decay and "norm" in name
         elif name.endswith(("wq.weight", "wk.weight")):
             blocks[name], decay[name] = ("head", head_dim), True
-        elif name.endswith("wv.weight") and value_blocks == PER_TENSOR:
-            blocks[name], decay[name] = ("tensor", 0), True
+        elif chosen and chosen[0] != PER_ROW:
+            blocks[name], decay[name] = REFERENCE_KIND[chosen[0]], True
         else:
             blocks[name], decay[name] = ("row", 1), True
     return blocks, decay
@@ -200,6 +216,28 @@ def test_matches_reference_from_the_formulas(value_blocks):
     blocks, decay = reference_blocks(model, value_blocks)
     expected = reference_run(dict(model.named_parameters()), blocks, 10, **HYPER, decay=decay)
     assert max_difference(run_single_process(10, value_blocks), expected) < 1e-10
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        *({option: rule} for option, (rule, _) in PARTITION_OPTIONS.items() if option != "value_blocks"),
+        {"norm_weight_decay": True},
+        # Adam-mini's first release: Adam for embedding and output, one value per V, O and MLP matrix.
+        {option: rule for option, (rule, _) in PARTITION_OPTIONS.items()},
+    ],
+    ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items()),
+)
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+def test_each_partition_rule_matches_the_reference_from_the_formulas(options, implementation):
+    model = tiny_model()
+    value_blocks = options.get("value_blocks", PER_ROW)
+    rules = {k: v for k, v in options.items() if k != "value_blocks"}
+    blocks, decay = reference_blocks(model, value_blocks, **rules)
+    assert blocks != reference_blocks(model, PER_ROW)[0] or decay != reference_blocks(model, PER_ROW)[1]
+    expected = reference_run(dict(model.named_parameters()), blocks, 10, **HYPER, decay=decay)
+    ours = run_single_process(10, value_blocks, implementation=implementation, **rules)
+    assert max_difference(ours, expected) < 1e-10
 
 
 def test_update_function_on_plain_tensors_matches_the_optimizer():

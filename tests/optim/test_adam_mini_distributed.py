@@ -1,12 +1,14 @@
 """Adam-mini across processes (gloo, float64): FSDP2 on 2, 3 and 4 ranks (uneven shards, KV heads not divisible by
-the rank count), tensor parallel, FSDP x TP and HSDP on 2 x 2 all equal the one-process run (with bf16 momentum
-too, and with 8-bit momentum under HSDP and FSDP x TP, up to its blocks' rounding); an FSDP step sends
-only per-block sums (one all-reduce, no all-gather); a DCP checkpoint saved on 2 ranks resumes exactly on 1 and 3.
+the rank count), tensor parallel, FSDP x TP and HSDP on 2 x 2 all equal the one-process run (with every optional
+partition rule too, with bf16 momentum too, and with 8-bit momentum under HSDP and FSDP x TP, up to its blocks'
+rounding); an FSDP step sends only per-block sums (one all-reduce, no all-gather); a DCP checkpoint saved on 2
+ranks resumes exactly on 1 and 3.
 
 Muon and NorMuon ride the same launches: FSDP2 on 2 and 3 ranks, TP, FSDP x TP (2 x 2, 3 x 2) and HSDP equal one
 process (float64 Newton–Schulz); a step's collectives are the owner rounds of ``muon_distributed`` (counted, with the
 entries sent), plus NorMuon's all-reduces of row sums and norms; Muon's checkpoint saved on 2 ranks resumes exactly on
-1 and 3.
+1 and 3. So does AdEMAMix: on 2 and 3 ranks (FSDP2), TP, FSDP x TP and HSDP it equals one process, and its step
+communicates nothing.
 
 Each world size is spawned once (module fixtures) and runs several layouts; a layout's failure is returned as its
 traceback so that only that layout's test fails."""
@@ -44,6 +46,7 @@ from tests.helpers import (
     HYPER,
     TINY,
     adam_mini_for,
+    ademamix_for,
     fsdp,
     grad_from_values,
     max_difference,
@@ -56,7 +59,7 @@ from tests.helpers import (
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import AdamMini
 from torchtitan.optim.adam_mini.optimizer import FUSED
-from torchtitan.optim.adam_mini.partition import PER_ROW, PER_TENSOR
+from torchtitan.optim.adam_mini.partition import PER_ELEMENT, PER_ROW, PER_TENSOR
 from torchtitan.optim.state.storage import BFLOAT16, INT8
 
 STEPS = 5
@@ -68,6 +71,17 @@ MUON_STEPS = 3  # several steps, each bit for bit; Muon's runs share the launche
 # cuts the 256 columns of the row-parallel weights into parts of one block each, so every matrix's momentum is
 # quantized in the same blocks in every layout.
 INT8_OPTIONS = {"momentum_storage": INT8, "block_size": 128}
+# Every optional partition rule at once (Adam-mini's first release, norms decayed too): per-element embedding and
+# output, one block per value, attention output and MLP matrix (partial over every split of them).
+OTHER_PARTITION = {
+    "value_blocks": PER_TENSOR,
+    "embedding_blocks": PER_ELEMENT,
+    "output_blocks": PER_ELEMENT,
+    "attn_out_blocks": PER_TENSOR,
+    "mlp_blocks": PER_TENSOR,
+    "norm_weight_decay": True,
+}
+PARTITION_LAYOUTS = {2: ("fsdp", "tp"), 3: ("fsdp",), 4: ("fsdp_tp", "hsdp")}
 WIDE = ModelArgs(
     dim=256,
     n_layers=1,
@@ -279,6 +293,16 @@ def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str 
         runs["muon_hsdp"] = _attempt(_train_muon, "hsdp", world_size, MUON_STEPS)
         runs["muon_comm_fsdp_tp"] = _attempt(_collectives_of_one_step, "fsdp_tp", world_size, muon_for)
     runs.update(_normuon_runs(world_size))
+    runs.update(_ademamix_runs(world_size))
+    return runs
+
+
+def _ademamix_runs(world_size: int) -> dict[str, Any]:
+    """AdEMAMix (element-wise: each shard steps on its own) in Muon's layouts, and its collectives under FSDP."""
+    layouts = {2: ("fsdp", "tp"), 3: ("fsdp",), 4: ("fsdp_tp", "hsdp")}.get(world_size, ())
+    runs = {f"ademamix_{layout}": _attempt(_train_muon, layout, world_size, STEPS, ademamix_for) for layout in layouts}
+    if world_size == 2:
+        runs["ademamix_comm_fsdp"] = _attempt(_collectives_of_one_step, "fsdp", world_size, ademamix_for)
     return runs
 
 
@@ -325,6 +349,10 @@ def _world_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str
             runs[f"{layout}_{INT8}"] = _attempt(
                 functools.partial(_train, layout, world_size, STEPS, args=WIDE, **INT8_OPTIONS)
             )
+    for layout in PARTITION_LAYOUTS.get(world_size, ()):
+        runs[f"{layout}_other_partition"] = _attempt(
+            functools.partial(_train, layout, world_size, STEPS, **OTHER_PARTITION)
+        )
     runs.update(_muon_runs(rank, world_size, checkpoint_dir, resume_dir))
     if world_size == 6:
         runs.pop("fsdp")
@@ -396,6 +424,8 @@ def single_process():
         "muon": _train_muon("single", 1, MUON_STEPS),
         "muon_uninterrupted": _train_muon("single", 1, SAVE_AT + RESUME_STEPS),
         "normuon": _train_muon("single", 1, MUON_STEPS, normuon_for),
+        "ademamix": _train_muon("single", 1, STEPS, ademamix_for),
+        "other_partition": _train("single", 1, STEPS, **OTHER_PARTITION),
     }
 
 
@@ -418,6 +448,16 @@ def test_parallel_run_equals_single_process(request, single_process, world_name,
 
 def test_fsdp_with_whole_tensor_value_blocks_equals_single_process(world3, single_process):
     assert max_difference(_result(world3, "fsdp_per_tensor_values"), single_process[PER_TENSOR]) < 1e-10
+
+
+@pytest.mark.parametrize(
+    "world_name, layout",
+    [("world2", "fsdp"), ("world3", "fsdp"), ("world2", "tp"), ("world4", "fsdp_tp"), ("world4", "hsdp")],
+)
+def test_every_other_partition_rule_equals_single_process(request, single_process, world_name, layout):
+    params = _result(request.getfixturevalue(world_name), f"{layout}_other_partition")
+    assert max_difference(params, single_process["other_partition"]) < 1e-10
+    assert max_difference(single_process["other_partition"], single_process[PER_ROW]) > 1e-4  # the rules mattered
 
 
 def _block_sums_per_step() -> int:
@@ -611,3 +651,22 @@ def test_normuon_step_is_muons_rounds_plus_all_reduces_of_row_sums_and_norms(req
         assert comm["counts"] == {"alltoall_base_": alltoalls, "all_reduce": 4}
         expected = [sum(p.shape[0] for p in column_split) // dp, 2 * row_split, 2 * row_split, 2 * len(column_split)]
         assert sorted(reduced) == sorted(expected)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# AdEMAMix
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world_name, layout",
+    [("world2", "fsdp"), ("world3", "fsdp"), ("world2", "tp"), ("world4", "fsdp_tp"), ("world4", "hsdp")],
+)
+def test_ademamix_parallel_run_equals_single_process(request, single_process, world_name, layout):
+    params = _result(request.getfixturevalue(world_name), f"ademamix_{layout}")
+    assert max_difference(params, single_process["ademamix"]) < 1e-12
+    assert max_difference(single_process["ademamix"], weights(tiny_model())) > 1e-3  # it trained
+
+
+def test_ademamix_step_communicates_nothing(world2):
+    assert _result(world2, "ademamix_comm_fsdp")["counts"] == {}

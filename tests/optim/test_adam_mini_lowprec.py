@@ -421,15 +421,15 @@ def _check_state_dtypes_for_bfloat16_weights(name, state_dtype, keys, dtype):
 def test_torch_kernels_for_bfloat16_weights_are_refused(name):
     # torch's kernels would keep bfloat16 moments, not the float32 that state_dtype (unset) promises.
     from torchtitan.optim import build_optimizers
-    from torchtitan.optim.builder import Hyperparameters, check_hyperparameters, resolve_optimizer_name
+    from torchtitan.optim.settings import optimizer_settings
 
     job = job_config("--optimizer.name", name, "--optimizer.implementation", "fused")
     with pytest.raises(UserError, match="optimizer.implementation"):
         build_optimizers([tiny_model(TINY, torch.bfloat16)], job)
-    kind, hp = resolve_optimizer_name(name), Hyperparameters.from_job_config(job)
-    check_hyperparameters(kind, hp, "float32")
+    optimizer_settings(job)  # float32 weights in the config: torch's kernels keep float32 moments
+    job.training.param_dtype = "bfloat16"
     with pytest.raises(UserError, match="optimizer.implementation"):  # preflight's check, before any worker
-        check_hyperparameters(kind, hp, "bfloat16")
+        optimizer_settings(job)
 
 
 def test_adamw_bfloat16_state_from_the_config_is_half_and_resumes_exactly():

@@ -157,3 +157,47 @@ def test_config_checks_normuon_values_and_a_model_without_hidden_matrices_is_tol
         normuon_job("--optimizer.neuron_eps", "-1")
     with pytest.raises(UserError, match="NorMuon found no hidden matrices in Linear.*use AdamW"):
         build_optimizers([torch.nn.Linear(4, 4)], normuon_job())
+
+
+def one_step_update(grad: torch.Tensor, lr: float, *, step_size: str, adjust_lr: str = "match_rms_adamw"):
+    """The update of one NorMuon step (no weight decay, float64 Newton–Schulz) on a zero matrix with ``grad``."""
+    p = torch.nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad.clone()
+    optimizer = NorMuon([p], lr=lr, weight_decay=0.0, ns_dtype="float64", adjust_lr=adjust_lr, step_size=step_size)
+    optimizer.step()
+    return -p.detach()
+
+
+def rms(t: torch.Tensor) -> float:
+    return t.square().mean().sqrt().item()
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (64, 16)])
+def test_rms_step_size_gives_an_update_rms_of_exactly_a_fifth_of_lr(shape):
+    generator = torch.Generator().manual_seed(0)
+    gaussian = torch.randn(shape, generator=generator, dtype=torch.float64)
+    rank4 = torch.randn(shape[0], 4, generator=generator, dtype=torch.float64) @ torch.randn(
+        4, shape[1], generator=generator, dtype=torch.float64
+    )
+    lr = 0.03
+    ratios = {}
+    for name, grad in (("gaussian", gaussian), ("rank 4", rank4)):
+        assert rms(one_step_update(grad, lr, step_size="rms")) == pytest.approx(0.2 * lr, rel=1e-12), name
+        # The reference's step reaches 0.2 lr only for an orthogonal o: short of it for a Gaussian update, far short
+        # for a rank-4 one (Newton–Schulz keeps its zero singular values).
+        ratios[name] = rms(one_step_update(grad, lr, step_size="reference")) / (0.2 * lr)
+    print(f"{shape}: reference step's update RMS over 0.2 lr: {ratios}")
+    assert 0.8 < ratios["gaussian"] < 1.0 and ratios["rank 4"] < 0.5
+
+
+def test_rms_step_size_reaches_normuon_from_the_config_and_replaces_adjust_lr():
+    settings_argv = ("--optimizer.normuon_step_size", "rms")
+    (optimizer,) = build_optimizers([tiny_model()], normuon_job(*settings_argv)).optimizers
+    assert optimizer.param_groups[0]["step_size"] == "rms"
+    (default,) = build_optimizers([tiny_model()], normuon_job()).optimizers
+    assert default.param_groups[0]["step_size"] == "reference"
+    with pytest.raises(UserError) as error:
+        build_optimizers([tiny_model()], normuon_job(*settings_argv, "--optimizer.adjust_lr", "original"))
+    assert str(error.value).startswith("optimizer.adjust_lr does nothing with optimizer.normuon_step_size rms")
+    with pytest.raises(UserError, match="NorMuon step_size must be one of reference, rms"):
+        NorMuon([torch.nn.Parameter(torch.zeros(4, 4))], step_size="paper")

@@ -35,11 +35,12 @@ from tests.helpers import (
 )
 from torchtitan.errors import UserError
 from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
-from torchtitan.optim import AdamMini, OptimizersContainer, build_optimizers
+from torchtitan.optim import AdamMini, AdEMAMix, OptimizersContainer, build_optimizers
 from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.lowbit import torchao_adapter
 from torchtitan.optim.muon.normuon import NorMuon
 from torchtitan.optim.muon.optimizer import Muon
+from torchtitan.optim.soap.optimizer import SOAP
 from torchtitan.optim.state.quantized_checkpoint import QuantizedStateSavePlanner, plain_values, read_in_groups
 from torchtitan.optim.state.storage import is_quantized
 
@@ -117,6 +118,10 @@ def halving_schedule(optimizer: torch.optim.Optimizer) -> LambdaLR:
         ("muon", "Muon"),
         ("NorMuon", "NorMuon"),
         ("nor_muon", "NorMuon"),
+        ("AdEMAMix", "AdEMAMix"),
+        ("ademamix", "AdEMAMix"),
+        ("SOAP", "SOAP"),
+        ("soap", "SOAP"),
     ],
 )
 def test_every_name_and_alias_builds_its_optimizer(given, canonical):
@@ -132,6 +137,8 @@ def test_every_name_and_alias_builds_its_optimizer(given, canonical):
         "AdamMini4bit": AdamMini,
         "Muon": Muon,
         "NorMuon": NorMuon,
+        "AdEMAMix": AdEMAMix,
+        "SOAP": SOAP,
     }.get(canonical)
     assert isinstance(optimizer, expected or getattr(torchao_optim, canonical))
     if canonical == "Adam":
@@ -167,7 +174,7 @@ def test_unknown_name_is_one_line_listing_valid_names():
         assert name in message
 
 
-@pytest.mark.parametrize("name", names_param("AdamW", "Adam", "AdamMini", *LOW_BIT_NAMES))
+@pytest.mark.parametrize("name", names_param("AdamW", "Adam", "AdamMini", *LOW_BIT_NAMES, "AdEMAMix"))
 def test_hyperparameters_reach_every_optimizer(name):
     argv = [
         "--optimizer.lr",
@@ -352,7 +359,7 @@ def test_adam_mini_needs_a_model_that_knows_its_shape():
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit", "Muon", "NorMuon"))
+@pytest.mark.parametrize("name", names_param("AdamW", "AdamMini", "AdamW8bit", "Muon", "NorMuon", "AdEMAMix", "SOAP"))
 def test_lambda_lr_drives_every_optimizer_including_tensor_lr(name):
     optimizers = build_optimizers(
         [tiny_model(), tiny_model(seed=1)], job_config("--optimizer.name", name, "--optimizer.lr", "0.2")
@@ -422,7 +429,15 @@ def test_low_bit_state_bytes_on_the_debug_model_shape_without_allocating():
 
 
 # Every optimizer family: plain, Adam-mini (also quantized), Muon, and the torchao low-bit ones.
-TIED_NAMES = ("AdamW", "AdamMini", "Muon", low_bit("AdamMini8bit"), *(low_bit(name) for name in LOW_BIT_NAMES))
+TIED_NAMES = (
+    "AdamW",
+    "AdamMini",
+    "Muon",
+    "AdEMAMix",
+    "SOAP",
+    low_bit("AdamMini8bit"),
+    *(low_bit(name) for name in LOW_BIT_NAMES),
+)
 
 
 @pytest.mark.parametrize("name", TIED_NAMES)
@@ -480,7 +495,10 @@ def test_tensor_bytes_counts_quantized_parts():
 # Checkpoints (one process)
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon", "Muon:bfloat16", "NorMuon"])
+@pytest.mark.parametrize(
+    "name",
+    ["AdamW", "Adam", "AdamMini", "Muon", "Muon:bfloat16", "NorMuon", "AdEMAMix", "AdEMAMix:bfloat16", "SOAP"],
+)
 def test_creating_state_early_does_not_change_training(name):
     """initialise_state() and state_dict() before the first step create the state; training must not notice (bf16
     state too: its stochastic rounding is salted by step counts, which the zero step must leave at 0)."""
@@ -538,7 +556,7 @@ def resume_run(name: str, args: ModelArgs, dtype: torch.dtype, path) -> tuple[di
     return weights(net), resumed_weights, resumed(False)[0], container
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon", "NorMuon"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "Muon", "NorMuon", "AdEMAMix", "SOAP"])
 def test_dcp_resume_equals_uninterrupted_run(name, tmp_path):
     uninterrupted, resumed, without_state, _ = resume_run(name, TINY, torch.float64, tmp_path)
     assert max_difference(uninterrupted, resumed) == 0.0
@@ -650,7 +668,7 @@ def _single_process_state(name: str, args: ModelArgs, dtype: torch.dtype, path) 
     return plain_values(optimizers.state_dict())
 
 
-EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16", "Muon", "NorMuon")
+EXACT_NAMES = ("AdamW", "AdamMini", "AdamMini:bfloat16", "Muon", "NorMuon", "AdEMAMix", "SOAP")
 
 
 def _fsdp_resume_workers(

@@ -513,3 +513,56 @@ def test_the_comparison_script_passes_budgets_and_warmup_fraction(tmp_path):
         proc = subprocess.run(script, cwd=tmp_path, env=sweep_env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and proc.stderr.strip().startswith(message), proc.stderr
         assert not (tmp_path / "sweep" / "runs").exists()
+
+
+def test_adam_minis_partition_rules_are_axes_of_a_study(tmp_path):
+    dump = tmp_path / "partition"
+    axes = [
+        "--axis",
+        "AdamMini:optimizer.embedding_blocks=per_row,per_element",
+        "--axis",
+        "AdamMini:optimizer.mlp_blocks=per_row,per_tensor",
+    ]
+    assert fake_sweep(dump, "--optimizers", "AdamW,AdamMini", "--lrs", "1e-3", *axes) == 0
+    names = sorted(p.name for p in (dump / "runs").iterdir())
+    assert names == sorted(
+        ["AdamW_lr1e-3_seed0"]
+        + [
+            f"AdamMini_lr1e-3_seed0_optimizer.embedding_blocks{e}_optimizer.mlp_blocks{m}"
+            for e in ("per_element", "per_row")
+            for m in ("per_row", "per_tensor")
+        ]
+    )
+    status = status_of(
+        dump / "runs" / "AdamMini_lr1e-3_seed0_optimizer.embedding_blocksper_element_optimizer.mlp_blocksper_tensor"
+    )
+    assert "--optimizer.embedding_blocks per_element --optimizer.mlp_blocks per_tensor" in status["command"]
+
+
+def test_ademamix_is_swept_with_its_own_options_as_axes(tmp_path):
+    dump = tmp_path / "ademamix"
+    axis = ["--axis", "AdEMAMix:optimizer.ademamix_alpha=5,8"]
+    assert fake_sweep(dump, "--optimizers", "AdamW,ademamix", "--lrs", "1e-3", *axis) == 0
+    names = sorted(p.name for p in (dump / "runs").iterdir())
+    assert names == [
+        "AdEMAMix_lr1e-3_seed0_optimizer.ademamix_alpha5",
+        "AdEMAMix_lr1e-3_seed0_optimizer.ademamix_alpha8",
+        "AdamW_lr1e-3_seed0",
+    ]
+    report = json.loads((dump / "sweep.json").read_text())
+    assert set(report["best"]) == {"AdamW", "AdEMAMix"}
+
+
+def test_soap_and_its_refresh_interval_are_a_study_axis(tmp_path):
+    dump = tmp_path / "soap"
+    axis = ["--axis", "SOAP:optimizer.precondition_frequency=10,50"]
+    assert fake_sweep(dump, "--optimizers", "AdamW,soap", "--lrs", "1e-3", *axis) == 0
+    names = sorted(p.name for p in (dump / "runs").iterdir())
+    assert names == [
+        "AdamW_lr1e-3_seed0",
+        "SOAP_lr1e-3_seed0_optimizer.precondition_frequency10",
+        "SOAP_lr1e-3_seed0_optimizer.precondition_frequency50",
+    ]
+    status = status_of(dump / "runs" / "SOAP_lr1e-3_seed0_optimizer.precondition_frequency50")
+    assert "--optimizer.name SOAP" in status["command"]
+    assert "--optimizer.precondition_frequency 50" in status["command"]

@@ -36,7 +36,9 @@ def trained(tmp_path_factory, debug_run):
     return get
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "AdamMini", "AdamW8bit", "AdamW4bit", "AdamWFp8", "Muon"])
+@pytest.mark.parametrize(
+    "name", ["AdamW", "Adam", "AdamMini", "AdamW8bit", "AdamW4bit", "AdamWFp8", "Muon", "AdEMAMix", "SOAP"]
+)
 def test_each_optimizer_trains(trained, name):
     path = trained(name)
     values = losses(path)
@@ -47,12 +49,18 @@ def test_each_optimizer_trains(trained, name):
 
 
 def test_state_bytes_ratios(trained):
-    measured = {name: state_bytes(trained(name)) for name in ["AdamW", "AdamMini", "AdamW8bit", "AdamW4bit", "Muon"]}
+    names = ["AdamW", "AdamMini", "AdamW8bit", "AdamW4bit", "Muon", "AdEMAMix", "SOAP"]
+    measured = {name: state_bytes(trained(name)) for name in names}
     assert measured["AdamMini"] <= 0.51 * measured["AdamW"]
     # Muon: one moment for the hidden matrices, AdamW's two for the embedding, output and norms.
     assert 0.5 * measured["AdamW"] < measured["Muon"] <= 0.75 * measured["AdamW"]
     assert measured["AdamW8bit"] <= 0.35 * measured["AdamW"]
     assert measured["AdamW4bit"] <= 0.25 * measured["AdamW"]
+    # AdEMAMix: three moments where AdamW has two, and the same step counters.
+    assert 1.49 * measured["AdamW"] < measured["AdEMAMix"] < 1.5 * measured["AdamW"]
+    # SOAP: AdamW's two moments, plus a statistic and a basis per side of each hidden matrix (every side of the debug
+    # model's is rotated: 2 rows^2 + 2 cols^2 more per matrix).
+    assert 3.4 * measured["AdamW"] < measured["SOAP"] < 3.6 * measured["AdamW"]
 
 
 @pytest.mark.parametrize("name", ["AdamMini"])
@@ -142,3 +150,16 @@ def test_bad_optimizer_input(tmp_path, args, message, monkeypatch, capsys):
     assert train_module.run() == 2
     last = [line for line in capsys.readouterr().err.splitlines() if line.strip()][-1]
     assert last.startswith("error: ") and message in last
+
+
+def test_compare_runs_tables_soap_beside_adamw_with_its_logged_state_bytes(trained, tmp_path):
+    from torchtitan.tools.compare_runs import compare
+
+    runs = [run_dir(trained("AdamW")), run_dir(trained("SOAP"))]
+    summaries = compare([str(r) for r in runs] + ["--out", str(tmp_path / "compare.png"), "--last-k", "2"])
+    by_name = {s["name"]: s for s in summaries}
+    soap = next(s for name, s in by_name.items() if name.endswith("_SOAP"))
+    assert soap["optimizer_state_bytes"] == state_bytes(trained("SOAP"))
+    # The debug model's hidden matrices are all rotated on both sides: far more state than AdamW's.
+    adamw = next(s for name, s in by_name.items() if name.endswith("_AdamW"))
+    assert soap["optimizer_state_bytes"] > 2 * adamw["optimizer_state_bytes"]

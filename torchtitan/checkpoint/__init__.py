@@ -3,7 +3,7 @@
 Where: ``checkpoint.folder`` (relative to ``job.dump_folder`` unless absolute); unset, it is
 ``checkpoint/<optimizer state>``: the canonical optimizer name plus every option that shapes its state and is not at
 its default (e.g. ``checkpoint/AdamMini``, ``checkpoint/AdamMini-state_dtype=bfloat16-value_blocks=per_tensor``;
-``optim.builder.OPTION_RULES`` declares which options shape the state), so runs whose optimizer states differ never
+``optim.settings.OPTION_RULES`` declares which options shape the state), so runs whose optimizer states differ never
 share checkpoints. An explicit folder is used as given.
 
 Layout of the checkpoint folder::
@@ -57,7 +57,7 @@ group at a time (``torchtitan.optim.state.quantized_checkpoint``): a save or loa
 it on the device.
 
 Job facts: every checkpoint also holds a small plain record of the job that wrote it (optimizer, the options that shape
-its state (``optim.builder.state_signature``), model flavor, parameter count and a digest of the parameter names and
+its state (``optim.settings.state_signature``), model flavor, parameter count and a digest of the parameter names and
 shapes). A load compares it first, so a checkpoint of another optimizer state or model is refused with one line saying
 what it holds and what the job expects.
 

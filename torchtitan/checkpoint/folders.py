@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from torchtitan.checkpoint.safe_reading import METADATA_FILE
 from torchtitan.logging import logger
-from torchtitan.optim.builder import state_label
+from torchtitan.optim.settings import state_label
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights|-hf)?\.tmp-")
@@ -48,7 +48,7 @@ DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optim
 def resolve_folder(job_config: Any) -> str:
     """``checkpoint.folder``, or unset ``checkpoint/<optimizer state label>``, inside ``job.dump_folder`` unless
     absolute. The label is the optimizer's name plus each option that shapes its state and is not at its default
-    (``optim.builder.state_label``), so runs whose states differ never share a folder."""
+    (``optim.settings.state_label``), so runs whose states differ never share a folder."""
     folder = job_config.checkpoint.folder
     if folder is None:
         folder = os.path.join(DEFAULT_FOLDER, state_label(job_config))

@@ -57,7 +57,7 @@ from torchtitan.guard import (
     tensors_are_finite,
 )
 from torchtitan.logging import logger
-from torchtitan.optim.builder import OPTION_RULES, resolve_optimizer_name, state_signature
+from torchtitan.optim.settings import OPTION_RULES, canonical_name, state_signature
 from torchtitan.optim.state.quantized_checkpoint import (
     QuantizedStateSavePlanner,
     entry_sources,
@@ -90,7 +90,7 @@ def job_facts(job_config: Any, model_state: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint of this job holds, in plain data: compared on load before any tensor is read."""
     shapes = sorted((name, list(value.shape)) for name, value in model_state.items())
     return {
-        "optimizer": resolve_optimizer_name(job_config.optimizer.name).name,
+        "optimizer": canonical_name(job_config.optimizer.name),
         "optimizer_state": state_signature(job_config),
         "model_flavor": job_config.model.flavor,
         "parameters": sum(value.numel() for value in model_state.values()),
@@ -610,7 +610,7 @@ class CheckpointManager:
                 f"{', '.join(map(str, steps))}); they are not resumed: to resume them, pass --checkpoint.folder "
                 f"{DEFAULT_FOLDER} (and the optimizer that wrote them)"
             )
-        bare_name = resolve_optimizer_name(self.job_config.optimizer.name).name
+        bare_name = canonical_name(self.job_config.optimizer.name)
         if os.path.basename(self.folder) == bare_name:
             return
         bare = os.path.join(shared, bare_name)

@@ -40,7 +40,7 @@ from torchtitan.optim.builder import (
     resolve_optimizer_name,
 )
 from torchtitan.optim.container import tensor_bytes
-from torchtitan.optim.hyperparameters import OPTIONAL_OPTIONS
+from torchtitan.optim.settings import OPTIONAL_OPTIONS
 from torchtitan.optim.state.quantized_checkpoint import QuantizedEntry
 from torchtitan.optim.state.torchao_import import import_torchao_optim
 
@@ -48,9 +48,11 @@ from torchtitan.optim.state.torchao_import import import_torchao_optim
 _CUDA_BLOCK_BYTES = 512
 
 _LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamMini8bit", "AdamMini4bit")
-# Optimizers whose step is (or, for Muon, includes) torch's AdamW/Adam, whose implementation torch chooses by device
-# when ``optimizer.implementation`` is unset.
-_TORCH_ADAM = ("AdamW", "Adam", "Muon")
+# Optimizers whose step is (or, for Muon and SOAP, includes) torch's AdamW/Adam, whose implementation torch chooses
+# by device when ``optimizer.implementation`` is unset.
+_TORCH_ADAM = ("AdamW", "Adam", "Muon", "SOAP")
+# Those whose AdamW part is torch's AdamW.
+_ADAMW_PART = ("Muon", "SOAP")
 
 _LAYOUT_NAMES = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP"}
 
@@ -213,9 +215,9 @@ def torch_default_implementation(job_config: JobConfig, device: str) -> Optional
 
 def simulated_implementation(job_config: JobConfig, device: str) -> str:
     """The optimizer step's implementation that a run of ``job_config`` on ``device`` takes, as estimate rows name
-    it (for Muon, that of its AdamW part)."""
+    it (for Muon and SOAP, that of their AdamW part)."""
     o = job_config.optimizer
-    prefix = "AdamW part: " if o.name == "Muon" else ""
+    prefix = "AdamW part: " if o.name in _ADAMW_PART else ""
     if o.name in _TORCH_ADAM:
         default = torch_default_implementation(job_config, device)
         if default is not None:

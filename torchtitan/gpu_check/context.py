@@ -146,7 +146,8 @@ def optimizer_specs(kinds: Optional[list[str]] = None) -> list[str]:
 
 def low_bit_names() -> list[str]:
     """The registry's optimizers with quantized state (those that take a quantization block size)."""
-    from torchtitan.optim.builder import BLOCK_SIZE, OPTIMIZERS
+    from torchtitan.optim.builder import OPTIMIZERS
+    from torchtitan.optim.settings import BLOCK_SIZE
 
     return [name for name, kind in OPTIMIZERS.items() if BLOCK_SIZE in kind.options]
 

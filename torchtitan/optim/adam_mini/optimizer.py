@@ -35,20 +35,20 @@ import torch
 from torch import Tensor
 
 from torchtitan.errors import UserError
-from torchtitan.models.roles import KEY, QUERY
+from torchtitan.models.roles import ATTN_OUT, EMBEDDING, KEY, MLP, OUTPUT, QUERY, VALUE
 from torchtitan.optim.adam_mini.foreach import foreach_update
 from torchtitan.optim.adam_mini.fused import fused_update
 from torchtitan.optim.adam_mini.layout import BlockLayout, layout_for, new_second_moment
 from torchtitan.optim.adam_mini.partition import (
     PER_ROW,
-    VALUE_BLOCK_CHOICES,
+    ROLE_RULE_CHOICES,
     BlockPlan,
     partition_summary,
     plan_blocks,
     unmatched_matrices,
 )
 from torchtitan.optim.adam_mini.statistics import Hyper
-from torchtitan.optim.hyperparameters import check_adam_hyperparameters
+from torchtitan.optim.settings import check_adam_hyperparameters
 from torchtitan.optim.state.storage import (
     BFLOAT16,
     FLOAT32,
@@ -121,6 +121,11 @@ class AdamMini(torch.optim.Optimizer):
         head_dim: rows per query/key head, when it is not ``dim // n_heads``.
         value_blocks: ``"per_row"`` (default) or ``"per_tensor"`` (one block for each value weight; the authors'
             advice for runs shorter than about 10k steps).
+        embedding_blocks, output_blocks: ``"per_row"`` (default: one second moment per token, adam-mini 1.1.1's) or
+            ``"per_element"`` (Adam's, as Adam-mini's first release had it).
+        attn_out_blocks, mlp_blocks: ``"per_row"`` (default: one per output neuron, 1.1.1's) or ``"per_tensor"``
+            (one for the whole matrix, as the first release had it).
+        norm_weight_decay: decay the norms' scales too (default False: 1.1.1 decays neither norms nor biases).
         param_roles: ``{name: role}`` from the model (our Llama's ``named_param_roles()``); roles are embedding,
             output, query, key, value, attn_out, mlp, norm and bias. Names it lacks fall back to name rules.
         momentum_storage: how ``m`` is stored: ``"float32"`` (default; float64 for float64 parameters),
@@ -150,6 +155,11 @@ class AdamMini(torch.optim.Optimizer):
         n_kv_heads: Optional[int] = None,
         head_dim: Optional[int] = None,
         value_blocks: str = PER_ROW,
+        embedding_blocks: str = PER_ROW,
+        output_blocks: str = PER_ROW,
+        attn_out_blocks: str = PER_ROW,
+        mlp_blocks: str = PER_ROW,
+        norm_weight_decay: bool = False,
         param_roles: Optional[Mapping[str, str]] = None,
         momentum_storage: str = FLOAT32,
         block_size: Optional[int] = None,
@@ -175,14 +185,23 @@ class AdamMini(torch.optim.Optimizer):
             )
         _check_hyperparameters(lr, betas, eps, weight_decay)
         head_dim, n_kv_heads = _check_heads(dim, n_heads, n_kv_heads, head_dim)
-        if value_blocks not in VALUE_BLOCK_CHOICES:
-            raise UserError(f"value_blocks must be one of {', '.join(VALUE_BLOCK_CHOICES)}, not {value_blocks!r}")
+        role_rules = {
+            role: _checked_rule(argument, rule, role)
+            for role, argument, rule in (
+                (VALUE, "value_blocks", value_blocks),
+                (EMBEDDING, "embedding_blocks", embedding_blocks),
+                (OUTPUT, "output_blocks", output_blocks),
+                (ATTN_OUT, "attn_out_blocks", attn_out_blocks),
+                (MLP, "mlp_blocks", mlp_blocks),
+            )
+        }
         named = _named_trainable(named_parameters)
         plans = plan_blocks(
             ((name, tuple(p.shape)) for name, p in named),
             head_dim=head_dim,
-            value_blocks=value_blocks,
             param_roles=param_roles,
+            role_rules=role_rules,
+            norm_weight_decay=bool(norm_weight_decay),
         )
         params = [p for _, p in named]
         super().__init__(
@@ -260,6 +279,13 @@ def _named_trainable(named_parameters: Any) -> list[tuple[str, Tensor]]:
     if not named:
         raise UserError("AdamMini got no trainable parameters")
     return named
+
+
+def _checked_rule(argument: str, rule: str, role: str) -> str:
+    choices = ROLE_RULE_CHOICES[role]
+    if rule not in choices:
+        raise UserError(f"{argument} must be one of {', '.join(choices)}, not {rule!r}")
+    return rule
 
 
 def _check_hyperparameters(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:

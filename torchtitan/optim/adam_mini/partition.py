@@ -8,9 +8,15 @@ rule           weights                                                     block
 =============  =========================================================  ==========================
 per_row        embedding, output, value, attention output, MLP             one per row (token/neuron)
 per_head       query, key                                                  one per ``head_dim`` rows
-per_tensor     norms, every other 1-D parameter, value (optional)          one for the whole tensor
-per_element    biases                                                      plain Adam
+per_tensor     norms, every other 1-D parameter; value, attention output   one for the whole tensor
+               and MLP (optional)
+per_element    biases; embedding and output (optional)                     plain Adam
 =============  =========================================================  ==========================
+
+The defaults are adam-mini 1.1.1's partition. The optional rules (:data:`ROLE_RULE_CHOICES`) are those of
+Adam-mini's first code release and its paper: Adam's per-element second moment for the embedding and output layers,
+one value for each whole value, attention output and MLP matrix. Norms take weight decay only when asked
+(``norm_weight_decay``; 1.1.1 decays neither norms nor biases).
 
 A weight's role comes from the model when it declares one (our Llama's ``named_param_roles()``), otherwise from
 exact name rules for torchtitan and Hugging Face spellings. A matrix no rule matches gets one block per row and
@@ -45,6 +51,15 @@ from torchtitan.models.roles import (
 # Block rules.
 PER_ROW, PER_HEAD, PER_TENSOR, PER_ELEMENT = "per_row", "per_head", "per_tensor", "per_element"
 VALUE_BLOCK_CHOICES = (PER_ROW, PER_TENSOR)
+# The roles whose rule is a choice: the first of each is adam-mini 1.1.1's (the default).
+ROLE_RULE_CHOICES: dict[str, tuple[str, ...]] = {
+    EMBEDDING: (PER_ROW, PER_ELEMENT),
+    OUTPUT: (PER_ROW, PER_ELEMENT),
+    VALUE: VALUE_BLOCK_CHOICES,
+    ATTN_OUT: (PER_ROW, PER_TENSOR),
+    MLP: (PER_ROW, PER_TENSOR),
+}
+DEFAULT_ROLE_RULES = {role: choices[0] for role, choices in ROLE_RULE_CHOICES.items()}
 
 # Module paths (as trailing name segments) whose ".weight" plays a role, in torchtitan and Hugging Face spelling.
 _WEIGHT_RULES: dict[tuple[str, ...], str] = {
@@ -137,18 +152,36 @@ def plan_blocks(
     head_dim: int,
     value_blocks: str = PER_ROW,
     param_roles: Optional[Mapping[str, str]] = None,
+    role_rules: Optional[Mapping[str, str]] = None,
+    norm_weight_decay: bool = False,
 ) -> list[BlockPlan]:
     """A BlockPlan for every (name, global shape), in order.
 
     ``param_roles`` (name -> role, names as given or without wrapper segments) takes precedence over the name
-    rules. Raises UserError for an unknown role or a query/key weight whose rows ``head_dim`` does not divide.
+    rules. ``role_rules`` chooses the rule of the roles in :data:`ROLE_RULE_CHOICES` (``value_blocks`` is VALUE's;
+    roles left out keep 1.1.1's). Raises UserError for an unknown role, a rule a role does not offer, or a
+    query/key weight whose rows ``head_dim`` does not divide.
     """
+    rules = check_role_rules({**DEFAULT_ROLE_RULES, VALUE: value_blocks, **(role_rules or {})})
     roles = _canonical_roles(param_roles or {})
     plans = []
     for name, shape in named_shapes:
         role = roles.get(name) or roles.get(canonical_name(name)) or role_from_name(name)
-        plans.append(_plan_one(name, tuple(shape), role, head_dim, value_blocks))
+        plans.append(_plan_one(name, tuple(shape), role, head_dim, rules, norm_weight_decay))
     return plans
+
+
+def check_role_rules(rules: Mapping[str, str]) -> dict[str, str]:
+    """``rules`` (role -> rule), each checked against the role's choices; UserError naming the role otherwise."""
+    for role, rule in rules.items():
+        choices = ROLE_RULE_CHOICES.get(role)
+        if choices is None:
+            raise UserError(
+                f"Adam-mini's {role} weights have no choice of blocks; choose among {', '.join(ROLE_RULE_CHOICES)}"
+            )
+        if rule not in choices:
+            raise UserError(f"Adam-mini {role} blocks must be one of {', '.join(choices)}, not {rule!r}")
+    return dict(rules)
 
 
 def _canonical_roles(param_roles: Mapping[str, str]) -> dict[str, str]:
@@ -161,12 +194,14 @@ def _canonical_roles(param_roles: Mapping[str, str]) -> dict[str, str]:
     return roles
 
 
-def _plan_one(name: str, shape: tuple[int, ...], role: str, head_dim: int, value_blocks: str) -> BlockPlan:
+def _plan_one(
+    name: str, shape: tuple[int, ...], role: str, head_dim: int, rules: Mapping[str, str], norm_weight_decay: bool
+) -> BlockPlan:
     rows = shape[0] if len(shape) >= 2 else 1
     if len(shape) < 2:
         # Vectors (norm scales, biases, anything else) never take per-row or per-head blocks, whatever their name.
         rule = PER_ELEMENT if role == BIAS else PER_TENSOR
-        return BlockPlan(name, role, rule, shape, rows, decay=False)
+        return BlockPlan(name, role, rule, shape, rows, decay=norm_weight_decay and role == NORM)
     if role in (QUERY, KEY):
         if rows % head_dim:
             raise UserError(
@@ -177,9 +212,12 @@ def _plan_one(name: str, shape: tuple[int, ...], role: str, head_dim: int, value
     if role == BIAS:
         return BlockPlan(name, role, PER_ELEMENT, shape, 1, decay=False)
     if role == NORM:
-        return BlockPlan(name, role, PER_TENSOR, shape, rows, decay=False)
-    if role == VALUE and value_blocks == PER_TENSOR:
+        return BlockPlan(name, role, PER_TENSOR, shape, rows, decay=norm_weight_decay)
+    rule = rules.get(role, PER_ROW)
+    if rule == PER_TENSOR:
         return BlockPlan(name, role, PER_TENSOR, shape, rows, decay=True)
+    if rule == PER_ELEMENT:
+        return BlockPlan(name, role, PER_ELEMENT, shape, 1, decay=True)
     # embedding, output, value, attn_out, mlp, and matrices no rule matched (reported by the summary).
     return BlockPlan(name, role, PER_ROW, shape, 1, decay=True)
 

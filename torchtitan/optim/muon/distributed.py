@@ -9,6 +9,9 @@ matrix of a group is owned by group rank ``j mod S`` and the matrices go in roun
 2. each owner assembles its matrix and runs Newton–Schulz on it,
 3. each owner sends every rank its piece of the result (a second ``all_to_all_single``).
 
+SOAP sends its matrices through the same rounds (``transform_sharded``): its owner keeps the matrix's SOAP state
+and returns the update's direction instead of an orthogonalised matrix.
+
 So every matrix is orthogonalised once per group (not on every rank), a rank holds at most one whole matrix (plus
 the iteration's temporaries) at a time, and a step costs ``2 * ceil(M / S)`` collectives for the ``M`` matrices of
 a group, each rank sending and receiving about ``2 N / S`` entries for the group's ``N`` entries in all, in the
@@ -37,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torchtitan.collectives import all_to_all
 from torchtitan.utils import split_dim
 
-__all__ = ["ShardedMatrix", "sharded_matrix", "orthogonalize_sharded"]
+__all__ = ["ShardedMatrix", "sharded_matrix", "orthogonalize_sharded", "transform_sharded"]
 
 
 def _on_vector(placement: Any, dim: int) -> Any:
@@ -158,14 +161,30 @@ def orthogonalize_sharded(
 
     Every rank of a group must pass that group's matrices in the same order (they do: the optimizer's order).
     """
-    results: list[Optional[Tensor]] = [None] * len(updates)
+    return transform_sharded(updates, matrices, lambda index, whole: orthogonalize(whole), dtype)
+
+
+def transform_sharded(
+    pieces: list[Tensor],
+    matrices: list[ShardedMatrix],
+    transform: Callable[[int, Tensor], Tensor],
+    dtype: torch.dtype,
+) -> list[Tensor]:
+    """``transform(i, whole)`` run by the owner of each whole matrix ``i`` whose local pieces are ``pieces[i]``;
+    returns the local pieces of the results (in ``dtype``, shaped like ``pieces``).
+
+    The owner rounds above; ``transform`` is called on the owning rank only, so state it keeps for matrix ``i``
+    lives there alone (SOAP's preconditioners). Every rank of a group must pass that group's matrices in the same
+    order.
+    """
+    results: list[Optional[Tensor]] = [None] * len(pieces)
     by_group: dict[Any, list[int]] = defaultdict(list)
     for index, matrix in enumerate(matrices):
         by_group[matrix.group].append(index)
     for group, indices in by_group.items():
         size = matrices[indices[0]].group_size
         for start in range(0, len(indices), size):
-            _round(indices[start : start + size], updates, matrices, group, orthogonalize, dtype, results)
+            _round(indices[start : start + size], pieces, matrices, group, transform, dtype, results)
     return results
 
 
@@ -174,7 +193,7 @@ def _round(
     updates: list[Tensor],
     matrices: list[ShardedMatrix],
     group: Any,
-    orthogonalize: Callable[[Tensor], Tensor],
+    transform: Callable[[int, Tensor], Tensor],
     dtype: torch.dtype,
     results: list[Optional[Tensor]],
 ) -> None:
@@ -190,7 +209,7 @@ def _round(
         whole = torch.empty(owned.shape, dtype=dtype, device=device)
         for q, piece in enumerate(inbox.split(received)):
             whole[owned.rows[q].unsqueeze(1), owned.cols[q]] = piece.view(owned.rows[q].numel(), owned.cols[q].numel())
-        result = orthogonalize(whole).to(dtype)
+        result = transform(indices[me], whole).to(dtype)
         del whole
         outbox = torch.cat([result[owned.rows[q].unsqueeze(1), owned.cols[q]].reshape(-1) for q in range(size)])
         del result

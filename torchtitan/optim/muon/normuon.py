@@ -9,9 +9,13 @@ NorMuon is described in Zichong Li et al., "NorMuon: Making Muon more efficient 
     n <- n * ||o||_F / max(||n||_F, 1e-8)                     (the update keeps o's Frobenius norm)
     p <- p * (1 - lr * weight_decay) - lr * scale(p.shape) * n
 
-as the reference computes it (the paper writes the last two lines as one lr ``0.2 lr sqrt(rows cols) / ||n||_F``;
-with ``adjust_lr = "match_rms_adamw"``, ``scale`` is the reference's ``rms_norm`` rule and both give the update an
-RMS of ``0.2 lr`` for an orthogonal ``o``). Momentum, Nesterov, the Newton–Schulz iteration and its dtype,
+as the reference computes it (``step_size = "reference"``, the default). The paper writes the last two lines as one
+step, ``0.2 lr sqrt(rows cols) / ||n||_F`` (``step_size = "rms"``): an update RMS of exactly ``0.2 lr``. With
+``adjust_lr = "match_rms_adamw"`` (the reference's ``rms_norm`` rule) the two agree when ``o`` is orthogonal;
+Newton–Schulz returns a matrix only near orthogonal (its singular values spread around 1, and a rank-deficient
+momentum keeps its zero singular values), so in training they differ.
+
+Momentum, Nesterov, the Newton–Schulz iteration and its dtype,
 ``adjust_lr``, decoupled weight decay, the split into hidden matrices (Muon's) and everything else (an AdamW built
 exactly as ``optimizer.name = "AdamW"`` builds it) are Muon's, with Muon's defaults, so that NorMuon and Muon differ
 in the normalisation only. (The reference defaults to plain momentum and other Newton–Schulz coefficients.)
@@ -28,6 +32,7 @@ per-shard norms on sharded matrices instead; here every layout computes what one
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -44,6 +49,9 @@ from torchtitan.utils import local_tensor, split_dim
 __all__ = ["NorMuon", "normalize_rows", "NEURON_SECOND_MOMENT"]
 
 DEFAULT_NEURON_BETA2, DEFAULT_NEURON_EPS = 0.95, 1e-8  # the reference's
+REFERENCE, RMS = "reference", "rms"  # step sizes: the reference code's, the paper's
+STEP_SIZES = (REFERENCE, RMS)
+RMS_STEP = 0.2  # the paper's update RMS, in units of lr
 NORM_FLOOR = 1e-8  # the reference's floor on the normalised update's Frobenius norm
 # State key: the per-row second moment of the orthogonalised update, (rows, 1).
 NEURON_SECOND_MOMENT = "neuron_second_moment"
@@ -77,8 +85,12 @@ def normalize_rows(
     second_moments: list[Tensor],
     beta2: float,
     eps: float,
+    step_size: str = REFERENCE,
 ) -> list[Tensor]:
     """NorMuon's normalisation of every matrix's orthogonalised update; advances ``second_moments`` in place.
+
+    ``step_size`` "reference" gives each normalised update ``o``'s Frobenius norm; "rms" gives it an RMS of 1
+    (Frobenius norm ``sqrt(rows cols)``), the paper's step before its ``0.2 lr``.
 
     ``orthogonal`` and ``second_moments`` are this rank's pieces (plain tensors) of the matrices ``params``
     (plain tensors or DTensors, for their global shape and layout). Returns the normalised pieces, in the second
@@ -97,8 +109,9 @@ def normalize_rows(
     # A rank's rows are whole now: the norms are partial over the dimensions that split the rows only.
     squares = _sum_over_shards(squares, [_split_dims(p, (0,)) for p in params])
     normalized = []
-    for o, denominator, (o_square, n_square) in zip(pieces, denominators, squares):
-        scale = o_square.sqrt() / n_square.sqrt().clamp(min=NORM_FLOOR)
+    for p, o, denominator, (o_square, n_square) in zip(params, pieces, denominators, squares):
+        target = o_square.sqrt() if step_size == REFERENCE else math.sqrt(p.shape[0] * p.shape[1])
+        scale = target / n_square.sqrt().clamp(min=NORM_FLOOR)
         normalized.append(o * (scale / denominator).view(-1, 1))
     return normalized
 
@@ -130,6 +143,8 @@ class NorMuon(Muon):
             the per-row second moment is always at least float32: one value per row).
         neuron_beta2: decay of the per-row second moment (0.95, the reference's).
         neuron_eps: added to the root of the per-row second moment (1e-8, the reference's).
+        step_size: "reference" (the reference code's, ``lr scale(shape) ||o||_F / ||n||_F``) or "rms" (the paper's,
+            ``0.2 lr sqrt(rows cols) / ||n||_F``: an update RMS of exactly ``0.2 lr``; ``adjust_lr`` is then unused).
     """
 
     def __init__(
@@ -138,6 +153,7 @@ class NorMuon(Muon):
         *,
         neuron_beta2: float = DEFAULT_NEURON_BETA2,
         neuron_eps: float = DEFAULT_NEURON_EPS,
+        step_size: str = REFERENCE,
         others: Optional[torch.optim.Optimizer] = None,
         **muon_options: Any,
     ):
@@ -145,9 +161,12 @@ class NorMuon(Muon):
             raise UserError(f"NorMuon neuron_beta2 must be in [0, 1); got {neuron_beta2}")
         if not neuron_eps >= 0.0:
             raise UserError(f"NorMuon neuron_eps must be at least 0; got {neuron_eps}")
+        if step_size not in STEP_SIZES:
+            raise UserError(f"NorMuon step_size must be one of {', '.join(STEP_SIZES)}; got {step_size!r}")
         super().__init__(matrices, others=others, **muon_options)
         self.param_groups[0]["neuron_beta2"] = float(neuron_beta2)
         self.param_groups[0]["neuron_eps"] = float(neuron_eps)
+        self.param_groups[0]["step_size"] = step_size
         # torch's load casts state to the weights' dtype; the per-row second moment stays at least float32.
         keep_state_dtypes_on_load(self, {NEURON_SECOND_MOMENT: FLOAT32})
 
@@ -157,5 +176,16 @@ class NorMuon(Muon):
             if NEURON_SECOND_MOMENT not in state:
                 state[NEURON_SECOND_MOMENT] = new_row_second_moment(p)
         second_moments = [local_tensor(self.state[p][NEURON_SECOND_MOMENT]) for p in params]
-        normalized = normalize_rows(params, orthogonal, second_moments, group["neuron_beta2"], group["neuron_eps"])
+        normalized = normalize_rows(
+            params,
+            orthogonal,
+            second_moments,
+            group["neuron_beta2"],
+            group["neuron_eps"],
+            group.get("step_size", REFERENCE),
+        )
         super()._apply_updates(group, params, normalized)
+
+    def _lr_scale(self, group: dict[str, Any], shape: tuple[int, ...]) -> float:
+        """The paper's step: the normalised update has RMS 1, and ``lr`` means an update RMS of ``0.2 lr``."""
+        return RMS_STEP if group.get("step_size") == RMS else super()._lr_scale(group, shape)

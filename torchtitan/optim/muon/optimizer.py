@@ -234,7 +234,10 @@ class Muon(torch.optim.Optimizer):
         for p, o in zip(params, orthogonal):
             local = local_tensor(p)
             local.mul_(1 - lr * group["weight_decay"])
-            local.add_(o, alpha=-lr * lr_scale(p.shape, group["adjust_lr"]))
+            local.add_(o, alpha=-lr * self._lr_scale(group, p.shape))
+
+    def _lr_scale(self, group: dict[str, Any], shape: tuple[int, ...]) -> float:
+        return lr_scale(shape, group["adjust_lr"])
 
     def _orthogonalize(self, params: list[Tensor], updates: list[Tensor], steps: int, dtype: torch.dtype):
         """Newton–Schulz of every whole matrix: locally where a rank holds it whole, else shared by its ranks."""
