@@ -416,6 +416,8 @@ def test_unset_implementation_is_simulated_as_torch_takes_it_on_the_device():
     bf16 = _job("--memory_estimation.device", "cuda", "--memory_estimation.optimizers", "AdamW")
     bf16.training.param_dtype = "bfloat16"
     assert simulated_implementation(bf16, "cuda") == "compiled step (float32 moments, bfloat16 weights)"
+    ademamix = _job("--optimizer.name", "AdEMAMix", "--optimizer.state_dtype", "bfloat16")
+    assert simulated_implementation(ademamix, "cuda") == "compiled step (bfloat16 moments)"
 
 
 def test_the_vocabulary_comes_from_a_hugging_face_tokenizer_folder(tmp_path):

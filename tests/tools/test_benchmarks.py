@@ -30,7 +30,7 @@ def test_gpu_check_passes_its_optimizers_to_the_benchmark():
     ctx.found = {"torchao": "0.17.0"}
     assert plan.bench_optimizer_names(ctx) == ["Muon"]
     ctx.optimizers, ctx.found = None, {"torchao": None}  # without torchao the low-bit variants are left out
-    assert plan.bench_optimizer_names(ctx) == ["AdamW", "AdamMini", "Muon", "NorMuon"]
+    assert plan.bench_optimizer_names(ctx) == ["AdamW", "AdamMini", "Muon", "NorMuon", "AdEMAMix"]
 
 
 def test_bench_loss_peaks_are_of_a_steady_step():

@@ -230,6 +230,9 @@ def simulated_implementation(job_config: JobConfig, device: str) -> str:
             return o.implementation
         chosen = "foreach" if job_config.training.param_dtype == "float64" else "fused"
         return f"{chosen} (AdamMini's default)"
+    if o.name == "AdEMAMix":  # compiled, except for float64 weights
+        kind = "eager" if job_config.training.param_dtype == "float64" else "compiled"
+        return f"{kind} step ({o.state_dtype or 'float32'} moments)"
     return "torchao's compiled step"
 
 
