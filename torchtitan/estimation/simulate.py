@@ -48,9 +48,9 @@ from torchtitan.optim.state.torchao_import import import_torchao_optim
 _CUDA_BLOCK_BYTES = 512
 
 _LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamMini8bit", "AdamMini4bit")
-# Optimizers whose step is (or, for Muon, includes) torch's AdamW/Adam, whose implementation torch chooses by device
-# when ``optimizer.implementation`` is unset.
-_TORCH_ADAM = ("AdamW", "Adam", "Muon")
+# Optimizers whose step is (or, for Muon and NorMuon, includes) torch's AdamW/Adam, whose implementation torch
+# chooses by device when ``optimizer.implementation`` is unset.
+_TORCH_ADAM = ("AdamW", "Adam", "Muon", "NorMuon")
 
 _LAYOUT_NAMES = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP"}
 
@@ -213,9 +213,9 @@ def torch_default_implementation(job_config: JobConfig, device: str) -> Optional
 
 def simulated_implementation(job_config: JobConfig, device: str) -> str:
     """The optimizer step's implementation that a run of ``job_config`` on ``device`` takes, as estimate rows name
-    it (for Muon, that of its AdamW part)."""
+    it (for Muon and NorMuon, that of their AdamW part)."""
     o = job_config.optimizer
-    prefix = "AdamW part: " if o.name == "Muon" else ""
+    prefix = "AdamW part: " if o.name in ("Muon", "NorMuon") else ""
     if o.name in _TORCH_ADAM:
         default = torch_default_implementation(job_config, device)
         if default is not None:
