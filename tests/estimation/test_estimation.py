@@ -396,7 +396,7 @@ def test_unset_implementation_is_simulated_as_torch_takes_it_on_the_device():
     """On CUDA torch's AdamW takes foreach, whose step holds temporaries the size of a whole state list (sqrt of
     all of v): with the optimizer step as the peak (tiny activations), the default row is the foreach row, above the
     per-tensor loop's by most of v; on CPU the default is the per-tensor loop. Each row names what it simulated."""
-    specs = "AdamW,AdamW:implementation=foreach,AdamW:implementation=for-loop,Muon,AdamMini"
+    specs = "AdamW,AdamW:implementation=foreach,AdamW:implementation=for-loop,Muon,NorMuon,AdamMini"
     small_step = ["--training.batch_size", "1", "--training.seq_len", "16", "--activation_checkpoint.mode", "full"]
     # One rank, a larger vocabulary: the weights and the optimizer step, not the activations, set the peak.
     small_step += ["--memory_estimation.vocab_size", "2048", "--memory_estimation.world_size", "1"]
@@ -408,6 +408,8 @@ def test_unset_implementation_is_simulated_as_torch_takes_it_on_the_device():
     assert default.peak == foreach.peak and default.peak - loop.peak >= 0.8 * default.optimizer_state / 2
     assert default.implementation == "foreach (torch's default on CUDA)" and loop.implementation == "for-loop"
     assert cuda["Muon"].implementation == "AdamW part: foreach (torch's default on CUDA)"
+    assert cuda["NorMuon"].implementation == "AdamW part: foreach (torch's default on CUDA)"
+    assert cuda["NorMuon"].peak >= cuda["Muon"].peak  # Muon's step (its AdamW part's foreach too), and more
     assert cuda["AdamMini"].implementation == "fused (AdamMini's default)"
 
     job = _job("--memory_estimation.optimizers", "AdamW,AdamW:implementation=for-loop", *small_step)
@@ -416,6 +418,8 @@ def test_unset_implementation_is_simulated_as_torch_takes_it_on_the_device():
     bf16 = _job("--memory_estimation.device", "cuda", "--memory_estimation.optimizers", "AdamW")
     bf16.training.param_dtype = "bfloat16"
     assert simulated_implementation(bf16, "cuda") == "compiled step (float32 moments, bfloat16 weights)"
+    ademamix = _job("--optimizer.name", "AdEMAMix", "--optimizer.state_dtype", "bfloat16")
+    assert simulated_implementation(ademamix, "cuda") == "compiled step (bfloat16 moments)"
 
 
 def test_the_vocabulary_comes_from_a_hugging_face_tokenizer_folder(tmp_path):

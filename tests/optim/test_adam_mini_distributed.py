@@ -315,7 +315,14 @@ def _normuon_runs(world_size: int) -> dict[str, Any]:
     if world_size in (2, 4):
         layout = "fsdp" if world_size == 2 else "fsdp_tp"
         runs[f"normuon_comm_{layout}"] = _attempt(_collectives_of_one_step, layout, world_size, normuon_for)
+    for layout in {2: ("fsdp", "tp"), 4: ("fsdp_tp",)}.get(world_size, ()):
+        runs[f"normuon_rms_{layout}"] = _attempt(_train_muon, layout, world_size, MUON_STEPS, _normuon_rms_for)
     return runs
+
+
+def _normuon_rms_for(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """NorMuon with the paper's step size (the global shape's sqrt(rows cols), whatever the shard)."""
+    return normuon_for(model, "--optimizer.normuon_step_size", "rms")
 
 
 def _world_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
@@ -424,6 +431,7 @@ def single_process():
         "muon": _train_muon("single", 1, MUON_STEPS),
         "muon_uninterrupted": _train_muon("single", 1, SAVE_AT + RESUME_STEPS),
         "normuon": _train_muon("single", 1, MUON_STEPS, normuon_for),
+        "normuon_rms": _train_muon("single", 1, MUON_STEPS, _normuon_rms_for),
         "ademamix": _train_muon("single", 1, STEPS, ademamix_for),
         "other_partition": _train("single", 1, STEPS, **OTHER_PARTITION),
     }
@@ -626,6 +634,13 @@ def test_normuon_parallel_run_equals_single_process(request, single_process, wor
     params = _result(request.getfixturevalue(world_name), f"normuon_{layout}")
     assert max_difference(params, single_process["normuon"]) < 1e-9
     assert max_difference(single_process["normuon"], single_process["muon"]) > 1e-4  # the rows were normalised
+
+
+@pytest.mark.parametrize("world_name, layout", [("world2", "fsdp"), ("world2", "tp"), ("world4", "fsdp_tp")])
+def test_normuon_rms_step_size_parallel_run_equals_single_process(request, single_process, world_name, layout):
+    params = _result(request.getfixturevalue(world_name), f"normuon_rms_{layout}")
+    assert max_difference(params, single_process["normuon_rms"]) < 1e-9
+    assert max_difference(single_process["normuon_rms"], single_process["normuon"]) > 1e-5  # another step size
 
 
 @pytest.mark.parametrize("world_name, layout, ranks", [("world2", "fsdp", 2), ("world4", "fsdp_tp", 4)])

@@ -48,11 +48,11 @@ from torchtitan.optim.state.torchao_import import import_torchao_optim
 _CUDA_BLOCK_BYTES = 512
 
 _LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamMini8bit", "AdamMini4bit")
-# Optimizers whose step is (or, for Muon and SOAP, includes) torch's AdamW/Adam, whose implementation torch chooses
-# by device when ``optimizer.implementation`` is unset.
-_TORCH_ADAM = ("AdamW", "Adam", "Muon", "SOAP")
+# Optimizers whose step is (or, for Muon, NorMuon and SOAP, includes) torch's AdamW/Adam, whose implementation
+# torch chooses by device when ``optimizer.implementation`` is unset.
+_TORCH_ADAM = ("AdamW", "Adam", "Muon", "NorMuon", "SOAP")
 # Those whose AdamW part is torch's AdamW.
-_ADAMW_PART = ("Muon", "SOAP")
+_ADAMW_PART = ("Muon", "NorMuon", "SOAP")
 
 _LAYOUT_NAMES = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP"}
 
@@ -215,7 +215,7 @@ def torch_default_implementation(job_config: JobConfig, device: str) -> Optional
 
 def simulated_implementation(job_config: JobConfig, device: str) -> str:
     """The optimizer step's implementation that a run of ``job_config`` on ``device`` takes, as estimate rows name
-    it (for Muon and SOAP, that of their AdamW part)."""
+    it (for Muon, NorMuon and SOAP, that of their AdamW part)."""
     o = job_config.optimizer
     prefix = "AdamW part: " if o.name in _ADAMW_PART else ""
     if o.name in _TORCH_ADAM:
@@ -232,6 +232,9 @@ def simulated_implementation(job_config: JobConfig, device: str) -> str:
             return o.implementation
         chosen = "foreach" if job_config.training.param_dtype == "float64" else "fused"
         return f"{chosen} (AdamMini's default)"
+    if o.name == "AdEMAMix":  # compiled, except for float64 weights
+        kind = "eager" if job_config.training.param_dtype == "float64" else "compiled"
+        return f"{kind} step ({o.state_dtype or 'float32'} moments)"
     return "torchao's compiled step"
 
 

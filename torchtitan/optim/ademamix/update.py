@@ -74,12 +74,14 @@ def ademamix_update(
     for p, g, m1, m2, nu, f in zip(params, grads, exp_avgs, exp_avg_slows, exp_avg_sqs, factors):
         dtype = f.lr.dtype
         g = g.to(dtype)
-        fast = m1.to(dtype).lerp(g, 1 - beta1)
-        slow = m2.to(dtype).lerp(g, f.slow_weight)
-        second = (nu.to(dtype) * beta2).addcmul(g, g, value=1 - beta2)
+        # In place: ``.to`` returns the state itself when it is stored in the math dtype (no copy, and writing it
+        # back is a no-op); a bfloat16 state is read into a float32 copy and written back rounded.
+        fast = m1.to(dtype).lerp_(g, 1 - beta1)
+        slow = m2.to(dtype).lerp_(g, f.slow_weight)
+        second = nu.to(dtype).mul_(beta2).addcmul_(g, g, value=1 - beta2)
         write_state(m1, fast, f.salt)
         write_state(m2, slow, f.salt)
         write_state(nu, second, f.salt)
-        denominator = second.sqrt() / f.bias_correction2_sqrt + eps
-        update = fast / f.bias_correction1 + f.alpha * slow
-        p.copy_(p.to(dtype) * f.decay - f.lr * update / denominator)
+        denominator = second.sqrt().div_(f.bias_correction2_sqrt).add_(eps)
+        update = fast.div(f.bias_correction1).addcmul_(slow, f.alpha).div_(denominator).mul_(f.lr)
+        p.copy_(p.to(dtype).mul(f.decay).sub_(update))
