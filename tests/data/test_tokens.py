@@ -155,6 +155,86 @@ def test_pretokenize_refuses_an_existing_folder_and_a_damaged_shard(tmp_path, sa
         read_manifest(str(damaged))
 
 
+MANIFEST_KEYS = [
+    ("format",),
+    ("dtype",),
+    ("documents",),
+    ("tokens",),
+    ("shards",),
+    ("shards", 0, "file"),
+    ("shards", 0, "tokens"),
+    ("tokenizer",),
+    ("tokenizer", "path"),
+    ("tokenizer", "fingerprint"),
+    ("tokenizer", "vocab_size"),
+    ("source",),
+    ("fingerprint",),
+]
+
+
+@pytest.mark.parametrize("key", MANIFEST_KEYS, ids=lambda key: ".".join(map(str, key)))
+def test_a_manifest_without_a_key_is_one_line_naming_it(tmp_path, sample_tokens, key):
+    from torchtitan.preflight import preflight
+
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    for file in sample_tokens.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    holder = manifest
+    for part in key[:-1]:
+        holder = holder[part]
+    del holder[key[-1]]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    name = key[0] if len(key) == 1 else f"{key[0]}[0].{key[2]}" if key[0] == "shards" else ".".join(key)
+    job = job_config("--training.dataset", "tokens", "--training.dataset_path", str(folder))
+    with pytest.raises(UserError) as error:
+        preflight(job, 1)  # what train.py and run_llama_train.sh do first: one line, exit code 2
+    message = str(error.value)
+    assert f"has no key '{name}'" in message and "pretokenize the data again" in message and "\n" not in message
+
+
+def test_a_manifest_whose_width_cannot_hold_its_vocabulary_is_refused(tmp_path, sample_tokens):
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    for file in sample_tokens.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["dtype"] == "<u2"
+    manifest["tokenizer"]["vocab_size"] = 128_256
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="uint16 tokens, which cannot hold the ids of its tokenizer's vocabulary"):
+        read_manifest(str(folder))
+
+
+def test_ids_are_checked_against_the_vocabulary_before_they_are_narrowed(tmp_path, monkeypatch):
+    folder = tmp_path / "narrow"
+    folder.mkdir()
+    # Without a vocabulary, the width itself: 70,000 would wrap to 4,464 in uint16.
+    for dtype, ids, bad in (("<u2", [1, 70_000], 70_000), ("<u2", [-1, 2], -1), ("<u4", [1 << 32], 1 << 32)):
+        with pytest.raises(UserError, match=f"token id {bad} is outside the vocabulary of"):
+            ShardWriter(folder, np.dtype(dtype), 10).add(np.array(ids, dtype=np.int64))
+    writer = ShardWriter(folder, np.dtype("<u2"), 10, vocab_size=100)
+    writer.add(np.array([0, 99], dtype=np.int64))
+    with pytest.raises(UserError, match="token id 100 is outside the vocabulary of 100 ids"):
+        writer.add(np.array([5, 100], dtype=np.int64))
+    # pretokenize gives the writer the tokenizer's vocabulary: a tokenizer whose ids pass its n_words is refused,
+    # and nothing is left behind.
+    import torchtitan.datasets.tokenizer as tokenizers
+
+    real = tokenizers.build_tokenizer
+
+    def understated(*args, **kwargs):
+        tokenizer = real(*args, **kwargs)
+        tokenizer.n_words = 100
+        return tokenizer
+
+    monkeypatch.setattr(tokenizers, "build_tokenizer", understated)
+    with pytest.raises(UserError, match="outside the vocabulary of 100 ids"):
+        pretokenize("sample", TIKTOKEN, str(tmp_path / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["narrow"]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The order
 

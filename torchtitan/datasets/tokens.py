@@ -78,10 +78,16 @@ def read_shard_header(path: str) -> tuple[np.dtype, int]:
 
 
 class ShardWriter:
-    """Writes a token stream into shards of at most ``shard_tokens`` tokens; ``close()`` returns the manifest part."""
+    """Writes a token stream into shards of at most ``shard_tokens`` tokens; ``close()`` returns the manifest part.
 
-    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int) -> None:
+    Every id is checked before it is narrowed to ``dtype``: below ``vocab_size`` when given, else within the dtype.
+    """
+
+    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, vocab_size: Optional[int] = None) -> None:
         self.out, self.dtype, self.shard_tokens = out, dtype, shard_tokens
+        self.id_limit = vocab_size if vocab_size is not None else int(np.iinfo(dtype).max) + 1
+        if self.id_limit > int(np.iinfo(dtype).max) + 1:
+            raise ValueError(f"a vocabulary of {vocab_size} ids does not fit {dtype.name}")
         self.shards: list[dict[str, Any]] = []
         self.tokens = 0
         self._digest = hashlib.sha256(f"tokens {dtype.str}".encode())
@@ -89,6 +95,13 @@ class ShardWriter:
         self._in_shard = 0
 
     def add(self, tokens: np.ndarray) -> None:
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.id_limit):
+            bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+            raise UserError(
+                f"token id {bad} is outside the vocabulary of {self.id_limit:,} ids that the tokens are stored for "
+                f"({self.dtype.name}); the tokenizer gives ids its vocabulary size does not count: fix the tokenizer "
+                "file"
+            )
         tokens = tokens.astype(self.dtype, copy=False)
         while tokens.size:
             if self._file is None:
@@ -164,11 +177,14 @@ def read_manifest(path: str, section: str = "training") -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"'{manifest_path}' cannot be read ({e}); pretokenize the data again") from None
-    if manifest.get("format") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or "format" not in manifest:
+        raise UserError(f"'{manifest_path}' has no key 'format'; pretokenize the data again")
+    if manifest["format"] != FORMAT_VERSION:
         raise UserError(
-            f"'{manifest_path}' has format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}; "
+            f"'{manifest_path}' has format {manifest['format']!r}, this version reads {FORMAT_VERSION}; "
             "pretokenize the data again"
         )
+    _check_manifest_keys(manifest, manifest_path)
     for shard in manifest["shards"]:
         file = str(Path(path) / shard["file"])
         if not os.path.isfile(file):
@@ -177,6 +193,43 @@ def read_manifest(path: str, section: str = "training") -> dict[str, Any]:
         if tokens != shard["tokens"] or dtype.str != manifest["dtype"]:
             raise UserError(f"token shard '{file}' does not match '{manifest_path}'; pretokenize the data again")
     return manifest
+
+
+_MANIFEST_KEYS = ("dtype", "documents", "tokens", "shards", "tokenizer", "source", "fingerprint")
+_SHARD_KEYS = ("file", "tokens")
+_TOKENIZER_KEYS = ("path", "fingerprint", "vocab_size")
+
+
+def _check_manifest_keys(manifest: dict[str, Any], manifest_path: Path) -> None:
+    """UserError naming the first key a manifest lacks, a width no shard has, or a vocabulary its width cannot hold."""
+
+    def missing(key: str) -> UserError:
+        return UserError(f"'{manifest_path}' has no key {key}; pretokenize the data again")
+
+    for key in _MANIFEST_KEYS:
+        if key not in manifest:
+            raise missing(repr(key))
+    if not isinstance(manifest["shards"], list) or not isinstance(manifest["tokenizer"], dict):
+        raise UserError(f"'{manifest_path}' has malformed 'shards' or 'tokenizer'; pretokenize the data again")
+    for i, shard in enumerate(manifest["shards"]):
+        for key in _SHARD_KEYS:
+            if not isinstance(shard, dict) or key not in shard:
+                raise missing(f"'shards[{i}].{key}'")
+    for key in _TOKENIZER_KEYS:
+        if key not in manifest["tokenizer"]:
+            raise missing(f"'tokenizer.{key}'")
+    widths = {dtype.str: dtype for dtype in _DTYPES.values()}
+    if manifest["dtype"] not in widths:
+        raise UserError(
+            f"'{manifest_path}' has dtype {manifest['dtype']!r}, not one of {', '.join(widths)}; "
+            "pretokenize the data again"
+        )
+    vocab_size, dtype = manifest["tokenizer"]["vocab_size"], widths[manifest["dtype"]]
+    if not isinstance(vocab_size, int) or not 0 < vocab_size <= int(np.iinfo(dtype).max) + 1:
+        raise UserError(
+            f"'{manifest_path}' holds {dtype.name} tokens, which cannot hold the ids of its tokenizer's vocabulary "
+            f"of {vocab_size!r}; pretokenize the data again"
+        )
 
 
 def check_tokenizer(manifest: dict[str, Any], path: str, tokenizer_path: str, tokenizer_fingerprint: str) -> None:

@@ -132,7 +132,7 @@ def pretokenize(
                 yield text
 
         batches = _batched(texts(), DOCUMENTS_PER_TASK)
-        writer = ShardWriter(temporary, dtype, shard_tokens)
+        writer = ShardWriter(temporary, dtype, shard_tokens, tokenizer.n_words)
         started = time.perf_counter()
         if pool is None:
             _start_worker(tokenizer_path)
