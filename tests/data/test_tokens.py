@@ -335,12 +335,14 @@ def test_validation_reads_only_held_out_windows(tokenizer, tmp_path):
     folder = counting_folder(tmp_path / "c", tokenizer, 50 * window, shard_tokens=100)
     # Validation windows of 4 + 1 tokens: each held-out training window (9 tokens) gives one.
     for rank in range(2):
-        for inputs, labels in validation_windows(str(folder), window - 1, 4, 2, rank, 2, every=5):
+        for inputs, labels in validation_windows(str(folder), window - 1, 4, 2, rank, 2, every=5, count=10):
             for row in inputs[:, 0].tolist():
                 assert (row // window) % 5 == 0 and row % window == 0
             assert torch.equal(labels[:, :-1], inputs[:, 1:])
-    everything = [row for b in validation_windows(str(folder), window - 1, 8, 1, 0, 1, every=0) for row in b[0][:, 0]]
-    assert len(everything) == 50
+    everything = validation_windows(str(folder), window - 1, 8, 1, 0, 1, every=0, count=50)
+    assert [int(b[0][0, 0]) for b in everything] == [w * window for w in range(50)]
+    with pytest.raises(UserError, match="holds 10 validation windows of 5 tokens, fewer than validation.windows 11"):
+        validation_windows(str(folder), window - 1, 4, 2, 0, 1, every=5, count=11)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -481,7 +483,8 @@ def test_validation_batches_of_tokens_data_are_held_out_windows(tokenizer, sampl
 
     job = job_config(
         "--training.dataset", "tokens", "--training.dataset_path", str(sample_tokens), "--training.seq_len", "31",
-        "--validation.enable", "--validation.seq_len", "15", "--validation.batch_size", "3", "--validation.steps", "4",
+        "--validation.enable", "--validation.seq_len", "15", "--validation.batch_size", "3",
+        "--validation.windows", "12",
     )  # fmt: skip
     manifest = read_manifest(str(sample_tokens))
     stored = np.empty(manifest["tokens"], dtype=np.int64)

@@ -8,6 +8,7 @@ import json
 import shutil
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from tests.helpers import (
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import DocumentSplit, build_hf_data_loader, build_tokenizer
 from torchtitan.datasets.hf_datasets import SAMPLE_DATA_DIR, is_held_out
+from torchtitan.datasets.tokens import ShardWriter, TokenArray, read_manifest, write_manifest
 from torchtitan.errors import UserError
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
 from torchtitan.validate import load_validation_batches, training_split, validation_data, validation_loss
@@ -120,11 +122,6 @@ def test_validation_data_and_its_user_errors(tokenizer, tmp_path):
         return JobConfig.parse_args(["--validation.enable", *argv])
 
     assert validation_data(config()) == ("sample", None, DocumentSplit(20, held_out=True))
-    assert validation_data(config("--validation.dataset_path", str(SAMPLE_DATA_DIR))) == (
-        "sample",
-        str(SAMPLE_DATA_DIR),
-        DocumentSplit(20, held_out=True),  # the same files as training
-    )
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"text": "held-out text"}) + "\n")
     assert validation_data(config("--validation.dataset", "text", "--validation.dataset_path", str(other))) == (
@@ -141,6 +138,10 @@ def test_validation_data_and_its_user_errors(tokenizer, tmp_path):
                 iter(build_hf_data_loader("text", str(only_held_out), tokenizer, 1, 4, 0, 1, split=DocumentSplit(2)))
             ),
             "no document outside the held-out split",
+        ),
+        (
+            lambda: validation_data(config("--validation.dataset_path", str(SAMPLE_DATA_DIR))),
+            "name the training data .the same file '.*sample.jsonl'.; remove them to validate on its held-out split",
         ),
         (lambda: config("--validation.held_out_every", "1"), "validation.held_out_every"),
         (lambda: config("--validation.seq_len", "4096"), "validation.seq_len"),
@@ -356,3 +357,100 @@ def test_train_py_reports_validation_mistakes_before_training(tmp_path, monkeypa
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("[titan]")]
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not (tmp_path / "tb").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokens data: one set of validation windows for every layout
+
+VALIDATION_WINDOWS = 7  # over 3 ranks: 2, 2 and 3 windows, so that some ranks end with a padding batch
+
+
+def random_tokens_folder(folder, tokenizer, windows: int) -> str:
+    """A tokens folder of ``windows`` training windows of SEQ_LEN + 1 random ids the tiny model reads."""
+    folder.mkdir(parents=True)
+    writer = ShardWriter(folder, np.dtype("<u2"), shard_tokens=50)  # windows cross shards
+    ids = np.random.default_rng(3).integers(0, TINY.vocab_size, windows * (SEQ_LEN + 1) + 5)
+    writer.add(ids)
+    write_manifest(folder, writer, tokenizer, str(TOKENIZER), "random", documents=1)
+    return str(folder)
+
+
+def tokens_validation_job(folder: str, batch_size: int, *extra: str) -> JobConfig:
+    return job_config(
+        "--model.tokenizer_path", str(TOKENIZER), "--training.dataset", "tokens", "--training.dataset_path", folder,
+        "--training.seq_len", str(SEQ_LEN), "--validation.enable", "--validation.held_out_every", "4",
+        "--validation.windows", str(VALIDATION_WINDOWS), "--validation.batch_size", str(batch_size), *extra,
+    )  # fmt: skip
+
+
+def _score_validation_windows(rank: int, world_size: int, folder: str, batch_size: int) -> dict:
+    """This rank's scored rows and the global loss, with the tiny model sharded by FSDP2 over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.helpers import fsdp
+    from torchtitan.loss import IGNORE_INDEX
+
+    tokenizer = build_tokenizer(str(TOKENIZER))
+    group = dist.group.WORLD if world_size > 1 else None
+    batches = load_validation_batches(tokens_validation_job(folder, batch_size), tokenizer, rank, world_size, group)
+    model = meta_model()
+    if world_size > 1:
+        model = fsdp(model, init_device_mesh("cpu", (world_size,)))
+    model = materialize(model)
+    dims = ParallelDims(1, world_size, 1, world_size)
+    loss, tokens = validation_loss(model, batches, dims, group, torch.device("cpu"))
+    scored = [row.tolist() for inputs, labels in batches for row, y in zip(inputs, labels) if (y != IGNORE_INDEX).all()]
+    padding = sum(bool((labels == IGNORE_INDEX).all()) for _, labels in batches)
+    return {"rows": scored, "batches": len(batches), "padding": padding, "loss": loss, "tokens": tokens}
+
+
+def _score_at_batch_sizes(rank: int, world_size: int, folder: str, batch_sizes: list[int]) -> list[dict]:
+    return [_score_validation_windows(rank, world_size, folder, batch_size) for batch_size in batch_sizes]
+
+
+def test_tokens_validation_scores_the_same_windows_and_loss_at_any_data_parallel_degree(tokenizer, tmp_path):
+    # 40 training windows, 10 of them held out (every 4th), each cut into one validation window.
+    folder = random_tokens_folder(tmp_path / "tokens", tokenizer, 40)
+    stored = np.empty(40 * (SEQ_LEN + 1), dtype=np.int64)
+    manifest = read_manifest(folder)
+    TokenArray(folder, manifest).read(0, len(stored), stored)
+    held_out = [stored[w * (SEQ_LEN + 1) : w * (SEQ_LEN + 1) + SEQ_LEN].tolist() for w in range(0, 40, 4)]
+    expected = held_out[:VALIDATION_WINDOWS]  # the first windows by index, whatever the layout
+
+    one = _score_validation_windows(0, 1, folder, 4)
+    assert one["rows"] == expected and one["batches"] == 2 and one["tokens"] == VALIDATION_WINDOWS * SEQ_LEN
+    for world_size, batch_sizes in ((2, [3]), (3, [1, 2])):  # one launch per world size
+        per_rank = run_workers(_score_at_batch_sizes, world_size=world_size, args=(folder, batch_sizes))
+        for i, batch_size in enumerate(batch_sizes):
+            ranks = [results[i] for results in per_rank]
+            # Rank r holds a contiguous share; in rank order they are the same windows, each once.
+            assert [row for rank in ranks for row in rank["rows"]] == expected, (world_size, batch_size)
+            assert len({rank["batches"] for rank in ranks}) == 1  # as many forwards on every rank: no rank waits
+            # Shares of 2, 2 and 3 windows in batches of 1: the first two ranks end with a batch of padding.
+            assert sum(rank["padding"] for rank in ranks) == (2 if batch_size == 1 else 0)
+            for rank in ranks:
+                assert rank["tokens"] == one["tokens"]
+                assert rank["loss"] == pytest.approx(one["loss"], rel=1e-12)  # float64: only the sums' order differs
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--training.dataset", "tokens", "--training.dataset_path", "TOKENS", "--validation.steps", "3"],
+            "validation.steps counts batches of text data, but validation reads tokens data, scored by "
+            "validation.windows",
+        ),
+        (
+            ["--validation.windows", "8"],
+            "validation.windows counts windows of tokens data, but validation reads sample",
+        ),
+    ],
+)
+def test_the_option_that_does_not_count_for_the_data_is_refused(tokenizer, tmp_path, argv, message):
+    folder = random_tokens_folder(tmp_path / "tokens", tokenizer, 8)
+    argv = [folder if arg == "TOKENS" else arg for arg in argv]
+    with pytest.raises(UserError, match=message) as error:
+        JobConfig.parse_args(["--validation.enable", *argv])
+    assert "\n" not in str(error.value)
+    JobConfig.parse_args(argv)  # validation off: nothing is scored

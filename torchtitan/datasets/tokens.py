@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchtitan.collectives import all_gather_objects
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
+from torchtitan.loss import IGNORE_INDEX
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -568,21 +569,48 @@ def build_tokens_data_loader(
 
 
 def validation_windows(
-    path: str, train_seq_len: int, seq_len: int, batch_size: int, dp_rank: int, dp_degree: int, every: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's validation batches of a tokens folder, in index order, finite.
+    path: str,
+    train_seq_len: int,
+    seq_len: int,
+    batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    every: int,
+    count: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of validation windows ``0 .. count - 1`` of a tokens folder, in batches.
 
-    With ``every`` > 0 they come from the held-out windows of the training windows (``train_seq_len + 1`` tokens),
-    each cut into ``(train_seq_len + 1) // (seq_len + 1)`` validation windows; with 0, from all windows.
-    Validation window ``v`` goes to rank ``(v // batch_size) % dp_degree``.
+    With ``every`` > 0 the validation windows are the held-out windows of the training windows (``train_seq_len + 1``
+    tokens), each cut into ``(train_seq_len + 1) // (seq_len + 1)`` validation windows, numbered in index order; with
+    0, every window of ``seq_len + 1`` tokens. Which windows are scored depends on ``count`` and the data only: rank
+    ``r`` of ``D`` takes windows ``r * count // D`` up to ``(r + 1) * count // D``. Every rank returns as many
+    batches (each forward of a sharded model is a collective), enough for the largest share in batches of at most
+    ``batch_size``, its windows spread evenly over them; a rank with fewer windows than batches (``batch_size`` 1, or
+    fewer windows than ranks) ends with padding batches of one window whose labels are all ``IGNORE_INDEX``, which
+    count for nothing.
     """
     train_window, window = train_seq_len + 1, seq_len + 1
-    _, tokens, split = open_tokens(path, train_window, every, every > 0, "validation")
-    pieces = train_window // window
+    section = "validation"
+    _, tokens, split = open_tokens(path, train_window if every else window, every, every > 0, section)
+    pieces = train_window // window if every else 1
     total = split.count * pieces
-    first = dp_rank * batch_size
-    while first + batch_size <= total:
-        v = np.arange(first, first + batch_size, dtype=np.int64)
-        starts = split.window(v // pieces) * train_window + (v % pieces) * window
-        yield tokens.rows(starts, window)
-        first += batch_size * dp_degree
+    if total < count:
+        where = f"the held-out split (1 in {every} windows of {train_window} tokens)" if every else f"'{path}'"
+        raise UserError(
+            f"{where} holds {total:,} validation windows of {window} tokens, fewer than validation.windows {count}; "
+            "lower validation.windows" + (" or validation.held_out_every" if every else "") + ", or give more data"
+        )
+    first, end = dp_rank * count // dp_degree, (dp_rank + 1) * count // dp_degree
+    most = (count + dp_degree - 1) // dp_degree  # windows of the ranks with the most
+    batches_per_rank = (most + batch_size - 1) // batch_size
+
+    def starts(v: np.ndarray) -> np.ndarray:
+        return split.window(v // pieces) * train_window + (v % pieces) * window
+
+    # As many batches on every rank, each as even as can be: a padding batch only where a rank has fewer windows.
+    parts = np.array_split(np.arange(first, end, dtype=np.int64), batches_per_rank)
+    batches = [tokens.rows(starts(part), window) for part in parts if len(part)]
+    while len(batches) < batches_per_rank:
+        inputs, labels = tokens.rows(starts(np.zeros(1, dtype=np.int64)), window)
+        batches.append((inputs, torch.full_like(labels, IGNORE_INDEX)))
+    return batches
