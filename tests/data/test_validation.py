@@ -454,3 +454,53 @@ def test_the_option_that_does_not_count_for_the_data_is_refused(tokenizer, tmp_p
         JobConfig.parse_args(["--validation.enable", *argv])
     assert "\n" not in str(error.value)
     JobConfig.parse_args(argv)  # validation off: nothing is scored
+
+
+def test_validation_data_that_names_the_training_data_is_refused(tokenizer, tmp_path):
+    from torchtitan.tools.pretokenize import pretokenize
+
+    def source(name: str, texts: list[str]) -> str:
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+        return str(path)
+
+    train_text = source("train", [f"training document {i} " * 20 for i in range(30)])
+    other_text = source("other", [f"other document {i} " * 20 for i in range(30)])
+    trained = str(tmp_path / "trained_tokens")
+    pretokenize(train_text, str(TOKENIZER), trained)
+    copy = tmp_path / "copy_of_trained"
+    shutil.copytree(trained, copy)  # the same tokens (fingerprint) in another folder
+    (tmp_path / "link").symlink_to(trained)  # the same folder by another name
+    (tmp_path / "text_link.jsonl").symlink_to(train_text)
+    retokenized = str(tmp_path / "retokenized")  # the training source, tokenized again with other shards
+    pretokenize(train_text, str(TOKENIZER), retokenized, shard_tokens=1000)
+    other = str(tmp_path / "other_tokens")
+    pretokenize(other_text, str(TOKENIZER), other)
+
+    def validation(training: list[str], dataset: str, path: str):
+        return validation_data(
+            JobConfig.parse_args(
+                ["--validation.enable", "--validation.dataset", dataset, "--validation.dataset_path", path, *training]
+            )
+        )
+
+    tokens = ["--training.dataset", "tokens", "--training.dataset_path", trained]
+    text = ["--training.dataset", "text", "--training.dataset_path", train_text]
+    refused = [
+        (tokens, "tokens", trained, f"the same tokens folder '{trained}'"),
+        (tokens, "tokens", str(tmp_path / "link"), f"the same tokens folder '{trained}'"),
+        (tokens, "tokens", str(copy), f"the same tokens fingerprint {read_manifest(trained)['fingerprint']}"),
+        (tokens, "tokens", retokenized, f"the same tokens fingerprint {read_manifest(trained)['fingerprint']}"),
+        (tokens, "text", str(tmp_path / "text_link.jsonl"), f"the same file '{train_text}'"),
+        (text, "text", str(tmp_path / "text_link.jsonl"), f"the same file '{train_text}'"),
+        (text, "tokens", retokenized, f"the same file '{train_text}'"),
+        (text, "text", str(tmp_path), f"the same file '{train_text}'"),  # a folder that holds a training file
+    ]
+    for training, dataset, path, shared in refused:
+        with pytest.raises(UserError) as error:
+            validation(training, dataset, path)
+        message = str(error.value)
+        assert "\n" not in message and f"name the training data ({shared});" in message, (path, message)
+    # Data that training never reads is read whole.
+    assert validation(tokens, "tokens", other) == ("tokens", other, DocumentSplit())
+    assert validation(text, "text", other_text) == ("text", other_text, DocumentSplit())
