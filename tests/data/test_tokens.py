@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import sys
 from pathlib import Path
 
@@ -520,3 +521,35 @@ def test_pretokenize_streams_a_hub_dataset_by_name_with_its_text_field(monkeypat
     with pytest.raises(UserError, match="neither sample, c4, an existing file or folder"):
         pretokenize("no_such_thing", TIKTOKEN, str(tmp_path / "other"))
     assert not (tmp_path / "other").exists() and not list(tmp_path.glob(".other.tmp-*"))
+
+
+def test_train_py_validates_the_same_windows_after_a_resume_in_another_layout(tmp_path, sample_tokens):
+    """One process (local batch 4, validation batches of 4) saves at step 2; two processes (local batch 2, the same
+    global batch, validation batches of 5) resume it: the same 12 windows are scored, to the same loss."""
+    from tests.helpers import by_step, metric_rows, run_dir, train
+
+    def run(name, nproc, batch_size, validation_batch_size):
+        dump = tmp_path / name
+        proc = train(
+            dump,
+            *("--training.dataset", "tokens", "--training.dataset_path", str(sample_tokens)),
+            *("--training.steps", "4", "--training.batch_size", str(batch_size)),
+            *("--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", "--checkpoint.folder", str(dump / "ck")),
+            *("--validation.enable", "--validation.freq", "2", "--validation.windows", "12"),
+            *("--validation.batch_size", str(validation_batch_size), "--metrics.enable_tensorboard", "false"),
+            *("--comm.init_timeout_seconds", "60"),
+            nproc=nproc,
+            cpu=True,
+        )
+        return by_step(metric_rows(run_dir(dump)), "validation/loss"), proc.stdout + proc.stderr
+
+    straight, straight_log = run("straight", 1, 4, 4)
+    (tmp_path / "resumed" / "ck").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight" / "ck" / "step-2", tmp_path / "resumed" / "ck" / "step-2")
+    resumed, resumed_log = run("resumed", 2, 2, 5)
+    assert "resumed from step 2" in resumed_log and sorted(resumed) == [4]
+    scored = "validation: windows 0 to 11 of the held-out split (about 1 in 20 windows), 12 x 32 tokens"
+    assert scored in straight_log and scored in resumed_log
+    assert "validation at step 4:" in resumed_log and "(384 tokens)" in resumed_log.split("validation at step 4:")[1]
+    # float32 on another layout: the training steps' sums differ in order only.
+    assert resumed[4] == pytest.approx(straight[4], rel=1e-5)
