@@ -346,6 +346,39 @@ def test_validation_reads_only_held_out_windows(tokenizer, tmp_path):
         validation_windows(str(folder), window - 1, 4, 2, 0, 1, every=5, count=11)
 
 
+def test_held_out_windows_share_with_training_only_the_documents_across_their_edges(tokenizer, tmp_path):
+    """What the docs say is shared: a document that crosses the first or last token of a held-out window; one that a
+    held-out window holds whole is never trained on."""
+    window, every, windows = 9, 4, 48
+    folder = counting_folder(tmp_path / "c", tokenizer, windows * window, shard_tokens=100)  # token i is i
+    lengths = np.random.default_rng(0).integers(1, 3 * window, windows * window)
+    starts = np.cumsum(np.concatenate([[0], lengths]))
+    starts = starts[starts < windows * window]  # documents: [starts[d], starts[d + 1]) of the stream
+
+    def documents(positions) -> set[int]:
+        return set((np.searchsorted(starts, np.asarray(positions), side="right") - 1).tolist())
+
+    training = tokens_loader(folder, tokenizer, 4, window - 1, 0, 1, seed=1, every=every)
+    batches = iter(training)
+    trained = [int(t) for _ in range(9) for t in torch.cat(next(batches), dim=1).flatten()]  # one epoch: 36 windows
+    held = validation_windows(str(folder), window - 1, window - 1, 3, 0, 1, every=every, count=windows // every)
+    validated = [int(t) for inputs, labels in held for t in torch.cat([inputs, labels], dim=1).flatten()]
+    assert len(set(trained)) == 36 * window and not set(trained) & set(validated)  # no token on both sides
+
+    def document(position: int) -> int:
+        return int(np.searchsorted(starts, position, side="right")) - 1
+
+    crossing = set()  # a held-out window's first document when it began before, its last when it goes on after
+    for first in range(0, windows * window, every * window):
+        last = first + window - 1
+        if first > 0 and document(first - 1) == document(first):
+            crossing.add(document(first))
+        if document(last + 1) == document(last):
+            crossing.add(document(last))
+    shared = documents(trained) & documents(validated)
+    assert shared == crossing and 0 < len(shared) < len(documents(validated))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Refusals and the record
 
