@@ -56,7 +56,10 @@ def validation_data(job_config: JobConfig) -> tuple[str, Optional[str], Document
             )
         return t.dataset, t.dataset_path, DocumentSplit(every=v.held_out_every, held_out=True)
     name = v.dataset or t.dataset
-    shared = _data_identity(name, v.dataset_path, "validation") & _data_identity(t.dataset, t.dataset_path, "training")
+    # Training reads the documents outside the held-out split of its source; named validation data reads all of its.
+    theirs = _data_identity(t.dataset, t.dataset_path, "training", (v.held_out_every, False))
+    mine = _data_identity(name, v.dataset_path, "validation", ALL_DOCUMENTS)
+    shared = [item for item, part in mine.items() if item in theirs and _parts_overlap(part, theirs[item])]
     if shared:
         kind, value = min(shared, key=lambda item: _IDENTITY_KINDS.index(item[0]))
         raise UserError(
@@ -67,25 +70,41 @@ def validation_data(job_config: JobConfig) -> tuple[str, Optional[str], Document
     return name, v.dataset_path, DocumentSplit()
 
 
+# Which documents of a source a dataset holds: (every, held_out) as in DocumentSplit; (0, False) is all of them.
+Part = tuple[int, bool]
+ALL_DOCUMENTS: Part = (0, False)
 _IDENTITY_KINDS = ("tokens folder", "tokens fingerprint", "file", "hub stream")  # the most telling first
 
 
-def _data_identity(name: str, path: Optional[str], section: str) -> set[tuple[str, str]]:
-    """What a dataset is made of: ("file", real path) of each local file, ("hub stream", name) of a hub dataset;
-    for tokens data also ("tokens folder", real path), ("tokens fingerprint", fingerprint) and what its source is."""
+def _parts_overlap(a: Part, b: Part) -> bool:
+    """False only for the two sides of one split (the held-out documents and the others, by the same hash rule)."""
+    return not (a[0] == b[0] > 0 and a[1] != b[1])
+
+
+def _data_identity(name: str, path: Optional[str], section: str, part: Part) -> dict[tuple[str, str], Part]:
+    """What a dataset is made of, each with the part of its documents read: ("file", real path) of each local file,
+    ("hub stream", name) of a hub dataset; for tokens data ("tokens folder", real path) and ("tokens fingerprint",
+    fingerprint), whole, and its source with the part that the manifest says was tokenized."""
     if name != "tokens":
         local = resolve_dataset(name, path, section)
         if local is None:
-            return {("hub stream", "c4")}
-        return {("file", f"'{os.path.realpath(file)}'") for file in local[1]}
+            return {("hub stream", "c4"): part}
+        return {("file", f"'{os.path.realpath(file)}'"): part for file in local[1]}
     manifest = read_manifest(path, section)
-    identity = {("tokens folder", f"'{os.path.realpath(path)}'"), ("tokens fingerprint", manifest["fingerprint"])}
-    source = manifest["source"]
-    named = source in ("sample", "c4")
+    identity = {
+        ("tokens folder", f"'{os.path.realpath(path)}'"): ALL_DOCUMENTS,
+        ("tokens fingerprint", manifest["fingerprint"]): ALL_DOCUMENTS,
+    }
+    split = manifest.get("documents_split")
+    source_part = (int(split["every"]), bool(split["held_out"])) if split else ALL_DOCUMENTS
+    source, named = manifest["source"], manifest["source"] in ("sample", "c4")
     if not named and not os.path.exists(source):
-        return identity | {("hub stream", source)}
+        return {**identity, ("hub stream", source): source_part}
     try:  # the files it was tokenized from, where they still are
-        return identity | _data_identity(source if named else "text", None if named else source, section)
+        return {
+            **identity,
+            **_data_identity(source if named else "text", None if named else source, section, source_part),
+        }
     except UserError:
         return identity
 

@@ -208,6 +208,18 @@ def test_a_manifest_whose_width_cannot_hold_its_vocabulary_is_refused(tmp_path, 
         read_manifest(str(folder))
 
 
+def test_a_documents_split_without_a_key_is_one_line_naming_it(tmp_path, sample_tokens):
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    for file in sample_tokens.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["documents_split"] = {"held_out": True}  # the optional part, written by pretokenize --held-out-every
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="has no key 'documents_split.every'; pretokenize the data again"):
+        read_manifest(str(folder))
+
+
 def test_ids_are_checked_against_the_vocabulary_before_they_are_narrowed(tmp_path, monkeypatch):
     folder = tmp_path / "narrow"
     folder.mkdir()

@@ -504,3 +504,43 @@ def test_validation_data_that_names_the_training_data_is_refused(tokenizer, tmp_
     # Data that training never reads is read whole.
     assert validation(tokens, "tokens", other) == ("tokens", other, DocumentSplit())
     assert validation(text, "text", other_text) == ("text", other_text, DocumentSplit())
+
+
+def test_pretokenized_held_out_documents_validate_a_run_that_never_reads_them(tokenizer, tmp_path):
+    """pretokenize --held-out-every N [--held-out]: two folders with no document in common, the held-out one exactly
+    the text loader's held-out split, accepted as validation data of the other (and of the text source)."""
+    from torchtitan.tools.pretokenize import main as pretokenize_main
+
+    texts = [f"document {i}: " + "word " * (i % 9 + 1) for i in range(80)]
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    kept, held = str(tmp_path / "kept"), str(tmp_path / "held")
+    common = ["--source", str(source), "--tokenizer", str(TOKENIZER), "--held-out-every", "4"]
+    assert pretokenize_main([*common, "--out", kept]) == 0
+    assert pretokenize_main([*common, "--out", held, "--held-out"]) == 0
+    held_texts = [text for text in texts if is_held_out(text, 4)]
+    kept_texts = [text for text in texts if not is_held_out(text, 4)]
+    for folder, part, held_out in ((kept, kept_texts, False), (held, held_texts, True)):
+        manifest = read_manifest(folder)
+        stored = np.empty(manifest["tokens"], dtype=np.int64)
+        TokenArray(folder, manifest).read(0, manifest["tokens"], stored)
+        assert stored.tolist() == encoded(tokenizer, part)  # the documents of each part, in the source's order
+        assert manifest["documents"] == len(part) and manifest["documents_split"] == {"every": 4, "held_out": held_out}
+    assert 0 < len(held_texts) < len(kept_texts)
+
+    def validation(*argv: str):
+        return validation_data(JobConfig.parse_args(["--validation.enable", "--validation.dataset", "tokens", *argv]))
+
+    tokens = ["--training.dataset", "tokens", "--training.dataset_path", kept, "--validation.held_out_every", "0"]
+    assert validation(*tokens, "--validation.dataset_path", held) == ("tokens", held, DocumentSplit())
+    text = ["--training.dataset", "text", "--training.dataset_path", str(source)]
+    # The text loader at validation.held_out_every 4 trains on the kept documents: the held-out ones are unseen.
+    assert validation(*text, "--validation.held_out_every", "4", "--validation.dataset_path", held)[1] == held
+    for argv in (
+        [*text, "--validation.held_out_every", "5", "--validation.dataset_path", held],  # another split: shared
+        [*text, "--validation.held_out_every", "4", "--validation.dataset_path", kept],
+    ):
+        with pytest.raises(UserError, match=f"name the training data .the same file '{source}'."):
+            validation(*argv)
+    lone = ["--source", str(source), "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "x"), "--held-out"]
+    assert pretokenize_main(lone) == 2 and not (tmp_path / "x").exists()  # --held-out needs --held-out-every

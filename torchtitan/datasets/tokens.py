@@ -5,7 +5,8 @@ A tokens folder (written by ``python -m torchtitan.tools.pretokenize``) holds ``
 uint32, the token count as a little-endian uint64, zeros) followed by the tokens: uint16 when the vocabulary fits
 in 65,536 ids, else uint32. The shards, in order, are one token stream: every document with its BOS and EOS,
 exactly as the text loader tokenizes it. The manifest holds the documents, the tokens, the shards, the tokenizer's
-fingerprint, the source and the dataset's fingerprint (SHA-256 of the token bytes in order and their width).
+fingerprint, the source and the dataset's fingerprint (SHA-256 of the token bytes in order and their width); and,
+for a part of the source's documents (``pretokenize --held-out-every``), which part (``documents_split``).
 
 Reading (``training.dataset = "tokens"``): the stream is cut into windows of ``seq_len + 1`` tokens (the tail that
 fills no window is not read). With ``validation.held_out_every = N`` every N-th window (window ``0, N, 2N, ...``) is
@@ -141,9 +142,19 @@ class ShardWriter:
 
 
 def write_manifest(
-    folder: Path, writer: ShardWriter, tokenizer: Any, tokenizer_path: str, source: str, documents: int
+    folder: Path,
+    writer: ShardWriter,
+    tokenizer: Any,
+    tokenizer_path: str,
+    source: str,
+    documents: int,
+    documents_split: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """Close ``writer`` and write the manifest of its shards into ``folder``; returns the manifest."""
+    """Close ``writer`` and write the manifest of its shards into ``folder``; returns the manifest.
+
+    ``documents_split`` (``{"every": N, "held_out": bool}``) says that the source's documents were split as the text
+    loader splits them and which part these are; without it, they are every document of the source.
+    """
     shards, fingerprint = writer.close()
     manifest = {
         "format": FORMAT_VERSION,
@@ -159,6 +170,8 @@ def write_manifest(
         "source": source,
         "fingerprint": fingerprint,
     }
+    if documents_split is not None:
+        manifest["documents_split"] = documents_split
     with open(folder / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
@@ -219,6 +232,9 @@ def _check_manifest_keys(manifest: dict[str, Any], manifest_path: Path) -> None:
     for key in _TOKENIZER_KEYS:
         if key not in manifest["tokenizer"]:
             raise missing(f"'tokenizer.{key}'")
+    for key in ("every", "held_out") if "documents_split" in manifest else ():  # optional: a part of the source
+        if not isinstance(manifest["documents_split"], dict) or key not in manifest["documents_split"]:
+            raise missing(f"'documents_split.{key}'")
     widths = {dtype.str: dtype for dtype in _DTYPES.values()}
     if manifest["dtype"] not in widths:
         raise UserError(
