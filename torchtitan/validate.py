@@ -26,7 +26,7 @@ from torchtitan.collectives import all_reduce_scalar, all_reduce_sum_
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import DocumentSplit, build_hf_data_loader, resolve_dataset
 from torchtitan.datasets.tokenizer import Tokenizer
-from torchtitan.datasets.tokens import check_tokenizer, read_manifest, validation_windows
+from torchtitan.datasets.tokens import check_tokenizer, open_validation_windows, read_manifest, validation_windows
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
 from torchtitan.loss import IGNORE_INDEX
@@ -107,6 +107,15 @@ def _data_identity(name: str, path: Optional[str], section: str, part: Part) -> 
         }
     except UserError:
         return identity
+
+
+def check_validation(job_config: JobConfig) -> None:
+    """UserError for validation that cannot run, before any worker starts: its data (``validation_data``) and, for
+    tokens data, enough validation windows (from the manifest, reading no token)."""
+    t, v = job_config.training, job_config.validation
+    name, path, split = validation_data(job_config)
+    if name == "tokens":
+        open_validation_windows(path, t.seq_len, v.seq_len or t.seq_len, split.every, v.windows)
 
 
 def load_validation_batches(

@@ -598,3 +598,20 @@ def test_train_py_validates_the_same_windows_after_a_resume_in_another_layout(tm
     assert "validation at step 4:" in resumed_log and "(384 tokens)" in resumed_log.split("validation at step 4:")[1]
     # float32 on another layout: the training steps' sums differ in order only.
     assert resumed[4] == pytest.approx(straight[4], rel=1e-5)
+
+
+def test_too_few_validation_windows_are_refused_before_any_worker_starts(sample_tokens):
+    from torchtitan.preflight import preflight
+
+    tokens = ["--training.dataset", "tokens", "--training.dataset_path", str(sample_tokens), "--validation.enable"]
+    windows = len(TokenArray(str(sample_tokens), read_manifest(str(sample_tokens)))) // 33  # seq_len 32
+    held_out = (windows + 19) // 20  # windows 0, 20, 40, ...
+    preflight(job_config(*tokens, "--training.seq_len", "32", "--validation.windows", str(held_out)), 1)
+    too_many = job_config(*tokens, "--training.seq_len", "32", "--validation.windows", str(held_out + 1))
+    with pytest.raises(UserError) as error:
+        preflight(too_many, 1)
+    assert str(error.value) == (
+        f"the held-out split (1 in 20 windows of 33 tokens) holds {held_out:,} validation windows of 33 tokens, fewer "
+        f"than validation.windows {held_out + 1}; lower validation.windows or validation.held_out_every, or give more "
+        "data"
+    )

@@ -584,6 +584,24 @@ def build_tokens_data_loader(
     return TokenDataLoader(dataset, manifest["fingerprint"], workers, pin_memory, group, allow_data_change)
 
 
+def open_validation_windows(
+    path: str, train_seq_len: int, seq_len: int, every: int, count: int
+) -> tuple[TokenArray, WindowSplit, int]:
+    """(tokens, split, validation windows per split window) of a tokens folder's validation windows (see
+    ``validation_windows``); UserError when it holds fewer than ``count``. Reads the manifest and shard headers only."""
+    train_window, window = train_seq_len + 1, seq_len + 1
+    _, tokens, split = open_tokens(path, train_window if every else window, every, every > 0, "validation")
+    pieces = train_window // window if every else 1
+    total = split.count * pieces
+    if total < count:
+        where = f"the held-out split (1 in {every} windows of {train_window} tokens)" if every else f"'{path}'"
+        raise UserError(
+            f"{where} holds {total:,} validation windows of {window} tokens, fewer than validation.windows {count}; "
+            "lower validation.windows" + (" or validation.held_out_every" if every else "") + ", or give more data"
+        )
+    return tokens, split, pieces
+
+
 def validation_windows(
     path: str,
     train_seq_len: int,
@@ -606,16 +624,7 @@ def validation_windows(
     count for nothing.
     """
     train_window, window = train_seq_len + 1, seq_len + 1
-    section = "validation"
-    _, tokens, split = open_tokens(path, train_window if every else window, every, every > 0, section)
-    pieces = train_window // window if every else 1
-    total = split.count * pieces
-    if total < count:
-        where = f"the held-out split (1 in {every} windows of {train_window} tokens)" if every else f"'{path}'"
-        raise UserError(
-            f"{where} holds {total:,} validation windows of {window} tokens, fewer than validation.windows {count}; "
-            "lower validation.windows" + (" or validation.held_out_every" if every else "") + ", or give more data"
-        )
+    tokens, split, pieces = open_validation_windows(path, train_seq_len, seq_len, every, count)
     first, end = dp_rank * count // dp_degree, (dp_rank + 1) * count // dp_degree
     most = (count + dp_degree - 1) // dp_degree  # windows of the ranks with the most
     batches_per_rank = (most + batch_size - 1) // batch_size
