@@ -344,6 +344,8 @@ def test_help_lists_the_validation_table(capsys):
         (["--validation.held_out_every", "0"], "validation.held_out_every is 0"),
         # 64 x 513 tokens: more than the whole held-out split of the sample (about 23,000 tokens)
         (["--validation.batch_size", "64", "--training.seq_len", "512"], "less than one batch"),
+        (["--validation.dataset_path", str(SAMPLE_DATA_DIR)], "name the training data (the same file"),
+        (["--validation.windows", "8"], "validation.windows counts windows of tokens data"),
     ],
 )
 def test_train_py_reports_validation_mistakes_before_training(tmp_path, monkeypatch, capsys, args, message):
