@@ -85,10 +85,10 @@ def _data_identity(name: str, path: Optional[str], section: str, part: Part) -> 
     """What a dataset is made of, each with the part of its documents read: ("file", real path) of each local file,
     ("hub stream", name) of a hub dataset; for tokens data ("tokens folder", real path) and ("tokens fingerprint",
     fingerprint), whole, and its source with the part that the manifest says was tokenized."""
+    local = resolve_dataset(name, path, section)  # UserError for data that cannot be read
+    if local is None:
+        return {("hub stream", "c4"): part}
     if name != "tokens":
-        local = resolve_dataset(name, path, section)
-        if local is None:
-            return {("hub stream", "c4"): part}
         return {("file", f"'{os.path.realpath(file)}'"): part for file in local[1]}
     manifest = read_manifest(path, section)
     identity = {

@@ -149,6 +149,7 @@ def test_validation_data_and_its_user_errors(tokenizer, tmp_path):
         (lambda: validation_data(config("--validation.held_out_every", "0")), "validation.held_out_every is 0"),
         (lambda: validation_data(config("--validation.dataset", "wiki")), "validation.dataset 'wiki'"),
         (lambda: validation_data(config("--validation.dataset", "text")), "validation.dataset_path"),
+        (lambda: validation_data(config("--validation.dataset", "tokens")), "validation.dataset_path"),
         (
             lambda: load_validation_batches(
                 config("--validation.dataset", "text", "--validation.dataset_path", str(other)), tokenizer, 0, 1
