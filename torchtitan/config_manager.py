@@ -328,7 +328,18 @@ class Loss:
 class Validation:
     enable: bool = opt(False, "evaluate the loss on held-out data every validation.freq steps and at the last step")
     freq: int = opt(100, "evaluate every N optimizer steps (and at the last step)", gt=0)
-    steps: int = opt(10, "batches per evaluation (fewer if the validation data runs out first)", gt=0)
+    steps: int = opt(
+        10,
+        "text data: batches per data-parallel rank per evaluation (fewer if the validation data runs out first); "
+        "tokens data scores validation.windows instead",
+        gt=0,
+    )
+    windows: int = opt(
+        64,
+        "tokens data: validation windows (validation.seq_len + 1 tokens each) per evaluation, the first N by index, "
+        "divided between the data-parallel ranks: the same windows at any layout, local batch or resume",
+        gt=0,
+    )
     dataset: Optional[str] = opt(
         None, "validation data: sample, c4, text or tokens; unset (or the training data): its held-out split"
     )
@@ -628,6 +639,19 @@ class JobConfig:
             raise UserError(f"validation.dataset_path '{v.dataset_path}' does not exist; point it at a file or folder")
         if not v.enable:
             return
+        defaults = Validation()
+        reads_tokens = (v.dataset or t.dataset) == "tokens"
+        if reads_tokens and v.steps != defaults.steps:
+            raise UserError(
+                f"validation.steps counts batches of text data, but validation reads tokens data, scored by "
+                f"validation.windows ({v.windows}: the same windows at any layout); remove validation.steps or set "
+                "validation.windows"
+            )
+        if not reads_tokens and v.windows != defaults.windows:
+            raise UserError(
+                f"validation.windows counts windows of tokens data, but validation reads {v.dataset or t.dataset} "
+                "data, scored by validation.steps; remove validation.windows or set validation.steps"
+            )
         if v.seq_len is not None and v.seq_len > t.seq_len:
             raise UserError(f"validation.seq_len {v.seq_len} exceeds training.seq_len {t.seq_len}; lower it")
         if v.seq_len is not None and v.seq_len % t.tensor_parallel_degree:

@@ -78,9 +78,9 @@ def preflight(job_config: JobConfig, world_size: int):
     optimizer_settings(job_config)
     resolve_dataset(t.dataset, t.dataset_path)
     if job_config.validation.enable:
-        from torchtitan.validate import validation_data
+        from torchtitan.validate import check_validation
 
-        validation_data(job_config)
+        check_validation(job_config)
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.tokenizer_type)
     if t.dataset == "tokens":
         from torchtitan.datasets.tokens import check_tokenizer, read_manifest

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tests import processes
 from tests.distributed import run_workers
 from tests.helpers import (
+    ROOT,
     STALL_IN_SAVE,
     TINY,
     Trainer,
@@ -559,3 +560,30 @@ def test_a_tied_model_saves_its_one_weight_once_and_resumes_tied(tmp_path):
     for name, value in weights(model).items():
         assert torch.equal(weights(resumed)[name], value), name
     assert again.optimizers.state_bytes() == manager.optimizers.state_bytes()
+
+
+def test_a_folder_named_through_a_symbolic_link_shares_the_lock_of_its_real_path(tmp_path):
+    real = tmp_path / "real" / "checkpoint"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    through_link = tmp_path / "link" / "checkpoint"
+    assert folders.lock_path(str(through_link)) == folders.lock_path(str(real))
+    # A process holding the real folder: taking it through the link, from another process, is refused.
+    holder = (
+        "import sys\n"
+        "from torchtitan.checkpoint import folders\n"
+        f"lock, who = folders.try_lock_folder({str(real)!r})\n"
+        "print('held' if lock else 'refused', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    command = [sys.executable, "-c", holder]
+    with processes.started(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT) as child:
+        assert child.stdout.readline().strip() == "held"
+        lock, who = folders.try_lock_folder(str(through_link))
+        assert lock is None and f"pid {child.pid} on " in who
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(timeout=60)
+    lock, who = folders.try_lock_folder(str(through_link))  # free again once the holder is gone
+    assert lock is not None and who is None
+    lock.release()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import sys
 from pathlib import Path
 
@@ -155,6 +156,98 @@ def test_pretokenize_refuses_an_existing_folder_and_a_damaged_shard(tmp_path, sa
         read_manifest(str(damaged))
 
 
+MANIFEST_KEYS = [
+    ("format",),
+    ("dtype",),
+    ("documents",),
+    ("tokens",),
+    ("shards",),
+    ("shards", 0, "file"),
+    ("shards", 0, "tokens"),
+    ("tokenizer",),
+    ("tokenizer", "path"),
+    ("tokenizer", "fingerprint"),
+    ("tokenizer", "vocab_size"),
+    ("source",),
+    ("fingerprint",),
+]
+
+
+@pytest.mark.parametrize("key", MANIFEST_KEYS, ids=lambda key: ".".join(map(str, key)))
+def test_a_manifest_without_a_key_is_one_line_naming_it(tmp_path, sample_tokens, key):
+    from torchtitan.preflight import preflight
+
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    for file in sample_tokens.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    holder = manifest
+    for part in key[:-1]:
+        holder = holder[part]
+    del holder[key[-1]]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    name = key[0] if len(key) == 1 else f"{key[0]}[0].{key[2]}" if key[0] == "shards" else ".".join(key)
+    job = job_config("--training.dataset", "tokens", "--training.dataset_path", str(folder))
+    with pytest.raises(UserError) as error:
+        preflight(job, 1)  # what train.py and run_llama_train.sh do first: one line, exit code 2
+    message = str(error.value)
+    assert f"has no key '{name}'" in message and "pretokenize the data again" in message and "\n" not in message
+
+
+def test_a_manifest_whose_width_cannot_hold_its_vocabulary_is_refused(tmp_path, sample_tokens):
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    for file in sample_tokens.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["dtype"] == "<u2"
+    manifest["tokenizer"]["vocab_size"] = 128_256
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="uint16 tokens, which cannot hold the ids of its tokenizer's vocabulary"):
+        read_manifest(str(folder))
+
+
+def test_a_documents_split_without_a_key_is_one_line_naming_it(tmp_path, sample_tokens):
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    for file in sample_tokens.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["documents_split"] = {"held_out": True}  # the optional part, written by pretokenize --held-out-every
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="has no key 'documents_split.every'; pretokenize the data again"):
+        read_manifest(str(folder))
+
+
+def test_ids_are_checked_against_the_vocabulary_before_they_are_narrowed(tmp_path, monkeypatch):
+    folder = tmp_path / "narrow"
+    folder.mkdir()
+    # Without a vocabulary, the width itself: 70,000 would wrap to 4,464 in uint16.
+    for dtype, ids, bad in (("<u2", [1, 70_000], 70_000), ("<u2", [-1, 2], -1), ("<u4", [1 << 32], 1 << 32)):
+        with pytest.raises(UserError, match=f"token id {bad} is outside the vocabulary of"):
+            ShardWriter(folder, np.dtype(dtype), 10).add(np.array(ids, dtype=np.int64))
+    writer = ShardWriter(folder, np.dtype("<u2"), 10, vocab_size=100)
+    writer.add(np.array([0, 99], dtype=np.int64))
+    with pytest.raises(UserError, match="token id 100 is outside the vocabulary of 100 ids"):
+        writer.add(np.array([5, 100], dtype=np.int64))
+    # pretokenize gives the writer the tokenizer's vocabulary: a tokenizer whose ids pass its n_words is refused,
+    # and nothing is left behind.
+    import torchtitan.datasets.tokenizer as tokenizers
+
+    real = tokenizers.build_tokenizer
+
+    def understated(*args, **kwargs):
+        tokenizer = real(*args, **kwargs)
+        tokenizer.n_words = 100
+        return tokenizer
+
+    monkeypatch.setattr(tokenizers, "build_tokenizer", understated)
+    with pytest.raises(UserError, match="outside the vocabulary of 100 ids"):
+        pretokenize("sample", TIKTOKEN, str(tmp_path / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["narrow"]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The order
 
@@ -255,12 +348,47 @@ def test_validation_reads_only_held_out_windows(tokenizer, tmp_path):
     folder = counting_folder(tmp_path / "c", tokenizer, 50 * window, shard_tokens=100)
     # Validation windows of 4 + 1 tokens: each held-out training window (9 tokens) gives one.
     for rank in range(2):
-        for inputs, labels in validation_windows(str(folder), window - 1, 4, 2, rank, 2, every=5):
+        for inputs, labels in validation_windows(str(folder), window - 1, 4, 2, rank, 2, every=5, count=10):
             for row in inputs[:, 0].tolist():
                 assert (row // window) % 5 == 0 and row % window == 0
             assert torch.equal(labels[:, :-1], inputs[:, 1:])
-    everything = [row for b in validation_windows(str(folder), window - 1, 8, 1, 0, 1, every=0) for row in b[0][:, 0]]
-    assert len(everything) == 50
+    everything = validation_windows(str(folder), window - 1, 8, 1, 0, 1, every=0, count=50)
+    assert [int(b[0][0, 0]) for b in everything] == [w * window for w in range(50)]
+    with pytest.raises(UserError, match="holds 10 validation windows of 5 tokens, fewer than validation.windows 11"):
+        validation_windows(str(folder), window - 1, 4, 2, 0, 1, every=5, count=11)
+
+
+def test_held_out_windows_share_with_training_only_the_documents_across_their_edges(tokenizer, tmp_path):
+    """What the docs say is shared: a document that crosses the first or last token of a held-out window; one that a
+    held-out window holds whole is never trained on."""
+    window, every, windows = 9, 4, 48
+    folder = counting_folder(tmp_path / "c", tokenizer, windows * window, shard_tokens=100)  # token i is i
+    lengths = np.random.default_rng(0).integers(1, 3 * window, windows * window)
+    starts = np.cumsum(np.concatenate([[0], lengths]))
+    starts = starts[starts < windows * window]  # documents: [starts[d], starts[d + 1]) of the stream
+
+    def documents(positions) -> set[int]:
+        return set((np.searchsorted(starts, np.asarray(positions), side="right") - 1).tolist())
+
+    training = tokens_loader(folder, tokenizer, 4, window - 1, 0, 1, seed=1, every=every)
+    batches = iter(training)
+    trained = [int(t) for _ in range(9) for t in torch.cat(next(batches), dim=1).flatten()]  # one epoch: 36 windows
+    held = validation_windows(str(folder), window - 1, window - 1, 3, 0, 1, every=every, count=windows // every)
+    validated = [int(t) for inputs, labels in held for t in torch.cat([inputs, labels], dim=1).flatten()]
+    assert len(set(trained)) == 36 * window and not set(trained) & set(validated)  # no token on both sides
+
+    def document(position: int) -> int:
+        return int(np.searchsorted(starts, position, side="right")) - 1
+
+    crossing = set()  # a held-out window's first document when it began before, its last when it goes on after
+    for first in range(0, windows * window, every * window):
+        last = first + window - 1
+        if first > 0 and document(first - 1) == document(first):
+            crossing.add(document(first))
+        if document(last + 1) == document(last):
+            crossing.add(document(last))
+    shared = documents(trained) & documents(validated)
+    assert shared == crossing and 0 < len(shared) < len(documents(validated))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -401,7 +529,8 @@ def test_validation_batches_of_tokens_data_are_held_out_windows(tokenizer, sampl
 
     job = job_config(
         "--training.dataset", "tokens", "--training.dataset_path", str(sample_tokens), "--training.seq_len", "31",
-        "--validation.enable", "--validation.seq_len", "15", "--validation.batch_size", "3", "--validation.steps", "4",
+        "--validation.enable", "--validation.seq_len", "15", "--validation.batch_size", "3",
+        "--validation.windows", "12",
     )  # fmt: skip
     manifest = read_manifest(str(sample_tokens))
     stored = np.empty(manifest["tokens"], dtype=np.int64)
@@ -437,3 +566,52 @@ def test_pretokenize_streams_a_hub_dataset_by_name_with_its_text_field(monkeypat
     with pytest.raises(UserError, match="neither sample, c4, an existing file or folder"):
         pretokenize("no_such_thing", TIKTOKEN, str(tmp_path / "other"))
     assert not (tmp_path / "other").exists() and not list(tmp_path.glob(".other.tmp-*"))
+
+
+def test_train_py_validates_the_same_windows_after_a_resume_in_another_layout(tmp_path, sample_tokens):
+    """One process (local batch 4, validation batches of 4) saves at step 2; two processes (local batch 2, the same
+    global batch, validation batches of 5) resume it: the same 12 windows are scored, to the same loss."""
+    from tests.helpers import by_step, metric_rows, run_dir, train
+
+    def run(name, nproc, batch_size, validation_batch_size):
+        dump = tmp_path / name
+        proc = train(
+            dump,
+            *("--training.dataset", "tokens", "--training.dataset_path", str(sample_tokens)),
+            *("--training.steps", "4", "--training.batch_size", str(batch_size)),
+            *("--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", "--checkpoint.folder", str(dump / "ck")),
+            *("--validation.enable", "--validation.freq", "2", "--validation.windows", "12"),
+            *("--validation.batch_size", str(validation_batch_size), "--metrics.enable_tensorboard", "false"),
+            *("--comm.init_timeout_seconds", "60"),
+            nproc=nproc,
+            cpu=True,
+        )
+        return by_step(metric_rows(run_dir(dump)), "validation/loss"), proc.stdout + proc.stderr
+
+    straight, straight_log = run("straight", 1, 4, 4)
+    (tmp_path / "resumed" / "ck").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight" / "ck" / "step-2", tmp_path / "resumed" / "ck" / "step-2")
+    resumed, resumed_log = run("resumed", 2, 2, 5)
+    assert "resumed from step 2" in resumed_log and sorted(resumed) == [4]
+    scored = "validation: windows 0 to 11 of the held-out split (about 1 in 20 windows), 12 x 32 tokens"
+    assert scored in straight_log and scored in resumed_log
+    assert "validation at step 4:" in resumed_log and "(384 tokens)" in resumed_log.split("validation at step 4:")[1]
+    # float32 on another layout: the training steps' sums differ in order only.
+    assert resumed[4] == pytest.approx(straight[4], rel=1e-5)
+
+
+def test_too_few_validation_windows_are_refused_before_any_worker_starts(sample_tokens):
+    from torchtitan.preflight import preflight
+
+    tokens = ["--training.dataset", "tokens", "--training.dataset_path", str(sample_tokens), "--validation.enable"]
+    windows = len(TokenArray(str(sample_tokens), read_manifest(str(sample_tokens)))) // 33  # seq_len 32
+    held_out = (windows + 19) // 20  # windows 0, 20, 40, ...
+    preflight(job_config(*tokens, "--training.seq_len", "32", "--validation.windows", str(held_out)), 1)
+    too_many = job_config(*tokens, "--training.seq_len", "32", "--validation.windows", str(held_out + 1))
+    with pytest.raises(UserError) as error:
+        preflight(too_many, 1)
+    assert str(error.value) == (
+        f"the held-out split (1 in 20 windows of 33 tokens) holds {held_out:,} validation windows of 33 tokens, fewer "
+        f"than validation.windows {held_out + 1}; lower validation.windows or validation.held_out_every, or give more "
+        "data"
+    )

@@ -8,6 +8,7 @@ import json
 import shutil
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from tests.helpers import (
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import DocumentSplit, build_hf_data_loader, build_tokenizer
 from torchtitan.datasets.hf_datasets import SAMPLE_DATA_DIR, is_held_out
+from torchtitan.datasets.tokens import ShardWriter, TokenArray, read_manifest, write_manifest
 from torchtitan.errors import UserError
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
 from torchtitan.validate import load_validation_batches, training_split, validation_data, validation_loss
@@ -120,11 +122,6 @@ def test_validation_data_and_its_user_errors(tokenizer, tmp_path):
         return JobConfig.parse_args(["--validation.enable", *argv])
 
     assert validation_data(config()) == ("sample", None, DocumentSplit(20, held_out=True))
-    assert validation_data(config("--validation.dataset_path", str(SAMPLE_DATA_DIR))) == (
-        "sample",
-        str(SAMPLE_DATA_DIR),
-        DocumentSplit(20, held_out=True),  # the same files as training
-    )
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"text": "held-out text"}) + "\n")
     assert validation_data(config("--validation.dataset", "text", "--validation.dataset_path", str(other))) == (
@@ -142,12 +139,17 @@ def test_validation_data_and_its_user_errors(tokenizer, tmp_path):
             ),
             "no document outside the held-out split",
         ),
+        (
+            lambda: validation_data(config("--validation.dataset_path", str(SAMPLE_DATA_DIR))),
+            "name the training data .the same file '.*sample.jsonl'.; remove them to validate on its held-out split",
+        ),
         (lambda: config("--validation.held_out_every", "1"), "validation.held_out_every"),
         (lambda: config("--validation.seq_len", "4096"), "validation.seq_len"),
         (lambda: config("--validation.dataset_path", str(tmp_path / "nope")), "validation.dataset_path"),
         (lambda: validation_data(config("--validation.held_out_every", "0")), "validation.held_out_every is 0"),
         (lambda: validation_data(config("--validation.dataset", "wiki")), "validation.dataset 'wiki'"),
         (lambda: validation_data(config("--validation.dataset", "text")), "validation.dataset_path"),
+        (lambda: validation_data(config("--validation.dataset", "tokens")), "validation.dataset_path"),
         (
             lambda: load_validation_batches(
                 config("--validation.dataset", "text", "--validation.dataset_path", str(other)), tokenizer, 0, 1
@@ -343,6 +345,8 @@ def test_help_lists_the_validation_table(capsys):
         (["--validation.held_out_every", "0"], "validation.held_out_every is 0"),
         # 64 x 513 tokens: more than the whole held-out split of the sample (about 23,000 tokens)
         (["--validation.batch_size", "64", "--training.seq_len", "512"], "less than one batch"),
+        (["--validation.dataset_path", str(SAMPLE_DATA_DIR)], "name the training data (the same file"),
+        (["--validation.windows", "8"], "validation.windows counts windows of tokens data"),
     ],
 )
 def test_train_py_reports_validation_mistakes_before_training(tmp_path, monkeypatch, capsys, args, message):
@@ -356,3 +360,190 @@ def test_train_py_reports_validation_mistakes_before_training(tmp_path, monkeypa
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("[titan]")]
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not (tmp_path / "tb").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokens data: one set of validation windows for every layout
+
+VALIDATION_WINDOWS = 7  # over 3 ranks: 2, 2 and 3 windows, so that some ranks end with a padding batch
+
+
+def random_tokens_folder(folder, tokenizer, windows: int) -> str:
+    """A tokens folder of ``windows`` training windows of SEQ_LEN + 1 random ids the tiny model reads."""
+    folder.mkdir(parents=True)
+    writer = ShardWriter(folder, np.dtype("<u2"), shard_tokens=50)  # windows cross shards
+    ids = np.random.default_rng(3).integers(0, TINY.vocab_size, windows * (SEQ_LEN + 1) + 5)
+    writer.add(ids)
+    write_manifest(folder, writer, tokenizer, str(TOKENIZER), "random", documents=1)
+    return str(folder)
+
+
+def tokens_validation_job(folder: str, batch_size: int, *extra: str) -> JobConfig:
+    return job_config(
+        "--model.tokenizer_path", str(TOKENIZER), "--training.dataset", "tokens", "--training.dataset_path", folder,
+        "--training.seq_len", str(SEQ_LEN), "--validation.enable", "--validation.held_out_every", "4",
+        "--validation.windows", str(VALIDATION_WINDOWS), "--validation.batch_size", str(batch_size), *extra,
+    )  # fmt: skip
+
+
+def _score_validation_windows(rank: int, world_size: int, folder: str, batch_size: int) -> dict:
+    """This rank's scored rows and the global loss, with the tiny model sharded by FSDP2 over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.helpers import fsdp
+    from torchtitan.loss import IGNORE_INDEX
+
+    tokenizer = build_tokenizer(str(TOKENIZER))
+    group = dist.group.WORLD if world_size > 1 else None
+    batches = load_validation_batches(tokens_validation_job(folder, batch_size), tokenizer, rank, world_size, group)
+    model = meta_model()
+    if world_size > 1:
+        model = fsdp(model, init_device_mesh("cpu", (world_size,)))
+    model = materialize(model)
+    dims = ParallelDims(1, world_size, 1, world_size)
+    loss, tokens = validation_loss(model, batches, dims, group, torch.device("cpu"))
+    scored = [row.tolist() for inputs, labels in batches for row, y in zip(inputs, labels) if (y != IGNORE_INDEX).all()]
+    padding = sum(bool((labels == IGNORE_INDEX).all()) for _, labels in batches)
+    return {"rows": scored, "batches": len(batches), "padding": padding, "loss": loss, "tokens": tokens}
+
+
+def _score_at_batch_sizes(rank: int, world_size: int, folder: str, batch_sizes: list[int]) -> list[dict]:
+    return [_score_validation_windows(rank, world_size, folder, batch_size) for batch_size in batch_sizes]
+
+
+def test_tokens_validation_scores_the_same_windows_and_loss_at_any_data_parallel_degree(tokenizer, tmp_path):
+    # 40 training windows, 10 of them held out (every 4th), each cut into one validation window.
+    folder = random_tokens_folder(tmp_path / "tokens", tokenizer, 40)
+    stored = np.empty(40 * (SEQ_LEN + 1), dtype=np.int64)
+    manifest = read_manifest(folder)
+    TokenArray(folder, manifest).read(0, len(stored), stored)
+    held_out = [stored[w * (SEQ_LEN + 1) : w * (SEQ_LEN + 1) + SEQ_LEN].tolist() for w in range(0, 40, 4)]
+    expected = held_out[:VALIDATION_WINDOWS]  # the first windows by index, whatever the layout
+
+    one = _score_validation_windows(0, 1, folder, 4)
+    assert one["rows"] == expected and one["batches"] == 2 and one["tokens"] == VALIDATION_WINDOWS * SEQ_LEN
+    for world_size, batch_sizes in ((2, [3]), (3, [1, 2])):  # one launch per world size
+        per_rank = run_workers(_score_at_batch_sizes, world_size=world_size, args=(folder, batch_sizes))
+        for i, batch_size in enumerate(batch_sizes):
+            ranks = [results[i] for results in per_rank]
+            # Rank r holds a contiguous share; in rank order they are the same windows, each once.
+            assert [row for rank in ranks for row in rank["rows"]] == expected, (world_size, batch_size)
+            assert len({rank["batches"] for rank in ranks}) == 1  # as many forwards on every rank: no rank waits
+            # Shares of 2, 2 and 3 windows in batches of 1: the first two ranks end with a batch of padding.
+            assert sum(rank["padding"] for rank in ranks) == (2 if batch_size == 1 else 0)
+            for rank in ranks:
+                assert rank["tokens"] == one["tokens"]
+                assert rank["loss"] == pytest.approx(one["loss"], rel=1e-12)  # float64: only the sums' order differs
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--training.dataset", "tokens", "--training.dataset_path", "TOKENS", "--validation.steps", "3"],
+            "validation.steps counts batches of text data, but validation reads tokens data, scored by "
+            "validation.windows",
+        ),
+        (
+            ["--validation.windows", "8"],
+            "validation.windows counts windows of tokens data, but validation reads sample",
+        ),
+    ],
+)
+def test_the_option_that_does_not_count_for_the_data_is_refused(tokenizer, tmp_path, argv, message):
+    folder = random_tokens_folder(tmp_path / "tokens", tokenizer, 8)
+    argv = [folder if arg == "TOKENS" else arg for arg in argv]
+    with pytest.raises(UserError, match=message) as error:
+        JobConfig.parse_args(["--validation.enable", *argv])
+    assert "\n" not in str(error.value)
+    JobConfig.parse_args(argv)  # validation off: nothing is scored
+
+
+def test_validation_data_that_names_the_training_data_is_refused(tokenizer, tmp_path):
+    from torchtitan.tools.pretokenize import pretokenize
+
+    def source(name: str, texts: list[str]) -> str:
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+        return str(path)
+
+    train_text = source("train", [f"training document {i} " * 20 for i in range(30)])
+    other_text = source("other", [f"other document {i} " * 20 for i in range(30)])
+    trained = str(tmp_path / "trained_tokens")
+    pretokenize(train_text, str(TOKENIZER), trained)
+    copy = tmp_path / "copy_of_trained"
+    shutil.copytree(trained, copy)  # the same tokens (fingerprint) in another folder
+    (tmp_path / "link").symlink_to(trained)  # the same folder by another name
+    (tmp_path / "text_link.jsonl").symlink_to(train_text)
+    retokenized = str(tmp_path / "retokenized")  # the training source, tokenized again with other shards
+    pretokenize(train_text, str(TOKENIZER), retokenized, shard_tokens=1000)
+    other = str(tmp_path / "other_tokens")
+    pretokenize(other_text, str(TOKENIZER), other)
+
+    def validation(training: list[str], dataset: str, path: str):
+        return validation_data(
+            JobConfig.parse_args(
+                ["--validation.enable", "--validation.dataset", dataset, "--validation.dataset_path", path, *training]
+            )
+        )
+
+    tokens = ["--training.dataset", "tokens", "--training.dataset_path", trained]
+    text = ["--training.dataset", "text", "--training.dataset_path", train_text]
+    refused = [
+        (tokens, "tokens", trained, f"the same tokens folder '{trained}'"),
+        (tokens, "tokens", str(tmp_path / "link"), f"the same tokens folder '{trained}'"),
+        (tokens, "tokens", str(copy), f"the same tokens fingerprint {read_manifest(trained)['fingerprint']}"),
+        (tokens, "tokens", retokenized, f"the same tokens fingerprint {read_manifest(trained)['fingerprint']}"),
+        (tokens, "text", str(tmp_path / "text_link.jsonl"), f"the same file '{train_text}'"),
+        (text, "text", str(tmp_path / "text_link.jsonl"), f"the same file '{train_text}'"),
+        (text, "tokens", retokenized, f"the same file '{train_text}'"),
+        (text, "text", str(tmp_path), f"the same file '{train_text}'"),  # a folder that holds a training file
+    ]
+    for training, dataset, path, shared in refused:
+        with pytest.raises(UserError) as error:
+            validation(training, dataset, path)
+        message = str(error.value)
+        assert "\n" not in message and f"name the training data ({shared});" in message, (path, message)
+    # Data that training never reads is read whole.
+    assert validation(tokens, "tokens", other) == ("tokens", other, DocumentSplit())
+    assert validation(text, "text", other_text) == ("text", other_text, DocumentSplit())
+
+
+def test_pretokenized_held_out_documents_validate_a_run_that_never_reads_them(tokenizer, tmp_path):
+    """pretokenize --held-out-every N [--held-out]: two folders with no document in common, the held-out one exactly
+    the text loader's held-out split, accepted as validation data of the other (and of the text source)."""
+    from torchtitan.tools.pretokenize import main as pretokenize_main
+
+    texts = [f"document {i}: " + "word " * (i % 9 + 1) for i in range(80)]
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    kept, held = str(tmp_path / "kept"), str(tmp_path / "held")
+    common = ["--source", str(source), "--tokenizer", str(TOKENIZER), "--held-out-every", "4"]
+    assert pretokenize_main([*common, "--out", kept]) == 0
+    assert pretokenize_main([*common, "--out", held, "--held-out"]) == 0
+    held_texts = [text for text in texts if is_held_out(text, 4)]
+    kept_texts = [text for text in texts if not is_held_out(text, 4)]
+    for folder, part, held_out in ((kept, kept_texts, False), (held, held_texts, True)):
+        manifest = read_manifest(folder)
+        stored = np.empty(manifest["tokens"], dtype=np.int64)
+        TokenArray(folder, manifest).read(0, manifest["tokens"], stored)
+        assert stored.tolist() == encoded(tokenizer, part)  # the documents of each part, in the source's order
+        assert manifest["documents"] == len(part) and manifest["documents_split"] == {"every": 4, "held_out": held_out}
+    assert 0 < len(held_texts) < len(kept_texts)
+
+    def validation(*argv: str):
+        return validation_data(JobConfig.parse_args(["--validation.enable", "--validation.dataset", "tokens", *argv]))
+
+    tokens = ["--training.dataset", "tokens", "--training.dataset_path", kept, "--validation.held_out_every", "0"]
+    assert validation(*tokens, "--validation.dataset_path", held) == ("tokens", held, DocumentSplit())
+    text = ["--training.dataset", "text", "--training.dataset_path", str(source)]
+    # The text loader at validation.held_out_every 4 trains on the kept documents: the held-out ones are unseen.
+    assert validation(*text, "--validation.held_out_every", "4", "--validation.dataset_path", held)[1] == held
+    for argv in (
+        [*text, "--validation.held_out_every", "5", "--validation.dataset_path", held],  # another split: shared
+        [*text, "--validation.held_out_every", "4", "--validation.dataset_path", kept],
+    ):
+        with pytest.raises(UserError, match=f"name the training data .the same file '{source}'."):
+            validation(*argv)
+    lone = ["--source", str(source), "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "x"), "--held-out"]
+    assert pretokenize_main(lone) == 2 and not (tmp_path / "x").exists()  # --held-out needs --held-out-every

@@ -10,8 +10,9 @@ start puts back if a crash came before the new copy was in place. Either way ``s
 old or new, at every point.
 
 One run at a time: global rank 0 of a run holds ``.<folder name>.lock`` beside the folder (a POSIX record lock,
-which the system drops when the process dies, however it dies), so a second run on the folder is refused before
-it touches anything, while a dead run's leftovers are cleaned by the next start as before.
+which the system drops when the process dies, however it dies; the folder's path is resolved through symbolic links
+first), so a second run on the folder, by any name, is refused before it touches anything, while a dead run's
+leftovers are cleaned by the next start as before.
 
 Lineage: a run resumed from step N while newer checkpoints exist starts a new branch. Those newer checkpoints are
 moved to ``superseded/after-step-N-<time>/`` (a marker file lists the moves first, and the next start finishes
@@ -242,8 +243,12 @@ def clean_temporary(folder: str) -> list[str]:
 
 
 def lock_path(folder: str) -> str:
-    """The lock file of ``folder``: beside it, so that the folder holds checkpoints only."""
-    head, name = os.path.split(os.path.normpath(os.path.abspath(folder)))
+    """The lock file of ``folder``: beside it, so that the folder holds checkpoints only.
+
+    The path is resolved through symbolic links first: a folder named through a link and by its own path is one
+    folder with one lock.
+    """
+    head, name = os.path.split(os.path.realpath(folder))
     return os.path.join(head, f".{name}.lock")
 
 

@@ -5,7 +5,8 @@ A tokens folder (written by ``python -m torchtitan.tools.pretokenize``) holds ``
 uint32, the token count as a little-endian uint64, zeros) followed by the tokens: uint16 when the vocabulary fits
 in 65,536 ids, else uint32. The shards, in order, are one token stream: every document with its BOS and EOS,
 exactly as the text loader tokenizes it. The manifest holds the documents, the tokens, the shards, the tokenizer's
-fingerprint, the source and the dataset's fingerprint (SHA-256 of the token bytes in order and their width).
+fingerprint, the source and the dataset's fingerprint (SHA-256 of the token bytes in order and their width); and,
+for a part of the source's documents (``pretokenize --held-out-every``), which part (``documents_split``).
 
 Reading (``training.dataset = "tokens"``): the stream is cut into windows of ``seq_len + 1`` tokens (the tail that
 fills no window is not read). With ``validation.held_out_every = N`` every N-th window (window ``0, N, 2N, ...``) is
@@ -41,6 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchtitan.collectives import all_gather_objects
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
+from torchtitan.loss import IGNORE_INDEX
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -78,10 +80,16 @@ def read_shard_header(path: str) -> tuple[np.dtype, int]:
 
 
 class ShardWriter:
-    """Writes a token stream into shards of at most ``shard_tokens`` tokens; ``close()`` returns the manifest part."""
+    """Writes a token stream into shards of at most ``shard_tokens`` tokens; ``close()`` returns the manifest part.
 
-    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int) -> None:
+    Every id is checked before it is narrowed to ``dtype``: below ``vocab_size`` when given, else within the dtype.
+    """
+
+    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, vocab_size: Optional[int] = None) -> None:
         self.out, self.dtype, self.shard_tokens = out, dtype, shard_tokens
+        self.id_limit = vocab_size if vocab_size is not None else int(np.iinfo(dtype).max) + 1
+        if self.id_limit > int(np.iinfo(dtype).max) + 1:
+            raise ValueError(f"a vocabulary of {vocab_size} ids does not fit {dtype.name}")
         self.shards: list[dict[str, Any]] = []
         self.tokens = 0
         self._digest = hashlib.sha256(f"tokens {dtype.str}".encode())
@@ -89,6 +97,13 @@ class ShardWriter:
         self._in_shard = 0
 
     def add(self, tokens: np.ndarray) -> None:
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.id_limit):
+            bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+            raise UserError(
+                f"token id {bad} is outside the vocabulary of {self.id_limit:,} ids that the tokens are stored for "
+                f"({self.dtype.name}); the tokenizer gives ids its vocabulary size does not count: fix the tokenizer "
+                "file"
+            )
         tokens = tokens.astype(self.dtype, copy=False)
         while tokens.size:
             if self._file is None:
@@ -127,9 +142,19 @@ class ShardWriter:
 
 
 def write_manifest(
-    folder: Path, writer: ShardWriter, tokenizer: Any, tokenizer_path: str, source: str, documents: int
+    folder: Path,
+    writer: ShardWriter,
+    tokenizer: Any,
+    tokenizer_path: str,
+    source: str,
+    documents: int,
+    documents_split: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """Close ``writer`` and write the manifest of its shards into ``folder``; returns the manifest."""
+    """Close ``writer`` and write the manifest of its shards into ``folder``; returns the manifest.
+
+    ``documents_split`` (``{"every": N, "held_out": bool}``) says that the source's documents were split as the text
+    loader splits them and which part these are; without it, they are every document of the source.
+    """
     shards, fingerprint = writer.close()
     manifest = {
         "format": FORMAT_VERSION,
@@ -145,6 +170,8 @@ def write_manifest(
         "source": source,
         "fingerprint": fingerprint,
     }
+    if documents_split is not None:
+        manifest["documents_split"] = documents_split
     with open(folder / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
@@ -164,11 +191,14 @@ def read_manifest(path: str, section: str = "training") -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"'{manifest_path}' cannot be read ({e}); pretokenize the data again") from None
-    if manifest.get("format") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or "format" not in manifest:
+        raise UserError(f"'{manifest_path}' has no key 'format'; pretokenize the data again")
+    if manifest["format"] != FORMAT_VERSION:
         raise UserError(
-            f"'{manifest_path}' has format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}; "
+            f"'{manifest_path}' has format {manifest['format']!r}, this version reads {FORMAT_VERSION}; "
             "pretokenize the data again"
         )
+    _check_manifest_keys(manifest, manifest_path)
     for shard in manifest["shards"]:
         file = str(Path(path) / shard["file"])
         if not os.path.isfile(file):
@@ -177,6 +207,46 @@ def read_manifest(path: str, section: str = "training") -> dict[str, Any]:
         if tokens != shard["tokens"] or dtype.str != manifest["dtype"]:
             raise UserError(f"token shard '{file}' does not match '{manifest_path}'; pretokenize the data again")
     return manifest
+
+
+_MANIFEST_KEYS = ("dtype", "documents", "tokens", "shards", "tokenizer", "source", "fingerprint")
+_SHARD_KEYS = ("file", "tokens")
+_TOKENIZER_KEYS = ("path", "fingerprint", "vocab_size")
+
+
+def _check_manifest_keys(manifest: dict[str, Any], manifest_path: Path) -> None:
+    """UserError naming the first key a manifest lacks, a width no shard has, or a vocabulary its width cannot hold."""
+
+    def missing(key: str) -> UserError:
+        return UserError(f"'{manifest_path}' has no key {key}; pretokenize the data again")
+
+    for key in _MANIFEST_KEYS:
+        if key not in manifest:
+            raise missing(repr(key))
+    if not isinstance(manifest["shards"], list) or not isinstance(manifest["tokenizer"], dict):
+        raise UserError(f"'{manifest_path}' has malformed 'shards' or 'tokenizer'; pretokenize the data again")
+    for i, shard in enumerate(manifest["shards"]):
+        for key in _SHARD_KEYS:
+            if not isinstance(shard, dict) or key not in shard:
+                raise missing(f"'shards[{i}].{key}'")
+    for key in _TOKENIZER_KEYS:
+        if key not in manifest["tokenizer"]:
+            raise missing(f"'tokenizer.{key}'")
+    for key in ("every", "held_out") if "documents_split" in manifest else ():  # optional: a part of the source
+        if not isinstance(manifest["documents_split"], dict) or key not in manifest["documents_split"]:
+            raise missing(f"'documents_split.{key}'")
+    widths = {dtype.str: dtype for dtype in _DTYPES.values()}
+    if manifest["dtype"] not in widths:
+        raise UserError(
+            f"'{manifest_path}' has dtype {manifest['dtype']!r}, not one of {', '.join(widths)}; "
+            "pretokenize the data again"
+        )
+    vocab_size, dtype = manifest["tokenizer"]["vocab_size"], widths[manifest["dtype"]]
+    if not isinstance(vocab_size, int) or not 0 < vocab_size <= int(np.iinfo(dtype).max) + 1:
+        raise UserError(
+            f"'{manifest_path}' holds {dtype.name} tokens, which cannot hold the ids of its tokenizer's vocabulary "
+            f"of {vocab_size!r}; pretokenize the data again"
+        )
 
 
 def check_tokenizer(manifest: dict[str, Any], path: str, tokenizer_path: str, tokenizer_fingerprint: str) -> None:
@@ -514,22 +584,58 @@ def build_tokens_data_loader(
     return TokenDataLoader(dataset, manifest["fingerprint"], workers, pin_memory, group, allow_data_change)
 
 
-def validation_windows(
-    path: str, train_seq_len: int, seq_len: int, batch_size: int, dp_rank: int, dp_degree: int, every: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's validation batches of a tokens folder, in index order, finite.
+def open_validation_windows(
+    path: str, train_seq_len: int, seq_len: int, every: int, count: int
+) -> tuple[TokenArray, WindowSplit, int]:
+    """(tokens, split, validation windows per split window) of a tokens folder's validation windows (see
+    ``validation_windows``); UserError when it holds fewer than ``count``. Reads the manifest and shard headers only."""
+    train_window, window = train_seq_len + 1, seq_len + 1
+    _, tokens, split = open_tokens(path, train_window if every else window, every, every > 0, "validation")
+    pieces = train_window // window if every else 1
+    total = split.count * pieces
+    if total < count:
+        where = f"the held-out split (1 in {every} windows of {train_window} tokens)" if every else f"'{path}'"
+        raise UserError(
+            f"{where} holds {total:,} validation windows of {window} tokens, fewer than validation.windows {count}; "
+            "lower validation.windows" + (" or validation.held_out_every" if every else "") + ", or give more data"
+        )
+    return tokens, split, pieces
 
-    With ``every`` > 0 they come from the held-out windows of the training windows (``train_seq_len + 1`` tokens),
-    each cut into ``(train_seq_len + 1) // (seq_len + 1)`` validation windows; with 0, from all windows.
-    Validation window ``v`` goes to rank ``(v // batch_size) % dp_degree``.
+
+def validation_windows(
+    path: str,
+    train_seq_len: int,
+    seq_len: int,
+    batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    every: int,
+    count: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of validation windows ``0 .. count - 1`` of a tokens folder, in batches.
+
+    With ``every`` > 0 the validation windows are the held-out windows of the training windows (``train_seq_len + 1``
+    tokens), each cut into ``(train_seq_len + 1) // (seq_len + 1)`` validation windows, numbered in index order; with
+    0, every window of ``seq_len + 1`` tokens. Which windows are scored depends on ``count`` and the data only: rank
+    ``r`` of ``D`` takes windows ``r * count // D`` up to ``(r + 1) * count // D``. Every rank returns as many
+    batches (each forward of a sharded model is a collective), enough for the largest share in batches of at most
+    ``batch_size``, its windows spread evenly over them; a rank with fewer windows than batches (``batch_size`` 1, or
+    fewer windows than ranks) ends with padding batches of one window whose labels are all ``IGNORE_INDEX``, which
+    count for nothing.
     """
     train_window, window = train_seq_len + 1, seq_len + 1
-    _, tokens, split = open_tokens(path, train_window, every, every > 0, "validation")
-    pieces = train_window // window
-    total = split.count * pieces
-    first = dp_rank * batch_size
-    while first + batch_size <= total:
-        v = np.arange(first, first + batch_size, dtype=np.int64)
-        starts = split.window(v // pieces) * train_window + (v % pieces) * window
-        yield tokens.rows(starts, window)
-        first += batch_size * dp_degree
+    tokens, split, pieces = open_validation_windows(path, train_seq_len, seq_len, every, count)
+    first, end = dp_rank * count // dp_degree, (dp_rank + 1) * count // dp_degree
+    most = (count + dp_degree - 1) // dp_degree  # windows of the ranks with the most
+    batches_per_rank = (most + batch_size - 1) // batch_size
+
+    def starts(v: np.ndarray) -> np.ndarray:
+        return split.window(v // pieces) * train_window + (v % pieces) * window
+
+    # As many batches on every rank, each as even as can be: a padding batch only where a rank has fewer windows.
+    parts = np.array_split(np.arange(first, end, dtype=np.int64), batches_per_rank)
+    batches = [tokens.rows(starts(part), window) for part in parts if len(part)]
+    while len(batches) < batches_per_rank:
+        inputs, labels = tokens.rows(starts(np.zeros(1, dtype=np.int64)), window)
+        batches.append((inputs, torch.full_like(labels, IGNORE_INDEX)))
+    return batches

@@ -9,6 +9,10 @@ BOS and EOS, exactly as the text loader does, in the source's order: with N > 1,
 documents while this one reads and writes them in order (the bytes do not depend on N). DIR gets the shards and
 ``manifest.json`` (format: see ``torchtitan.datasets.tokens``); it is written into a temporary folder beside DIR and
 renamed at the end, so DIR either holds complete data or does not exist. An existing DIR is never overwritten.
+
+``--held-out-every N`` writes only the documents outside the held-out split of about one in N (by a hash of the
+text, the text loader's rule), ``--held-out`` only those inside it: two folders with no document in common, one
+to train on and one to validate on.
 """
 
 from __future__ import annotations
@@ -105,8 +109,15 @@ def pretokenize(
     hf_config: Optional[str] = None,
     split: str = "train",
     text_field: str = "text",
+    held_out_every: int = 0,
+    held_out: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize SOURCE into the tokens folder ``out``; returns its manifest."""
+    """Tokenize SOURCE into the tokens folder ``out``; returns its manifest.
+
+    With ``held_out_every`` N > 0 only part of the documents: those outside the text loader's held-out split of
+    about one in N (chosen by a hash of the text), or with ``held_out`` only those inside it.
+    """
+    from torchtitan.datasets.hf_datasets import is_held_out
     from torchtitan.datasets.tokenizer import build_tokenizer
     from torchtitan.datasets.tokens import ShardWriter, token_dtype, write_manifest
 
@@ -115,6 +126,10 @@ def pretokenize(
         raise UserError(f"--out '{out}' already exists; choose a new folder (tokenized data is never overwritten)")
     if workers < 1 or shard_tokens < 1:
         raise UserError("--workers and --shard-tokens must be at least 1")
+    if held_out_every == 1 or held_out_every < 0:
+        raise UserError("--held-out-every must be 0 (every document) or 2 or more")
+    if held_out and held_out_every == 0:
+        raise UserError("--held-out writes the held-out documents, but --held-out-every is 0 (none); set it")
     tokenizer = build_tokenizer(tokenizer_path)
     dtype = token_dtype(tokenizer.n_words)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -128,11 +143,13 @@ def pretokenize(
 
         def texts() -> Iterator[str]:
             for text, _ in documents.documents(""):
+                if held_out_every and is_held_out(text, held_out_every) != held_out:
+                    continue
                 counted[0] += 1
                 yield text
 
         batches = _batched(texts(), DOCUMENTS_PER_TASK)
-        writer = ShardWriter(temporary, dtype, shard_tokens)
+        writer = ShardWriter(temporary, dtype, shard_tokens, tokenizer.n_words)
         started = time.perf_counter()
         if pool is None:
             _start_worker(tokenizer_path)
@@ -141,7 +158,8 @@ def pretokenize(
             encoded = _in_order(pool, batches, IN_FLIGHT_PER_WORKER * workers)
         for batch_tokens in encoded:
             writer.add(batch_tokens)
-        manifest = write_manifest(temporary, writer, tokenizer, tokenizer_path, described, counted[0])
+        documents_split = {"every": held_out_every, "held_out": held_out} if held_out_every else None
+        manifest = write_manifest(temporary, writer, tokenizer, tokenizer_path, described, counted[0], documents_split)
         os.rename(temporary, target)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -168,6 +186,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--hf-config", default=None, help="a Hugging Face dataset's configuration name")
     parser.add_argument("--split", default="train", help="a Hugging Face dataset's split (default train)")
     parser.add_argument("--text-field", default="text", help="a Hugging Face dataset's text column (default text)")
+    parser.add_argument(
+        "--held-out-every",
+        type=int,
+        default=0,
+        help="N: write only the documents outside the held-out split of about 1 in N (validation.held_out_every's "
+        "rule for text data); default 0: every document",
+    )
+    parser.add_argument(
+        "--held-out", action="store_true", help="with --held-out-every: write only the held-out documents instead"
+    )
     args = parser.parse_args(argv)
     return exit_code(
         lambda: pretokenize(
@@ -179,6 +207,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.hf_config,
             args.split,
             args.text_field,
+            args.held_out_every,
+            args.held_out,
         )
     )
 
