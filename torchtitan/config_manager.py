@@ -288,6 +288,26 @@ class Metrics:
         True, "only rank 0 writes TensorBoard and metrics.jsonl; false: every rank writes its own (subfolder rank_N)"
     )
     enable_color_printing: bool = opt(False, "colour the per-step log line (ANSI escape codes)")
+    health_freq: int = opt(
+        50,
+        "every N steps, log optimizer health per weight group (gradient norm, update RMS, update/weight ratio, "
+        "weight norm, largest attention logit) and count loss spikes (docs/telemetry.md); 0: off, at no cost",
+        ge=0,
+    )
+    health_max_layers: int = opt(
+        16, "health per layer for models of at most this many layers; deeper models: per weight role only", ge=0
+    )
+    loss_spike_factor: float = opt(
+        2.0, "a step's loss counts as a spike when above this factor times the running median loss", gt=1.0
+    )
+    loss_spike_window: int = opt(100, "steps in the running median that loss spikes are measured against", gt=0)
+    enable_wandb: bool = opt(False, "also log to Weights & Biases (pip install -e '.[wandb]'), from global rank 0")
+    wandb_project: str = opt("torchtitan", "Weights & Biases project")
+    wandb_entity: Optional[str] = opt(None, "Weights & Biases entity (team or user); unset: your default entity")
+    wandb_run_name: Optional[str] = opt(
+        None, "Weights & Biases run name; unset: the run folder's name (in a study, the cell's run name)"
+    )
+    wandb_group: Optional[str] = opt(None, "Weights & Biases group; unset: none (in a study, the study's name)")
 
 
 @dataclass
@@ -470,6 +490,7 @@ class JobConfig:
         self._validate_validation()
         self._refuse_options_that_do_nothing()
         self._validate_loss()
+        self._validate_metrics()
         initial = self.checkpoint.initial_load_path
         if initial is not None and not os.path.isdir(initial):
             raise UserError(
@@ -574,6 +595,13 @@ class JobConfig:
                 f"training.tensor_parallel_degree {t.tensor_parallel_degree} does not divide validation.seq_len "
                 f"{v.seq_len}; pick a length it divides"
             )
+
+    def _validate_metrics(self) -> None:
+        m = self.metrics
+        wandb_keys = ("wandb_entity", "wandb_run_name", "wandb_group")
+        if not m.enable_wandb and any(getattr(m, key) is not None for key in wandb_keys):
+            key = next(key for key in wandb_keys if getattr(m, key) is not None)
+            raise UserError(f"metrics.{key} is set but metrics.enable_wandb is off; set enable_wandb or drop it")
 
     def _validate_loss(self) -> None:
         t, v = self.training, self.validation
