@@ -167,7 +167,7 @@ class OptimizerHealth:
     def record_gradients(self) -> None:
         if not self.measuring:
             return
-        grads = [local_tensor(p.grad) if p.grad is not None else local_tensor(p).new_zeros(()) for p in self.params]
+        grads = [local_tensor(_grad_like_param(p)) for p in self.params]
         self._sums = {"grad": self._group_sums([g.detach() for g in grads])}
 
     def snapshot_weights(self) -> None:
@@ -228,6 +228,17 @@ class OptimizerHealth:
                 layer = canonical_name(name).removesuffix(".attention")
                 out[f"health/attn_logit_max/{layer}"] = value
         return out
+
+
+def _grad_like_param(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient laid out as ``p`` (so that the parameter's weight counts it once), or zeros without one; a
+    DTensor gradient may come back with other placements (e.g. replicated where the weight is sharded)."""
+    if p.grad is None:
+        return local_tensor(p).new_zeros(())
+    grad = p.grad
+    if isinstance(grad, DTensor) and grad.placements != p.placements:
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad
 
 
 def _minus_inf(device: torch.device) -> torch.Tensor:
