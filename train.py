@@ -108,7 +108,14 @@ def main(job_config: JobConfig) -> None:
         return
     checkpoint.load(step=job_config.checkpoint.load_step)
 
-    metric_logger = build_metric_logger(job_config, optimizers.name, rank, _world_group())
+    metric_logger = build_metric_logger(
+        job_config,
+        optimizers.name,
+        rank,
+        _world_group(),
+        checkpoint.folder if checkpoint.enabled else None,
+        resumed=train_state.step > 0,
+    )
     if rank == 0:  # what the run read and the whole config it ran with, beside its metrics
         metric_logger.write_record(DATASET_RECORD, json.dumps(data_record, indent=1))
         metric_logger.write_record(JOB_CONFIG_RECORD, job_config.to_toml(run_header(world_size, device)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import sys
 import types
@@ -32,6 +33,9 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 # Each run's resolved config, written beside its metrics (train.py) and read back by ``--job.config_file``.
 JOB_CONFIG_RECORD = "job_config.toml"
+
+
+WANDB_INSTALL = "pip install -e '.[wandb]'"  # the optional extra that metrics.enable_wandb needs
 
 
 def opt(default: Any, help: str, **checks: Any) -> Any:
@@ -602,6 +606,8 @@ class JobConfig:
         if not m.enable_wandb and any(getattr(m, key) is not None for key in wandb_keys):
             key = next(key for key in wandb_keys if getattr(m, key) is not None)
             raise UserError(f"metrics.{key} is set but metrics.enable_wandb is off; set enable_wandb or drop it")
+        if m.enable_wandb and importlib.util.find_spec("wandb") is None:
+            raise UserError(f"metrics.enable_wandb needs the wandb package: {WANDB_INSTALL}")
 
     def _validate_loss(self) -> None:
         t, v = self.training, self.validation
