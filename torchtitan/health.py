@@ -2,7 +2,7 @@
 
 Every ``metrics.health_freq`` steps (0: off, and then nothing here runs: no collective, no copy of the weights),
 for each group of weights (the model's declared roles: embedding, q/k/v/o, MLP in and out, norms, output; per
-layer when the model has at most ``metrics.health_max_layers`` layers) the step logs:
+layer as well when the model has at most ``metrics.health_max_layers`` layers; and ``all``) the step logs:
 
 * ``health/grad_norm/<group>``: the norm of the gradient the optimizer received, before clipping (the groups'
   squares add up to the global ``grad_norm``'s);
@@ -65,16 +65,20 @@ MLP_OUT_SUFFIX = "w2.weight"
 QUANTITIES = ("grad_norm", "update_rms", "update_rms_per_lr", "update_to_weight", "weight_norm")
 
 
-def health_group(name: str, role: Optional[str], per_layer: bool) -> str:
-    """The group a weight named ``name`` (its canonical name) with ``role`` is reported in."""
+ALL = "all"
+
+
+def health_groups(name: str, role: Optional[str], per_layer: bool) -> list[str]:
+    """The groups a weight named ``name`` (its canonical name) with ``role`` counts in: its role's group (over all
+    layers), with ``per_layer`` its layer's group of that role (``layers.N.q``), and ``all``."""
     if role == MLP:
         group = "mlp_out" if name.endswith(MLP_OUT_SUFFIX) else "mlp_in"
     else:
         group = GROUP_OF_ROLE.get(role, "other")
     parts = name.split(".")
     if per_layer and len(parts) > 2 and parts[0] == "layers":
-        return f"layers.{parts[1]}.{group}"
-    return group
+        return [group, f"layers.{parts[1]}.{group}", ALL]
+    return [group, ALL]
 
 
 def _copies(tensor: torch.Tensor) -> int:
@@ -114,25 +118,22 @@ class OptimizerHealth:
         per_layer = len(layers) <= max_layers
         self.per_layer = per_layer
         self.params: list[torch.Tensor] = []
-        group_names: list[str] = []
-        group_index: list[int] = []
-        numel: dict[str, int] = {}
+        numel: dict[str, int] = {}  # group -> its number of weights, in order of first appearance
+        members: list[tuple[int, str]] = []  # (parameter index, group) for every group a parameter counts in
         for part in model_parts:
             roles = {canonical_name(n): r for n, r in getattr(part, "named_param_roles", dict)().items()}
             for raw_name, param in part.named_parameters():
                 if not param.requires_grad:
                     continue
                 name = canonical_name(raw_name)
-                group = health_group(name, roles.get(name), per_layer)
-                if group not in numel:
-                    numel[group] = 0
-                    group_names.append(group)
-                numel[group] += param.numel()
-                group_index.append(group_names.index(group))
+                for group in health_groups(name, roles.get(name), per_layer):
+                    numel[group] = numel.get(group, 0) + param.numel()
+                    members.append((len(self.params), group))
                 self.params.append(param)
-        self.groups = group_names
-        self.group_index = torch.tensor(group_index, dtype=torch.long, device=device)
-        self.group_numel = torch.tensor([numel[g] for g in group_names], dtype=torch.float64, device=device)
+        self.groups = list(numel)
+        self.member_param = torch.tensor([i for i, _ in members], dtype=torch.long, device=device)
+        self.member_group = torch.tensor([self.groups.index(g) for _, g in members], dtype=torch.long, device=device)
+        self.group_numel = [float(numel[g]) for g in self.groups]
         self.weights = torch.tensor([1.0 / _copies(p) for p in self.params], dtype=torch.float64, device=device)
         self._reset()
 
@@ -153,8 +154,9 @@ class OptimizerHealth:
         return self.freq > 0 and step % self.freq == 0
 
     def _group_sums(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        squares = _squares(tensors, self.weights)
         sums = torch.zeros(len(self.groups), dtype=torch.float64, device=self.device)
-        return sums.index_add_(0, self.group_index, _squares(tensors, self.weights))
+        return sums.index_add_(0, self.member_group, squares[self.member_param])
 
     def start(self, step: int) -> bool:
         """Begin measuring ``step`` if it is due (attention layers keep their largest logit); whether it is."""
@@ -194,13 +196,11 @@ class OptimizerHealth:
             self._reset()
             return {}
         keys = ("grad", "update", "before", "after")
-        stacked = torch.stack([self._sums[k] for k in keys])
-        total = stacked.sum(dim=1, keepdim=True)
-        stacked = all_reduce_sum_(torch.cat([stacked, total], dim=1), _world())
+        stacked = all_reduce_sum_(torch.stack([self._sums[k] for k in keys]), _world())
         sums = dict(zip(keys, stacked.tolist()))
-        numel = [*self.group_numel.tolist(), float(self.group_numel.sum())]
+        numel = self.group_numel
         out: dict[str, float] = {}
-        for i, group in enumerate([*self.groups, "all"]):
+        for i, group in enumerate(self.groups):
             update_rms = math.sqrt(sums["update"][i] / numel[i])
             out[f"health/grad_norm/{group}"] = math.sqrt(sums["grad"][i])
             out[f"health/update_rms/{group}"] = update_rms

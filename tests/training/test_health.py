@@ -16,7 +16,7 @@ from tests.distributed import run_workers
 from tests.helpers import BATCH, SEQ_LEN, TINY, job_config, materialize, meta_model
 from torchtitan import training
 from torchtitan.guard import DivergenceGuard
-from torchtitan.health import LossSpikes, OptimizerHealth, health_group
+from torchtitan.health import LossSpikes, OptimizerHealth, health_groups
 from torchtitan.models.llama.model import apply_rope
 from torchtitan.optim import build_optimizers
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
@@ -67,14 +67,14 @@ def health_step(degrees: tuple[int, int, int], world_size: int, accumulation: in
 
 
 def test_groups_follow_the_declared_roles():
-    assert health_group("tok_embeddings.weight", "embedding", True) == "embedding"
-    assert health_group("layers.3.attention.wq.weight", "query", True) == "layers.3.q"
-    assert health_group("layers.3.attention.wq.weight", "query", False) == "q"
-    assert health_group("layers.0.feed_forward.w1.weight", "mlp", True) == "layers.0.mlp_in"
-    assert health_group("layers.0.feed_forward.w2.weight", "mlp", True) == "layers.0.mlp_out"
-    assert health_group("layers.0.ffn_norm.weight", "norm", True) == "layers.0.norm"
-    assert health_group("norm.weight", "norm", True) == "norm"
-    assert health_group("output.weight", "output", True) == "output"
+    assert health_groups("tok_embeddings.weight", "embedding", True) == ["embedding", "all"]
+    assert health_groups("layers.3.attention.wq.weight", "query", True) == ["q", "layers.3.q", "all"]
+    assert health_groups("layers.3.attention.wq.weight", "query", False) == ["q", "all"]
+    assert health_groups("layers.0.feed_forward.w1.weight", "mlp", True) == ["mlp_in", "layers.0.mlp_in", "all"]
+    assert health_groups("layers.0.feed_forward.w2.weight", "mlp", True) == ["mlp_out", "layers.0.mlp_out", "all"]
+    assert health_groups("layers.0.ffn_norm.weight", "norm", True) == ["norm", "layers.0.norm", "all"]
+    assert health_groups("norm.weight", "norm", True) == ["norm", "all"]
+    assert health_groups("output.weight", "output", True) == ["output", "all"]
 
 
 def _reference(accumulation: int = 2) -> dict[str, float]:
@@ -117,8 +117,7 @@ def _reference(accumulation: int = 2) -> dict[str, float]:
     roles = model.named_param_roles()
     sums: dict[str, dict[str, float]] = {}
     for name in grads:
-        group = health_group(name, roles.get(name), True)
-        for g in (group, "all"):
+        for g in health_groups(name, roles.get(name), True):
             s = sums.setdefault(g, {"grad": 0.0, "update": 0.0, "before": 0.0, "after": 0.0, "numel": 0})
             s["grad"] += float(grads[name].square().sum())
             s["update"] += float((after[name] - before[name]).square().sum())
@@ -153,9 +152,13 @@ def test_one_process_equals_the_values_computed_by_hand(one_process):
 
 def test_the_groups_gradient_norms_add_up_to_the_logged_grad_norm():
     metrics, grad_norm = health_step((1, 1, 1), 1, accumulation=1)
-    groups = [k for k in metrics if k.startswith("health/grad_norm/") and not k.endswith("/all")]
-    assert len(groups) == 2 * 7 + 3  # 2 layers x (q, k, v, o, mlp_in, mlp_out, norm); embedding, norm, output
-    assert math.sqrt(sum(metrics[k] ** 2 for k in groups)) == pytest.approx(grad_norm, rel=1e-10)
+    roles = ["embedding", "q", "k", "v", "o", "mlp_in", "mlp_out", "norm", "output"]
+    layers = [f"layers.{i}.{g}" for i in range(2) for g in roles[1:-1]]
+    groups = {k.removeprefix("health/grad_norm/") for k in metrics if k.startswith("health/grad_norm/")}
+    assert groups == {*roles, *layers, "all"}
+    assert math.sqrt(sum(metrics[f"health/grad_norm/{g}"] ** 2 for g in roles)) == pytest.approx(grad_norm, rel=1e-10)
+    layer_norms = sum(metrics[f"health/grad_norm/{g}"] ** 2 for g in layers if g.startswith("layers.1."))
+    assert layer_norms < metrics["health/grad_norm/all"] ** 2  # one layer's share of the whole
     assert metrics["health/grad_norm/all"] == pytest.approx(grad_norm, rel=1e-10)
 
 
