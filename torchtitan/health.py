@@ -279,7 +279,10 @@ class LossSpikes:
             self.pending = []
             for loss in losses.tolist():
                 self.observe(loss)
-        return {"health/loss_spikes": float(self.count), "health/loss_to_median": self.last_ratio}
+        metrics = {"health/loss_spikes": float(self.count)}
+        if not math.isnan(self.last_ratio):  # none before a median exists
+            metrics["health/loss_to_median"] = self.last_ratio
+        return metrics
 
     def observe(self, loss: float) -> bool:
         """Count ``loss`` against the running median of the losses before it; whether it is a spike."""
