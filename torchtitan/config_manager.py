@@ -601,11 +601,18 @@ class JobConfig:
             )
 
     def _validate_metrics(self) -> None:
-        m = self.metrics
-        wandb_keys = ("wandb_entity", "wandb_run_name", "wandb_group")
-        if not m.enable_wandb and any(getattr(m, key) is not None for key in wandb_keys):
-            key = next(key for key in wandb_keys if getattr(m, key) is not None)
-            raise UserError(f"metrics.{key} is set but metrics.enable_wandb is off; set enable_wandb or drop it")
+        m, defaults = self.metrics, Metrics()
+        wandb_keys = ("wandb_project", "wandb_entity", "wandb_run_name", "wandb_group")
+        changed = [key for key in wandb_keys if getattr(m, key) != getattr(defaults, key)]
+        if not m.enable_wandb and changed:
+            raise UserError(f"metrics.{changed[0]} is set but metrics.enable_wandb is off; set enable_wandb or drop it")
+        health_keys = ("health_max_layers", "loss_spike_factor", "loss_spike_window")
+        changed = [key for key in health_keys if getattr(m, key) != getattr(defaults, key)]
+        if m.health_freq == 0 and changed:
+            raise UserError(
+                f"metrics.{changed[0]} applies to optimizer health, which metrics.health_freq 0 turns off; set a "
+                "health_freq or remove it"
+            )
         if m.enable_wandb and importlib.util.find_spec("wandb") is None:
             raise UserError(f"metrics.enable_wandb needs the wandb package: {WANDB_INSTALL}")
 

@@ -134,6 +134,11 @@ def test_wandb_missing_is_one_line_naming_the_install(monkeypatch):
     assert WANDB_INSTALL in str(error.value) and "\n" not in str(error.value)
 
 
-def test_wandb_options_without_wandb_are_refused():
+def test_options_that_would_change_nothing_are_refused():
     with pytest.raises(UserError, match="metrics.wandb_run_name is set but metrics.enable_wandb is off"):
         job_config("--metrics.wandb_run_name", "x")
+    with pytest.raises(UserError, match="metrics.wandb_project is set but metrics.enable_wandb is off"):
+        job_config("--metrics.wandb_project", "x")
+    with pytest.raises(UserError, match="metrics.loss_spike_factor applies to optimizer health, which metrics.h"):
+        job_config("--metrics.health_freq", "0", "--metrics.loss_spike_factor", "3")
+    job_config("--metrics.health_freq", "0")  # off alone is fine
