@@ -11,7 +11,8 @@ layer as well when the model has at most ``metrics.health_max_layers`` layers; a
 * ``health/update_to_weight/<group>``: the norm of that change over the norm of the weights before the step;
 * ``health/weight_norm/<group>``: the norm of the weights after the step;
 * ``health/attn_logit_max`` (and ``health/attn_logit_max/layers.N``): the largest pre-softmax attention logit
-  (q·k/√d over the step's micro-batches, causal positions only).
+  (q·k/√d over the step's micro-batches, causal positions only), from one more forward of each micro-batch without
+  gradients, run eagerly, before its training forward (the same weights and inputs, so the same logits).
 
 Each rank sums squares over its own shards in float64, each counted once (a shard replicated over a mesh dimension
 is weighted by one over that dimension's size), and one all-reduce of the stacked sums (plus one max for the logits)
@@ -99,7 +100,8 @@ def _squares(tensors: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor
 class OptimizerHealth:
     """Measures the per-group health at the steps it is due; see the module docstring.
 
-    The training step calls :meth:`start` (before the forward), :meth:`record_gradients` (before clipping),
+    The training step calls :meth:`start` (before the forward), :meth:`record_attention` (for each micro-batch),
+    :meth:`record_gradients` (before clipping),
     :meth:`snapshot_weights` and :meth:`record_update` (around the optimizer step), or :meth:`discard` when the
     guard skips the update; the loop then reads :meth:`metrics`.
     """
@@ -162,9 +164,22 @@ class OptimizerHealth:
         """Begin measuring ``step`` if it is due (attention layers keep their largest logit); whether it is."""
         self._reset()
         self.measuring = self.due(step)
-        for _, module in self.attention:
-            module.record_logit_max = self.measuring
         return self.measuring
+
+    def record_attention(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, chunks: int) -> None:
+        """Run the micro-batch's forward (with its loss over ``chunks``) once more, without gradients and eagerly,
+        with the attention layers keeping their largest logit: a compiled model's graphs (and activation
+        checkpointing's recomputation) never see the measurement, and the training forward runs as on any step."""
+        if not self.measuring:
+            return
+        for _, module in self.attention:
+            module.record_logit_max = True
+        try:
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                model(inputs, labels=labels, loss_chunks=chunks)
+        finally:
+            for _, module in self.attention:
+                module.record_logit_max = False
 
     def record_gradients(self) -> None:
         if not self.measuring:

@@ -107,6 +107,8 @@ def train_step(
             inputs, labels = next(batches)
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with _part(timer, "forward_backward"), loss_parallel_context(parallel_dims):
+            if measuring:
+                health.record_attention(model, inputs, labels, job_config.loss.num_chunks)
             loss = model(inputs, labels=labels, loss_chunks=job_config.loss.num_chunks) / t.gradient_accumulation_steps
             loss.backward()
         if isinstance(loss, DTensor):
