@@ -11,8 +11,9 @@ layer as well when the model has at most ``metrics.health_max_layers`` layers; a
 * ``health/update_to_weight/<group>``: the norm of that change over the norm of the weights before the step;
 * ``health/weight_norm/<group>``: the norm of the weights after the step;
 * ``health/attn_logit_max`` (and ``health/attn_logit_max/layers.N``): the largest pre-softmax attention logit
-  (q·k/√d over the step's micro-batches, causal positions only), from one more forward of each micro-batch without
-  gradients, run eagerly, before its training forward (the same weights and inputs, so the same logits).
+  (q·k/√d over the step's micro-batches, causal positions only); a compiled model gets them from one more forward of
+  each micro-batch without gradients, run eagerly, before its training forward (the same weights and inputs, so the
+  same logits).
 
 Each rank sums squares over its own shards in float64, each counted once (a shard replicated over a mesh dimension
 is weighted by one over that dimension's size), and one all-reduce of the stacked sums (plus one max for the logits)
@@ -106,9 +107,18 @@ class OptimizerHealth:
     guard skips the update; the loop then reads :meth:`metrics`.
     """
 
-    def __init__(self, model_parts: list[torch.nn.Module], freq: int, max_layers: int, device: torch.device):
+    def __init__(
+        self,
+        model_parts: list[torch.nn.Module],
+        freq: int,
+        max_layers: int,
+        device: torch.device,
+        separate_forward: bool = False,
+    ):
         self.freq = freq
         self.device = device
+        # A compiled model's graphs cannot keep the logits (a side effect), so they come from a forward of their own.
+        self.separate_forward = separate_forward
         self.attention = [
             (name, module)
             for part in model_parts
@@ -142,7 +152,9 @@ class OptimizerHealth:
     @classmethod
     def build(cls, model_parts, job_config, device: torch.device) -> Optional["OptimizerHealth"]:
         m = job_config.metrics
-        return cls(model_parts, m.health_freq, m.health_max_layers, device) if m.health_freq > 0 else None
+        if m.health_freq == 0:
+            return None
+        return cls(model_parts, m.health_freq, m.health_max_layers, device, job_config.training.compile)
 
     def _reset(self) -> None:
         self.measuring = False
@@ -164,26 +176,31 @@ class OptimizerHealth:
         """Begin measuring ``step`` if it is due (attention layers keep their largest logit); whether it is."""
         self._reset()
         self.measuring = self.due(step)
+        self._keep_logits(self.measuring and not self.separate_forward)
         return self.measuring
 
-    def record_attention(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, chunks: int) -> None:
-        """Run the micro-batch's forward (with its loss over ``chunks``) once more, without gradients and eagerly,
-        with the attention layers keeping their largest logit: a compiled model's graphs (and activation
-        checkpointing's recomputation) never see the measurement, and the training forward runs as on any step."""
-        if not self.measuring:
-            return
+    def _keep_logits(self, keep: bool) -> None:
         for _, module in self.attention:
-            module.record_logit_max = True
+            module.record_logit_max = keep
+
+    def record_attention(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, chunks: int) -> None:
+        """With ``separate_forward`` (a compiled model), run the micro-batch's forward (with its loss over ``chunks``)
+        once more, without gradients and eagerly, with the attention layers keeping their largest logit: the
+        compiled graphs (and activation checkpointing's recomputation in them) never see the measurement. Otherwise
+        the training forward itself keeps them (recomputation under checkpointing keeps the same values again)."""
+        if not (self.measuring and self.separate_forward):
+            return
+        self._keep_logits(True)
         try:
             with torch.no_grad(), torch.compiler.set_stance("force_eager"):
                 model(inputs, labels=labels, loss_chunks=chunks)
         finally:
-            for _, module in self.attention:
-                module.record_logit_max = False
+            self._keep_logits(False)
 
     def record_gradients(self) -> None:
         if not self.measuring:
             return
+        self._keep_logits(False)  # the forwards and backwards of the step are done
         grads = [local_tensor(_grad_like_param(p)) for p in self.params]
         self._sums = {"grad": self._group_sums([g.detach() for g in grads])}
 

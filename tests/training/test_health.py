@@ -265,19 +265,21 @@ def _compiled_step(compile: bool) -> dict[str, float]:
         training={"max_norm": 0.5, "compile": compile},
         optimizer={"name": "AdamW", "lr": LR},
         activation_checkpoint={"mode": "full"},
+        metrics={"health_freq": 2},
     )
     dims = ParallelDims(1, 1, 1, 1)
     model = materialize(parallelize_llama(meta_model(dtype=torch.float32), dims.build_mesh("cpu"), dims, config))
     optimizers = build_optimizers([model], config)
-    health = OptimizerHealth([model], freq=2, max_layers=16, device=CPU)
+    health = OptimizerHealth.build([model], config, CPU)
+    assert health.separate_forward == compile
     for step in (1, 2):
         training.train_step(model, optimizers, micro_batches(1, 0, 1), dims, config, CPU, None, step, health)
     return health.metrics(LR)
 
 
 def test_a_compiled_checkpointed_model_measures_what_the_eager_one_does():
-    # The logits are measured in an eager forward of their own: compiled graphs and the recomputation under
-    # activation checkpointing never see the measurement (fullgraph compile refuses side effects there).
+    # A compiled model's logits come from an eager forward of their own (fullgraph compile refuses the side effect
+    # in its graphs, and under activation checkpointing); the eager model's from its training forward.
     compiled, eager = _compiled_step(True), _compiled_step(False)
     assert compiled.keys() == eager.keys() and "health/attn_logit_max/layers.1" in compiled
     for key, value in eager.items():
