@@ -28,7 +28,7 @@ from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset
 from torchtitan.errors import exit_code
 from torchtitan.garbage_collection import GarbageCollection
 from torchtitan.guard import DivergenceGuard
-from torchtitan.health import LossSpikes, OptimizerHealth
+from torchtitan.health import LossSpikes, OptimizerHealth, format_health_line
 from torchtitan.logging import init_logger, logger
 from torchtitan.lr_scheduling import build_lr_schedulers
 from torchtitan.metrics import (
@@ -149,6 +149,7 @@ def main(job_config: JobConfig) -> None:
             if spikes is not None:
                 spikes.record(loss, updated)
             if health is not None and (health_metrics := health.metrics(lr)):
+                logger.info(format_health_line(train_state.step, health_metrics))
                 metric_logger.log(health_metrics, train_state.step)
             if train_state.step == first_step and job_config.comm.train_timeout_seconds is not None:
                 set_collective_timeout(job_config.comm.train_timeout_seconds, world_mesh, dp_group)

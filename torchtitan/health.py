@@ -262,6 +262,20 @@ class OptimizerHealth:
         return out
 
 
+def format_health_line(step: int, metrics: dict[str, float]) -> str:
+    """One log line of a measured step: the whole model's update/weight, the group whose update/weight is largest
+    (the first place to look when a run goes wrong), and the largest attention logit."""
+    prefix = "health/update_to_weight/"
+    groups = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix) and not k.endswith(ALL)}
+    top = max(groups, key=groups.get) if groups else None
+    parts = [f"health at step {step}: update/weight {metrics.get(prefix + ALL, float('nan')):.3e}"]
+    if top is not None:
+        parts.append(f"largest {groups[top]:.3e} ({top})")
+    if "health/attn_logit_max" in metrics:
+        parts.append(f"attention logit max {metrics['health/attn_logit_max']:.2f}")
+    return ", ".join(parts)
+
+
 def _grad_like_param(p: torch.Tensor) -> torch.Tensor:
     """``p``'s gradient laid out as ``p`` (so that the parameter's weight counts it once), or zeros without one; a
     DTensor gradient may come back with other placements (e.g. replicated where the weight is sharded)."""

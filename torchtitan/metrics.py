@@ -247,6 +247,13 @@ def _log_fields(step: int, m: dict[str, float]) -> list[str]:
         parts.append(f"memory: {m['memory/rss(GiB)']:.2f}GiB rss")
     if "mfu(%)" in m:
         parts.append(f"mfu: {m['mfu(%)']:.2f}%")
+    if "time/optimizer(s)" in m:
+        parts.append(
+            f"ms/step: data {m['time/data(s)'] * 1e3:.0f} fwd+bwd {m['time/forward_backward(s)'] * 1e3:.0f} "
+            f"optimizer {m['time/optimizer(s)'] * 1e3:.0f} checkpoint {m['time/checkpoint(s)'] * 1e3:.0f}"
+        )
+    if m.get("health/loss_spikes"):
+        parts.append(f"loss spikes: {m['health/loss_spikes']:.0f}")
     return parts
 
 

@@ -16,7 +16,7 @@ from tests.distributed import run_workers
 from tests.helpers import BATCH, SEQ_LEN, TINY, job_config, materialize, meta_model
 from torchtitan import training
 from torchtitan.guard import DivergenceGuard
-from torchtitan.health import LossSpikes, OptimizerHealth, health_groups
+from torchtitan.health import LossSpikes, OptimizerHealth, format_health_line, health_groups
 from torchtitan.models.llama.model import apply_rope
 from torchtitan.optim import build_optimizers
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
@@ -284,3 +284,11 @@ def test_a_compiled_checkpointed_model_measures_what_the_eager_one_does():
     assert compiled.keys() == eager.keys() and "health/attn_logit_max/layers.1" in compiled
     for key, value in eager.items():
         assert compiled[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+
+
+def test_the_health_log_line_names_the_group_with_the_largest_relative_update(one_process):
+    line = format_health_line(2, one_process)
+    groups = {k: v for k, v in one_process.items() if k.startswith("health/update_to_weight/") and "/all" not in k}
+    top = max(groups, key=groups.get).removeprefix("health/update_to_weight/")
+    assert line.startswith("health at step 2: update/weight ") and f"({top})" in line
+    assert f"attention logit max {one_process['health/attn_logit_max']:.2f}" in line
