@@ -115,6 +115,8 @@ def test_wandb_logs_the_same_scalars_as_tensorboard_and_the_resolved_config(resu
         for key, value in row.items():
             assert got[key] == pytest.approx(value, rel=1e-12), (step, key)
     assert "health/update_rms/embedding" in run["history"][2]
+    assert {"time/data(s)", "time/forward_backward(s)", "time/optimizer(s)", "time/checkpoint(s)"} <= set(expected[2])
+    assert expected[4]["time/checkpoint(s)"] > 0  # step 2's save, counted in the window that logs at step 4
     tags = set().union(*(set(row) for row in expected.values()))
     assert event_tags(run_dir) == tags
 
