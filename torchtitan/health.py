@@ -92,12 +92,6 @@ def _copies(tensor: torch.Tensor) -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _squares(tensors: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    """Each local tensor's sum of squares in float64, times its weight (one over its number of copies)."""
-    sums = [torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in tensors]
-    return torch.stack(sums) * weights
-
-
 class OptimizerHealth:
     """Measures the per-group health at the steps it is due; see the module docstring.
 
@@ -146,6 +140,7 @@ class OptimizerHealth:
         self.member_param = torch.tensor([i for i, _ in members], dtype=torch.long, device=device)
         self.member_group = torch.tensor([self.groups.index(g) for _, g in members], dtype=torch.long, device=device)
         self.group_numel = [float(numel[g]) for g in self.groups]
+        self._host: Optional[list[torch.Tensor]] = None  # pinned host buffers of the weights before a step
         self.weights = torch.tensor([1.0 / _copies(p) for p in self.params], dtype=torch.float64, device=device)
         self._reset()
 
@@ -168,7 +163,13 @@ class OptimizerHealth:
         return self.freq > 0 and step % self.freq == 0
 
     def _group_sums(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        squares = _squares(tensors, self.weights)
+        return self._sums_by_group(
+            torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in tensors])
+        )
+
+    def _sums_by_group(self, squares: torch.Tensor) -> torch.Tensor:
+        """Per-parameter sums of squares (each weighted by one over its copies) added up per group."""
+        squares = squares.to(self.device) * self.weights
         sums = torch.zeros(len(self.groups), dtype=torch.float64, device=self.device)
         return sums.index_add_(0, self.member_group, squares[self.member_param])
 
@@ -205,17 +206,35 @@ class OptimizerHealth:
         self._sums = {"grad": self._group_sums([g.detach() for g in grads])}
 
     def snapshot_weights(self) -> None:
-        if self.measuring:
-            self._snapshot = [local_tensor(p).detach().clone() for p in self.params]
+        """This rank's weight shards before the optimizer step, copied to host memory (from a GPU into pinned buffers
+        kept from one measured step to the next), so that the device never holds a second copy of the weights."""
+        if not self.measuring:
+            return
+        weights = [local_tensor(p).detach() for p in self.params]
+        if self._host is None or any(h.shape != w.shape or h.dtype != w.dtype for h, w in zip(self._host, weights)):
+            self._host = [torch.empty_like(w, device="cpu", pin_memory=w.is_cuda) for w in weights]
+        for host, weight in zip(self._host, weights):
+            host.copy_(weight, non_blocking=True)  # queued before the step's kernels on the same stream
+        self._snapshot = self._host
 
     def record_update(self) -> None:
+        """Sums of squares of the change, the weights before and after; one parameter at a time on the device."""
         if not self.measuring or self._snapshot is None:
             return
-        after = [local_tensor(p).detach() for p in self.params]
-        self._sums["update"] = self._group_sums([a - b for a, b in zip(after, self._snapshot)])
-        self._sums["before"] = self._group_sums(self._snapshot)
-        self._sums["after"] = self._group_sums(after)
+        update, before, after = [], [], []
+        for param, host in zip(self.params, self._snapshot):
+            now = local_tensor(param).detach()
+            then = host.to(now.device, non_blocking=True)
+            wide = torch.promote_types(now.dtype, torch.float32)  # the difference of two bf16 values is exact here
+            update.append(torch.linalg.vector_norm(now.to(wide) - then.to(wide), dtype=torch.float64).square())
+            before.append(torch.linalg.vector_norm(then, dtype=torch.float64).square())
+            after.append(torch.linalg.vector_norm(now, dtype=torch.float64).square())
+        self._sums["update"] = self._sums_by_group(torch.stack(update))
+        self._sums["before"] = self._sums_by_group(torch.stack(before))
+        self._sums["after"] = self._sums_by_group(torch.stack(after))
         self._snapshot = None
+        if not any(h.is_pinned() for h in self._host):  # plain host memory is cheap to get again: not kept
+            self._host = None
 
     def discard(self) -> None:
         """The guard skipped the update: nothing of this step is logged."""
