@@ -19,7 +19,8 @@ Each rank sums squares over its own shards in float64, each counted once (a shar
 is weighted by one over that dimension's size), and one all-reduce of the stacked sums (plus one max for the logits)
 completes them, so the values are those of one process whatever FSDP, TP or HSDP layout. A step whose update the
 divergence guard skips logs no health (nothing was updated); gradients are read once, after the last
-micro-batch of gradient accumulation.
+micro-batch of gradient accumulation. The weights before the step wait in host memory (pinned, from a GPU), so the
+device never holds a second copy of them.
 
 :class:`LossSpikes` counts steps whose loss (the data-parallel mean) exceeds ``metrics.loss_spike_factor`` times
 the median of the previous ``metrics.loss_spike_window`` steps' losses; skipped steps are left out. Losses stay on
@@ -96,9 +97,8 @@ class OptimizerHealth:
     """Measures the per-group health at the steps it is due; see the module docstring.
 
     The training step calls :meth:`start` (before the forward), :meth:`record_attention` (for each micro-batch),
-    :meth:`record_gradients` (before clipping),
-    :meth:`snapshot_weights` and :meth:`record_update` (around the optimizer step), or :meth:`discard` when the
-    guard skips the update; the loop then reads :meth:`metrics`.
+    :meth:`record_gradients` (before clipping), :meth:`snapshot_weights` and :meth:`record_update` (around the
+    optimizer step), or :meth:`discard` when the guard skips the update; the loop then reads :meth:`metrics`.
     """
 
     def __init__(
