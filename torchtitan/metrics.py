@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from torchtitan.collectives import all_gather_objects
+from torchtitan.errors import UserError
 from torchtitan.files import write_text_atomically
 from torchtitan.logging import logger
 
@@ -192,20 +193,36 @@ def build_metric_logger(
 
     With ``metrics.enable_wandb``, rank 0 (the global one) also logs to W&B; its run id is kept beside
     ``checkpoint_folder`` (None: checkpointing is off), and a ``resumed`` run continues the run kept there."""
-    rank_0_only = job_config.metrics.rank_0_only
-    if rank != 0 and rank_0_only:
-        return MetricLogger(None, False)
+    m = job_config.metrics
     chosen = _new_run_dir(job_config, optimizer_name) if rank == 0 else None
-    if not rank_0_only:
+    if not m.rank_0_only:
         chosen = all_gather_objects(chosen, group)[0]  # every rank calls this: rank 0's choice, everywhere
+    wandb_run = _start_wandb_on_rank_0(job_config, rank, group, chosen, checkpoint_folder, resumed)
     if rank != 0:
-        return MetricLogger(os.path.join(chosen, f"rank_{rank}"), job_config.metrics.enable_tensorboard)
+        return MetricLogger(None if m.rank_0_only else os.path.join(chosen, f"rank_{rank}"), m.enable_tensorboard)
     logger.info(f"metrics go to {chosen}")
-    wandb_run = None
-    if job_config.metrics.enable_wandb:
+    return MetricLogger(chosen, m.enable_tensorboard, wandb_run)
+
+
+def _start_wandb_on_rank_0(job_config, rank: int, group, run_dir, checkpoint_folder, resumed: bool):
+    """Rank 0's W&B run (None elsewhere, or with W&B off). Every rank learns whether it started, so that a failure
+    (not logged in, say) stops all of them with rank 0's one-line error instead of leaving the others waiting."""
+    if not job_config.metrics.enable_wandb:
+        return None
+    run, problem = None, None
+    if rank == 0:
         id_path = wandb_id_path(checkpoint_folder) if checkpoint_folder is not None else None
-        wandb_run = start_wandb(job_config, chosen, id_path, resumed)
-    return MetricLogger(chosen, job_config.metrics.enable_tensorboard, wandb_run)
+        try:
+            run = start_wandb(job_config, run_dir, id_path, resumed)
+        except Exception as e:  # noqa: BLE001 - wandb's own errors (login, network, permissions) end as one line
+            problem = (
+                f"metrics.enable_wandb: W&B could not start ({type(e).__name__}: {str(e).splitlines()[0]}); run "
+                "`wandb login`, or set WANDB_MODE=offline to log without network and `wandb sync` later"
+            )
+    problem = all_gather_objects(problem, group)[0]
+    if problem is not None:
+        raise UserError(problem)
+    return run
 
 
 def _new_run_dir(job_config, optimizer_name: str) -> str:

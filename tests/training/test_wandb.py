@@ -144,3 +144,18 @@ def test_options_that_would_change_nothing_are_refused():
     with pytest.raises(UserError, match="metrics.loss_spike_factor applies to optimizer health, which metrics.h"):
         job_config("--metrics.health_freq", "0", "--metrics.loss_spike_factor", "3")
     job_config("--metrics.health_freq", "0")  # off alone is fine
+
+
+def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    import wandb
+
+    from torchtitan.metrics import build_metric_logger
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.\nmore detail")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    job = job_config("--job.dump_folder", str(tmp_path), "--metrics.enable_wandb", "true")
+    with pytest.raises(UserError, match=r"^metrics.enable_wandb: W&B could not start \(UsageError: No API key") as e:
+        build_metric_logger(job, "AdamW", 0)
+    assert "\n" not in str(e.value) and "WANDB_MODE=offline" in str(e.value)
