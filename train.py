@@ -28,6 +28,7 @@ from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset
 from torchtitan.errors import exit_code
 from torchtitan.garbage_collection import GarbageCollection
 from torchtitan.guard import DivergenceGuard
+from torchtitan.health import LossSpikes, OptimizerHealth, format_health_line
 from torchtitan.logging import init_logger, logger
 from torchtitan.lr_scheduling import build_lr_schedulers
 from torchtitan.metrics import (
@@ -43,6 +44,7 @@ from torchtitan.metrics import (
 from torchtitan.optim import build_optimizers
 from torchtitan.preflight import preflight
 from torchtitan.profiling import maybe_profile
+from torchtitan.step_timing import StepTimer
 from torchtitan.utils import init_distributed, set_determinism
 from torchtitan.validate import build_validator, training_split
 
@@ -106,7 +108,14 @@ def main(job_config: JobConfig) -> None:
         return
     checkpoint.load(step=job_config.checkpoint.load_step)
 
-    metric_logger = build_metric_logger(job_config, optimizers.name, rank, _world_group())
+    metric_logger = build_metric_logger(
+        job_config,
+        optimizers.name,
+        rank,
+        _world_group(),
+        checkpoint.folder if checkpoint.enabled else None,
+        resumed=train_state.step > 0,
+    )
     if rank == 0:  # what the run read and the whole config it ran with, beside its metrics
         metric_logger.write_record(DATASET_RECORD, json.dumps(data_record, indent=1))
         metric_logger.write_record(JOB_CONFIG_RECORD, job_config.to_toml(run_header(world_size, device)))
@@ -120,6 +129,8 @@ def main(job_config: JobConfig) -> None:
     gpu_peak = peak_flops(device)
     batches = iter(data_loader)
     guard = DivergenceGuard(t.max_skipped_steps, device)
+    health, timer = OptimizerHealth.build(model_parts, job_config, device), StepTimer(device)
+    spikes = LossSpikes.build(job_config, device, dp_group)
     logger.info(
         f"training {t.steps} steps from step {train_state.step}: global batch {t.batch_size * dp_degree} x "
         f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"
@@ -132,8 +143,14 @@ def main(job_config: JobConfig) -> None:
             garbage_collection.run(train_state.step)
             lr = lr_schedulers.get_last_lr()
             loss, grad_norm, updated = training.train_step(
-                model, optimizers, batches, parallel_dims, job_config, device, guard, train_state.step
+                model, optimizers, batches, parallel_dims, job_config, device, guard, train_state.step, health, timer
             )
+            timer.step_done()
+            if spikes is not None:
+                spikes.record(loss, updated)
+            if health is not None and (health_metrics := health.metrics(lr)):
+                logger.info(format_health_line(train_state.step, health_metrics))
+                metric_logger.log(health_metrics, train_state.step)
             if train_state.step == first_step and job_config.comm.train_timeout_seconds is not None:
                 set_collective_timeout(job_config.comm.train_timeout_seconds, world_mesh, dp_group)
                 logger.info(f"collectives: timeout {job_config.comm.train_timeout_seconds} s from now on")
@@ -155,6 +172,8 @@ def main(job_config: JobConfig) -> None:
                     "throughput/tokens_seen": float(train_state.tokens_seen),
                     "skipped_steps": float(train_state.skipped_steps),
                     **memory_metrics(device),
+                    **timer.metrics(),
+                    **(spikes.metrics() if spikes is not None else {}),
                 }
                 if gpu_peak is not None:
                     metrics["mfu(%)"] = 100 * tps * flops / gpu_peak
@@ -176,7 +195,8 @@ def main(job_config: JobConfig) -> None:
                 window_start += time.perf_counter() - started  # evaluation time is not training throughput
 
             if updated:  # never a checkpoint at a skipped step, the last one included
-                checkpoint.save(train_state.step, force=train_state.step == t.steps)
+                with timer.part("checkpoint"):
+                    checkpoint.save(train_state.step, force=train_state.step == t.steps)
             elif train_state.step == t.steps and checkpoint.enabled:
                 logger.warning(f"the last step was skipped: no final checkpoint; {checkpoint.resume_hint()}")
             if profiler is not None:

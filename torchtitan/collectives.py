@@ -55,6 +55,13 @@ def all_reduce_sum_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) ->
     return tensor
 
 
+def all_reduce_max_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Element-wise max of ``tensor`` (already on its group's device) over ``group`` in place; nothing without one."""
+    if group is not None and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
 def all_gather_objects(value: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
     """``value`` (any picklable object) of every rank of ``group``, in rank order; ``[value]`` without a group.
 

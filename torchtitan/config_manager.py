@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import sys
 import types
@@ -32,6 +33,9 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 # Each run's resolved config, written beside its metrics (train.py) and read back by ``--job.config_file``.
 JOB_CONFIG_RECORD = "job_config.toml"
+
+
+WANDB_INSTALL = "pip install -e '.[wandb]'"  # the optional extra that metrics.enable_wandb needs
 
 
 def opt(default: Any, help: str, **checks: Any) -> Any:
@@ -365,6 +369,26 @@ class Metrics:
         True, "only rank 0 writes TensorBoard and metrics.jsonl; false: every rank writes its own (subfolder rank_N)"
     )
     enable_color_printing: bool = opt(False, "colour the per-step log line (ANSI escape codes)")
+    health_freq: int = opt(
+        50,
+        "every N steps, log optimizer health per weight group (gradient norm, update RMS, update/weight ratio, "
+        "weight norm, largest attention logit) and count loss spikes (docs/telemetry.md); 0: off, at no cost",
+        ge=0,
+    )
+    health_max_layers: int = opt(
+        16, "health per layer for models of at most this many layers; deeper models: per weight role only", ge=0
+    )
+    loss_spike_factor: float = opt(
+        2.0, "a step's loss counts as a spike when above this factor times the running median loss", gt=1.0
+    )
+    loss_spike_window: int = opt(100, "steps in the running median that loss spikes are measured against", gt=0)
+    enable_wandb: bool = opt(False, "also log to Weights & Biases (pip install -e '.[wandb]'), from global rank 0")
+    wandb_project: str = opt("torchtitan", "Weights & Biases project")
+    wandb_entity: Optional[str] = opt(None, "Weights & Biases entity (team or user); unset: your default entity")
+    wandb_run_name: Optional[str] = opt(
+        None, "Weights & Biases run name; unset: the run folder's name (in a study, the cell's run name)"
+    )
+    wandb_group: Optional[str] = opt(None, "Weights & Biases group; unset: none (in a study, the study's name)")
 
 
 @dataclass
@@ -547,6 +571,7 @@ class JobConfig:
         self._validate_validation()
         self._refuse_options_that_do_nothing()
         self._validate_loss()
+        self._validate_metrics()
         initial = self.checkpoint.initial_load_path
         if initial is not None and not os.path.isdir(initial):
             raise UserError(
@@ -659,6 +684,22 @@ class JobConfig:
                 f"training.tensor_parallel_degree {t.tensor_parallel_degree} does not divide validation.seq_len "
                 f"{v.seq_len}; pick a length it divides"
             )
+
+    def _validate_metrics(self) -> None:
+        m, defaults = self.metrics, Metrics()
+        wandb_keys = ("wandb_project", "wandb_entity", "wandb_run_name", "wandb_group")
+        changed = [key for key in wandb_keys if getattr(m, key) != getattr(defaults, key)]
+        if not m.enable_wandb and changed:
+            raise UserError(f"metrics.{changed[0]} is set but metrics.enable_wandb is off; set enable_wandb or drop it")
+        health_keys = ("health_max_layers", "loss_spike_factor", "loss_spike_window")
+        changed = [key for key in health_keys if getattr(m, key) != getattr(defaults, key)]
+        if m.health_freq == 0 and changed:
+            raise UserError(
+                f"metrics.{changed[0]} applies to optimizer health, which metrics.health_freq 0 turns off; set a "
+                "health_freq or remove it"
+            )
+        if m.enable_wandb and importlib.util.find_spec("wandb") is None:
+            raise UserError(f"metrics.enable_wandb needs the wandb package: {WANDB_INSTALL}")
 
     def _validate_loss(self) -> None:
         t, v = self.training, self.validation

@@ -1,7 +1,11 @@
-"""Per-step numbers: a log line, TensorBoard scalars and a metrics.jsonl beside them (rank 0 only).
+"""Per-step numbers: a log line, TensorBoard scalars and a metrics.jsonl beside them (rank 0 only), and with
+``metrics.enable_wandb`` the same scalars in Weights & Biases (global rank 0 only).
 
 Run directories are ``{job.dump_folder}/{metrics.save_tb_folder}/{timestamp}_{optimizer}``, so runs of the same
-config with different optimizers overlay in one TensorBoard.
+config with different optimizers overlay in one TensorBoard. A W&B run is named after its run directory (or
+``metrics.wandb_run_name``), records the resolved job config, and writes its own files (offline runs included)
+under ``wandb/`` in the run directory. With checkpointing on, its id is kept beside the checkpoint folder, so that a
+run resumed from a checkpoint continues the same W&B run.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from torchtitan.collectives import all_gather_objects
+from torchtitan.errors import UserError
 from torchtitan.files import write_text_atomically
 from torchtitan.logging import logger
 
@@ -104,14 +109,46 @@ def run_header(world_size: int, device: torch.device) -> str:
     )
 
 
-class MetricLogger:
-    """Writes scalars to TensorBoard and metrics.jsonl; a no-op without a run folder (ranks other than 0, unless
-    ``metrics.rank_0_only`` is off)."""
+def wandb_id_path(checkpoint_folder: str) -> str:
+    """Where a run's W&B id is kept: beside its checkpoint folder (which holds checkpoints only)."""
+    head, name = os.path.split(os.path.normpath(os.path.abspath(checkpoint_folder)))
+    return os.path.join(head, f".{name}.wandb-run-id")
 
-    def __init__(self, run_dir: Optional[str], enable_tensorboard: bool):
+
+def start_wandb(job_config, run_dir: str, id_path: Optional[str], resumed: bool):
+    """A W&B run for this training run: the run it continues when ``resumed`` and ``id_path`` holds an id."""
+    import wandb
+
+    m = job_config.metrics
+    run_id = None
+    if resumed and id_path is not None and os.path.isfile(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip() or None
+    run = wandb.init(
+        project=m.wandb_project,
+        entity=m.wandb_entity,
+        name=m.wandb_run_name or os.path.basename(os.path.normpath(run_dir)),
+        group=m.wandb_group,
+        config=job_config.to_dict(),
+        dir=run_dir,
+        id=run_id,
+        resume="allow" if run_id is not None else None,
+    )
+    if id_path is not None:
+        write_text_atomically(id_path, run.id)
+    logger.info(f"metrics: W&B run {run.id}" + (" (continued)" if run_id is not None else ""))
+    return run
+
+
+class MetricLogger:
+    """Writes scalars to TensorBoard, metrics.jsonl and W&B; a no-op without a run folder (ranks other than 0,
+    unless ``metrics.rank_0_only`` is off)."""
+
+    def __init__(self, run_dir: Optional[str], enable_tensorboard: bool, wandb_run: Any = None):
         self.run_dir = run_dir
         self.writer = None
         self.jsonl = None
+        self.wandb_run = wandb_run
         if run_dir is None:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -129,6 +166,8 @@ class MetricLogger:
                 self.writer.add_scalar(tag, value, step)
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
 
     def write_record(self, name: str, text: str) -> None:
         """Write a file of facts about the run (``dataset.json``, ``job_config.toml``) into its folder, whole or not
@@ -141,21 +180,49 @@ class MetricLogger:
             self.writer.close()
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
 
 
-def build_metric_logger(job_config, optimizer_name: str, rank: int, group=None) -> MetricLogger:
+def build_metric_logger(
+    job_config, optimizer_name: str, rank: int, group=None, checkpoint_folder: Optional[str] = None, resumed=False
+) -> MetricLogger:
     """Rank 0's logger writes a new run folder; with ``metrics.rank_0_only`` off every other rank writes ``rank_N``
-    inside the folder rank 0 chose (shared over ``group``, the world: ranks never guess the name on their own)."""
-    rank_0_only = job_config.metrics.rank_0_only
-    if rank != 0 and rank_0_only:
-        return MetricLogger(None, False)
+    inside the folder rank 0 chose (shared over ``group``, the world: ranks never guess the name on their own).
+
+    With ``metrics.enable_wandb``, rank 0 (the global one) also logs to W&B; its run id is kept beside
+    ``checkpoint_folder`` (None: checkpointing is off), and a ``resumed`` run continues the run kept there."""
+    m = job_config.metrics
     chosen = _new_run_dir(job_config, optimizer_name) if rank == 0 else None
-    if not rank_0_only:
+    if not m.rank_0_only:
         chosen = all_gather_objects(chosen, group)[0]  # every rank calls this: rank 0's choice, everywhere
+    wandb_run = _start_wandb_on_rank_0(job_config, rank, group, chosen, checkpoint_folder, resumed)
     if rank != 0:
-        return MetricLogger(os.path.join(chosen, f"rank_{rank}"), job_config.metrics.enable_tensorboard)
+        return MetricLogger(None if m.rank_0_only else os.path.join(chosen, f"rank_{rank}"), m.enable_tensorboard)
     logger.info(f"metrics go to {chosen}")
-    return MetricLogger(chosen, job_config.metrics.enable_tensorboard)
+    return MetricLogger(chosen, m.enable_tensorboard, wandb_run)
+
+
+def _start_wandb_on_rank_0(job_config, rank: int, group, run_dir, checkpoint_folder, resumed: bool):
+    """Rank 0's W&B run (None elsewhere, or with W&B off). Every rank learns whether it started, so that a failure
+    (not logged in, say) stops all of them with rank 0's one-line error instead of leaving the others waiting."""
+    if not job_config.metrics.enable_wandb:
+        return None
+    run, problem = None, None
+    if rank == 0:
+        id_path = wandb_id_path(checkpoint_folder) if checkpoint_folder is not None else None
+        try:
+            run = start_wandb(job_config, run_dir, id_path, resumed)
+        except Exception as e:  # noqa: BLE001 - wandb's own errors (login, network, permissions) end as one line
+            problem = (
+                f"metrics.enable_wandb: W&B could not start ({type(e).__name__}: {str(e).splitlines()[0]}); run "
+                "`wandb login`, or set WANDB_MODE=offline to log without network and `wandb sync` later"
+            )
+    problem = all_gather_objects(problem, group)[0]
+    if problem is not None:
+        raise UserError(problem)
+    return run
 
 
 def _new_run_dir(job_config, optimizer_name: str) -> str:
@@ -197,6 +264,13 @@ def _log_fields(step: int, m: dict[str, float]) -> list[str]:
         parts.append(f"memory: {m['memory/rss(GiB)']:.2f}GiB rss")
     if "mfu(%)" in m:
         parts.append(f"mfu: {m['mfu(%)']:.2f}%")
+    if "time/optimizer(s)" in m:
+        parts.append(
+            f"ms/step: data {m['time/data(s)'] * 1e3:.0f} fwd+bwd {m['time/forward_backward(s)'] * 1e3:.0f} "
+            f"optimizer {m['time/optimizer(s)'] * 1e3:.0f} checkpoint {m['time/checkpoint(s)'] * 1e3:.0f}"
+        )
+    if m.get("health/loss_spikes"):
+        parts.append(f"loss spikes: {m['health/loss_spikes']:.0f}")
     return parts
 
 

@@ -13,6 +13,7 @@ step a run takes:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Iterator, Optional
 
 import torch
@@ -22,8 +23,10 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.guard import DivergenceGuard
+from torchtitan.health import OptimizerHealth
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.parallelisms import ParallelDims, loss_parallel_context, parallelize_llama
+from torchtitan.step_timing import StepTimer
 from torchtitan.utils import DTYPES, clip_grad_norm_
 
 
@@ -87,27 +90,48 @@ def train_step(
     device: torch.device,
     guard: DivergenceGuard | None = None,
     step: int = 0,
+    health: OptimizerHealth | None = None,
+    timer: StepTimer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns (local loss, grad norm,
-    whether the update was applied). With a ``guard``, a non-finite loss or grad norm skips the update of ``step``."""
+    whether the update was applied). With a ``guard``, a non-finite loss or grad norm skips the update of ``step``.
+    With ``health``, a step it is due at is measured (gradients after the last micro-batch, before clipping; the
+    update around the optimizer step); ``timer`` times the step's parts."""
     t = job_config.training
+    measuring = health is not None and health.start(step)
     optimizers.zero_grad()
     total = torch.zeros((), dtype=torch.float64, device=device)
     for index in range(t.gradient_accumulation_steps):
         _all_reduce_across_replicas(model, parallel_dims, last=index == t.gradient_accumulation_steps - 1)
-        inputs, labels = next(batches)
-        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        with loss_parallel_context(parallel_dims):
+        with _part(timer, "data"):
+            inputs, labels = next(batches)
+            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with _part(timer, "forward_backward"), loss_parallel_context(parallel_dims):
+            if measuring:
+                health.record_attention(model, inputs, labels, job_config.loss.num_chunks)
             loss = model(inputs, labels=labels, loss_chunks=job_config.loss.num_chunks) / t.gradient_accumulation_steps
             loss.backward()
         if isinstance(loss, DTensor):
             loss = loss.full_tensor()
         total += loss.detach().to(torch.float64)
-    grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
-    if guard is not None and not guard.should_update(total, grad_norm, step):
-        return total, grad_norm, False
-    optimizers.step()
+    with _part(timer, "optimizer"):
+        if measuring:
+            health.record_gradients()
+        grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
+        if guard is not None and not guard.should_update(total, grad_norm, step):
+            if measuring:
+                health.discard()
+            return total, grad_norm, False
+        if measuring:
+            health.snapshot_weights()
+        optimizers.step()
+        if measuring:
+            health.record_update()
     return total, grad_norm, True
+
+
+def _part(timer: StepTimer | None, name: str):
+    return timer.part(name) if timer is not None else nullcontext()
 
 
 def _all_reduce_across_replicas(model: torch.nn.Module, parallel_dims: ParallelDims, last: bool) -> None:

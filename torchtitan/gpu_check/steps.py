@@ -275,6 +275,62 @@ def step_async_checkpoint(ctx: Context) -> StepResult:
     return result
 
 
+def step_health_timing(ctx: Context) -> StepResult:
+    """``train.py`` on the debug model with optimizer health every 2 steps: the health tags and the step-time split
+    (CUDA events, no synchronisation per step) it logs; then ``benchmarks/bench_health.py``'s overhead ratio at the
+    default health frequency."""
+    import json
+
+    dump = ctx.out / "health_timing"
+    shutil.rmtree(dump, ignore_errors=True)
+    steps = 4 if ctx.dry_run else 12
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "train.py"),
+        "--job.config_file",
+        str(REPO_ROOT / "train_configs" / "debug_model.toml"),
+        "--job.dump_folder",
+        str(dump),
+        *ctx.sizes.train_overrides,
+        "--training.steps",
+        str(steps),
+        "--training.warmup_steps",
+        "1",
+        "--metrics.log_freq",
+        "2",
+        "--metrics.health_freq",
+        "2",
+    ]
+    done = run_command(command, ctx)
+    if not done.ok:
+        raise RuntimeError(f"train.py {done.how_it_ended()}:\n{done.output[-3000:]}")
+    (metrics_file,) = (dump / "tb").glob("*/metrics.jsonl")
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    last = {k: v for row in rows if row["step"] == steps for k, v in row.items()}
+    result = StepResult()
+    times = {k: v for k, v in last.items() if k.startswith("time/")}
+    health = sorted(k for k in last if k.startswith("health/"))
+    if not times or "health/attn_logit_max" not in last or "health/update_rms/all" not in last:
+        raise RuntimeError(f"train.py did not log the step-time split and health at step {steps}: {sorted(last)}")
+    result.rows.append(
+        {
+            "step": steps,
+            **{k.removeprefix("time/").removesuffix("(s)") + " (ms/step)": round(v * 1e3, 2) for k, v in times.items()},
+            "health tags": len(health),
+            "attn_logit_max": round(last["health/attn_logit_max"], 3),
+            "update_rms/all": f"{last['health/update_rms/all']:.3e}",
+        }
+    )
+    ctx.save(result)
+    bench = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_health.py")]
+    bench += ["--rounds", "1", "--device", "cpu", *ctx.sizes.train_overrides] if ctx.dry_run else ["--rounds", "20"]
+    done = run_command(bench, ctx)
+    result.text = f"$ bench_health.py {' '.join(bench[2:])}\n{done.output}"
+    if not done.ok:
+        raise RuntimeError(result.text)
+    return result
+
+
 def step_checkpoint_memory(ctx: Context) -> StepResult:
     """Peak allocated memory above the state while CheckpointManager saves and loads, per low-bit optimizer (and
     AdamW as the float32 reference), synchronous and asynchronous: ``scripts/checkpoint_memory.py``, which fails
@@ -442,6 +498,7 @@ STEPS: dict[str, Step] = {
     "checkpoint_memory": Step(step_checkpoint_memory, estimate_s=120, budget_s=180),
     "component_checks": Step(step_component_checks, estimate_s=300, budget_s=500),
     "gpu_tests": Step(step_gpu_tests, estimate_s=360, budget_s=480, needs=("pytest", "torchdata")),
+    "health_timing": Step(step_health_timing, estimate_s=60, budget_s=100, needs=TRAIN_PY_NEEDS),
 }
 # Groups of steps, each one device command of at most 9 minutes by the estimates (10 by the budgets, a command's
 # limit); together every step once. ``--quick`` is "quick".
@@ -452,7 +509,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "bench": ("bench_optimizers_100m", "bench_optimizers_1b"),
     "training": ("float8", "async_checkpoint", "checkpoint_memory"),
     "components": ("component_checks",),
-    "tests": ("gpu_tests",),
+    "tests": ("gpu_tests", "health_timing"),
 }
 STARTUP_S = 15  # the check's own start and the import probe, before the first step
 

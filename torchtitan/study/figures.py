@@ -322,3 +322,74 @@ def plot_sweep(runs: Sequence[SweepRun], report: dict, out: Path) -> None:
     memory.grid(alpha=0.3)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
+
+
+# Optimizer health (torchtitan/health.py): the role groups each panel shows, one line style per group.
+HEALTH_PANELS = (
+    ("embedding and output", ("embedding", "output")),
+    ("attention q, k, v, o", ("q", "k", "v", "o")),
+    ("MLP in and out", ("mlp_in", "mlp_out")),
+    ("norms", ("norm",)),
+)
+HEALTH_QUANTITIES = (("update_rms", "update RMS"), ("update_to_weight", "update / weight"))
+ATTN_LOGIT_MAX = "health/attn_logit_max"
+WEIGHT_NORM_ALL = "health/weight_norm/all"
+_GROUP_STYLES = ("-", "--", ":", "-.")
+
+
+def _health_curve(scalars: Sequence[dict[str, Series]], tag: str) -> Optional[tuple[list[int], list[float]]]:
+    """``tag``'s mean over runs (seeds) at the steps every one of them logged; None if any run lacks it."""
+    series = [s[tag] for s in scalars if tag in s]
+    if not series or len(series) != len(scalars):
+        return None
+    steps, mean, _, _ = _mean_curve(series)
+    return (steps, mean) if steps else None
+
+
+def has_health(scalars: dict[str, Series]) -> bool:
+    return any(tag.startswith("health/update_rms/") for tag in scalars)
+
+
+def plot_health(curves: Sequence[tuple[str, Sequence[dict[str, Series]]]]) -> Optional[bytes]:
+    """Optimizer health over steps, one colour per entry of ``curves`` (a label and the scalars of its runs, e.g.
+    an optimizer's seeds at its best settings; a mean over them is drawn): per group of weights the update RMS (top
+    row) and the update-to-weight ratio (bottom row), log scale; the largest attention logit (top right) and the
+    weight norm (bottom right). None when no run logged health (``metrics.health_freq`` 0)."""
+    curves = [(label, runs) for label, runs in curves if runs and all(has_health(s) for s in runs)]
+    if not curves:
+        return None
+    fig, axes = _figure((22, 8), 2, len(HEALTH_PANELS) + 1)
+    for index, (label, runs) in enumerate(curves):
+        color = f"C{index % 10}"
+        for row, (quantity, name) in enumerate(HEALTH_QUANTITIES):
+            for column, (title, groups) in enumerate(HEALTH_PANELS):
+                ax = axes[row][column]
+                for style, group in zip(_GROUP_STYLES, groups):
+                    curve = _health_curve(runs, f"health/{quantity}/{group}")
+                    if curve is not None:
+                        ax.plot(*curve, style, color=color, label=f"{label}: {group}")
+                ax.set(title=f"{name}: {title}", xlabel="step", yscale="log")
+        for row, (tag, title) in enumerate(
+            ((ATTN_LOGIT_MAX, "largest attention logit"), (WEIGHT_NORM_ALL, "weight norm (all)"))
+        ):
+            curve = _health_curve(runs, tag)
+            if curve is not None:
+                axes[row][-1].plot(*curve, "-", color=color, label=label)
+            axes[row][-1].set(title=title, xlabel="step")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="x-small")
+    return _png(fig)
+
+
+def plot_study_health(runs: Sequence[SweepRun], report: dict) -> Optional[bytes]:
+    """:func:`plot_health` at each optimizer's best settings (the largest budget), mean over its seeds."""
+    budget = report["budgets"][-1] if report["budgets"] else None
+    curves = []
+    for optimizer, b in report["best"].items():
+        if b["settings"] is None:
+            continue
+        chosen = _best_runs(runs, optimizer, b, budget)
+        curves.append((f"{optimizer} ({settings_label(b['settings'])})", [r.scalars for r in chosen]))
+    return plot_health(curves)

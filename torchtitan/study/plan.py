@@ -327,8 +327,15 @@ def run_folder(dump: Path, spec: RunSpec) -> Path:
 
 
 def run_command(
-    spec: RunSpec, run_dir: Path, train_args: Sequence[str], launcher: Sequence[str], vary_data_seed: bool = False
+    spec: RunSpec,
+    run_dir: Path,
+    train_args: Sequence[str],
+    launcher: Sequence[str],
+    vary_data_seed: bool = False,
+    wandb_group: Optional[str] = None,
 ) -> list[str]:
+    """A run's train.py command; with ``wandb_group`` (the study's jobs log to W&B) the W&B run is named after the
+    run and grouped by the study."""
     options = [
         "--metrics.enable_tensorboard",
         "true",
@@ -336,7 +343,17 @@ def run_command(
         "--job.dump_folder",
         str(run_dir),
     ]
+    if wandb_group is not None:
+        options += ["--metrics.wandb_run_name", spec.name, "--metrics.wandb_group", wandb_group]
     return [*launcher, *train_args, *options]
+
+
+def wandb_group(dump: Path, config_file: str, train_args: Sequence[str]) -> Optional[str]:
+    """The W&B group of a study's runs (the study folder's name) when its job logs to W&B; else None."""
+    from torchtitan.config_manager import JobConfig
+
+    enabled = JobConfig.parse_args(["--job.config_file", config_file, *train_args]).metrics.enable_wandb
+    return Path(dump).resolve().name if enabled else None
 
 
 def preflight_jobs(

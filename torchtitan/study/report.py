@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from torchtitan.config_manager import JOB_CONFIG_RECORD
 from torchtitan.errors import UserError
 from torchtitan.files import write_text_atomically
-from torchtitan.study.figures import plot_budgets, plot_main, plot_sensitivity, plot_sweep
+from torchtitan.study.figures import plot_budgets, plot_main, plot_sensitivity, plot_study_health, plot_sweep
 from torchtitan.study.plan import COMMAND_FILE, DIVERGED, FINISHED, LOG_FILE, lr_label, tokens_label
 from torchtitan.study.run_folders import load_sweep_runs
 from torchtitan.study.search import descent_report, read_search
@@ -369,7 +369,7 @@ STYLE = (
 
 def format_html(report: dict, figures: dict[str, Optional[bytes]], title: str) -> str:
     """The page: notes, verdict table, main picture, grid, sensitivity, budget fit, the sweep's overview figure.
-    ``figures`` maps "main", "sensitivity", "budgets", "overview" to PNG bytes (None: not drawn, said why)."""
+    ``figures`` maps "main", "sensitivity", "budgets", "health", "overview" to PNG bytes (None: not drawn, said why)."""
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>{STYLE}</style></head><body>",
@@ -410,6 +410,14 @@ def format_html(report: dict, figures: dict[str, Optional[bytes]], title: str) -
     for title, descent_header, descent_rows in sections:
         parts += [f"<p>{html.escape(title)}</p>", _html_table(descent_header, descent_rows)]
     parts += [
+        "<h2>Optimizer health</h2>",
+        _figure(
+            figures.get("health"),
+            "at each optimizer's best settings (mean over seeds): update RMS and update/weight per group of weights, "
+            "the largest attention logit and the weight norm over steps (docs/telemetry.md says how to read them)"
+            if figures.get("health")
+            else "no run at the best settings logged optimizer health (metrics.health_freq 0)",
+        ),
         "<h2>Overview</h2>",
         _figure(figures.get("overview"), "loss curves, loss against lr, memory and tokens/s (sweep.png)"),
         "<h2>Every run</h2>",
@@ -445,6 +453,7 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
         "main": plot_main(runs, report),
         "sensitivity": plot_sensitivity(report),
         "budgets": plot_budgets(report),
+        "health": plot_study_health(runs, report),
         "overview": (dump / f"{REPORT_NAME}.png").read_bytes(),
     }
     write_text_atomically(dump / PAGE_NAME, format_html(report, figures, f"Optimizer study: {dump.name}"))

@@ -23,6 +23,7 @@ from torchtitan.study.plan import (
     axis_value,
     run_command,
     run_folder,
+    wandb_group,
 )
 from torchtitan.study.run_folders import LOSS, Series, merged_scalars, read_status, write_status
 from torchtitan.study.summary import diverged_at_step
@@ -168,6 +169,7 @@ class Runner:
         self.vary_data_seed = vary_data_seed
         self.slots = list(slots)
         self.base_environment = {"NGPU": str(nproc), "CONFIG_FILE": config_file}
+        self.wandb_group = wandb_group(dump, config_file, train_args)
         self.running: list[_Running] = []
         self.after_each = after_each  # called after each run's status is written (the sweep's interim report)
 
@@ -193,7 +195,7 @@ class Runner:
         slot = next(s for s in self.slots if s not in busy)
         run_dir = run_folder(self.dump, spec)
         run_dir.mkdir(parents=True, exist_ok=True)
-        command = run_command(spec, run_dir, self.train_args, self.launcher, self.vary_data_seed)
+        command = run_command(spec, run_dir, self.train_args, self.launcher, self.vary_data_seed, self.wandb_group)
         environment = {**os.environ, **self.base_environment, **slot.environment()}
         recorded = {k: environment[k] for k in RUN_ENVIRONMENT if k in environment}
         (run_dir / COMMAND_FILE).write_text(command_script(command, recorded, os.getcwd()))

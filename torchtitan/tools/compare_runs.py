@@ -6,7 +6,9 @@ Each RUN_DIR is a run folder written by ``train.py`` (``{dump_folder}/tb/{YYYYmm
 holding several of them. The tool writes one PNG with loss against steps, loss against tokens seen and the gradient
 norm against steps, and prints a table per run: final loss (mean over the last k logged steps), mean tokens/s, peak
 memory and optimizer-state bytes; a run whose loss became non-finite shows as diverged at its first such step
-(the numbers are ``torchtitan.study.summary.summarize``'s, the very ones an lr sweep ranks by).
+(the numbers are ``torchtitan.study.summary.summarize``'s, the very ones an lr sweep ranks by). When a run logged
+optimizer health (``metrics.health_freq``), a second PNG beside the first (``compare_health.png`` for
+``compare.png``) shows update RMS and update/weight per group of weights and the largest attention logit.
 ``--json`` writes the same numbers as JSON (to a file, or to stdout when no path is given, in which case the table
 is not printed). Reading runs is ``runs.py``; ``python -m torchtitan.tools.sweep`` runs lr sweeps.
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import UserError, exit_code
+from torchtitan.study.figures import plot_health
 from torchtitan.study.run_folders import GRAD_NORM, LOSS, TOKENS_SEEN, Run, Series, load_runs
 from torchtitan.study.summary import summarize
 
@@ -120,6 +123,11 @@ def plot(runs: list[Run], out: Path) -> list[str]:
 # Command line
 
 
+def health_path(out: Path) -> Path:
+    """Where the optimizer-health figure goes beside the comparison ``out`` (written when a run logged health)."""
+    return out.with_name(f"{out.stem}_health.png")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchtitan.tools.compare_runs",
@@ -151,11 +159,17 @@ def compare(argv: Optional[Sequence[str]] = None) -> list[dict]:
     summaries = [summarize_run(run, args.last_k) for run in runs]
     for note in plot(runs, out):
         print(f"note: {note}", file=sys.stderr)
+    health = plot_health([(run.name, [run.scalars]) for run in runs])
+    health_out = health_path(out)
+    if health is not None:
+        health_out.write_bytes(health)
     if args.json == "-":
         print(json.dumps(summaries, indent=2))
         return summaries
     print(format_table(summaries, args.last_k))
     print(f"wrote {out}")
+    if health is not None:
+        print(f"wrote {health_out} (optimizer health)")
     if args.json is not None:
         Path(args.json).write_text(json.dumps(summaries, indent=2) + "\n")
         print(f"wrote {args.json}")

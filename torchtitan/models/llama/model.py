@@ -217,6 +217,10 @@ def build_norm(norm_type: str, dim: int, eps: float) -> nn.Module:
 
 class Attention(nn.Module):
     param_roles = {"wq.weight": QUERY, "wk.weight": KEY, "wv.weight": VALUE, "wo.weight": ATTN_OUT}
+    # Set by torchtitan.health on the steps it measures: each forward then keeps the largest pre-softmax logit in
+    # ``logit_max`` (a 0-d tensor on the device, the max over this rank's heads and micro-batches).
+    record_logit_max = False
+    logit_max: Optional[torch.Tensor] = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -236,8 +240,26 @@ class Attention(nn.Module):
         group = q.shape[2] // k.shape[2]
         k = k.repeat_interleave(group, dim=2)
         v = v.repeat_interleave(group, dim=2)
+        if self.record_logit_max:
+            self._keep_logit_max(q, k)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    @torch.no_grad()
+    def _keep_logit_max(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """The largest causal logit q·k/√d of this forward, folded into ``logit_max``; a few heads at a time so that
+        the scores never take more than about 2**26 elements (the attention itself never builds them)."""
+        batch, seq_len, heads, _ = q.shape
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        step = max(1, 2**26 // max(1, batch * seq_len * seq_len))
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        largest = torch.full((), -math.inf, dtype=dtype, device=q.device)
+        for first in range(0, heads, step):
+            qs = q[:, :, first : first + step].transpose(1, 2).to(dtype)
+            ks = k[:, :, first : first + step].transpose(1, 2).to(dtype)
+            scores = (qs @ ks.transpose(-1, -2)) / math.sqrt(self.head_dim)
+            largest = torch.maximum(largest, scores.masked_fill(~causal, -math.inf).amax())
+        self.logit_max = largest if self.logit_max is None else torch.maximum(self.logit_max, largest)
 
 
 class FeedForward(nn.Module):

@@ -1,0 +1,294 @@
+"""Optimizer health (``torchtitan.health``), loss spikes and the step-time split (``torchtitan.step_timing``).
+
+Health values are checked against an independent computation in one float64 process (the gradients, the weights
+before and after the step, the attention logits recomputed from q and k), then every parallel layout (FSDP2, TP,
+HSDP, FSDP x TP on gloo) must log the one-process values of the same step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.distributed import run_workers
+from tests.helpers import BATCH, SEQ_LEN, TINY, job_config, materialize, meta_model
+from torchtitan import training
+from torchtitan.guard import DivergenceGuard
+from torchtitan.health import LossSpikes, OptimizerHealth, format_health_line, health_groups
+from torchtitan.models.llama.model import apply_rope
+from torchtitan.optim import build_optimizers
+from torchtitan.parallelisms import ParallelDims, parallelize_llama
+from torchtitan.step_timing import PARTS, StepTimer, tag
+
+CPU = torch.device("cpu")
+LR = 1e-2
+
+
+def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, TINY.vocab_size, (BATCH, SEQ_LEN + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def micro_batches(accumulation: int, dp_rank: int, dp_degree: int):
+    inputs, labels = global_batch()
+    rows = BATCH // (accumulation * dp_degree)
+    for m in range(accumulation):
+        start = (m * dp_degree + dp_rank) * rows
+        yield inputs[start : start + rows], labels[start : start + rows]
+
+
+def health_step(degrees: tuple[int, int, int], world_size: int, accumulation: int = 2, max_layers: int = 16):
+    """Two train_steps (AdamW, clipping on) with health measured at the second; its metrics and grad norm."""
+    config = job_config(
+        training={"gradient_accumulation_steps": accumulation, "max_norm": 0.5},
+        optimizer={"name": "AdamW", "lr": LR},
+    )
+    dims = ParallelDims(*degrees, world_size)
+    mesh = dims.build_mesh("cpu")
+    model = materialize(parallelize_llama(meta_model(), mesh, dims, config))
+    optimizers = build_optimizers([model], config)
+    health = OptimizerHealth([model], freq=2, max_layers=max_layers, device=CPU)
+    dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
+    results = []
+    for step in (1, 2):
+        batches = micro_batches(accumulation, dp_rank, dp_degree)
+        _, grad_norm, updated = training.train_step(model, optimizers, batches, dims, config, CPU, None, step, health)
+        assert updated
+        results.append((health.metrics(LR), float(grad_norm)))
+    assert results[0][0] == {}  # step 1 is not due
+    return results[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One process: the values themselves
+
+
+def test_groups_follow_the_declared_roles():
+    assert health_groups("tok_embeddings.weight", "embedding", True) == ["embedding", "all"]
+    assert health_groups("layers.3.attention.wq.weight", "query", True) == ["q", "layers.3.q", "all"]
+    assert health_groups("layers.3.attention.wq.weight", "query", False) == ["q", "all"]
+    assert health_groups("layers.0.feed_forward.w1.weight", "mlp", True) == ["mlp_in", "layers.0.mlp_in", "all"]
+    assert health_groups("layers.0.feed_forward.w2.weight", "mlp", True) == ["mlp_out", "layers.0.mlp_out", "all"]
+    assert health_groups("layers.0.ffn_norm.weight", "norm", True) == ["norm", "layers.0.norm", "all"]
+    assert health_groups("norm.weight", "norm", True) == ["norm", "all"]
+    assert health_groups("output.weight", "output", True) == ["output", "all"]
+
+
+def _reference(accumulation: int = 2) -> dict[str, float]:
+    """The second step's health computed by hand from the plain tensors of one process."""
+    config = job_config(
+        training={"gradient_accumulation_steps": accumulation, "max_norm": 0.5},
+        optimizer={"name": "AdamW", "lr": LR},
+    )
+    dims = ParallelDims(1, 1, 1, 1)
+    model = materialize(parallelize_llama(meta_model(), dims.build_mesh("cpu"), dims, config))
+    optimizers = build_optimizers([model], config)
+    training.train_step(model, optimizers, micro_batches(accumulation, 0, 1), dims, config, CPU)
+    # Step 2 by hand: gradients of the accumulated micro-batches, then the step; q and k of each layer kept.
+    logits = {}
+
+    def keep_logits(name):
+        def hook(module, args, out):
+            x, rope = args
+            batch, seq, _ = x.shape
+            q = apply_rope(module.wq(x).view(batch, seq, -1, module.head_dim), rope)
+            k = apply_rope(module.wk(x).view(batch, seq, -1, module.head_dim), rope)
+            k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(module.head_dim)
+            causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+            best = float(scores.detach().masked_fill(~causal, -math.inf).max())
+            logits[name] = max(logits.get(name, -math.inf), best)
+
+        return hook
+
+    for name, layer in model.layers.items():
+        layer.attention.register_forward_hook(keep_logits(f"layers.{name}"))
+    optimizers.zero_grad()
+    for inputs, labels in micro_batches(accumulation, 0, 1):
+        (model(inputs, labels=labels) / accumulation).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizers.step()
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    roles = model.named_param_roles()
+    sums: dict[str, dict[str, float]] = {}
+    for name in grads:
+        for g in health_groups(name, roles.get(name), True):
+            s = sums.setdefault(g, {"grad": 0.0, "update": 0.0, "before": 0.0, "after": 0.0, "numel": 0})
+            s["grad"] += float(grads[name].square().sum())
+            s["update"] += float((after[name] - before[name]).square().sum())
+            s["before"] += float(before[name].square().sum())
+            s["after"] += float(after[name].square().sum())
+            s["numel"] += grads[name].numel()
+    want = {}
+    for group, s in sums.items():
+        want[f"health/grad_norm/{group}"] = math.sqrt(s["grad"])
+        want[f"health/update_rms/{group}"] = math.sqrt(s["update"] / s["numel"])
+        want[f"health/update_rms_per_lr/{group}"] = math.sqrt(s["update"] / s["numel"]) / LR
+        want[f"health/update_to_weight/{group}"] = math.sqrt(s["update"] / s["before"])
+        want[f"health/weight_norm/{group}"] = math.sqrt(s["after"])
+    for layer, value in logits.items():
+        want[f"health/attn_logit_max/{layer}"] = value
+    want["health/attn_logit_max"] = max(logits.values())
+    return want
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict[str, float]:
+    metrics, _ = health_step((1, 1, 1), 1)
+    return metrics
+
+
+def test_one_process_equals_the_values_computed_by_hand(one_process):
+    want = _reference()
+    assert one_process.keys() == want.keys()
+    for key, value in want.items():
+        assert one_process[key] == pytest.approx(value, rel=1e-10, abs=1e-14), key
+
+
+def test_the_groups_gradient_norms_add_up_to_the_logged_grad_norm():
+    metrics, grad_norm = health_step((1, 1, 1), 1, accumulation=1)
+    roles = ["embedding", "q", "k", "v", "o", "mlp_in", "mlp_out", "norm", "output"]
+    layers = [f"layers.{i}.{g}" for i in range(2) for g in roles[1:-1]]
+    groups = {k.removeprefix("health/grad_norm/") for k in metrics if k.startswith("health/grad_norm/")}
+    assert groups == {*roles, *layers, "all"}
+    assert math.sqrt(sum(metrics[f"health/grad_norm/{g}"] ** 2 for g in roles)) == pytest.approx(grad_norm, rel=1e-10)
+    layer_norms = sum(metrics[f"health/grad_norm/{g}"] ** 2 for g in layers if g.startswith("layers.1."))
+    assert layer_norms < metrics["health/grad_norm/all"] ** 2  # one layer's share of the whole
+    assert metrics["health/grad_norm/all"] == pytest.approx(grad_norm, rel=1e-10)
+
+
+def test_above_the_layer_cap_groups_are_per_role():
+    metrics, _ = health_step((1, 1, 1), 1, max_layers=1)
+    groups = {k.removeprefix("health/weight_norm/") for k in metrics if k.startswith("health/weight_norm/")}
+    assert groups == {"embedding", "q", "k", "v", "o", "mlp_in", "mlp_out", "norm", "output", "all"}
+    assert not any(k.startswith("health/attn_logit_max/") for k in metrics)
+
+
+def test_a_skipped_step_logs_no_health_and_keeps_the_weights():
+    config = job_config(training={"max_norm": 0.0, "max_skipped_steps": 3}, optimizer={"name": "AdamW", "lr": LR})
+    dims = ParallelDims(1, 1, 1, 1)
+    model = materialize(parallelize_llama(meta_model(), dims.build_mesh("cpu"), dims, config))
+    optimizers = build_optimizers([model], config)
+    health = OptimizerHealth([model], freq=1, max_layers=16, device=CPU)
+    with torch.no_grad():
+        model.tok_embeddings.weight[0, 0] = math.inf
+    guard = DivergenceGuard(3, CPU)
+    _, _, updated = training.train_step(model, optimizers, micro_batches(1, 0, 1), dims, config, CPU, guard, 1, health)
+    assert not updated
+    assert health.metrics(LR) == {}
+    assert all(not m.record_logit_max and m.logit_max is None for _, m in health.attention)
+
+
+def test_off_builds_nothing():
+    assert OptimizerHealth.build([], job_config("--metrics.health_freq", "0"), CPU) is None
+    assert LossSpikes.build(job_config("--metrics.health_freq", "0"), CPU) is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parallel layouts: the one-process values
+
+
+def _layouts(rank: int, world_size: int, layouts: dict) -> dict:
+    return {name: health_step(degrees, world_size)[0] for name, degrees in layouts.items()}
+
+
+TWO_RANK_LAYOUTS = {"fsdp2": (1, 2, 1), "tp2": (1, 1, 2), "hsdp2": (2, 1, 1)}
+
+
+@pytest.mark.parametrize(
+    "world_size, layouts", [(2, TWO_RANK_LAYOUTS), (4, {"fsdp2_tp2": (1, 2, 2)})], ids=["2 ranks", "4 ranks"]
+)
+def test_every_layout_logs_the_one_process_values(one_process, world_size, layouts):
+    ranks = run_workers(_layouts, world_size, args=(layouts,))
+    for name in layouts:
+        for rank, results in enumerate(ranks):
+            got = results[name]
+            assert got.keys() == one_process.keys(), (name, rank)
+            for key, value in one_process.items():
+                assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-13), (name, rank, key)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loss spikes and step time
+
+
+def test_loss_spikes_count_losses_above_k_times_the_running_median():
+    spikes = LossSpikes(factor=2.0, window=3, device=CPU)
+    assert [spikes.observe(x) for x in (4.0, 3.0, 2.0, 9.0, 2.5, 2.0, 5.5)] == [
+        False,  # nothing to compare with yet
+        False,
+        False,
+        True,  # 9 > 2 x median(4, 3, 2)
+        False,
+        False,
+        True,  # 5.5 > 2 x median(9.0, 2.5, 2.0): the window of 3 forgot 4, 3 and 2
+    ]
+    assert spikes.count == 2
+
+
+def test_loss_spikes_leave_skipped_steps_out():
+    spikes = LossSpikes(factor=2.0, window=10, device=CPU)
+    for loss, updated in ((3.0, True), (float("nan"), False), (7.0, True)):
+        spikes.record(torch.tensor(loss, dtype=torch.float64), updated)
+    metrics = spikes.metrics()
+    assert metrics["health/loss_spikes"] == 1.0
+    assert metrics["health/loss_to_median"] == pytest.approx(7.0 / 3.0)
+    assert list(spikes.history) == [3.0, 7.0]
+
+
+def test_step_time_is_split_into_its_parts_per_step():
+    timer = StepTimer(CPU)
+    for _ in range(2):
+        with timer.part("data"):
+            pass
+        with timer.part("optimizer"):
+            sum(range(200_000))
+        timer.step_done()
+    metrics = timer.metrics()
+    assert set(metrics) == {tag(part) for part in PARTS}
+    assert metrics[tag("optimizer")] > metrics[tag("data")] >= 0
+    assert metrics[tag("checkpoint")] == 0.0
+    assert timer.metrics()[tag("optimizer")] == 0.0  # a new window
+    with pytest.raises(ValueError):
+        with timer.part("backward"):
+            pass
+
+
+def _compiled_step(compile: bool) -> dict[str, float]:
+    """Two float32 steps of the tiny model under full activation checkpointing, health at the second."""
+    config = job_config(
+        training={"max_norm": 0.5, "compile": compile},
+        optimizer={"name": "AdamW", "lr": LR},
+        activation_checkpoint={"mode": "full"},
+        metrics={"health_freq": 2},
+    )
+    dims = ParallelDims(1, 1, 1, 1)
+    model = materialize(parallelize_llama(meta_model(dtype=torch.float32), dims.build_mesh("cpu"), dims, config))
+    optimizers = build_optimizers([model], config)
+    health = OptimizerHealth.build([model], config, CPU)
+    assert health.separate_forward == compile
+    for step in (1, 2):
+        training.train_step(model, optimizers, micro_batches(1, 0, 1), dims, config, CPU, None, step, health)
+    return health.metrics(LR)
+
+
+def test_a_compiled_checkpointed_model_measures_what_the_eager_one_does():
+    # A compiled model's logits come from an eager forward of their own (fullgraph compile refuses the side effect
+    # in its graphs, and under activation checkpointing); the eager model's from its training forward.
+    compiled, eager = _compiled_step(True), _compiled_step(False)
+    assert compiled.keys() == eager.keys() and "health/attn_logit_max/layers.1" in compiled
+    for key, value in eager.items():
+        assert compiled[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+
+
+def test_the_health_log_line_names_the_group_with_the_largest_relative_update(one_process):
+    line = format_health_line(2, one_process)
+    groups = {k: v for k, v in one_process.items() if k.startswith("health/update_to_weight/") and "/all" not in k}
+    top = max(groups, key=groups.get).removeprefix("health/update_to_weight/")
+    assert line.startswith("health at step 2: update/weight ") and f"({top})" in line
+    assert f"attention logit max {one_process['health/attn_logit_max']:.2f}" in line
