@@ -53,18 +53,44 @@ def versus_text(optimizer: str, b: dict, report: dict) -> str:
     if b["loss_mean"] is None or not report["baseline_found"]:
         return "n/a"
     if v is None:
+        if report["confirmation_seeds"] and not b["seed_losses"]:
+            return "not confirmed yet: its confirmation runs have not finished"
         return "one seed: no verdict"
-    return f"{v['difference']:+.4f} [{v['low']:+.4f}, {v['high']:+.4f}], {v['verdict']}"
+    text = f"{v['difference']:+.4f} [{v['low']:+.4f}, {v['high']:+.4f}] ({v.get('method', 'Welch')}), {v['verdict']}"
+    return text + edge_text(b, report)
+
+
+def edge_text(b: dict, report: dict) -> str:
+    """ "; at the grid's edge (...)" when a best setting, the optimizer's or the baseline's, is at an end of its
+    grid: the verdict may change with a wider grid."""
+    edges = [(report["best"][report["baseline"]].get("edges") if report["baseline_found"] else None) or [], b["edges"]]
+    if not any(edges):
+        return ""
+    return "; at the grid's edge: may change with a wider grid"
+
+
+def edges_label(b: dict) -> str:
+    return "".join(
+        f" (at the grid's edge: {_value_text(e['setting'], e['value'])} is the {e['end']} {e['setting']} tried)"
+        for e in b.get("edges") or []
+    )
 
 
 def speedup_text(s: Optional[dict]) -> str:
     if s is None:
         return "n/a"
+    if s["bound"] == "mixed":
+        seeds = ", ".join(f"{_reach_bound(p['bound'])}{p['ratio']:.2f}×" for p in s["per_seed"])
+        return f"n/a: seeds bound it both ways ({seeds})"
     if s["bound"] is not None:
-        return f"{s['bound']}{s['value']:.2f}×"
+        return f"{s['bound']}{s['value']:.2f}× (every seed)"
     if s["low"] is None:
         return f"{s['value']:.2f}×"
     return f"{s['value']:.2f}× [{s['low']:.2f}, {s['high']:.2f}]"
+
+
+def _reach_bound(bound: Optional[str]) -> str:
+    return {">": "≥", "<": "≤"}.get(bound, "")
 
 
 def verdict_rows(report: dict) -> list[list[str]]:
@@ -73,7 +99,11 @@ def verdict_rows(report: dict) -> list[list[str]]:
         state = "n/a" if b["optimizer_state_bytes"] is None else f"{b['optimizer_state_bytes'] / 2**30:.3f} GiB"
         memory = "n/a" if b["peak_memory_gib"] is None else f"{b['peak_memory_gib']:.3f} GiB"
         tps = "n/a" if b["mean_tps"] is None else f"{b['mean_tps']:.1f}"
-        settings = "none (every setting diverged or failed)" if b["settings"] is None else settings_label(b["settings"])
+        settings = (
+            "none (every setting diverged or failed)"
+            if b["settings"] is None
+            else f"{settings_label(b['settings'])}{edges_label(b)}"
+        )
         rows.append(
             [
                 optimizer,
@@ -148,6 +178,22 @@ def grid_folders(report: dict) -> list[list[list[tuple[int, str]]]]:
     ]
 
 
+def selection_note(report: dict) -> str:
+    """Which seeds chose the best settings and which tested them, and how many settings each optimizer tried."""
+    tried = ", ".join(f"{o} {b['settings_tried']}" for o, b in report["best"].items() if "settings_tried" in b)
+    selection = ", ".join(map(str, report["selection_seeds"]))
+    if report["confirmation_seeds"]:
+        confirmation = ", ".join(map(str, report["confirmation_seeds"]))
+        return (
+            f"Best settings chosen on selection seeds {selection}; the verdict (loss, difference, speedup) uses only "
+            f"their runs on confirmation seeds {confirmation}. Settings tried: {tried}."
+        )
+    return (
+        f"Best settings chosen and tested on the same seeds ({selection}): the verdict favours the optimizer that "
+        f"tried more settings (settings tried: {tried}); confirm on other seeds with --confirm-seeds."
+    )
+
+
 def notes(report: dict) -> list[str]:
     """The lines that say what the numbers are: ranking, baseline, intervals, seeds, data."""
     seeds, baseline = report["seeds"], report["baseline"]
@@ -163,16 +209,24 @@ def notes(report: dict) -> list[str]:
     else:
         lines.append(
             f"± is the 95% confidence interval of the mean over seeds (Student's t); the difference from "
-            f"{baseline} is mean minus {baseline}'s mean with Welch's 95% interval: better / worse where the whole "
-            "interval is below / above 0, else no detectable difference."
+            f"{baseline} is mean minus {baseline}'s mean with a 95% interval, paired (the t interval of per-seed "
+            "differences) where both ran the same training and data seeds, else Welch's: better / worse where the "
+            "whole interval is below / above 0, else no detectable difference."
         )
+    lines.append(selection_note(report))
     if not report["baseline_found"]:
         lines.append(f"The baseline {baseline} is not in this sweep: no differences or speedups.")
     lines.append(
         f"Speedup at matched loss = tokens {baseline}'s best run needs to reach the optimizer's final loss "
         f"(interpolated along its {report['curve']} curve) / tokens the optimizer used; >x: {baseline} never got "
         "there (a lower bound); <x: it was there at its first point (an upper bound)"
-        + ("; with seeds the geometric mean and a t interval of the log speedups." if seeds > 1 else ".")
+        + (
+            "; with seeds the geometric mean and a t interval of the log speedups, or, where a seed's figure is a "
+            "bound, the bound that every seed's figure supports (≥x (every seed)). The baseline's own row is 1.00× "
+            "by definition."
+            if seeds > 1
+            else "."
+        )
     )
     lines.append(f"Seeds varied: {report['seeds_varied']}.")
     data = report["data"]
@@ -289,22 +343,43 @@ def budget_rows(report: dict) -> Optional[tuple[list[str], list[list[str]]]]:
                 if e is None
                 else f"below {fit['baseline']}'s floor"
                 if e["below_floor"]
-                else f"{e['speedup']:.2f}×"
+                else f"{e['speedup']:.2f}×{_interval_text(e.get('interval'))}"
             )
         rows.append(row)
     return header, rows
+
+
+def _interval_text(interval: Optional[list]) -> str:
+    if interval is None:
+        return ""
+    low, high = (f"{x:.2f}" if x is not None else "∞ (below the floor)" for x in interval)
+    return f" [{low}, {high}]"
 
 
 def fit_text(report: dict) -> Optional[str]:
     fit = report["budget_fit"]
     if fit is None or fit["fit"] is None:
         return None
-    f = fit["fit"]
-    return (
+    f, i = fit["fit"], fit.get("interval")
+    text = (
         f"{fit['baseline']}'s best loss over {len(fit['points'])} budgets: L(D) = {f['alpha']:.4g} · "
         f"D^(−{f['beta']:.4f}) + {f['gamma']:.4f} (rms residual {f['rms_residual']:.4f}); D_eff = the tokens this "
         "fit needs for an optimizer's loss."
     )
+    if i is None:
+        text += f" {fit.get('interval_note', 'no bootstrap interval')}."
+    else:
+        text += (
+            f" 95% bootstrap intervals over seeds ({i['fits']} of {i['resamples']} resamples fit): α "
+            f"[{i['alpha'][0]:.4g}, {i['alpha'][1]:.4g}], β [{i['beta'][0]:.4f}, {i['beta'][1]:.4f}], γ "
+            f"[{i['gamma'][0]:.4f}, {i['gamma'][1]:.4f}]."
+        )
+    if fit.get("exact"):
+        text += (
+            " With exactly three budgets the fit's three parameters pass through its three points: it cannot show "
+            "a misfit, and its floor γ moves far with small noise (add budgets to test it)."
+        )
+    return text
 
 
 def format_markdown(report: dict) -> str:
