@@ -23,6 +23,7 @@ STATUS_FILE = "sweep_status.json"
 SETTINGS_FILE = "sweep_settings.json"
 LOCK_FILE = "sweep.lock"
 LOG_FILE = "train.log"
+DEFAULT_LAST_K = 10  # final training loss = mean of the last k logged values, unless the sweep says otherwise
 COMMAND_FILE = "command.sh"  # the run's exact command, environment and folder, runnable again
 # A run's outcome, recorded in its status when it ends.
 FINISHED, DIVERGED, FAILED = "finished", "diverged", "failed"
@@ -356,6 +357,12 @@ def preflight_jobs(
             ["--job.config_file", config_file, *train_args, *spec_options(spec, vary_data_seed)]
         )
         preflight(config, nproc)  # the optimizer's name and options included
+
+
+def recorded_settings(dump: Path) -> dict:
+    """The settings the sweep in ``dump`` recorded (``sweep_settings.json``), empty before its first run."""
+    path = dump / SETTINGS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def check_settings(dump: Path, settings: dict) -> None:

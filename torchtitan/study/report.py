@@ -507,8 +507,10 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
     runs = load_sweep_runs(dump)
     if not runs:
         return None
-    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE)
-    report["descents"] = descent_report(read_search(dump), report["runs"])
+    search = read_search(dump)
+    confirm_seeds = (search or {}).get("confirm_seeds", [])
+    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE, confirm_seeds)
+    report["descents"] = descent_report(search, report["runs"])
     if baseline is not None and not report["baseline_found"]:
         raise UserError(
             f"--baseline {baseline} is not an optimizer of this sweep ({', '.join(report['best'])}); name one of them"

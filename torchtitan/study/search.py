@@ -223,9 +223,13 @@ def search_spaces(
     return spaces
 
 
-def write_search(dump: Path, method: str, spaces: dict[str, Space], seeds: Sequence[int], budgets) -> None:
-    """``search.json``: the last search of the dump folder, which the report draws."""
+def write_search(
+    dump: Path, method: str, spaces: dict[str, Space], seeds: Sequence[int], budgets, confirm_seeds: Sequence[int] = ()
+) -> None:
+    """``search.json``: the last search of the dump folder, which the report draws, and its confirmation seeds."""
     data: dict = {"method": method}
+    if confirm_seeds:
+        data["confirm_seeds"] = list(confirm_seeds)
     if method == "coordinate":
         data["seeds"] = list(seeds)
         data["budgets"] = [None if b is None else b.tokens for b in budgets]

@@ -1,0 +1,99 @@
+"""A verdict that cannot mislead: best settings chosen on selection seeds and tested on confirmation seeds, and what
+the page says about either.
+
+The rate test simulates many studies of two equal optimizers through the study's statistics (no trainer); the
+sweep's part uses tests/sweep_fake_trainer.py, whose loss is lowest at lr 1e-3 and grows by 0.01 per seed number.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from tests.helpers import fake_sweep, one_error_line
+from torchtitan.study import statistics
+from torchtitan.tools.sweep import main
+
+# ----------------------------------------------------------------------------------------------------------------
+# Selection bias in a made-up world of equal optimizers
+
+
+def simulated_verdicts(studies: int, settings_a: int, seeds: int, confirm: bool, rng: np.random.Generator) -> dict:
+    """How often the verdict says better / worse for optimizer A (``settings_a`` settings) against B (one setting)
+    when every setting of both has the same true loss: each run's loss is a seed effect both optimizers share (same
+    initial weights and data) plus noise of its own. A's best setting is the lowest mean over the selection seeds;
+    the verdict compares it with B on the selection seeds, or with ``confirm`` on fresh seeds."""
+    counts = {statistics.BETTER: 0, statistics.WORSE: 0, statistics.NO_DIFFERENCE: 0}
+    for _ in range(studies):
+        shared = rng.normal(0.0, 0.02, seeds)
+        a = shared + rng.normal(0.0, 0.01, (settings_a, seeds))
+        b = shared + rng.normal(0.0, 0.01, seeds)
+        best = a[np.argmin(a.mean(axis=1))]
+        if confirm:  # the chosen setting and B again, on new seeds: new seed effects, new noise
+            fresh = rng.normal(0.0, 0.02, seeds)
+            best, b = fresh + rng.normal(0.0, 0.01, seeds), fresh + rng.normal(0.0, 0.01, seeds)
+        counts[statistics.paired_difference(list(best), list(b)).verdict] += 1
+    return {k: v / studies for k, v in counts.items()}
+
+
+def test_confirmation_seeds_keep_false_verdicts_at_the_nominal_rate():
+    # 8 settings against 1, 3 seeds a side, 4,000 studies: with confirmation seeds "better" and "worse" each come at
+    # most at the nominal 2.5% (plus three binomial standard errors); choosing and testing on the same seeds says
+    # "better" for the optimizer with more settings about three times as often.
+    studies, rng = 4000, np.random.default_rng(0)
+    slack = 3 * (0.025 * 0.975 / studies) ** 0.5
+    confirmed = simulated_verdicts(studies, 8, 3, confirm=True, rng=rng)
+    assert confirmed[statistics.BETTER] <= 0.025 + slack and confirmed[statistics.WORSE] <= 0.025 + slack
+    shared = simulated_verdicts(studies, 8, 3, confirm=False, rng=rng)
+    print(f"false verdicts, 8 settings vs 1, 3 seeds: confirmed {confirmed}, selection seeds reused {shared}")
+    assert shared[statistics.BETTER] > 0.05 > 0.025 + slack  # about 7%
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The sweep: --confirm-seeds
+
+GRID = ("--optimizers", "AdamW,Muon", "--lrs", "1e-4,1e-3,1e-2", "--seeds", "0,1")
+
+
+def test_confirm_seeds_train_the_best_settings_again_and_the_verdict_reads_only_them(tmp_path, capsys):
+    dump = tmp_path / "sweep"
+    assert fake_sweep(dump, *GRID, "--confirm-seeds", "2,3") == 0
+    names = sorted(p.name for p in (dump / "runs").iterdir())
+    confirmations = [n for n in names if n.endswith(("seed2", "seed3"))]
+    # Only each optimizer's best lr (1e-3) on the confirmation seeds; every lr on the selection seeds.
+    assert confirmations == [f"{o}_lr1e-3_seed{s}" for o in ("AdamW", "Muon") for s in (2, 3)]
+    assert len(names) == 2 * 3 * 2 + 4
+    report = json.loads((dump / "sweep.json").read_text())
+    assert (report["selection_seeds"], report["confirmation_seeds"]) == ([0, 1], [2, 3])
+    muon = report["best"]["Muon"]
+    assert muon["seeds"] == [2, 3] and muon["selection"]["seeds"] == [0, 1] and muon["settings_tried"] == 3
+    assert all(c["seeds"] == [0, 1] for c in report["grid"])  # the grid ranks the selection runs alone
+    by_name = {r["name"]: r for r in report["runs"]}
+    confirmed = [by_name[f"Muon_lr1e-3_seed{s}"]["rank_loss"] for s in (2, 3)]
+    assert muon["loss_mean"] == sum(confirmed) / 2
+    assert muon["versus_baseline"]["method"] == "paired"
+    page = (dump / "study.html").read_text()
+    assert "chosen on selection seeds 0, 1" in page and "confirmation seeds 2, 3" in page
+    assert "Settings tried: AdamW 3, Muon 3" in page
+    # The same command again trains nothing; --report-only keeps the confirmation and the recorded --last-k.
+    assert fake_sweep(dump, *GRID, "--confirm-seeds", "2,3") == 0
+    assert sorted(p.name for p in (dump / "runs").iterdir()) == names
+    capsys.readouterr()
+    assert main(["--dump-folder", str(dump), "--report-only"]) == 0
+    again = json.loads((dump / "sweep.json").read_text())
+    assert again["last_k"] == 3 and again["best"]["Muon"]["seeds"] == [2, 3]
+
+
+def test_without_confirmation_the_page_says_the_seeds_were_shared(tmp_path):
+    dump = tmp_path / "sweep"
+    assert fake_sweep(dump, "--optimizers", "AdamW,Muon", "--lrs", "1e-3,1e-2", "--seeds", "0,1") == 0
+    page = (dump / "study.html").read_text()
+    assert "chosen and tested on the same seeds (0, 1)" in page
+    assert "favours the optimizer that tried more settings" in page
+
+
+def test_confirmation_seeds_must_differ_from_the_selection_seeds(tmp_path, capsys):
+    assert fake_sweep(tmp_path / "s", *GRID, "--confirm-seeds", "1,2") == 2
+    assert "--confirm-seeds 1 also in --seeds" in one_error_line(capsys)
+    assert not (tmp_path / "s" / "runs").exists()
