@@ -103,7 +103,7 @@ def test_tiny_sweep_end_to_end_ranks_and_shows_divergence(tmp_path, capsys):
     # TensorBoard holds float32; the report reads metrics.jsonl, the logged values themselves.
     assert good["outcome"] == "finished" and good["final_loss"] == pytest.approx(expected, rel=1e-6)
     tps = [v for _, v in logged(runs / good["name"], "throughput/tps")]
-    assert good["mean_tps"] == pytest.approx(sum(tps) / len(tps), rel=1e-6)
+    assert good["mean_tps"] == pytest.approx(sum(tps[2:]) / len(tps[2:]), rel=1e-6)  # after the compile warm-up
     state = logged(runs / good["name"], "optimizer/state_bytes")[0][1]
     assert good["optimizer_state_bytes"] == pytest.approx(state, rel=1e-6) and state > 0
     assert report["best"]["AdamMini"]["lr"] == 1e-3

@@ -97,3 +97,52 @@ def test_confirmation_seeds_must_differ_from_the_selection_seeds(tmp_path, capsy
     assert fake_sweep(tmp_path / "s", *GRID, "--confirm-seeds", "1,2") == 2
     assert "--confirm-seeds 1 also in --seeds" in one_error_line(capsys)
     assert not (tmp_path / "s" / "runs").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Smaller findings: long lr labels, strict JSON, encoded links, tokens/s after compilation
+
+
+def test_lrs_with_many_digits_each_train_under_their_own_exact_name(tmp_path):
+    # Two lrs that agree in their first 15 significant digits: each a run of its own, named by its exact value.
+    lrs = ("1.000000000000001e-3", "1.000000000000002e-3", "3e-3")
+    dump = tmp_path / "sweep"
+    assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", ",".join(lrs), "--search", "coordinate") == 0
+    names = sorted(p.name for p in (dump / "runs").iterdir())
+    assert names == [f"AdamW_lr{lr}_seed0" for lr in lrs]
+    recorded = [json.loads((dump / "runs" / n / "sweep_status.json").read_text())["lr"] for n in names]
+    assert recorded == [float(lr) for lr in lrs]
+
+
+def test_reports_are_strict_json_with_a_reason_for_each_missing_number(tmp_path):
+    # A diverged point of a descent scores infinity: sweep.json says null and why, and a strict parser reads it.
+    dump = tmp_path / "sweep"
+    args = ("--optimizers", "AdamW", "--lrs", "1e-4,1e-3,1e-2", "--search", "coordinate")
+    args += ("--start", "optimizer.lr=1e-2")
+    assert fake_sweep(dump, *args, outcomes={"AdamW_lr1e-2_seed0": "nan"}) == 0
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    for name in ("sweep.json", "search.json", "sweep_settings.json", "runs/AdamW_lr1e-2_seed0/sweep_status.json"):
+        json.loads((dump / name).read_text(), parse_constant=refuse)
+    text = (dump / "sweep.json").read_text()
+    assert '"loss": null' in text and '"loss_reason": "infinite"' in text
+
+
+def test_links_on_the_page_are_percent_encoded():
+    from torchtitan.study.report import _html_table, _md_cell
+
+    page = _html_table(["run"], [[("odd", "runs/AdamW_lr1e-3_seed0_tagA#50%/train.log")]])
+    assert 'href="runs/AdamW_lr1e-3_seed0_tagA%2350%25/train.log"' in page
+    assert _md_cell(("odd", "runs/x #1/")) == "[odd](runs/x%20%231/)"
+
+
+def test_tokens_per_second_leaves_out_the_compile_warm_up():
+    from torchtitan.study.run_folders import TPS, Series
+    from torchtitan.study.summary import summarize
+
+    # The first two logged values cover compilation (half speed); the rest is the steady throughput.
+    scalars = {TPS: Series((1, 2, 3, 4, 5), (500.0, 900.0, 1000.0, 1000.0, 1000.0))}
+    assert summarize(scalars, last_k=3)["mean_tps"] == 1000.0
+    assert summarize({TPS: Series((1,), (500.0,))}, last_k=3)["mean_tps"] == 500.0  # nothing after: the last one

@@ -6,6 +6,7 @@ run's name start fast.
 
 from __future__ import annotations
 
+import decimal
 import fcntl
 import json
 import math
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import UserError
+from torchtitan.files import strict_json
 
 # The sweep's folder: runs/{name}/ per run (train.py's dump folder plus train.log and sweep_status.json), and the
 # settings every run shares.
@@ -43,8 +45,10 @@ DATA_SEED_OPTION = "training.data_seed"
 
 
 def lr_label(lr: float) -> str:
-    """A short, exact name for a learning rate: 3e-4, 1e-3, 2.5e-4, 1e6."""
-    mantissa, exponent = f"{lr:.12e}".split("e")
+    """A short, exact name for a learning rate: 3e-4, 1e-3, 2.5e-4, 1e6 (``float(lr_label(lr)) == lr``)."""
+    # repr is the shortest text that reads back as the same float: the label names exactly the lr the run used,
+    # however many digits it has (two lrs that differ only past the 13th digit get two names, not one).
+    mantissa, exponent = f"{decimal.Decimal(repr(float(lr))):e}".split("e")
     mantissa = mantissa.rstrip("0").rstrip(".")
     return f"{mantissa}e{int(exponent)}"
 
@@ -377,7 +381,7 @@ def check_settings(dump: Path, settings: dict) -> None:
                 "use a new dump folder, or the same config, process count and options to resume it"
             )
         return
-    path.write_text(json.dumps(settings, indent=2) + "\n")
+    path.write_text(strict_json(settings))
 
 
 def lock_sweep(dump: Path):

@@ -8,19 +8,26 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.config_manager import JOB_CONFIG_RECORD
 from torchtitan.errors import UserError
-from torchtitan.files import write_text_atomically
+from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.figures import plot_budgets, plot_main, plot_sensitivity, plot_sweep
 from torchtitan.study.plan import COMMAND_FILE, DIVERGED, FINISHED, LOG_FILE, lr_label, tokens_label
 from torchtitan.study.run_folders import load_sweep_runs
 from torchtitan.study.search import descent_report, read_search
-from torchtitan.study.summary import DEFAULT_BASELINE, cell_runs, settings_label, settings_order, summarize_sweep
+from torchtitan.study.summary import (
+    DEFAULT_BASELINE,
+    TPS_WARMUP_LOGS,
+    cell_runs,
+    settings_label,
+    settings_order,
+    summarize_sweep,
+)
 
 REPORT_NAME = "sweep"  # sweep.png, sweep.md, sweep.json
 PAGE_NAME = "study.html"  # the one self-contained page: tables and every figure
@@ -229,6 +236,10 @@ def notes(report: dict) -> list[str]:
         )
     )
     lines.append(f"Seeds varied: {report['seeds_varied']}.")
+    lines.append(
+        f"Tokens/s per process: mean of each run's logged values after the first {TPS_WARMUP_LOGS} (those steps "
+        "include torch.compile's compilation), over the optimizer's finished runs."
+    )
     data = report["data"]
     if data["fingerprint"] is not None and not data["not_fingerprinted"]:
         lines.append(f"Data: every run read dataset fingerprint {data['fingerprint']}.")
@@ -315,7 +326,7 @@ def run_rows(report: dict) -> list[list]:
 
 
 def _md_cell(cell) -> str:
-    return f"[{cell[0]}]({cell[1]})" if isinstance(cell, tuple) else cell
+    return f"[{cell[0]}]({urllib.parse.quote(cell[1])})" if isinstance(cell, tuple) else cell
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
@@ -399,7 +410,9 @@ def format_markdown(report: dict) -> str:
 
 
 def _a(text: str, href: str) -> str:
-    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
+    """A link to a path relative to the page, percent-encoded: a ``#``, ``%`` or space in a run's name (an axis
+    value) stays part of the path."""
+    return f'<a href="{html.escape(urllib.parse.quote(href))}">{html.escape(text)}</a>'
 
 
 def _html_table(header: Sequence[str], rows: Sequence[Sequence], links: Optional[Sequence[Sequence]] = None) -> str:
@@ -517,7 +530,7 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
         )
     plot_sweep(runs, report, dump / f"{REPORT_NAME}.png")
     (dump / f"{REPORT_NAME}.md").write_text(format_markdown(report))
-    (dump / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text_atomically(dump / f"{REPORT_NAME}.json", strict_json(report))
     figures = {
         "main": plot_main(runs, report),
         "sensitivity": plot_sensitivity(report),

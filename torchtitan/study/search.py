@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from torchtitan.errors import UserError
-from torchtitan.files import write_text_atomically
+from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.plan import (
     FAILED,
     FINISHED,
@@ -234,7 +234,7 @@ def write_search(
         data["seeds"] = list(seeds)
         data["budgets"] = [None if b is None else b.tokens for b in budgets]
         data["spaces"] = {o: s.to_json() for o, s in spaces.items()}
-    write_text_atomically(dump / SEARCH_FILE, json.dumps(data, indent=2) + "\n")
+    write_text_atomically(dump / SEARCH_FILE, strict_json(data))
 
 
 def read_search(dump: Path) -> Optional[dict]:

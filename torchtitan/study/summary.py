@@ -27,6 +27,14 @@ from torchtitan.study.run_folders import (
 )
 
 DEFAULT_BASELINE = "AdamW"
+# Tokens/s leaves out the first logged values: the steps they cover include torch.compile's compilation (and a fused
+# optimizer step's), which would halve the throughput of a short run. A run with no more values keeps its last one.
+TPS_WARMUP_LOGS = 2
+
+
+def steady_tps(values: Sequence[float]) -> list[float]:
+    """The tokens/s values logged after compilation: all but the first ``TPS_WARMUP_LOGS`` (the last one at least)."""
+    return list(values[TPS_WARMUP_LOGS:]) or list(values[-1:])
 
 
 def mean_std(values: Sequence[float]) -> tuple[Optional[float], Optional[float]]:
@@ -75,7 +83,7 @@ def summarize(scalars: dict[str, Series], last_k: int) -> dict:
         "final_loss_steps": len(tail),
         "validation_loss": validation.values[-1] if validation and diverged_at is None else None,
         "diverged_at_step": diverged_at,
-        "mean_tps": mean_std(scalars[TPS].values)[0] if TPS in scalars else None,
+        "mean_tps": mean_std(steady_tps(scalars[TPS].values))[0] if TPS in scalars else None,
         "peak_memory_gib": max(scalars[memory_tag].values) if memory_tag else None,
         "peak_memory_tag": memory_tag,
         "optimizer_state_bytes": int(round(scalars[STATE_BYTES].values[-1])) if STATE_BYTES in scalars else None,
