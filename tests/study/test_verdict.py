@@ -146,3 +146,46 @@ def test_tokens_per_second_leaves_out_the_compile_warm_up():
     scalars = {TPS: Series((1, 2, 3, 4, 5), (500.0, 900.0, 1000.0, 1000.0, 1000.0))}
     assert summarize(scalars, last_k=3)["mean_tps"] == 1000.0
     assert summarize({TPS: Series((1,), (500.0,))}, last_k=3)["mean_tps"] == 500.0  # nothing after: the last one
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# An axis added to a sweep
+
+
+def run_names(dump) -> list[str]:
+    return sorted(p.name for p in (dump / "runs").iterdir())
+
+
+def test_an_added_axis_continues_the_descent_from_the_runs_already_there(tmp_path):
+    # The job's weight decay is 0.1 (debug_model.toml), one of the new axis's values: the first descent's runs are
+    # its weight-decay-0.1 points, so the descent along lr is not trained again, only the new setting's neighbours.
+    dump = tmp_path / "sweep"
+    lrs = ("--optimizers", "AdamW", "--lrs", "1e-4,1e-3,1e-2", "--search", "coordinate")
+    assert fake_sweep(dump, *lrs) == 0
+    first = run_names(dump)
+    assert first == ["AdamW_lr1e-2_seed0", "AdamW_lr1e-3_seed0", "AdamW_lr1e-4_seed0"]
+    assert fake_sweep(dump, *lrs, "--axis", "optimizer.weight_decay=0.0,0.1,0.3") == 0
+    added = sorted(set(run_names(dump)) - set(first))
+    assert added == ["AdamW_lr1e-3_seed0_optimizer.weight_decay0.0", "AdamW_lr1e-3_seed0_optimizer.weight_decay0.3"]
+    report = json.loads((dump / "sweep.json").read_text())
+    assert report["best"]["AdamW"]["settings"] == {"lr": 1e-3, "optimizer.weight_decay": 0.1}
+    assert report["descents"][0]["state"] == "converged" and report["older_runs"] == []
+
+
+def test_the_ranking_reads_only_cells_of_the_current_axes(tmp_path):
+    # A weight-decay axis without the job's own value (0.1): the earlier runs fit none of its settings, so they are
+    # listed apart, not ranked, and the grid trains every new cell.
+    dump = tmp_path / "sweep"
+    grid = ("--optimizers", "AdamW", "--lrs", "1e-3,1e-2")
+    assert fake_sweep(dump, *grid) == 0
+    assert fake_sweep(dump, *grid, "--axis", "optimizer.weight_decay=0.0,0.3") == 0
+    report = json.loads((dump / "sweep.json").read_text())
+    assert sorted(report["older_runs"]) == ["AdamW_lr1e-2_seed0", "AdamW_lr1e-3_seed0"]
+    assert all("optimizer.weight_decay" in c["settings"] for c in report["grid"]) and len(report["grid"]) == 4
+    assert "Not ranked: 2 runs of earlier axes" in (dump / "study.html").read_text()
+    # With the job's value among the axis's, those runs are its cells: nothing of theirs trains twice.
+    before = run_names(dump)
+    assert fake_sweep(dump, *grid, "--axis", "optimizer.weight_decay=0.0,0.1,0.3") == 0
+    assert run_names(dump) == before
+    report = json.loads((dump / "sweep.json").read_text())
+    assert report["older_runs"] == [] and len(report["grid"]) == 6

@@ -235,6 +235,11 @@ def notes(report: dict) -> list[str]:
             else "."
         )
     )
+    if report.get("older_runs"):
+        lines.append(
+            f"Not ranked: {len(report['older_runs'])} runs of earlier axes, which fit no setting of the current ones "
+            f"({', '.join(report['older_runs'])}); they are listed with every run below."
+        )
     lines.append(f"Seeds varied: {report['seeds_varied']}.")
     lines.append(
         f"Tokens/s per process: mean of each run's logged values after the first {TPS_WARMUP_LOGS} (those steps "
@@ -522,7 +527,8 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
         return None
     search = read_search(dump)
     confirm_seeds = (search or {}).get("confirm_seeds", [])
-    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE, confirm_seeds)
+    axes = (search or {}).get("axes")
+    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE, confirm_seeds, axes)
     report["descents"] = descent_report(search, report["runs"])
     if baseline is not None and not report["baseline_found"]:
         raise UserError(

@@ -224,10 +224,19 @@ def search_spaces(
 
 
 def write_search(
-    dump: Path, method: str, spaces: dict[str, Space], seeds: Sequence[int], budgets, confirm_seeds: Sequence[int] = ()
+    dump: Path,
+    method: str,
+    spaces: dict[str, Space],
+    seeds: Sequence[int],
+    budgets,
+    confirm_seeds: Sequence[int] = (),
+    axes: Optional[dict] = None,
 ) -> None:
-    """``search.json``: the last search of the dump folder, which the report draws, and its confirmation seeds."""
+    """``search.json``: the last search of the dump folder, which the report draws, its confirmation seeds and each
+    optimizer's current axes (the report ranks only the cells of those)."""
     data: dict = {"method": method}
+    if axes is not None:
+        data["axes"] = axes
     if confirm_seeds:
         data["confirm_seeds"] = list(confirm_seeds)
     if method == "coordinate":

@@ -424,8 +424,16 @@ def _confirm(b: dict, runs: Sequence[dict]) -> None:
     b["confirmation_runs"] = len(runs)
 
 
+def _of_current_axes(run: dict, current_axes: dict) -> bool:
+    return set(run["settings"]) - {"lr"} == set(current_axes.get(run["optimizer"], []))
+
+
 def summarize_sweep(
-    runs: Sequence[SweepRun], last_k: int, baseline: str = DEFAULT_BASELINE, confirm_seeds: Sequence[int] = ()
+    runs: Sequence[SweepRun],
+    last_k: int,
+    baseline: str = DEFAULT_BASELINE,
+    confirm_seeds: Sequence[int] = (),
+    current_axes: Optional[dict] = None,
 ) -> dict:
     """Per run; per cell (optimizer, budget, settings) over seeds; per optimizer its best settings at each budget,
     compared with the baseline's best (difference with a paired or Welch's 95% interval, speedup at matched loss);
@@ -434,14 +442,17 @@ def summarize_sweep(
 
     With ``confirm_seeds`` the cells and best settings come from the other (selection) seeds only, and the verdict
     from the runs of the best settings on the confirmation seeds only, so that choosing the best of many settings
-    cannot favour an optimizer by the luck of its seeds."""
+    cannot favour an optimizer by the luck of its seeds. With ``current_axes`` (optimizer: its swept options other than
+    the lr) only the runs of those options are ranked; the others (``older_runs``) are listed apart."""
     data = check_same_data(runs)
     finished = [r for r in runs if r.status["outcome"] == FINISHED]
     by_validation = bool(finished) and all(VALIDATION_LOSS in r.scalars for r in finished)
     every = [sweep_run_summary(r, last_k, by_validation) for r in runs]
     confirming = set(confirm_seeds)
-    summaries = [r for r in every if r["seed"] not in confirming]
-    confirmations = [r for r in every if r["seed"] in confirming]
+    older = [r for r in every if current_axes is not None and not _of_current_axes(r, current_axes)]
+    ranked = [r for r in every if r not in older]
+    summaries = [r for r in ranked if r["seed"] not in confirming]
+    confirmations = [r for r in ranked if r["seed"] in confirming]
     optimizers = list(dict.fromkeys(r["optimizer"] for r in every))
     budgets = sorted({r["budget"] for r in every}, key=lambda b: (b is not None, b or 0))
     grid, best_by_budget = [], {}
@@ -499,6 +510,7 @@ def summarize_sweep(
         "seeds": seeds,
         "selection_seeds": sorted({r["seed"] for r in summaries}),
         "confirmation_seeds": sorted(confirming),
+        "older_runs": [r["name"] for r in older],
         "seeds_varied": seeds_varied(every),
         "data": data,
         "runs": every,

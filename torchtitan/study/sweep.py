@@ -18,6 +18,7 @@ from typing import Optional
 
 from torchtitan.errors import UserError
 from torchtitan.study.confirmation import confirmation_specs, parse_confirm_seeds
+from torchtitan.study.earlier_runs import adopt_earlier_runs, current_axes
 from torchtitan.study.plan import (
     DEFAULT_LAST_K,
     FAILED,
@@ -135,7 +136,10 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
             launcher = shlex.split(args.launcher)
             interim = InterimReport(dump, last_k, args.baseline)
             runner = Runner(dump, config_file, nproc, train_args, launcher, slots, args.vary_data_seed, interim)
-            write_search(dump, args.search, spaces or {}, seeds, budgets, confirm_seeds)
+            specs = adopt_earlier_runs(dump, specs, axes, config_file, train_args)  # an axis added: theirs too
+            write_search(
+                dump, args.search, spaces or {}, seeds, budgets, confirm_seeds, current_axes(specs, axes, train_args)
+            )
             if spaces is None:
                 statuses = run_all(runner, specs)
                 failed = [s for s in statuses if s["outcome"] == FAILED]
