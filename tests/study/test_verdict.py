@@ -7,6 +7,7 @@ sweep's part uses tests/sweep_fake_trainer.py, whose loss is lowest at lr 1e-3 a
 
 from __future__ import annotations
 
+import html
 import json
 
 import numpy as np
@@ -189,3 +190,40 @@ def test_the_ranking_reads_only_cells_of_the_current_axes(tmp_path):
     assert run_names(dump) == before
     report = json.loads((dump / "sweep.json").read_text())
     assert report["older_runs"] == [] and len(report["grid"]) == 6
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Past the grid's ends
+
+
+def test_extend_steps_a_descent_past_the_grids_end_until_the_optimum_is_inside(tmp_path):
+    # The fake trainer's loss is lowest at lr 1e-3; the grid 1e-5, 1e-4 stops at its end. --extend goes on by the
+    # grid's ratio (x10): 1e-3 is better, 1e-2 worse, so the optimum is inside after two extensions of three.
+    dump = tmp_path / "sweep"
+    args = ("--optimizers", "AdamW", "--lrs", "1e-5,1e-4", "--search", "coordinate")
+    assert fake_sweep(dump, *args, "--extend", "3") == 0
+    assert run_names(dump) == [f"AdamW_lr{lr}_seed0" for lr in ("1e-2", "1e-3", "1e-4", "1e-5")]
+    report = json.loads((dump / "sweep.json").read_text())
+    assert report["best"]["AdamW"]["settings"] == {"lr": 1e-3} and report["best"]["AdamW"]["edges"] == []
+    assert json.loads((dump / "search.json").read_text())["extended"] == {"AdamW": 2}
+    # With one extension only, the descent stops at 1e-3, the end of the grown grid: the page says so.
+    small = tmp_path / "small"
+    assert fake_sweep(small, *args, "--extend", "1") == 0
+    assert run_names(small) == [f"AdamW_lr{lr}_seed0" for lr in ("1e-3", "1e-4", "1e-5")]
+    assert "at the grid's edge: 1e-3 is the largest lr tried" in html.unescape((small / "study.html").read_text())
+
+
+def test_extended_values_follow_the_grids_ratio_or_step_and_never_cross_zero():
+    from torchtitan.study.search import Coordinate, extended_value
+
+    assert extended_value(Coordinate("lr", ("1e-3", "3e-3")), 1) == "9e-3"
+    assert extended_value(Coordinate("lr", ("1e-3", "3e-3")), -1) == "3.33333333333e-4"
+    assert extended_value(Coordinate("optimizer.weight_decay", ("0.0", "0.1", "0.3")), 1) == "5e-1"
+    assert extended_value(Coordinate("optimizer.weight_decay", ("0.0", "0.1")), -1) is None  # below zero
+    assert extended_value(Coordinate("training.steps", ("2", "4")), 1) == "8"
+    assert extended_value(Coordinate("model.norm", ("rms", "layer")), 1) is None  # words have no next value
+
+
+def test_extend_needs_a_descent(tmp_path, capsys):
+    assert fake_sweep(tmp_path / "s", "--optimizers", "AdamW", "--lrs", "1e-3,1e-2", "--extend", "2") == 2
+    assert "--extend steps a coordinate descent" in one_error_line(capsys)

@@ -113,6 +113,10 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         slots = plan_slots(args.parallel, nproc, gpus)
         config_file = str(Path(args.config_file).resolve())
         check_train_options(train_args, args.vary_data_seed, budgets=args.budgets is not None)
+        if args.extend and args.search != "coordinate":
+            raise UserError("--extend steps a coordinate descent past its grid; add --search coordinate or drop it")
+        if args.extend < 0:
+            raise UserError(f"--extend must be 0 or more; got {args.extend}")
         if args.start and args.search != "coordinate":
             raise UserError("--start sets where a coordinate descent starts; add --search coordinate or drop --start")
         budgets, warmup_fraction = _budgets(args, config_file, nproc, train_args)
@@ -145,7 +149,7 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
                 failed = [s for s in statuses if s["outcome"] == FAILED]
                 failed_text = f"{len(failed)} of {len(statuses)} runs failed (see their train.log)"
             else:
-                found = run_descents(runner, read_search(dump), budgets, last_k)
+                found = run_descents(runner, read_search(dump), budgets, last_k, args.extend)
                 failed = [d for _, _, _, d in found if d.state == "blocked"]
                 failed_text = f"{len(failed)} of {len(found)} descents stopped at a run that failed (see its train.log)"
             if confirm_seeds and not failed:  # the best settings are known: train them on the confirmation seeds

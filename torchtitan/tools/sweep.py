@@ -158,6 +158,14 @@ def add_verdict_options(p: argparse.ArgumentParser) -> None:
         help="once the search on --seeds is done, train each optimizer's best settings again on these seeds (space- "
         "or comma-separated, none of --seeds); the verdict then uses only these runs",
     )
+    p.add_argument(
+        "--extend",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --search coordinate: where a descent stops at an end of its grid, try the next value past it (by "
+        "the grid's ratio, or its step), up to N values per optimizer, until the optimum is inside (default 0)",
+    )
 
 
 def sweep(argv: Sequence[str]) -> int:
