@@ -227,3 +227,16 @@ def test_extended_values_follow_the_grids_ratio_or_step_and_never_cross_zero():
 def test_extend_needs_a_descent(tmp_path, capsys):
     assert fake_sweep(tmp_path / "s", "--optimizers", "AdamW", "--lrs", "1e-3,1e-2", "--extend", "2") == 2
     assert "--extend steps a coordinate descent" in one_error_line(capsys)
+
+
+def test_a_descent_on_one_seed_confirmed_on_three(tmp_path):
+    dump = tmp_path / "sweep"
+    args = ("--optimizers", "AdamW,Muon", "--lrs", "1e-4,1e-3,1e-2", "--search", "coordinate", "--seeds", "0")
+    assert fake_sweep(dump, *args, "--confirm-seeds", "1,2,3") == 0
+    report = json.loads((dump / "sweep.json").read_text())
+    for optimizer in ("AdamW", "Muon"):
+        b = report["best"][optimizer]
+        assert b["settings"] == {"lr": 1e-3} and b["seeds"] == [1, 2, 3] and b["selection"]["seeds"] == [0]
+    # One selection seed, three confirmation seeds: a verdict with an interval, not "one seed".
+    assert report["best"]["Muon"]["versus_baseline"]["method"] == "paired"
+    assert "One seed per cell" not in (dump / "sweep.md").read_text()

@@ -497,7 +497,9 @@ def summarize_sweep(
             b["speedup"] = _speedup_of(chosen, base_runs, curves) if curves else None
 
     ranked_by = f"last {VALIDATION_LOSS}" if by_validation else f"mean of the last {last_k} logged training losses"
-    seeds = max((len(c["seeds"]) for c in grid), default=0)
+    # Seeds per cell, or per verdict when confirmation seeds outnumber the selection's.
+    verdict_seeds = [len(b["seeds"]) for best in best_by_budget.values() for b in best.values()]
+    seeds = max([len(c["seeds"]) for c in grid] + verdict_seeds, default=0)
     return {
         "ranked_by": ranked_by,
         "by_validation": by_validation,
