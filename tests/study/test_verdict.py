@@ -240,3 +240,16 @@ def test_a_descent_on_one_seed_confirmed_on_three(tmp_path):
     # One selection seed, three confirmation seeds: a verdict with an interval, not "one seed".
     assert report["best"]["Muon"]["versus_baseline"]["method"] == "paired"
     assert "One seed per cell" not in (dump / "sweep.md").read_text()
+
+
+def test_a_verdict_waits_for_its_confirmation_runs(tmp_path):
+    # The selection ran, the confirmation runs have not: the row says so instead of a verdict on other seeds.
+    from tests.study.test_study import made_up_run
+    from torchtitan.study.report import format_markdown
+    from torchtitan.study.summary import summarize_sweep
+
+    runs = [made_up_run(o, seed, scale) for o, scale in (("AdamW", 1.0), ("Muon", 0.5)) for seed in (0, 1)]
+    report = summarize_sweep(runs, last_k=3, confirm_seeds=[2, 3])
+    assert report["best"]["Muon"]["versus_baseline"] is None and report["best"]["Muon"]["loss_mean"] is None
+    row = next(line for line in format_markdown(report).splitlines() if line.startswith("| Muon |"))
+    assert "not confirmed yet" in row and "better" not in row

@@ -57,11 +57,11 @@ def versus_text(optimizer: str, b: dict, report: dict) -> str:
     if optimizer == report["baseline"]:
         return "baseline"
     v = b.get("versus_baseline")
+    if report["confirmation_seeds"] and b["settings"] is not None and not b["seed_losses"]:
+        return "not confirmed yet: its confirmation runs have not finished"
     if b["loss_mean"] is None or not report["baseline_found"]:
         return "n/a"
     if v is None:
-        if report["confirmation_seeds"] and not b["seed_losses"]:
-            return "not confirmed yet: its confirmation runs have not finished"
         return "one seed: no verdict"
     text = f"{v['difference']:+.4f} [{v['low']:+.4f}, {v['high']:+.4f}] ({v.get('method', 'Welch')}), {v['verdict']}"
     return text + edge_text(b, report)
