@@ -400,13 +400,17 @@ def _cell_tokens(summaries: Sequence[dict], optimizer: str, budget, settings: di
     return statistics.mean([r["rank_tokens"] for r in runs if r["rank_tokens"] is not None])
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def grid_edges(settings: dict, cells: Sequence[dict]) -> list[dict]:
     """The swept numeric settings of ``settings`` that sit at an end of the values its optimizer's cells tried (a
     descent that converged tried both neighbours of an inner point): its optimum may lie beyond the grid."""
     edges = []
     for key, value in settings.items():
-        tried = sorted({c["settings"][key] for c in cells if isinstance(c["settings"].get(key), (int, float))})
-        if len(tried) < 2 or not isinstance(value, (int, float)):
+        tried = sorted({c["settings"][key] for c in cells if _number(c["settings"].get(key))})
+        if len(tried) < 2 or not _number(value):
             continue
         if value in (tried[0], tried[-1]):
             edges.append({"setting": key, "value": value, "end": "smallest" if value == tried[0] else "largest"})
