@@ -8,7 +8,8 @@
 #   PARALLEL     runs at once, each on GPUs of its own (PARALLEL x NGPU at most the GPUs present; default 1)
 #   CONFIG_FILE  job config (default: ./train_configs/debug_model.toml)
 #   DUMP_FOLDER  the sweep's folder (default: ./outputs/sweep); run the same command again to resume a sweep
-#   LAST_K       final training loss = mean of the last k logged values (default: 10)
+#   LAST_K       final training loss = mean of the last k logged values (default: 10, or what the sweep recorded)
+#   CONFIRM_SEEDS seeds on which each optimizer's best settings train again; the verdict reads only them
 #   BASELINE     the optimizer the others are compared with (default: AdamW)
 #   VARY_DATA_SEED  set (to anything) to give each run its seed as its data seed too
 #   BUDGETS      token budgets, each its own run: tokens ("2e8 4e8") or multiples of 20 tokens per non-embedding
@@ -21,6 +22,6 @@ cd "$(dirname "$0")/.."
 exec python -m torchtitan.tools.sweep \
     --optimizers "${OPTIMIZERS:-AdamW AdamMini}" --lrs "${LRS:-3e-4 1e-3 3e-3}" --seeds "${SEEDS:-0}" \
     ${NGPU:+--nproc "$NGPU"} ${PARALLEL:+--parallel "$PARALLEL"} --config-file "${CONFIG_FILE:-./train_configs/debug_model.toml}" \
-    --last-k "${LAST_K:-10}" ${BASELINE:+--baseline "$BASELINE"} ${VARY_DATA_SEED:+--vary-data-seed} \
+    ${LAST_K:+--last-k "$LAST_K"} ${CONFIRM_SEEDS:+--confirm-seeds "$CONFIRM_SEEDS"} ${BASELINE:+--baseline "$BASELINE"} ${VARY_DATA_SEED:+--vary-data-seed} \
     ${BUDGETS:+--budgets "$BUDGETS"} ${WARMUP_FRACTION:+--warmup-fraction "$WARMUP_FRACTION"} \
     --dump-folder "${DUMP_FOLDER:-./outputs/sweep}" -- "$@"

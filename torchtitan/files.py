@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 from typing import Union
@@ -13,3 +15,28 @@ def write_text_atomically(path: Union[str, Path], text: str) -> None:
     with open(temporary, "w") as f:
         f.write(text)
     os.replace(temporary, path)
+
+
+def strict_json(value) -> str:
+    """``value`` as JSON that every parser reads (indented, newline-terminated): a NaN or infinite number, which
+    Python's json would write as ``NaN``/``Infinity``, becomes ``null`` with a ``{key}_reason`` beside it in its
+    object ("infinite", "-infinite" or "not a number"); in a list, ``null`` alone."""
+
+    def reason(x: float) -> str:
+        return "not a number" if math.isnan(x) else "infinite" if x > 0 else "-infinite"
+
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            out = {}
+            for k, x in v.items():
+                out[k] = clean(x)
+                if isinstance(x, float) and not math.isfinite(x):
+                    out[f"{k}_reason"] = reason(x)
+            return out
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(value), indent=2, allow_nan=False) + "\n"

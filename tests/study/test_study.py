@@ -102,11 +102,40 @@ def test_speedup_over_seeds():
     logs = [math.log(2.0), math.log(1.5), 0.0]
     half = statistics.t_quantile(0.975, 2) * math.sqrt(statistics.sample_variance(logs) / 3)
     assert (seeds.low, seeds.high) == pytest.approx((seeds.value * math.exp(-half), seeds.value * math.exp(half)))
-    # A seed the baseline never matches makes the whole a lower bound: its tokens over the run's, no interval.
+    # A seed the baseline never matches makes the whole a lower bound that every seed supports: seed 0 is exactly
+    # 2x, seed 1 at least 4x, so the study can claim "at least 2x", never "at least 4x" (seed 0 says otherwise).
     bound = statistics.speedup_at_matched_loss([curve] * 2, [(2.0, 200.0), (1.0, 100.0)])
-    assert (bound.value, bound.bound, bound.low) == (4.0, ">", None)
+    assert (bound.value, bound.bound, bound.low) == (2.0, "≥", None)
+    assert bound.per_seed == ((2.0, None), (4.0, ">"))
     upper = statistics.speedup_at_matched_loss([curve], [(9.0, 400.0)])
-    assert (upper.value, upper.bound) == (0.25, "<")
+    assert (upper.value, upper.bound) == (0.25, "≤")
+
+
+def test_a_speedup_bound_is_never_one_a_seed_contradicts():
+    # Seed 0 reaches the baseline's final loss at 0.80 of its tokens; seed 1 ends below anything the baseline
+    # reached (at least 1.00x). The combined figure is at least 0.80x: ">1.00x" would contradict seed 0.
+    combined = statistics.combine_speedups([(0.8, None), (1.0, ">")])
+    assert (combined.value, combined.bound) == (0.8, "≥")
+    assert all(combined.value <= ratio for ratio, _ in combined.per_seed)
+    assert statistics.combine_speedups([(1.3, None), (0.9, "<")]).value == 1.3  # every seed at most 1.3x
+    mixed = statistics.combine_speedups([(1.2, ">"), (0.7, "<"), (1.0, None)])  # bounded both ways: no one figure
+    assert (mixed.value, mixed.bound) == (None, "mixed")
+
+
+def test_paired_difference_matches_a_published_example():
+    # Student's sleep data (Cushny & Peebles, as in R's t.test(extra ~ group, paired = TRUE)): mean difference
+    # -1.58, 95% interval [-2.4598858, -0.7001142], df 9.
+    group1 = [0.7, -1.6, -0.2, -1.2, -0.1, 3.4, 3.7, 0.8, 0.0, 2.0]
+    group2 = [1.9, 0.8, 1.1, 0.1, -0.1, 4.4, 5.5, 1.6, 4.6, 3.4]
+    d = statistics.paired_difference(group1, group2)
+    assert (d.difference, d.low, d.high, d.df) == pytest.approx((-1.58, -2.4598858, -0.7001142, 9), abs=1e-6)
+    assert (d.method, d.verdict) == ("paired", "better")
+    # The same numbers unpaired (Welch, R: [-3.3654832, 0.2054832]) see no difference: pairing removes the
+    # seed-to-seed spread that both sides share.
+    w = statistics.welch_difference(group1, group2)
+    assert (w.low, w.high) == pytest.approx((-3.3654832, 0.2054832), abs=1e-6)
+    assert (w.method, w.verdict) == ("Welch", "no detectable difference")
+    assert statistics.paired_difference([1.0], [2.0]) is None
 
 
 def test_trailing_mean_ends_at_the_final_training_loss():
@@ -189,12 +218,16 @@ def test_significance_and_mean_ci_per_cell():
     assert best["AdamW"]["loss_ci"] == pytest.approx(4.302653 * 0.01 / math.sqrt(3), rel=1e-6)
     assert best["Muon"]["versus_baseline"]["verdict"] == "better"
     assert best["Lion"]["versus_baseline"]["verdict"] == "worse"
-    assert best["AdamMini"]["versus_baseline"]["verdict"] == "no detectable difference"
+    # AdamMini's runs share each seed's noise with AdamW's (same seeds): the paired interval sees its 0.005 excess,
+    # where Welch's, blind to the pairing, would not.
+    assert best["AdamMini"]["versus_baseline"]["method"] == "paired"
+    assert best["AdamMini"]["versus_baseline"]["verdict"] == "worse"
+    assert best["AdamMini"]["versus_baseline"]["difference"] == pytest.approx(0.005)
     assert best["Muon"]["versus_baseline"]["difference"] == pytest.approx(-0.2)
     md = format_markdown(report)
     row = next(line for line in md.splitlines() if line.startswith("| Muon | lr 1e-3 |"))
     assert f"{best['Muon']['loss_mean']:.4f} ± {best['Muon']['loss_ci']:.4f} (3 seeds)" in row and ", better |" in row
-    assert "Welch" in md and "Seeds varied: model initialisation (training.seed); data order fixed" in md
+    assert "(paired), better |" in row and "Seeds varied: model initialisation (training.seed); data order fixed" in md
 
 
 def test_one_seed_says_so_instead_of_a_verdict():
@@ -212,12 +245,12 @@ def test_speedup_at_matched_loss_along_the_validation_curve():
     # passes between step 15 (2.5333) and step 10 (2.8): at step 10 + 5 * (2.8 - 2.6) / (2.8 - 2.5333) = 13.75.
     runs = [made_up_run("AdamW", 0, 1.0), made_up_run("Muon", 0, 0.5), made_up_run("Slow", 0, 1.5)]
     best = summarize_sweep(runs, last_k=3)["best"]
-    assert best["AdamW"]["speedup"]["value"] == pytest.approx(1.0) and best["AdamW"]["speedup"]["bound"] is None
-    assert (best["Muon"]["speedup"]["value"], best["Muon"]["speedup"]["bound"]) == (pytest.approx(1.0), ">")
+    assert best["AdamW"]["speedup"]["value"] == 1.0 and best["AdamW"]["speedup"]["bound"] is None
+    assert (best["Muon"]["speedup"]["value"], best["Muon"]["speedup"]["bound"]) == (pytest.approx(1.0), "≥")
     assert best["Slow"]["speedup"]["value"] == pytest.approx((10 + 5 * 0.2 / (0.8 - 8 / 15)) / 20)
     assert best["Slow"]["speedup"]["matched"] == "seed by seed"
     md = format_markdown(summarize_sweep(runs, last_k=3))
-    assert "| >1.00× |" in next(line for line in md.splitlines() if line.startswith("| Muon |"))
+    assert "| ≥1.00× (every seed) |" in next(line for line in md.splitlines() if line.startswith("| Muon |"))
 
 
 def test_speedup_along_the_smoothed_training_loss_with_seeds():
@@ -276,15 +309,39 @@ def test_the_budget_fit_and_speedup_per_budget():
     assert report["best"]["AdamW"]["lr"] == 1e-3 and report["best"]["AdamW"]["settings"] == {"lr": 1e-3}
     md = format_markdown(report)
     assert "L(D) = 40 · D^(−0.3000) + 2.1000" in md
-    assert "| Muon | 1.50× | 1.50× | 1.50× | 1.50× |" in md
+    # Seeds without spread: the bootstrap over seeds has nothing to vary, its intervals are the points.
+    assert "| Muon | 1.50× [1.50, 1.50] | 1.50× [1.50, 1.50] | 1.50× [1.50, 1.50] | 1.50× [1.50, 1.50] |" in md
+    assert fit["interval"]["beta"] == pytest.approx([0.3, 0.3], rel=1e-4) and not fit["exact"]
     # The page draws the fit and D_eff / D, and shows its table.
     png = plot_budgets(report)
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     page = format_html(report, {"main": None, "sensitivity": None, "budgets": png, "overview": None}, "t")
     assert base64.b64encode(png).decode() in page and "D_eff / D at 10,240 tokens" in page
-    # Two budgets are too few for a fit.
+    # Two budgets are too few for a fit; three are fitted exactly, and the page says so.
     two = summarize_sweep([r for r in runs if r.status["budget"] <= 40 * 512], last_k=3)
     assert two["budget_fit"] is None
+    three = summarize_sweep([r for r in runs if r.status["budget"] <= 80 * 512], last_k=3)
+    assert three["budget_fit"]["exact"] and "pass through its three points" in format_markdown(three)
+
+
+def test_the_bootstrap_interval_of_a_noisy_fit_covers_the_truth():
+    # Five budgets, three seeds each with 0.01 of loss noise around 40 * D^-0.3 + 2.1; a target at 1.5x the tokens.
+    import random
+
+    rng = random.Random(1)
+    budgets = [1e6, 3e6, 1e7, 3e7, 1e8]
+    points = [(d, [40.0 * d**-0.3 + 2.1 + rng.gauss(0, 0.01) for _ in range(3)]) for d in budgets]
+    target = (1e7, [40.0 * 1.5e7**-0.3 + 2.1 + rng.gauss(0, 0.01) for _ in range(3)])
+    interval = statistics.bootstrap_power_law(points, [target], resamples=200)
+    fit = statistics.fit_power_law(budgets, [statistics.mean(losses) for _, losses in points])
+    for (low, high), estimate in zip((interval.alpha, interval.beta, interval.gamma), (fit.alpha, fit.beta, fit.gamma)):
+        assert low < estimate < high and low < high
+    assert interval.gamma[0] < 2.1 < interval.gamma[1]
+    estimate = fit.tokens_for(statistics.mean(target[1])) / 1e7
+    assert interval.speedups[0][0] < estimate < interval.speedups[0][1]
+    # Seeded: the same numbers give the same interval; one seed at a budget gives none.
+    assert statistics.bootstrap_power_law(points, [target], resamples=200) == interval
+    assert statistics.bootstrap_power_law([(d, losses[:1]) for d, losses in points]) is None
 
 
 def test_cells_are_keyed_by_every_swept_option():
@@ -390,7 +447,9 @@ def test_study_page_is_self_contained_and_rebuilt_by_report_only(tmp_path, capsy
                 write_jsonl_run(dump / "runs" / run.spec.name, run, data)
     assert main(["--dump-folder", str(dump), "--report-only", "--last-k", "3"]) == 0
     out = capsys.readouterr().out
-    assert "study.html" in out and "| Muon | lr 1e-3 |" in out
+    # Every optimizer's best lr is the smallest of two: the table and the verdict say it may lie beyond the grid.
+    assert "study.html" in out and "| Muon | lr 1e-3 (at the grid's edge: 1e-3 is the smallest lr tried) |" in out
+    assert "better; at the grid's edge: may change with a wider grid" in out
     page = (dump / "study.html").read_text()
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
     assert len(images) == 3  # main picture, sensitivity, overview (no budgets: said instead)

@@ -103,12 +103,13 @@ def test_tiny_sweep_end_to_end_ranks_and_shows_divergence(tmp_path, capsys):
     # TensorBoard holds float32; the report reads metrics.jsonl, the logged values themselves.
     assert good["outcome"] == "finished" and good["final_loss"] == pytest.approx(expected, rel=1e-6)
     tps = [v for _, v in logged(runs / good["name"], "throughput/tps")]
-    assert good["mean_tps"] == pytest.approx(sum(tps) / len(tps), rel=1e-6)
+    assert good["mean_tps"] == pytest.approx(sum(tps[2:]) / len(tps[2:]), rel=1e-6)  # after the compile warm-up
     state = logged(runs / good["name"], "optimizer/state_bytes")[0][1]
     assert good["optimizer_state_bytes"] == pytest.approx(state, rel=1e-6) and state > 0
     assert report["best"]["AdamMini"]["lr"] == 1e-3
     assert f"**{good['final_loss']:.4f} (1 seed)**" in markdown_row(md, "AdamMini", 1)
-    assert f"| AdamMini | lr 1e-3 | {good['final_loss']:.4f} (1 seed) |" in markdown_row(md, "AdamMini", 0)
+    edge = "(at the grid's edge: 1e-3 is the smallest lr tried)"
+    assert f"| AdamMini | lr 1e-3 {edge} | {good['final_loss']:.4f} (1 seed) |" in markdown_row(md, "AdamMini", 0)
     # The main picture, sensitivity to the lr (1e6 marked diverged) and the overview, embedded.
     assert (dump / "study.html").read_text().count("data:image/png;base64,") == 3
     # lr 1e6 without clipping: the logged loss or gradient norm becomes NaN (a saturated model can keep a finite

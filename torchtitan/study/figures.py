@@ -22,6 +22,7 @@ def _mean_curve(series: Sequence[Series]) -> tuple[list[int], list[float], list[
 
 
 def _best_runs(runs: Sequence[SweepRun], optimizer: str, best: dict, budget) -> list[SweepRun]:
+    """The finished runs of an optimizer's best cell on the verdict's seeds (its confirmation seeds, if any)."""
     return [
         r
         for r in runs
@@ -29,6 +30,7 @@ def _best_runs(runs: Sequence[SweepRun], optimizer: str, best: dict, budget) -> 
         and r.status.get("budget") == budget
         and run_settings(r) == best["settings"]
         and r.status["outcome"] == FINISHED
+        and r.spec.seed in best["seeds"]
     ]
 
 

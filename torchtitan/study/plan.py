@@ -6,6 +6,7 @@ run's name start fast.
 
 from __future__ import annotations
 
+import decimal
 import fcntl
 import json
 import math
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import UserError
+from torchtitan.files import strict_json
 
 # The sweep's folder: runs/{name}/ per run (train.py's dump folder plus train.log and sweep_status.json), and the
 # settings every run shares.
@@ -23,6 +25,7 @@ STATUS_FILE = "sweep_status.json"
 SETTINGS_FILE = "sweep_settings.json"
 LOCK_FILE = "sweep.lock"
 LOG_FILE = "train.log"
+DEFAULT_LAST_K = 10  # final training loss = mean of the last k logged values, unless the sweep says otherwise
 COMMAND_FILE = "command.sh"  # the run's exact command, environment and folder, runnable again
 # A run's outcome, recorded in its status when it ends.
 FINISHED, DIVERGED, FAILED = "finished", "diverged", "failed"
@@ -42,8 +45,10 @@ DATA_SEED_OPTION = "training.data_seed"
 
 
 def lr_label(lr: float) -> str:
-    """A short, exact name for a learning rate: 3e-4, 1e-3, 2.5e-4, 1e6."""
-    mantissa, exponent = f"{lr:.12e}".split("e")
+    """A short, exact name for a learning rate: 3e-4, 1e-3, 2.5e-4, 1e6 (``float(lr_label(lr)) == lr``)."""
+    # repr is the shortest text that reads back as the same float: the label names exactly the lr the run used,
+    # however many digits it has (two lrs that differ only past the 13th digit get two names, not one).
+    mantissa, exponent = f"{decimal.Decimal(repr(float(lr))):e}".split("e")
     mantissa = mantissa.rstrip("0").rstrip(".")
     return f"{mantissa}e{int(exponent)}"
 
@@ -375,6 +380,12 @@ def preflight_jobs(
         preflight(config, nproc)  # the optimizer's name and options included
 
 
+def recorded_settings(dump: Path) -> dict:
+    """The settings the sweep in ``dump`` recorded (``sweep_settings.json``), empty before its first run."""
+    path = dump / SETTINGS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def check_settings(dump: Path, settings: dict) -> None:
     """A dump folder holds one sweep: the same config, process count and options for every run in it."""
     path = dump / SETTINGS_FILE
@@ -387,7 +398,7 @@ def check_settings(dump: Path, settings: dict) -> None:
                 "use a new dump folder, or the same config, process count and options to resume it"
             )
         return
-    path.write_text(json.dumps(settings, indent=2) + "\n")
+    path.write_text(strict_json(settings))
 
 
 def lock_sweep(dump: Path):

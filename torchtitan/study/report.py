@@ -8,19 +8,26 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.config_manager import JOB_CONFIG_RECORD
 from torchtitan.errors import UserError
-from torchtitan.files import write_text_atomically
+from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.figures import plot_budgets, plot_main, plot_sensitivity, plot_study_health, plot_sweep
 from torchtitan.study.plan import COMMAND_FILE, DIVERGED, FINISHED, LOG_FILE, lr_label, tokens_label
 from torchtitan.study.run_folders import load_sweep_runs
 from torchtitan.study.search import descent_report, read_search
-from torchtitan.study.summary import DEFAULT_BASELINE, cell_runs, settings_label, settings_order, summarize_sweep
+from torchtitan.study.summary import (
+    DEFAULT_BASELINE,
+    TPS_WARMUP_LOGS,
+    cell_runs,
+    settings_label,
+    settings_order,
+    summarize_sweep,
+)
 
 REPORT_NAME = "sweep"  # sweep.png, sweep.md, sweep.json
 PAGE_NAME = "study.html"  # the one self-contained page: tables and every figure
@@ -50,21 +57,47 @@ def versus_text(optimizer: str, b: dict, report: dict) -> str:
     if optimizer == report["baseline"]:
         return "baseline"
     v = b.get("versus_baseline")
+    if report["confirmation_seeds"] and b["settings"] is not None and not b["seed_losses"]:
+        return "not confirmed yet: its confirmation runs have not finished"
     if b["loss_mean"] is None or not report["baseline_found"]:
         return "n/a"
     if v is None:
         return "one seed: no verdict"
-    return f"{v['difference']:+.4f} [{v['low']:+.4f}, {v['high']:+.4f}], {v['verdict']}"
+    text = f"{v['difference']:+.4f} [{v['low']:+.4f}, {v['high']:+.4f}] ({v.get('method', 'Welch')}), {v['verdict']}"
+    return text + edge_text(b, report)
+
+
+def edge_text(b: dict, report: dict) -> str:
+    """ "; at the grid's edge (...)" when a best setting, the optimizer's or the baseline's, is at an end of its
+    grid: the verdict may change with a wider grid."""
+    edges = [(report["best"][report["baseline"]].get("edges") if report["baseline_found"] else None) or [], b["edges"]]
+    if not any(edges):
+        return ""
+    return "; at the grid's edge: may change with a wider grid"
+
+
+def edges_label(b: dict) -> str:
+    return "".join(
+        f" (at the grid's edge: {_value_text(e['setting'], e['value'])} is the {e['end']} {e['setting']} tried)"
+        for e in b.get("edges") or []
+    )
 
 
 def speedup_text(s: Optional[dict]) -> str:
     if s is None:
         return "n/a"
+    if s["bound"] == "mixed":
+        seeds = ", ".join(f"{_reach_bound(p['bound'])}{p['ratio']:.2f}×" for p in s["per_seed"])
+        return f"n/a: seeds bound it both ways ({seeds})"
     if s["bound"] is not None:
-        return f"{s['bound']}{s['value']:.2f}×"
+        return f"{s['bound']}{s['value']:.2f}× (every seed)"
     if s["low"] is None:
         return f"{s['value']:.2f}×"
     return f"{s['value']:.2f}× [{s['low']:.2f}, {s['high']:.2f}]"
+
+
+def _reach_bound(bound: Optional[str]) -> str:
+    return {">": "≥", "<": "≤"}.get(bound, "")
 
 
 def verdict_rows(report: dict) -> list[list[str]]:
@@ -73,7 +106,11 @@ def verdict_rows(report: dict) -> list[list[str]]:
         state = "n/a" if b["optimizer_state_bytes"] is None else f"{b['optimizer_state_bytes'] / 2**30:.3f} GiB"
         memory = "n/a" if b["peak_memory_gib"] is None else f"{b['peak_memory_gib']:.3f} GiB"
         tps = "n/a" if b["mean_tps"] is None else f"{b['mean_tps']:.1f}"
-        settings = "none (every setting diverged or failed)" if b["settings"] is None else settings_label(b["settings"])
+        settings = (
+            "none (every setting diverged or failed)"
+            if b["settings"] is None
+            else f"{settings_label(b['settings'])}{edges_label(b)}"
+        )
         rows.append(
             [
                 optimizer,
@@ -148,6 +185,22 @@ def grid_folders(report: dict) -> list[list[list[tuple[int, str]]]]:
     ]
 
 
+def selection_note(report: dict) -> str:
+    """Which seeds chose the best settings and which tested them, and how many settings each optimizer tried."""
+    tried = ", ".join(f"{o} {b['settings_tried']}" for o, b in report["best"].items() if "settings_tried" in b)
+    selection = ", ".join(map(str, report["selection_seeds"]))
+    if report["confirmation_seeds"]:
+        confirmation = ", ".join(map(str, report["confirmation_seeds"]))
+        return (
+            f"Best settings chosen on selection seeds {selection}; the verdict (loss, difference, speedup) uses only "
+            f"their runs on confirmation seeds {confirmation}. Settings tried: {tried}."
+        )
+    return (
+        f"Best settings chosen and tested on the same seeds ({selection}): the verdict favours the optimizer that "
+        f"tried more settings (settings tried: {tried}); confirm on other seeds with --confirm-seeds."
+    )
+
+
 def notes(report: dict) -> list[str]:
     """The lines that say what the numbers are: ranking, baseline, intervals, seeds, data."""
     seeds, baseline = report["seeds"], report["baseline"]
@@ -163,18 +216,35 @@ def notes(report: dict) -> list[str]:
     else:
         lines.append(
             f"± is the 95% confidence interval of the mean over seeds (Student's t); the difference from "
-            f"{baseline} is mean minus {baseline}'s mean with Welch's 95% interval: better / worse where the whole "
-            "interval is below / above 0, else no detectable difference."
+            f"{baseline} is mean minus {baseline}'s mean with a 95% interval, paired (the t interval of per-seed "
+            "differences) where both ran the same training and data seeds, else Welch's: better / worse where the "
+            "whole interval is below / above 0, else no detectable difference."
         )
+    lines.append(selection_note(report))
     if not report["baseline_found"]:
         lines.append(f"The baseline {baseline} is not in this sweep: no differences or speedups.")
     lines.append(
         f"Speedup at matched loss = tokens {baseline}'s best run needs to reach the optimizer's final loss "
         f"(interpolated along its {report['curve']} curve) / tokens the optimizer used; >x: {baseline} never got "
         "there (a lower bound); <x: it was there at its first point (an upper bound)"
-        + ("; with seeds the geometric mean and a t interval of the log speedups." if seeds > 1 else ".")
+        + (
+            "; with seeds the geometric mean and a t interval of the log speedups, or, where a seed's figure is a "
+            "bound, the bound that every seed's figure supports (≥x (every seed)). The baseline's own row is 1.00× "
+            "by definition."
+            if seeds > 1
+            else "."
+        )
     )
+    if report.get("older_runs"):
+        lines.append(
+            f"Not ranked: {len(report['older_runs'])} runs of earlier axes, which fit no setting of the current ones "
+            f"({', '.join(report['older_runs'])}); they are listed with every run below."
+        )
     lines.append(f"Seeds varied: {report['seeds_varied']}.")
+    lines.append(
+        f"Tokens/s per process: mean of each run's logged values after the first {TPS_WARMUP_LOGS} (those steps "
+        "include torch.compile's compilation), over the optimizer's finished runs."
+    )
     data = report["data"]
     if data["fingerprint"] is not None and not data["not_fingerprinted"]:
         lines.append(f"Data: every run read dataset fingerprint {data['fingerprint']}.")
@@ -261,7 +331,7 @@ def run_rows(report: dict) -> list[list]:
 
 
 def _md_cell(cell) -> str:
-    return f"[{cell[0]}]({cell[1]})" if isinstance(cell, tuple) else cell
+    return f"[{cell[0]}]({urllib.parse.quote(cell[1])})" if isinstance(cell, tuple) else cell
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
@@ -289,22 +359,43 @@ def budget_rows(report: dict) -> Optional[tuple[list[str], list[list[str]]]]:
                 if e is None
                 else f"below {fit['baseline']}'s floor"
                 if e["below_floor"]
-                else f"{e['speedup']:.2f}×"
+                else f"{e['speedup']:.2f}×{_interval_text(e.get('interval'))}"
             )
         rows.append(row)
     return header, rows
+
+
+def _interval_text(interval: Optional[list]) -> str:
+    if interval is None:
+        return ""
+    low, high = (f"{x:.2f}" if x is not None else "∞ (below the floor)" for x in interval)
+    return f" [{low}, {high}]"
 
 
 def fit_text(report: dict) -> Optional[str]:
     fit = report["budget_fit"]
     if fit is None or fit["fit"] is None:
         return None
-    f = fit["fit"]
-    return (
+    f, i = fit["fit"], fit.get("interval")
+    text = (
         f"{fit['baseline']}'s best loss over {len(fit['points'])} budgets: L(D) = {f['alpha']:.4g} · "
         f"D^(−{f['beta']:.4f}) + {f['gamma']:.4f} (rms residual {f['rms_residual']:.4f}); D_eff = the tokens this "
         "fit needs for an optimizer's loss."
     )
+    if i is None:
+        text += f" {fit.get('interval_note', 'no bootstrap interval')}."
+    else:
+        text += (
+            f" 95% bootstrap intervals over seeds ({i['fits']} of {i['resamples']} resamples fit): α "
+            f"[{i['alpha'][0]:.4g}, {i['alpha'][1]:.4g}], β [{i['beta'][0]:.4f}, {i['beta'][1]:.4f}], γ "
+            f"[{i['gamma'][0]:.4f}, {i['gamma'][1]:.4f}]."
+        )
+    if fit.get("exact"):
+        text += (
+            " With exactly three budgets the fit's three parameters pass through its three points: it cannot show "
+            "a misfit, and its floor γ moves far with small noise (add budgets to test it)."
+        )
+    return text
 
 
 def format_markdown(report: dict) -> str:
@@ -324,7 +415,9 @@ def format_markdown(report: dict) -> str:
 
 
 def _a(text: str, href: str) -> str:
-    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
+    """A link to a path relative to the page, percent-encoded: a ``#``, ``%`` or space in a run's name (an axis
+    value) stays part of the path."""
+    return f'<a href="{html.escape(urllib.parse.quote(href))}">{html.escape(text)}</a>'
 
 
 def _html_table(header: Sequence[str], rows: Sequence[Sequence], links: Optional[Sequence[Sequence]] = None) -> str:
@@ -440,15 +533,18 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
     runs = load_sweep_runs(dump)
     if not runs:
         return None
-    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE)
-    report["descents"] = descent_report(read_search(dump), report["runs"])
+    search = read_search(dump)
+    confirm_seeds = (search or {}).get("confirm_seeds", [])
+    axes = (search or {}).get("axes")
+    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE, confirm_seeds, axes)
+    report["descents"] = descent_report(search, report["runs"])
     if baseline is not None and not report["baseline_found"]:
         raise UserError(
             f"--baseline {baseline} is not an optimizer of this sweep ({', '.join(report['best'])}); name one of them"
         )
     plot_sweep(runs, report, dump / f"{REPORT_NAME}.png")
     (dump / f"{REPORT_NAME}.md").write_text(format_markdown(report))
-    (dump / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text_atomically(dump / f"{REPORT_NAME}.json", strict_json(report))
     figures = {
         "main": plot_main(runs, report),
         "sensitivity": plot_sensitivity(report),

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from torchtitan.config_manager import JOB_CONFIG_RECORD  # the resolved config a run trained with
 from torchtitan.errors import UserError
-from torchtitan.files import write_text_atomically
+from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.plan import RUNS_FOLDER, STATUS_FILE, Budget, RunSpec
 
 # The tags train.py logs (see train.py's metrics); GPU runs log the allocator's peak, CPU runs the process RSS.
@@ -229,7 +229,7 @@ def read_status(run_dir: Path) -> Optional[dict]:
 
 def write_status(run_dir: Path, status: dict) -> None:
     """Write ``sweep_status.json`` atomically: a run has a complete status or none."""
-    write_text_atomically(run_dir / STATUS_FILE, json.dumps(status, indent=2) + "\n")
+    write_text_atomically(run_dir / STATUS_FILE, strict_json(status))
 
 
 def status_budget(status: dict) -> Optional[Budget]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from torchtitan.errors import UserError
-from torchtitan.files import write_text_atomically
+from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.plan import (
     FAILED,
     FINISHED,
@@ -223,14 +223,27 @@ def search_spaces(
     return spaces
 
 
-def write_search(dump: Path, method: str, spaces: dict[str, Space], seeds: Sequence[int], budgets) -> None:
-    """``search.json``: the last search of the dump folder, which the report draws."""
+def write_search(
+    dump: Path,
+    method: str,
+    spaces: dict[str, Space],
+    seeds: Sequence[int],
+    budgets,
+    confirm_seeds: Sequence[int] = (),
+    axes: Optional[dict] = None,
+) -> None:
+    """``search.json``: the last search of the dump folder, which the report draws, its confirmation seeds and each
+    optimizer's current axes (the report ranks only the cells of those)."""
     data: dict = {"method": method}
+    if axes is not None:
+        data["axes"] = axes
+    if confirm_seeds:
+        data["confirm_seeds"] = list(confirm_seeds)
     if method == "coordinate":
         data["seeds"] = list(seeds)
         data["budgets"] = [None if b is None else b.tokens for b in budgets]
         data["spaces"] = {o: s.to_json() for o, s in spaces.items()}
-    write_text_atomically(dump / SEARCH_FILE, json.dumps(data, indent=2) + "\n")
+    write_text_atomically(dump / SEARCH_FILE, strict_json(data))
 
 
 def read_search(dump: Path) -> Optional[dict]:
@@ -334,6 +347,51 @@ def _step(space: Space, step: dict) -> dict:
 # Running a descent
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Past the grid's ends: --extend
+
+
+def extended_value(c: Coordinate, end: int) -> Optional[str]:
+    """The next value past one end of a numeric setting (``end`` -1: below its smallest, 1: above its largest), by
+    the grid's own ratio at that end when every value is positive (3e-3 after 1e-3, 3e-4: x3), else by its step
+    (0.5 after 0.1, 0.3: +0.2); whole numbers stay whole. None where there is none: fewer than two numeric values, a
+    step that would cross or reach zero, or a whole number that would not change."""
+    values = [c.value(i) for i in range(len(c.values))]
+    if len(values) < 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return None
+    edge, inner = (values[0], values[1]) if end < 0 else (values[-1], values[-2])
+    new = edge * (edge / inner) if all(v > 0 for v in values) else edge + (edge - inner)
+    new = float(f"{new:.12g}")  # 1e-3, not 1e-4 * 9.999999999999998
+    if all(isinstance(v, int) for v in values):
+        new = int(round(new))
+    if new == edge or edge * new <= 0 and not all(v > 0 for v in values):
+        return None
+    return str(new) if isinstance(new, int) else lr_label(new)
+
+
+def extend_spaces(search: dict, found: Sequence, used: dict[str, int], limit: int) -> Optional[str]:
+    """Grow one optimizer's grid by one value past the end where a converged descent of it stopped, while it has
+    used fewer than ``limit`` extensions (``used`` counts them); ``search`` is updated in place. A line saying what
+    grew, or None when no descent stops at an end it may pass."""
+    for optimizer, _, space, descent in found:
+        if descent.state != "converged" or used.get(optimizer, 0) >= limit:
+            continue
+        for n, c in enumerate(space.coordinates):
+            index = descent.current[n]
+            end = -1 if index == 0 else 1 if index == len(c.values) - 1 else 0
+            new = extended_value(c, end) if end else None
+            if new is None:
+                continue
+            values = (new, *c.values) if end < 0 else (*c.values, new)
+            coordinates = (*space.coordinates[:n], Coordinate(c.key, values), *space.coordinates[n + 1 :])
+            start = tuple(i + (1 if m == n and end < 0 else 0) for m, i in enumerate(space.start))
+            search["spaces"][optimizer] = Space(coordinates, start).to_json()
+            used[optimizer] = used.get(optimizer, 0) + 1
+            search.setdefault("extended", {})[optimizer] = used[optimizer]
+            return f"{optimizer}: best {c.key} at the grid's end; extended to {new} ({used[optimizer]} of {limit})"
+    return None
+
+
 def specs_of(optimizer: str, budget: Optional[Budget], space: Space, point, seeds: Sequence[int]) -> list[RunSpec]:
     return [RunSpec(optimizer, space.lr(point), seed, budget, space.options(point)) for seed in seeds]
 
@@ -347,10 +405,14 @@ def _refresh(dump: Path, loaded: dict[Path, SweepRun]) -> list[SweepRun]:
     return sweep_order(list(loaded.values()))
 
 
-def run_descents(runner: Runner, search: dict, budgets: Sequence[Optional[Budget]], last_k: int) -> list:
+def run_descents(
+    runner: Runner, search: dict, budgets: Sequence[Optional[Budget]], last_k: int, extend: int = 0
+) -> list:
     """Train what the descents of ``search`` need, as many runs at once as the runner has slots, until every descent
     converged or is blocked by a run that failed in this sweep (failed runs of earlier sweeps are tried again);
-    returns the descents, as :func:`descents` does."""
+    returns the descents, as :func:`descents` does. With ``extend`` a descent that converged at an end of its grid
+    goes on past it, one value at a time (:func:`extend_spaces`), up to ``extend`` values per optimizer; the grown
+    grid is written back to ``search.json``."""
     seeds = search["seeds"]
     by_tokens = {None if b is None else b.tokens: b for b in budgets}
     attempted: set[str] = set()
@@ -362,7 +424,7 @@ def run_descents(runner: Runner, search: dict, budgets: Sequence[Optional[Budget
     def retry(optimizer: str, tokens: Optional[int], space: Space, point) -> bool:
         return not any(spec.name in attempted for spec in specs(optimizer, tokens, space, point))
 
-    started = 0
+    started, used = 0, {}
     with runner:
         while True:
             runs = _refresh(runner.dump, loaded)
@@ -381,6 +443,11 @@ def run_descents(runner: Runner, search: dict, budgets: Sequence[Optional[Budget
                 spec = wanted.pop(0)
                 attempted.add(spec.name)
                 runner.start(spec, f"[descent, run {started}]")
-            if not runner.running:
-                return found
+            if not runner.running and not wanted:
+                grown = extend_spaces(search, found, used, extend) if extend else None
+                if grown is None:
+                    return found
+                print(grown, flush=True)
+                write_text_atomically(runner.dump / SEARCH_FILE, strict_json(search))
+                continue
             runner.wait()

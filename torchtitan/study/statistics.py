@@ -1,8 +1,8 @@
-"""The study's statistics: Student's t, Welch's interval for a difference of means, tokens to reach a loss along a
-curve, speedup at matched loss, and the power-law fit of loss against tokens.
+"""The study's statistics: Student's t, the paired or Welch's interval for a difference of means, tokens to reach a
+loss along a curve, speedup at matched loss, and the power-law fit of loss against tokens with a bootstrap interval.
 
-Pure functions of numbers (no torch, no numpy, no scipy), so the report is the same wherever it is rebuilt and each
-function is tested on made-up values.
+Pure functions of numbers (quantiles and the bootstrap from scipy.stats, no torch), so the report is the same wherever
+it is rebuilt and each function is tested on made-up values.
 """
 
 from __future__ import annotations
@@ -11,74 +11,27 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
+import scipy.stats
+
 CONFIDENCE = 0.95
 BETTER, WORSE, NO_DIFFERENCE = "better", "worse", "no detectable difference"
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Student's t distribution
-
-
-def _incomplete_beta_fraction(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularized incomplete beta function (modified Lentz's method)."""
-    tiny, eps = 1e-300, 1e-15
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    result = d
-    for m in range(1, 1000):
-        for numerator in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            result *= c * d
-        if abs(c * d - 1.0) < eps:
-            break
-    return result
-
-
-def regularized_incomplete_beta(a: float, b: float, x: float) -> float:
-    """I_x(a, b) for a, b > 0 and 0 <= x <= 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    front = math.exp(log_front)
-    # The fraction converges fast on this side of the mean; the other side by symmetry.
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _incomplete_beta_fraction(a, b, x) / a
-    return 1.0 - front * _incomplete_beta_fraction(b, a, 1.0 - x) / b
+# Student's t distribution (scipy.stats)
 
 
 def t_cdf(t: float, df: float) -> float:
     """P(T <= t) for Student's t with ``df`` (> 0, not necessarily whole) degrees of freedom."""
-    tail = 0.5 * regularized_incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t >= 0 else tail
+    return float(scipy.stats.t.cdf(t, df))
 
 
 def t_quantile(p: float, df: float) -> float:
-    """The t with P(T <= t) = p (0 < p < 1), by bisection on the CDF (monotone, so it cannot miss)."""
+    """The t with P(T <= t) = p (0 < p < 1)."""
     if not (0.0 < p < 1.0) or not df > 0:
         raise ValueError(f"t_quantile needs 0 < p < 1 and df > 0; got p={p}, df={df}")
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    high = 1.0
-    while t_cdf(high, df) < p:
-        high *= 2.0
-    low = 0.0
-    for _ in range(200):
-        mid = (low + high) / 2.0
-        if t_cdf(mid, df) < p:
-            low = mid
-        else:
-            high = mid
-        if high - low <= 1e-12 * high:
-            break
-    return (low + high) / 2.0
+    return float(scipy.stats.t.ppf(p, df))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -102,25 +55,34 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> Optional
     return t_quantile(0.5 + confidence / 2.0, n - 1) * math.sqrt(sample_variance(values) / n)
 
 
+PAIRED, WELCH = "paired", "Welch"
+
+
 @dataclass(frozen=True)
 class Difference:
-    """mean(a) - mean(b) with Welch's confidence interval (unequal variances, Welch–Satterthwaite df)."""
+    """mean(a) - mean(b) with its confidence interval: ``method`` "paired" (the t interval of per-seed differences,
+    for runs that share their seeds) or "Welch" (unequal variances, Welch–Satterthwaite df)."""
 
     difference: float
     low: float
     high: float
-    df: Optional[float]  # None when neither side has any spread (the interval is then the point itself)
+    df: Optional[float]  # None when there is no spread at all (the interval is then the point itself)
     n_a: int
     n_b: int
+    method: str = WELCH
 
     @property
     def verdict(self) -> str:
         """For losses (lower is better): a is better when the whole interval is below 0, worse when above."""
-        if self.high < 0:
-            return BETTER
-        if self.low > 0:
-            return WORSE
-        return NO_DIFFERENCE
+        return verdict_of(self.low, self.high)
+
+
+def verdict_of(low: float, high: float) -> str:
+    if high < 0:
+        return BETTER
+    if low > 0:
+        return WORSE
+    return NO_DIFFERENCE
 
 
 def welch_difference(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> Optional[Difference]:
@@ -135,6 +97,22 @@ def welch_difference(a: Sequence[float], b: Sequence[float], confidence: float =
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     half = t_quantile(0.5 + confidence / 2.0, df) * se
     return Difference(difference, difference - half, difference + half, df, len(a), len(b))
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> Optional[Difference]:
+    """The paired t interval of mean(a - b) over pairs (a[i], b[i]) that ran the same seed (the same initial
+    weights and data order); None for fewer than two pairs."""
+    if len(a) != len(b):
+        raise ValueError("paired_difference needs as many values on each side, one pair per seed")
+    if len(a) < 2:
+        return None
+    differences = [x - y for x, y in zip(a, b)]
+    centre, n = mean(differences), len(differences)
+    se = math.sqrt(sample_variance(differences) / n)
+    if se == 0.0:
+        return Difference(centre, centre, centre, None, n, n, PAIRED)
+    half = t_quantile(0.5 + confidence / 2.0, n - 1) * se
+    return Difference(centre, centre - half, centre + half, n - 1, n, n, PAIRED)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -178,19 +156,48 @@ def tokens_to_reach(tokens: Sequence[float], losses: Sequence[float], target: fl
     return Reach(float(tokens[-1]), ">")
 
 
+AT_LEAST, AT_MOST, MIXED = "≥", "≤", "mixed"
+
+
 @dataclass(frozen=True)
 class Speedup:
     """D_eff / D: the tokens the baseline needs to reach a loss over the tokens the run used to reach it.
 
-    ``bound`` as in :class:`Reach`: ">" a lower bound (the baseline never got there), "<" an upper bound. ``low``
-    and ``high`` are the confidence interval over seeds (None with one seed, or when a seed's speedup is a bound).
+    ``bound`` None: ``value`` is the geometric mean of exact per-seed ratios, ``low`` and ``high`` its t interval
+    (None with one seed). "≥": some seed's ratio is a lower bound (the baseline never got to its loss) and no seed's
+    an upper one; ``value`` is then the smallest per-seed figure, a bound every seed supports. "≤" the same upwards.
+    "mixed": some seeds bound it from below and others from above, and no figure holds for every seed (``value``
+    None). ``per_seed`` keeps each seed's (ratio, bound) with the bound in :class:`Reach`'s terms.
     """
 
-    value: float
+    value: Optional[float]
     bound: Optional[str]
     low: Optional[float]
     high: Optional[float]
     seeds: int
+    per_seed: tuple[tuple[float, Optional[str]], ...] = ()
+
+
+def combine_speedups(per_seed: Sequence[tuple[float, Optional[str]]], confidence: float = CONFIDENCE) -> Speedup:
+    """One figure from per-seed (ratio, bound) pairs: the bound a :class:`Reach` gave (">": at least the ratio,
+    "<": at most it, None: exact). See :class:`Speedup` for what each case gives."""
+    if not per_seed:
+        raise ValueError("combine_speedups needs at least one seed")
+    ratios = [r for r, _ in per_seed]
+    bounds = {b for _, b in per_seed}
+    n, kept = len(per_seed), tuple(per_seed)
+    if ">" in bounds and "<" in bounds:
+        return Speedup(None, MIXED, None, None, n, kept)
+    if ">" in bounds:  # every seed's speedup is at least its ratio (exact ones: equal to it)
+        return Speedup(min(ratios), AT_LEAST, None, None, n, kept)
+    if "<" in bounds:
+        return Speedup(max(ratios), AT_MOST, None, None, n, kept)
+    logs = [math.log(r) for r in ratios]
+    centre = mean(logs)
+    half = mean_ci(logs, confidence)
+    if half is None:
+        return Speedup(math.exp(centre), None, None, None, n, kept)
+    return Speedup(math.exp(centre), None, math.exp(centre - half), math.exp(centre + half), n, kept)
 
 
 def speedup_at_matched_loss(
@@ -201,27 +208,16 @@ def speedup_at_matched_loss(
     """Speedup over seeds: ``finals[i]`` = (final loss, tokens used) of seed i, matched against the baseline curve
     ``baseline_curves[i]`` = (tokens, losses) (the same seed of the baseline, or its mean curve for every seed).
 
-    The estimate is the geometric mean of the per-seed speedups, its interval the t interval of their logarithms
-    (a ratio's spread is symmetric on a log scale). Any bound among the seeds makes the whole a bound, without an
-    interval: the smallest lower bound when the baseline never got there for some seed, else the largest upper.
+    Exact per-seed speedups give their geometric mean and the t interval of their logarithms (a ratio's spread is
+    symmetric on a log scale); bounds among them give a bound every seed supports (:func:`combine_speedups`).
     """
     if not finals or len(finals) != len(baseline_curves):
         raise ValueError("speedup_at_matched_loss needs one baseline curve per seed")
-    ratios, bounds = [], []
+    per_seed = []
     for (tokens, losses), (loss, used) in zip(baseline_curves, finals):
         reach = tokens_to_reach(tokens, losses, loss)
-        ratios.append(reach.tokens / used)
-        bounds.append(reach.bound)
-    if ">" in bounds:
-        return Speedup(min(r for r, b in zip(ratios, bounds) if b == ">"), ">", None, None, len(finals))
-    if "<" in bounds:
-        return Speedup(max(r for r, b in zip(ratios, bounds) if b == "<"), "<", None, None, len(finals))
-    logs = [math.log(r) for r in ratios]
-    centre = mean(logs)
-    half = mean_ci(logs, confidence)
-    if half is None:
-        return Speedup(math.exp(centre), None, None, None, len(finals))
-    return Speedup(math.exp(centre), None, math.exp(centre - half), math.exp(centre + half), len(finals))
+        per_seed.append((reach.tokens / used, reach.bound))
+    return combine_speedups(per_seed, confidence)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -302,3 +298,61 @@ def fit_power_law(tokens: Sequence[float], losses: Sequence[float]) -> Optional[
         return None
     # alpha * (D / scale)^(-beta) = (alpha * scale^beta) * D^(-beta)
     return PowerLaw(a * scale**beta, beta, gamma, math.sqrt(sse / len(tokens)))
+
+
+BOOTSTRAP_RESAMPLES = 1000
+
+
+@dataclass(frozen=True)
+class FitInterval:
+    """Percentile bootstrap intervals of a power-law fit: seeds resampled with replacement within each budget, the
+    fit redone on the resampled means. ``speedups`` has one (low, high) per target (inf: some resamples put the
+    target's loss at or below the floor, where no budget reaches it); ``fits`` is how many resamples gave a fit."""
+
+    alpha: tuple[float, float]
+    beta: tuple[float, float]
+    gamma: tuple[float, float]
+    speedups: tuple[tuple[float, float], ...]
+    fits: int
+    resamples: int
+
+
+def bootstrap_power_law(
+    points: Sequence[tuple[float, Sequence[float]]],
+    targets: Sequence[tuple[float, Sequence[float]]] = (),
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    confidence: float = CONFIDENCE,
+    seed: int = 0,
+) -> Optional[FitInterval]:
+    """Intervals for :func:`fit_power_law` over ``points`` = (tokens, per-seed losses) and for each target's
+    D_eff / D, target = (tokens it used, its per-seed losses). Seeded, so a report rebuilt is the same. None when
+    a budget or target has fewer than two seeds (nothing to resample) or fewer than half the resamples fit."""
+    if any(len(losses) < 2 for _, losses in (*points, *targets)):
+        return None
+    rng = np.random.default_rng(seed)
+
+    def resampled_mean(losses: Sequence[float]) -> float:
+        values = np.asarray(losses, dtype=float)
+        return float(values[rng.integers(0, len(values), len(values))].mean())
+
+    params, ratios = [], []
+    for _ in range(resamples):
+        fit = fit_power_law([d for d, _ in points], [resampled_mean(losses) for _, losses in points])
+        means = [resampled_mean(losses) for _, losses in targets]
+        if fit is None:
+            continue
+        params.append((fit.alpha, fit.beta, fit.gamma))
+        ratios.append([fit.tokens_for(m) / d for m, (d, _) in zip(means, targets)])
+    if len(params) < resamples / 2:
+        return None
+    tail = (1.0 - confidence) / 2.0
+
+    def interval(values) -> tuple[float, float]:
+        low, high = np.quantile(np.asarray(values, dtype=float), [tail, 1.0 - tail], method="inverted_cdf")
+        return float(low), float(high)
+
+    columns = list(zip(*params))
+    per_target = tuple(interval([r[i] for r in ratios]) for i in range(len(targets)))
+    return FitInterval(
+        interval(columns[0]), interval(columns[1]), interval(columns[2]), per_target, len(params), resamples
+    )

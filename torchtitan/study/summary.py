@@ -27,6 +27,14 @@ from torchtitan.study.run_folders import (
 )
 
 DEFAULT_BASELINE = "AdamW"
+# Tokens/s leaves out the first logged values: the steps they cover include torch.compile's compilation (and a fused
+# optimizer step's), which would halve the throughput of a short run. A run with no more values keeps its last one.
+TPS_WARMUP_LOGS = 2
+
+
+def steady_tps(values: Sequence[float]) -> list[float]:
+    """The tokens/s values logged after compilation: all but the first ``TPS_WARMUP_LOGS`` (the last one at least)."""
+    return list(values[TPS_WARMUP_LOGS:]) or list(values[-1:])
 
 
 def mean_std(values: Sequence[float]) -> tuple[Optional[float], Optional[float]]:
@@ -75,7 +83,7 @@ def summarize(scalars: dict[str, Series], last_k: int) -> dict:
         "final_loss_steps": len(tail),
         "validation_loss": validation.values[-1] if validation and diverged_at is None else None,
         "diverged_at_step": diverged_at,
-        "mean_tps": mean_std(scalars[TPS].values)[0] if TPS in scalars else None,
+        "mean_tps": mean_std(steady_tps(scalars[TPS].values))[0] if TPS in scalars else None,
         "peak_memory_gib": max(scalars[memory_tag].values) if memory_tag else None,
         "peak_memory_tag": memory_tag,
         "optimizer_state_bytes": int(round(scalars[STATE_BYTES].values[-1])) if STATE_BYTES in scalars else None,
@@ -270,33 +278,65 @@ def _speedup_of(
         "low": s.low,
         "high": s.high,
         "seeds": s.seeds,
+        "per_seed": [{"seed": r["seed"], "ratio": x, "bound": b} for r, (x, b) in zip(finished, s.per_seed)],
         "matched": "seed by seed" if paired else "against the baseline's mean curve",
     }
 
 
+def _own_speedup(chosen: Sequence[dict]) -> dict:
+    """The baseline against itself: exactly 1, whatever the last bits of its curve and its final loss say."""
+    n = sum(1 for r in chosen if _ranked(r))
+    return {"value": 1.0, "bound": None, "low": None, "high": None, "seeds": n, "per_seed": [], "matched": "itself"}
+
+
 def _versus(chosen: Sequence[dict], baseline: Sequence[dict]) -> Optional[dict]:
-    a = [r["rank_loss"] for r in chosen if r["outcome"] == FINISHED and r["rank_loss"] is not None]
-    b = [r["rank_loss"] for r in baseline if r["outcome"] == FINISHED and r["rank_loss"] is not None]
-    d = statistics.welch_difference(a, b)
+    """The difference of ranked losses from the baseline's: the paired t interval when both sides ran the same
+    training and data seeds (same initial weights and data order, seed by seed), else Welch's interval."""
+    mine = {(r["seed"], r["data_seed"]): r["rank_loss"] for r in chosen if _ranked(r)}
+    theirs = {(r["seed"], r["data_seed"]): r["rank_loss"] for r in baseline if _ranked(r)}
+    if mine and sorted(mine) == sorted(theirs):
+        pairs = sorted(mine)
+        d = statistics.paired_difference([mine[p] for p in pairs], [theirs[p] for p in pairs])
+    else:
+        d = statistics.welch_difference(list(mine.values()), list(theirs.values()))
     if d is None:
         return None
-    return {"difference": d.difference, "low": d.low, "high": d.high, "df": d.df, "verdict": d.verdict}
+    return {
+        "difference": d.difference,
+        "low": d.low,
+        "high": d.high,
+        "df": d.df,
+        "method": d.method,
+        "verdict": d.verdict,
+    }
+
+
+def _ranked(run: dict) -> bool:
+    return run["outcome"] == FINISHED and run["rank_loss"] is not None
 
 
 def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -> Optional[dict]:
     """L(D) = alpha * D^(-beta) + gamma over the baseline's best cell at each budget (three or more), and each
     optimizer's D_eff / D at each budget: the budget the fitted baseline needs for that optimizer's loss over its
-    own. None with fewer than three budgets where the baseline finished."""
-    points = []
+    own; each with a 95% bootstrap interval over seeds. None with fewer than three budgets where the baseline
+    finished."""
+    points, seed_losses = [], []
     for budget, best in best_by_budget.items():
         b = best.get(baseline)
-        if budget is not None and b and b["loss_mean"] is not None:
+        if budget is not None and b and b["loss_mean"] is not None and b["seed_losses"]:
             points.append((_cell_tokens(summaries, baseline, budget, b["settings"]), b["loss_mean"]))
+            seed_losses.append(b["seed_losses"])
     if len(points) < 3:
         return None
-    points.sort()
+    order = sorted(range(len(points)), key=lambda i: points[i])
+    points, seed_losses = [points[i] for i in order], [seed_losses[i] for i in order]
     fit = statistics.fit_power_law([d for d, _ in points], [loss for _, loss in points])
-    result = {"baseline": baseline, "points": [{"tokens": d, "loss": loss} for d, loss in points], "fit": None}
+    result = {
+        "baseline": baseline,
+        "points": [{"tokens": d, "loss": loss} for d, loss in points],
+        "fit": None,
+        "exact": len(points) == 3,  # three parameters through three points: no residual to judge the fit by
+    }
     if fit is None:
         result["error"] = (
             f"{baseline}'s best loss does not fall with the budget as a power law with a floor at or above zero: "
@@ -304,23 +344,41 @@ def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -
         )
         return result
     result["fit"] = {"alpha": fit.alpha, "beta": fit.beta, "gamma": fit.gamma, "rms_residual": fit.rms_residual}
-    speedups = {}
+    speedups, targets = {}, []
     for budget, best in best_by_budget.items():
         for optimizer, b in best.items():
-            if budget is None or b["loss_mean"] is None:
+            if budget is None or b["loss_mean"] is None or not b["seed_losses"]:
                 continue
             tokens = _cell_tokens(summaries, optimizer, budget, b["settings"])
             d_eff = fit.tokens_for(b["loss_mean"])
-            speedups.setdefault(optimizer, []).append(
-                {
-                    "budget": budget,
-                    "tokens": tokens,
-                    "loss": b["loss_mean"],
-                    "d_eff": None if math.isinf(d_eff) else d_eff,
-                    "speedup": None if math.isinf(d_eff) else d_eff / tokens,
-                    "below_floor": math.isinf(d_eff),
-                }
-            )
+            entry = {
+                "budget": budget,
+                "tokens": tokens,
+                "loss": b["loss_mean"],
+                "d_eff": None if math.isinf(d_eff) else d_eff,
+                "speedup": None if math.isinf(d_eff) else d_eff / tokens,
+                "below_floor": math.isinf(d_eff),
+                "interval": None,
+            }
+            speedups.setdefault(optimizer, []).append(entry)
+            targets.append((entry, (tokens, b["seed_losses"])))
+    interval = statistics.bootstrap_power_law(list(zip([d for d, _ in points], seed_losses)), [t for _, t in targets])
+    if interval is None:
+        result["interval"] = None
+        result["interval_note"] = "no bootstrap interval: it needs two or more seeds at every budget"
+    else:
+        result["interval"] = {
+            "alpha": list(interval.alpha),
+            "beta": list(interval.beta),
+            "gamma": list(interval.gamma),
+            "fits": interval.fits,
+            "resamples": interval.resamples,
+        }
+        for (entry, _), (low, high) in zip(targets, interval.speedups):
+            # An end at infinity (resamples that put the loss below the floor) is no number: null, said why.
+            entry["interval"] = [None if math.isinf(low) else low, None if math.isinf(high) else high]
+            if math.isinf(high):
+                entry["interval_note"] = "no upper end: some resamples put this loss at or below the fit's floor"
     result["speedups"] = {o: sorted(v, key=lambda x: x["budget"]) for o, v in speedups.items()}
     return result
 
@@ -342,16 +400,65 @@ def _cell_tokens(summaries: Sequence[dict], optimizer: str, budget, settings: di
     return statistics.mean([r["rank_tokens"] for r in runs if r["rank_tokens"] is not None])
 
 
-def summarize_sweep(runs: Sequence[SweepRun], last_k: int, baseline: str = DEFAULT_BASELINE) -> dict:
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def grid_edges(settings: dict, cells: Sequence[dict]) -> list[dict]:
+    """The swept numeric settings of ``settings`` that sit at an end of the values its optimizer's cells tried (a
+    descent that converged tried both neighbours of an inner point): its optimum may lie beyond the grid."""
+    edges = []
+    for key, value in settings.items():
+        tried = sorted({c["settings"][key] for c in cells if _number(c["settings"].get(key))})
+        if len(tried) < 2 or not _number(value):
+            continue
+        if value in (tried[0], tried[-1]):
+            edges.append({"setting": key, "value": value, "end": "smallest" if value == tried[0] else "largest"})
+    return edges
+
+
+def _confirm(b: dict, runs: Sequence[dict]) -> None:
+    """Replace a best cell's loss by that of its confirmation runs (the seeds it was not chosen on)."""
+    finished = [r for r in runs if _ranked(r)]
+    losses = [r["rank_loss"] for r in finished]
+    b["selection"] = {k: b[k] for k in ("loss_mean", "loss_ci", "seeds")}
+    b["loss_mean"], b["loss_std"] = mean_std(losses)
+    b["loss_ci"] = statistics.mean_ci(losses) if len(losses) > 1 else None
+    b["seeds"] = sorted(r["seed"] for r in finished)
+    b["confirmation_runs"] = len(runs)
+
+
+def _of_current_axes(run: dict, current_axes: dict) -> bool:
+    return set(run["settings"]) - {"lr"} == set(current_axes.get(run["optimizer"], []))
+
+
+def summarize_sweep(
+    runs: Sequence[SweepRun],
+    last_k: int,
+    baseline: str = DEFAULT_BASELINE,
+    confirm_seeds: Sequence[int] = (),
+    current_axes: Optional[dict] = None,
+) -> dict:
     """Per run; per cell (optimizer, budget, settings) over seeds; per optimizer its best settings at each budget,
-    compared with the baseline's best (difference with Welch's 95% interval, speedup at matched loss); and, with
-    three or more budgets, the baseline's power-law fit. ``best`` is the verdict at the largest budget."""
+    compared with the baseline's best (difference with a paired or Welch's 95% interval, speedup at matched loss);
+    and, with three or more budgets, the baseline's power-law fit with bootstrap intervals. ``best`` is the verdict
+    at the largest budget.
+
+    With ``confirm_seeds`` the cells and best settings come from the other (selection) seeds only, and the verdict
+    from the runs of the best settings on the confirmation seeds only, so that choosing the best of many settings
+    cannot favour an optimizer by the luck of its seeds. With ``current_axes`` (optimizer: its swept options other than
+    the lr) only the runs of those options are ranked; the others (``older_runs``) are listed apart."""
     data = check_same_data(runs)
     finished = [r for r in runs if r.status["outcome"] == FINISHED]
     by_validation = bool(finished) and all(VALIDATION_LOSS in r.scalars for r in finished)
-    summaries = [sweep_run_summary(r, last_k, by_validation) for r in runs]
-    optimizers = list(dict.fromkeys(r["optimizer"] for r in summaries))
-    budgets = sorted({r["budget"] for r in summaries}, key=lambda b: (b is not None, b or 0))
+    every = [sweep_run_summary(r, last_k, by_validation) for r in runs]
+    confirming = set(confirm_seeds)
+    older = [r for r in every if current_axes is not None and not _of_current_axes(r, current_axes)]
+    ranked = [r for r in every if r not in older]
+    summaries = [r for r in ranked if r["seed"] not in confirming]
+    confirmations = [r for r in ranked if r["seed"] in confirming]
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in every))
+    budgets = sorted({r["budget"] for r in every}, key=lambda b: (b is not None, b or 0))
     grid, best_by_budget = [], {}
     for budget in budgets:
         best_by_budget[budget] = {}
@@ -365,13 +472,18 @@ def summarize_sweep(runs: Sequence[SweepRun], last_k: int, baseline: str = DEFAU
                 for s in sorted(settings.values(), key=settings_order)
             ]
             grid.extend(cells)
-            best_by_budget[budget][optimizer] = _best(mine, cells)
+            b = best_by_budget[budget][optimizer] = _best(mine, cells)
+            b["settings_tried"] = len(cells)
+            b["edges"] = grid_edges(b["settings"], cells) if b["settings"] else []
+            if confirming:
+                _confirm(b, cell_runs(confirmations, optimizer, budget, b["settings"]))
 
-    # The comparison with the baseline needs the curves of the best cells only.
+    # The comparison with the baseline needs the curves of the best cells only (their confirmation runs if any).
+    verdict_runs = confirmations if confirming else summaries
     by_name = {r.spec.name: r for r in runs}
     for budget, best in best_by_budget.items():
         base = best.get(baseline)
-        base_runs = cell_runs(summaries, baseline, budget, base["settings"]) if base else []
+        base_runs = cell_runs(verdict_runs, baseline, budget, base["settings"]) if base else []
         curves = {}
         for r in base_runs:
             if r["outcome"] == FINISHED:
@@ -379,12 +491,19 @@ def summarize_sweep(runs: Sequence[SweepRun], last_k: int, baseline: str = DEFAU
                 if curve is not None:
                     curves[r["name"]] = curve
         for optimizer, b in best.items():
-            chosen = cell_runs(summaries, optimizer, budget, b["settings"])
+            chosen = cell_runs(verdict_runs, optimizer, budget, b["settings"])
+            b["seed_losses"] = [r["rank_loss"] for r in chosen if _ranked(r)]
+            if optimizer == baseline:
+                b["versus_baseline"] = None
+                b["speedup"] = _own_speedup(chosen) if b["seed_losses"] else None
+                continue
             b["versus_baseline"] = _versus(chosen, base_runs) if base_runs else None
             b["speedup"] = _speedup_of(chosen, base_runs, curves) if curves else None
 
     ranked_by = f"last {VALIDATION_LOSS}" if by_validation else f"mean of the last {last_k} logged training losses"
-    seeds = max((len(c["seeds"]) for c in grid), default=0)
+    # Seeds per cell, or per verdict when confirmation seeds outnumber the selection's.
+    verdict_seeds = [len(b["seeds"]) for best in best_by_budget.values() for b in best.values()]
+    seeds = max([len(c["seeds"]) for c in grid] + verdict_seeds, default=0)
     return {
         "ranked_by": ranked_by,
         "by_validation": by_validation,
@@ -395,12 +514,15 @@ def summarize_sweep(runs: Sequence[SweepRun], last_k: int, baseline: str = DEFAU
         "baseline": baseline,
         "baseline_found": baseline in optimizers,
         "seeds": seeds,
-        "seeds_varied": seeds_varied(summaries),
+        "selection_seeds": sorted({r["seed"] for r in summaries}),
+        "confirmation_seeds": sorted(confirming),
+        "older_runs": [r["name"] for r in older],
+        "seeds_varied": seeds_varied(every),
         "data": data,
-        "runs": summaries,
+        "runs": every,
         "grid": grid,
         "budgets": [b for b in budgets if b is not None],
         "best_by_budget": [{"budget": budget, "best": best} for budget, best in best_by_budget.items()],
         "best": best_by_budget[budgets[-1]] if budgets else {},
-        "budget_fit": budget_fit(best_by_budget, baseline, summaries),
+        "budget_fit": budget_fit(best_by_budget, baseline, verdict_runs),
     }

@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Optional
 
 from torchtitan.errors import UserError
+from torchtitan.study.confirmation import confirmation_specs, parse_confirm_seeds
+from torchtitan.study.earlier_runs import adopt_earlier_runs, current_axes
 from torchtitan.study.plan import (
+    DEFAULT_LAST_K,
     FAILED,
     RUNS_FOLDER,
     check_axes,
@@ -33,6 +36,7 @@ from torchtitan.study.plan import (
     parse_seeds,
     plan,
     preflight_jobs,
+    recorded_settings,
     tokens_per_step,
 )
 from torchtitan.study.report import PAGE_NAME, REPORT_NAME, InterimReport, format_markdown, write_report
@@ -94,9 +98,10 @@ def _to_check(specs, spaces) -> list:
 
 def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
     """Train what the sweep still lacks (nothing with ``--report-only``), write the report; the exit code."""
-    if args.last_k < 1:
-        raise UserError(f"--last-k must be at least 1; got {args.last_k}")
     dump = Path(args.dump_folder).resolve()
+    last_k = args.last_k if args.last_k is not None else recorded_settings(dump).get("last_k", DEFAULT_LAST_K)
+    if last_k < 1:
+        raise UserError(f"--last-k must be at least 1; got {last_k}")
     if args.report_only:
         if not (dump / RUNS_FOLDER).is_dir():
             raise UserError(f"'{dump}' holds no sweep runs ({RUNS_FOLDER}/); pass the dump folder of a sweep")
@@ -108,11 +113,16 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         slots = plan_slots(args.parallel, nproc, gpus)
         config_file = str(Path(args.config_file).resolve())
         check_train_options(train_args, args.vary_data_seed, budgets=args.budgets is not None)
+        if args.extend and args.search != "coordinate":
+            raise UserError("--extend steps a coordinate descent past its grid; add --search coordinate or drop it")
+        if args.extend < 0:
+            raise UserError(f"--extend must be 0 or more; got {args.extend}")
         if args.start and args.search != "coordinate":
             raise UserError("--start sets where a coordinate descent starts; add --search coordinate or drop --start")
         budgets, warmup_fraction = _budgets(args, config_file, nproc, train_args)
         axes = [parse_axis(raw, args.budgets is not None, args.vary_data_seed) for raw in args.axis]
         optimizers, lrs, seeds = items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds)
+        confirm_seeds = parse_confirm_seeds(args.confirm_seeds, seeds)
         specs = plan(optimizers, lrs, seeds, budgets, axes, train_args)
         spaces = None
         if args.search == "coordinate":
@@ -123,21 +133,30 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
             settings["vary_data_seed"] = True
         if warmup_fraction is not None:  # the budgets themselves may grow: new budgets extend the sweep
             settings["warmup_fraction"] = warmup_fraction
+        if last_k != DEFAULT_LAST_K:  # the descent and the report rank by it; --report-only reads it back
+            settings["last_k"] = last_k
         with lock_sweep(dump):
             check_settings(dump, settings)
             launcher = shlex.split(args.launcher)
-            interim = InterimReport(dump, args.last_k, args.baseline)
+            interim = InterimReport(dump, last_k, args.baseline)
             runner = Runner(dump, config_file, nproc, train_args, launcher, slots, args.vary_data_seed, interim)
-            write_search(dump, args.search, spaces or {}, seeds, budgets)
+            specs = adopt_earlier_runs(dump, specs, axes, config_file, train_args)  # an axis added: theirs too
+            write_search(
+                dump, args.search, spaces or {}, seeds, budgets, confirm_seeds, current_axes(specs, axes, train_args)
+            )
             if spaces is None:
                 statuses = run_all(runner, specs)
                 failed = [s for s in statuses if s["outcome"] == FAILED]
                 failed_text = f"{len(failed)} of {len(statuses)} runs failed (see their train.log)"
             else:
-                found = run_descents(runner, read_search(dump), budgets, args.last_k)
+                found = run_descents(runner, read_search(dump), budgets, last_k, args.extend)
                 failed = [d for _, _, _, d in found if d.state == "blocked"]
                 failed_text = f"{len(failed)} of {len(found)} descents stopped at a run that failed (see its train.log)"
-    report = write_report(dump, args.last_k, args.baseline)
+            if confirm_seeds and not failed:  # the best settings are known: train them on the confirmation seeds
+                statuses = run_all(runner, confirmation_specs(dump, last_k, confirm_seeds))
+                failed = [s for s in statuses if s["outcome"] == FAILED]
+                failed_text = f"{len(failed)} of {len(statuses)} confirmation runs failed (see their train.log)"
+    report = write_report(dump, last_k, args.baseline)
     if report is None:
         raise UserError(f"no run in '{dump}' has ended yet; run the sweep first")
     print(format_markdown(report))

@@ -4,7 +4,7 @@
         [--seeds 0,1,2] [--vary-data-seed] [--axis [OPTIMIZER:]SECTION.KEY=V1,V2 ...] \\
         [--search grid | coordinate [--start [OPTIMIZER:]SECTION.KEY=V ...]] [--budgets 2e8,4e8 | 1x,2x] \\
         [--warmup-fraction F] [--baseline AdamW] [--nproc N] [--parallel K] [--config-file X.toml] \\
-        [--last-k 10] -- [train.py options]
+        [--last-k 10] [--confirm-seeds 3,4,5] -- [train.py options]
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only [--baseline AdamW]
 
 Every (optimizer, lr, seed) runs once through ``run_llama_train.sh`` with the same config and options, in its own
@@ -130,7 +130,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config-file", default=DEFAULT_CONFIG, help=f"job config of every run (default {DEFAULT_CONFIG})")
     p.add_argument(
-        "--last-k", type=int, default=10, help="final training loss = mean of the last k logged values (default 10)"
+        "--last-k",
+        type=int,
+        default=None,
+        help="final training loss = mean of the last k logged values (default: the sweep's recorded k, else 10)",
     )
     p.add_argument(
         "--baseline",
@@ -144,7 +147,25 @@ def _parser() -> argparse.ArgumentParser:
         help="command that trains one run, given NGPU and CONFIG_FILE in its environment and the train.py "
         "options as arguments (default: the repository's run_llama_train.sh)",
     )
+    add_verdict_options(p)
     return p
+
+
+def add_verdict_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--confirm-seeds",
+        default=None,
+        help="once the search on --seeds is done, train each optimizer's best settings again on these seeds (space- "
+        "or comma-separated, none of --seeds); the verdict then uses only these runs",
+    )
+    p.add_argument(
+        "--extend",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --search coordinate: where a descent stops at an end of its grid, try the next value past it (by "
+        "the grid's ratio, or its step), up to N values per optimizer, until the optimum is inside (default 0)",
+    )
 
 
 def sweep(argv: Sequence[str]) -> int:
