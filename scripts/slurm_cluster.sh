@@ -20,7 +20,7 @@ MAX_TIME=01:00:00
 log() { echo "slurm_cluster: $*" >&2; }
 
 is_up() {
-    command -v sinfo >/dev/null 2>&1 && timeout 5 sinfo -h -o '%T' 2>/dev/null | grep -qE '^(idle|mixed|allocated)'
+    command -v sinfo >/dev/null 2>&1 && timeout 5 sinfo -h -o '%T' 2>/dev/null | grep -qE '^(idle|mixed|allocated|completing)'
 }
 
 install_packages() {

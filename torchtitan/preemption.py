@@ -27,6 +27,13 @@ from torchtitan.errors import Preempted
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A data loader worker's ``worker_init_fn``: the stop signals are the training process's to handle (Slurm
+    signals every process of a job step; a worker ended by one would fail the step it should finish)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class Preemption:
     """Notes a stop signal; the training loop polls :meth:`requested` after each step."""
 

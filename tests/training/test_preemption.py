@@ -58,7 +58,10 @@ def signalled_run(dump: str, sig: int, nproc: int = 1, rank: int = 0) -> tuple[i
     with processes.started(command, env=env, cwd=ROOT, **pipes) as child:
         output = processes.LineReader(child.stdout)
         output.wait_for(lambda lines: any(f"step:{SIGNAL_AFTER:>6}" in line for line in lines), timeout=300)
-        os.kill(child.pid if nproc == 1 else rank_pid(child.pid, rank), sig)
+        if nproc == 1:  # to every process of the run, data loader workers too, as Slurm signals a job step
+            os.killpg(child.pid, sig)
+        else:
+            os.kill(rank_pid(child.pid, rank), sig)
         code = child.wait(timeout=300)
         output.wait_for(lambda lines: any(line.startswith("preempted: ") for line in lines), timeout=60)
     return code, output.text()

@@ -347,7 +347,8 @@ run_dir=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {runs})
 record() {{ PYTHONPATH={root} {python} -m torchtitan.study.slurm "$1" "$run_dir" "${{2:-}}"; }}
 stop=""
 step=""
-forward() {{ stop=$1; [ -n "$step" ] && kill -TERM "$step" 2>/dev/null; }}
+# SIGTERM to the run's processes through Slurm (not to srun, which would end the step at once)
+forward() {{ stop=$1; [ -n "$step" ] && scancel --signal=TERM "$SLURM_JOB_ID"; }}
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 record started
