@@ -8,8 +8,9 @@ a moment later stops at the same step), save the step they are at whatever the c
 :class:`torchtitan.errors.Preempted`, whose exit code (:data:`torchtitan.errors.PREEMPTED_EXIT_CODE`) tells a job
 script to requeue the run; started again with the same command, it resumes from that checkpoint, bit for bit.
 
-A second signal of the same kind while the step finishes ends the process at once (the default action), so that an
-impatient Ctrl-C or ``kill`` still works.
+Later stop signals change nothing (torchrun, itself signalled, passes SIGTERM on to its workers), but torchrun
+SIGKILLs its workers 30 s after that: under torchrun, a step and its save must fit in those 30 s. Ctrl-C (SIGINT)
+still interrupts at once.
 """
 
 from __future__ import annotations
@@ -44,8 +45,7 @@ class Preemption:
             self._previous[sig] = signal.signal(sig, self._note)
 
     def _note(self, signum, frame) -> None:
-        self.received = signum
-        signal.signal(signum, signal.SIG_DFL)  # a second one of the same kind ends the process at once
+        self.received = self.received or signum  # later ones change nothing: torchrun passes its own SIGTERM on
 
     def requested(self, group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
         """Whether any rank of ``group`` (the world; None for one process) received a stop signal."""
