@@ -205,3 +205,19 @@ def test_a_run_warned_ahead_of_its_time_limit_is_requeued_and_resumes_bit_for_bi
     assert final.keys() == straight.keys()
     for name, tensor in straight.items():
         assert torch.equal(final[name], tensor), name
+
+
+def test_a_coordinate_descent_submits_each_round_when_the_one_before_ends(dump, capsys):
+    descent = ["--optimizers", "AdamW", "--lrs", "3e-4,1e-3,3e-3,1e-2", "--search", "coordinate", "--nproc", "1"]
+    descent += ["--start", "optimizer.lr=3e-3", "--parallel", "2"]
+    assert sweep(dump, *descent, launcher=FAKE) == 0  # the start point only, then the sweep exits
+    assert "submitted 1 run(s)" in capsys.readouterr().out and len(job_scripts(dump)) == 1
+
+    assert sweep(dump, *descent, "--wait", launcher=FAKE) == 0  # every round, each when the one before ended
+    out = capsys.readouterr().out
+    assert "not submitted again" in out or "finished earlier" in out
+    # The fake loss is lowest at 1e-3: start 3e-3, round 2 its neighbours 1e-3 and 1e-2, round 3 1e-3's other
+    # neighbour 3e-4; then no step improves.
+    assert len(job_scripts(dump)) == 3
+    assert set(statuses(dump)) == {f"AdamW_lr{lr}_seed0" for lr in ("3e-4", "1e-3", "3e-3", "1e-2")}
+    assert "converged" in (dump / "sweep.md").read_text()

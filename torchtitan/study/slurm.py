@@ -377,7 +377,7 @@ record ended "$code"
 @dataclass
 class _Job:
     spec: RunSpec
-    job_id: str
+    job_id: Optional[str]  # None until submitted; "" when a full queue took it not
 
 
 class SlurmRunner:
@@ -407,7 +407,6 @@ class SlurmRunner:
         self.vary_data_seed = vary_data_seed
         self.after_each = after_each
         self.running: list[_Job] = []
-        self._queued: list[tuple[RunSpec, str]] = []
 
     def __enter__(self) -> "SlurmRunner":
         return self
@@ -425,10 +424,10 @@ class SlurmRunner:
             print(f"{label} {spec.name}: Slurm job {job['job_id']} is still there, not submitted again", flush=True)
             self.running.append(_Job(spec, job["job_id"]))
             return
-        self._queued.append((spec, label))
+        self.running.append(_Job(spec, None))  # submitted with the others at the next wait()
 
     def _submit(self) -> None:
-        queued, self._queued = self._queued, []
+        queued = [(job.spec, job) for job in self.running if job.job_id is None]
         folder = self.dump / SLURM_FOLDER
         folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
@@ -467,7 +466,8 @@ class SlurmRunner:
                     "the same command again later",
                     flush=True,
                 )
-                self.running += [_Job(spec, "") for spec, _ in queued]
+                for _, job in queued:
+                    job.job_id = ""
                 return
             raise refusal(result.stderr)
         array = result.stdout.strip().split(";")[0]
@@ -477,7 +477,7 @@ class SlurmRunner:
             fields.update(command=shlex.join(command), environment=recorded)
             job = {"job_id": f"{array}_{index}", "array": array, "submitted": time.time(), "fields": fields}
             (run_dir / JOB_FILE).write_text(json.dumps(job, indent=1) + "\n")
-            self.running.append(_Job(spec, job["job_id"]))
+            queued[index][1].job_id = job["job_id"]
         print(
             f"slurm: submitted {len(queued)} run(s) as job array {array}, {self.parallel} at a time "
             f"(job script {script})",
@@ -487,7 +487,7 @@ class SlurmRunner:
     def wait(self) -> tuple[RunSpec, dict]:
         """The next run to end and its status; without ``--wait``, the next run Slurm holds, at once, with the
         outcome "submitted" (written nowhere: the sweep leaves it to Slurm)."""
-        if self._queued:
+        if any(job.job_id is None for job in self.running):
             self._submit()
         unsubmitted = next((job for job in self.running if not job.job_id), None)
         if unsubmitted is not None:  # a full queue took none of them: neither running nor failed, submitted next time
