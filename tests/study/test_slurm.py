@@ -12,6 +12,7 @@ Without Slurm these tests skip with one line; with CI=true they fail.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -32,14 +33,19 @@ TINY = ["--training.seq_len", "32", "--training.batch_size", "2", "--metrics.log
 TIMEOUT = 300
 
 
+@functools.cache
 def slurm_is_up() -> bool:
+    """Asked once: whether Slurm's commands are here and its controller answers (sinfo waits long on one down)."""
     if shutil.which("sinfo") is None:
         return False
-    up = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    try:
+        up = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=5)
+    except subprocess.TimeoutExpired:
+        return False
     return up.returncode == 0 and any(s in up.stdout for s in ("idle", "mixed", "allocated", "completing"))
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def slurm(monkeypatch):
     """A Slurm cluster that takes jobs, and jobs that find this repository's Python (they inherit this environment)."""
     if not slurm_is_up():
@@ -55,7 +61,7 @@ def slurm(monkeypatch):
 
 
 @pytest.fixture
-def dump(tmp_path):
+def dump(slurm, tmp_path):
     """The sweep's folder; every job of it is cancelled at the end, whatever happens."""
     folder = tmp_path / "study"
     yield folder

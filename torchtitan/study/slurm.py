@@ -302,7 +302,8 @@ def run_state(run_dir: Path, states: dict[str, tuple[str, str]]) -> tuple[str, s
         events = [e for e in read_events(run_dir) if e.get("job_id") == job["job_id"]]
         requeued = bool(events) and events[-1]["event"] == PREEMPTED
         if state == "PENDING":
-            return (PREEMPTED if requeued else PENDING), f"job {job['job_id']}, {reason}"
+            why = f", {reason}" if reason and reason != "None" else ""
+            return (PREEMPTED if requeued else PENDING), f"job {job['job_id']}{why}"
         return RUNNING, f"job {job['job_id']}, {state.lower()}"
     status = read_status(run_dir)
     if status is not None:
