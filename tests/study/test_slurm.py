@@ -118,7 +118,8 @@ def test_a_study_through_slurm_is_one_job_array_and_a_second_call_submits_nothin
 def test_a_live_job_is_never_submitted_again_and_a_full_queue_is_no_failure(dump, capsys):
     # The whole node taken by another job: the run waits in the queue.
     blocker = subprocess.run(
-        ["sbatch", "--parsable", "--exclusive", "--job-name", f"study-{dump.name}", "-o", "/dev/null", "--wrap", "sleep 300"],
+        ["sbatch", "--parsable", "--exclusive", "--job-name", f"study-{dump.name}", "-o", "/dev/null"]
+        + ["--wrap", "sleep 300"],
         capture_output=True,
         text=True,
         check=True,
