@@ -228,3 +228,43 @@ def test_a_coordinate_descent_submits_each_round_when_the_one_before_ends(dump, 
     assert len(job_scripts(dump)) == 3
     assert set(statuses(dump)) == {f"AdamW_lr{lr}_seed0" for lr in ("3e-4", "1e-3", "3e-3", "1e-2")}
     assert "converged" in (dump / "sweep.md").read_text()
+
+
+def fake_slurm(folder: Path, sbatch_error: str) -> str:
+    """A PATH whose sinfo shows one idle node and whose sbatch refuses with ``sbatch_error``."""
+    folder.mkdir()
+    scripts = {
+        "sinfo": "echo 'debug*|1:00:00|1|2|(null)'",
+        "squeue": "true",
+        "sacct": "echo 'Slurm accounting storage is disabled' >&2; exit 1",
+        "sbatch": f"echo {json.dumps(sbatch_error)} >&2; exit 1",
+    }
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+        (folder / name).chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
+
+
+def test_a_full_queue_submits_nothing_and_is_no_failure(tmp_path, monkeypatch, capsys):
+    full = (
+        "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy (job submit limit, user's "
+        "size and/or time limits)"
+    )
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", full))
+    dump = tmp_path / "study"
+    assert sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3,3e-3", "--nproc", "1", launcher=FAKE) == 0
+    out = capsys.readouterr().out
+    assert "the queue takes no more jobs now (Batch job submission failed: Job violates" in out
+    assert "nothing submitted, run the same command again later" in out
+    assert not list((dump / "runs").glob(f"*/{JOB_FILE}"))  # nothing recorded as submitted: the next call submits
+
+
+def test_any_other_sbatch_refusal_is_one_line_naming_the_option(tmp_path, monkeypatch, capsys):
+    refused = "sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified"
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", refused))
+    assert (
+        sweep(tmp_path / "study", "--optimizers", "AdamW", "--lrs", "1e-3", "--slurm-account", "x", launcher=FAKE) == 2
+    )
+    line = one_error_line(capsys)
+    assert "Slurm refused the job array: Batch job submission failed: Invalid account" in line
+    assert line.endswith("check --slurm-account")

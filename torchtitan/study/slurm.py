@@ -58,8 +58,8 @@ PENDING, RUNNING, PREEMPTED = "pending", "running", "preempted"
 SUBMITTED = "submitted"  # what the sweep says of a run it leaves to Slurm (written nowhere)
 # Words of sbatch's refusals, and the option of the sweep each points to.
 REFUSAL_OPTIONS = (
+    ("account", "--slurm-account"),  # before partition: "Invalid account or account/partition combination"
     ("partition", "--slurm-partition"),
-    ("account", "--slurm-account"),
     ("time limit", "--slurm-time"),
     ("array", "--parallel"),
     ("gres", "--slurm-gpus"),
@@ -67,7 +67,7 @@ REFUSAL_OPTIONS = (
     ("node", "--slurm-nodes"),
 )
 # Refusals that mean "not now" (a full queue, a busy controller), not "never": nothing is submitted, nothing failed.
-QUEUE_FULL = ("MaxSubmit", "job submit limit", "temporarily", "Resource temporarily unavailable", "QOSMaxSubmit")
+QUEUE_FULL = ("MaxSubmit", "job submit limit", "temporarily", "did not answer")
 
 
 def add_scheduler_options(p: argparse.ArgumentParser) -> None:
@@ -183,11 +183,15 @@ def time_seconds(text: str) -> int:
 # Asking Slurm
 
 
-def _slurm(command: Sequence[str]) -> subprocess.CompletedProcess:
+def _slurm(command: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """A Slurm command's result; one that does not answer in time (sbatch retries while the controller takes no
+    more jobs) ends with code 124 and says so."""
     try:
-        return subprocess.run(list(command), capture_output=True, text=True, timeout=60)
+        return subprocess.run(list(command), capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
         raise UserError(f"{command[0]} is not here: --scheduler slurm needs Slurm's commands on this machine") from None
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(list(command), 124, "", f"{command[0]}: did not answer in {timeout:g} s")
 
 
 def check_cluster(settings: SlurmSettings, parallel: int, nproc: int) -> None:

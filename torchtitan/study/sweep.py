@@ -149,7 +149,7 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
                 failed = [d for _, _, _, d in found if d.state == "blocked"]
                 failed_text = f"{len(failed)} of {len(found)} descents stopped at a run that failed (see its train.log)"
     report = write_report(dump, args.last_k, args.baseline)
-    if report is None and not print_states(dump):
+    if report is None and not print_states(dump) and slurm is None:
         raise UserError(f"no run in '{dump}' has ended yet; run the sweep first")
     if report is not None:
         print(format_markdown(report))
