@@ -2,6 +2,8 @@
 # Train Llama 3 with torchrun on this machine.
 #   NGPU         processes to start (default: the number of GPUs, else 2 on a CPU-only machine)
 #   CONFIG_FILE  job config (default: ./train_configs/debug_model.toml)
+#   NNODES       nodes of the job (default 1); above 1, each node runs this script (srun), and torchrun meets the
+#                others at RDZV_ENDPOINT (host:port of the first node) for job RDZV_ID
 #   extra arguments go to train.py, e.g. ./run_llama_train.sh --optimizer.name AdamMini --training.steps 100
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -12,6 +14,12 @@ if [ -z "${NGPU:-}" ]; then
 fi
 CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+if [ "${NNODES:-1}" -gt 1 ]; then
+    python -m torchtitan.preflight --nproc $((NNODES * NGPU)) --job.config_file "$CONFIG_FILE" "$@"
+    exec torchrun --nnodes "$NNODES" --nproc_per_node "$NGPU" --rdzv_id "$RDZV_ID" --rdzv_backend c10d \
+        --rdzv_endpoint "$RDZV_ENDPOINT" train.py --job.config_file "$CONFIG_FILE" "$@"
+fi
 
 if [ "$NGPU" -eq 1 ]; then
     # One process needs no launcher: train.py checks the job itself and reports a mistake as one line.

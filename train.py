@@ -42,6 +42,7 @@ from torchtitan.metrics import (
     run_header,
 )
 from torchtitan.optim import build_optimizers
+from torchtitan.preemption import Preemption
 from torchtitan.preflight import preflight
 from torchtitan.profiling import maybe_profile
 from torchtitan.step_timing import StepTimer
@@ -137,6 +138,7 @@ def main(job_config: JobConfig) -> None:
     )
     window_start, window_steps = time.perf_counter(), 0
     first_step = train_state.step + 1
+    preemption = Preemption()  # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/preemption.py)
     with maybe_profile(job_config, train_state) as profiler, GarbageCollection(t.gc_freq) as garbage_collection:
         while train_state.step < t.steps:
             train_state.step += 1
@@ -201,6 +203,8 @@ def main(job_config: JobConfig) -> None:
                 logger.warning(f"the last step was skipped: no final checkpoint; {checkpoint.resume_hint()}")
             if profiler is not None:
                 profiler.step()
+            if train_state.step < t.steps and preemption.requested(_world_group(), device):
+                raise preemption.stop(checkpoint, train_state.step, updated, metric_logger)
 
     checkpoint.close()
     metric_logger.close()

@@ -233,31 +233,43 @@ class Runner:
         return ended.spec, status
 
     def _record(self, run: _Running) -> dict:
-        spec, exit_code = run.spec, run.process.returncode
-        run_dir = run_folder(self.dump, spec)
-        scalars = merged_scalars(run_dir)
-        status = {
-            "optimizer": spec.optimizer,
-            "lr": spec.lr,
-            "seed": spec.seed,
-            **({"data_seed": spec.seed} if self.vary_data_seed else {}),
-            **({"options": {k: axis_value(v) for k, v in spec.options}} if spec.options else {}),
-            **({"option_values": dict(spec.options)} if spec.options else {}),
-            **(spec.budget.status() if spec.budget else {}),
-            "outcome": outcome(exit_code, scalars),
-            "exit_code": exit_code,
-            "command": shlex.join(run.command),
-            "environment": run.environment,
-            "started": run.started,
-            "seconds": round(time.time() - run.started, 1),
-            "ended": time.time(),
-        }
-        if status["outcome"] == DIVERGED and exit_code == 0:
-            status["message"] = f"non-finite loss logged at step {diverged_at_step(scalars)}"
-        elif status["outcome"] != FINISHED:
-            status["message"] = _last_error_line(run_dir / LOG_FILE)
-        write_status(run_dir, status)
+        fields = spec_fields(run.spec, self.vary_data_seed)
+        fields.update(command=shlex.join(run.command), environment=run.environment)
+        status = ended_status(fields, run.process.returncode, run_folder(self.dump, run.spec), run.started)
+        write_status(run_folder(self.dump, run.spec), status)
         return status
+
+
+def spec_fields(spec: RunSpec, vary_data_seed: bool = False) -> dict:
+    """What a run's status says of its cell: optimizer, lr, seed, data seed, swept options and budget."""
+    return {
+        "optimizer": spec.optimizer,
+        "lr": spec.lr,
+        "seed": spec.seed,
+        **({"data_seed": spec.seed} if vary_data_seed else {}),
+        **({"options": {k: axis_value(v) for k, v in spec.options}} if spec.options else {}),
+        **({"option_values": dict(spec.options)} if spec.options else {}),
+        **(spec.budget.status() if spec.budget else {}),
+    }
+
+
+def ended_status(fields: dict, exit_code: int, run_dir: Path, started: float) -> dict:
+    """A run's ``sweep_status.json`` once it ended with ``exit_code``: ``fields`` (its cell, command and environment)
+    with its outcome, read from what it logged, its times and, unless it finished, why."""
+    scalars = merged_scalars(run_dir)
+    status = {
+        **fields,
+        "outcome": outcome(exit_code, scalars),
+        "exit_code": exit_code,
+        "started": started,
+        "seconds": round(time.time() - started, 1),
+        "ended": time.time(),
+    }
+    if status["outcome"] == DIVERGED and exit_code == 0:
+        status["message"] = f"non-finite loss logged at step {diverged_at_step(scalars)}"
+    elif status["outcome"] != FINISHED:
+        status["message"] = _last_error_line(run_dir / LOG_FILE)
+    return status
 
 
 def _raise_keyboard_interrupt(signum, frame):

@@ -40,8 +40,9 @@ from torchtitan.study.plan import (
     tokens_per_step,
 )
 from torchtitan.study.report import PAGE_NAME, REPORT_NAME, InterimReport, format_markdown, write_report
-from torchtitan.study.scheduling import Runner, plan_slots, run_all, visible_gpus
+from torchtitan.study.scheduling import Runner, is_done, plan_slots, run_all, visible_gpus
 from torchtitan.study.search import parse_starts, read_search, run_descents, search_spaces, specs_of, write_search
+from torchtitan.study.slurm import SlurmRunner, check_cluster, print_states, slurm_settings
 
 
 def _default_nproc(gpus: list[str], parallel: int) -> int:
@@ -102,15 +103,20 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
     last_k = args.last_k if args.last_k is not None else recorded_settings(dump).get("last_k", DEFAULT_LAST_K)
     if last_k < 1:
         raise UserError(f"--last-k must be at least 1; got {last_k}")
+    slurm = slurm_settings(args)
     if args.report_only:
         if not (dump / RUNS_FOLDER).is_dir():
             raise UserError(f"'{dump}' holds no sweep runs ({RUNS_FOLDER}/); pass the dump folder of a sweep")
     else:
         if args.nproc is not None and args.nproc < 1:
             raise UserError(f"--nproc must be at least 1; got {args.nproc}")
-        gpus = visible_gpus(dict(os.environ))
-        nproc = args.nproc or _default_nproc(gpus, args.parallel)
-        slots = plan_slots(args.parallel, nproc, gpus)
+        if slurm is None:
+            gpus = visible_gpus(dict(os.environ))
+            nproc = args.nproc or _default_nproc(gpus, args.parallel)
+            slots = plan_slots(args.parallel, nproc, gpus)
+        else:  # each run on GPUs Slurm gives it: --slurm-gpus per node, one process per GPU
+            nproc = args.nproc or slurm.gpus or 1
+            check_cluster(slurm, args.parallel, nproc)
         config_file = str(Path(args.config_file).resolve())
         check_train_options(train_args, args.vary_data_seed, budgets=args.budgets is not None)
         if args.extend and args.search != "coordinate":
@@ -139,7 +145,12 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
             check_settings(dump, settings)
             launcher = shlex.split(args.launcher)
             interim = InterimReport(dump, last_k, args.baseline)
-            runner = Runner(dump, config_file, nproc, train_args, launcher, slots, args.vary_data_seed, interim)
+            if slurm is None:
+                runner = Runner(dump, config_file, nproc, train_args, launcher, slots, args.vary_data_seed, interim)
+            else:
+                runner = SlurmRunner(
+                    dump, config_file, nproc, train_args, launcher, slurm, args.parallel, args.vary_data_seed, interim
+                )
             specs = adopt_earlier_runs(dump, specs, axes, config_file, train_args)  # an axis added: theirs too
             write_search(
                 dump, args.search, spaces or {}, seeds, budgets, confirm_seeds, current_axes(specs, axes, train_args)
@@ -152,15 +163,23 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
                 found = run_descents(runner, read_search(dump), budgets, last_k, args.extend)
                 failed = [d for _, _, _, d in found if d.state == "blocked"]
                 failed_text = f"{len(failed)} of {len(found)} descents stopped at a run that failed (see its train.log)"
-            if confirm_seeds and not failed:  # the best settings are known: train them on the confirmation seeds
+            # Every selection run has ended (under Slurm the sweep may exit while they run): the best settings are
+            # known, so train them on the confirmation seeds.
+            if spaces is None:
+                ended = all(is_done(s) for s in statuses)
+            else:
+                ended = all(d.state == "converged" for *_, d in found)
+            if confirm_seeds and not failed and ended:
                 statuses = run_all(runner, confirmation_specs(dump, last_k, confirm_seeds))
                 failed = [s for s in statuses if s["outcome"] == FAILED]
                 failed_text = f"{len(failed)} of {len(statuses)} confirmation runs failed (see their train.log)"
     report = write_report(dump, last_k, args.baseline)
-    if report is None:
+    if report is None and not print_states(dump) and slurm is None:
         raise UserError(f"no run in '{dump}' has ended yet; run the sweep first")
-    print(format_markdown(report))
-    print(f"wrote {dump / REPORT_NAME}.png, .md, .json and {dump / PAGE_NAME}")
+    if report is not None:
+        print(format_markdown(report))
+        print(f"wrote {dump / REPORT_NAME}.png, .md, .json and {dump / PAGE_NAME}")
+        print_states(dump)
     if args.report_only:
         return 0
     if failed:

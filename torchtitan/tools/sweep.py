@@ -4,7 +4,8 @@
         [--seeds 0,1,2] [--vary-data-seed] [--axis [OPTIMIZER:]SECTION.KEY=V1,V2 ...] \\
         [--search grid | coordinate [--start [OPTIMIZER:]SECTION.KEY=V ...]] [--budgets 2e8,4e8 | 1x,2x] \\
         [--warmup-fraction F] [--baseline AdamW] [--nproc N] [--parallel K] [--config-file X.toml] \\
-        [--last-k 10] [--confirm-seeds 3,4,5] -- [train.py options]
+        [--last-k 10] [--confirm-seeds 3,4,5] [--scheduler slurm [--slurm-partition P] [--slurm-time T] ... [--wait]] \\
+        -- [train.py options]
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only [--baseline AdamW]
 
 Every (optimizer, lr, seed) runs once through ``run_llama_train.sh`` with the same config and options, in its own
@@ -12,9 +13,10 @@ folder ``{dump}/runs/{Optimizer}_lr{lr}_seed{seed}`` (its TensorBoard logs, chec
 ``--axis`` once per value of every axis, ``..._{option}{value}``, and with ``--budgets`` once per budget,
 ``..._tokens{budget}``, its training.steps the whole steps that fit in the budget and its warmup a share of them
 (docs/study-runs.md). ``--search coordinate`` trains only the points a coordinate descent from a start point visits
-(``sweep_search``). ``--parallel K`` trains K runs at once, each on GPUs of its own. Each run's folder keeps the
-command it ran with (``command.sh``) and, from train.py, its resolved config (``job_config.toml``); after a run ends
-the sweep writes ``sweep_status.json`` into that folder: the exit code, the command, its environment and the outcome:
+(``sweep_search``). ``--parallel K`` trains K runs at once, each on GPUs of its own; ``--scheduler slurm`` submits
+them as one Slurm job array instead, K at a time (docs/cluster.md). Each run's folder keeps the command it ran with
+(``command.sh``) and, from train.py, its resolved config (``job_config.toml``); after a run ends the sweep writes
+``sweep_status.json`` into that folder: the exit code, the command, its environment and the outcome:
 
 * ``finished`` - exit 0 with finite losses;
 * ``diverged`` - exit 3 (train.py stopped on non-finite loss or gradients) or a non-finite logged loss;
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import exit_code
+from torchtitan.study.slurm import add_scheduler_options
 from torchtitan.study.summary import DEFAULT_BASELINE
 from torchtitan.study.sweep import run_sweep
 
@@ -148,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
         "options as arguments (default: the repository's run_llama_train.sh)",
     )
     add_verdict_options(p)
+    add_scheduler_options(p)
     return p
 
 

@@ -1,0 +1,270 @@
+"""A study through a real Slurm cluster (``scripts/slurm_cluster.sh start``; ``.ci/run`` brings one up):
+
+- a 2-optimizer x 2-seed study of the debug model is submitted as one job array, the sweep exits, ``--report-only``
+  follows the runs to the end, and a second call submits nothing new;
+- a run warned as Slurm warns ahead of a time limit (USR1 to its job script) saves, is requeued, resumes, and ends
+  with losses and a final state equal to an uninterrupted run's, bit for bit;
+- bad input (an unknown partition, a time limit shorter than the warning, --parallel above what the partition runs
+  at once) stops the sweep with one line naming the option, and a full queue is not a failure.
+
+Without Slurm these tests skip with one line; with CI=true they fail.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import DEBUG_RUN, FAKE, ROOT, by_step, metric_rows, one_error_line, read_checkpoint, train
+from torchtitan.study.slurm import EVENTS_FILE, JOB_FILE, SLURM_FOLDER
+from torchtitan.tools.sweep import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+
+TINY = ["--training.seq_len", "32", "--training.batch_size", "2", "--metrics.log_freq", "1"]
+TIMEOUT = 300
+
+
+@functools.cache
+def slurm_is_up() -> bool:
+    """Asked once: whether Slurm's commands are here and its controller answers (sinfo waits long on one down)."""
+    if shutil.which("sinfo") is None:
+        return False
+    try:
+        up = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=5)
+    except subprocess.TimeoutExpired:
+        return False
+    return up.returncode == 0 and any(s in up.stdout for s in ("idle", "mixed", "allocated", "completing"))
+
+
+@pytest.fixture
+def slurm(monkeypatch):
+    """A Slurm cluster that takes jobs, and jobs that find this repository's Python (they inherit this environment)."""
+    if not slurm_is_up():
+        message = "no Slurm cluster here (scripts/slurm_cluster.sh start brings up one)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    bin_dir = str(Path(os.sys.executable).parent)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture
+def dump(slurm, tmp_path):
+    """The sweep's folder; every job of it is cancelled at the end, whatever happens."""
+    folder = tmp_path / "study"
+    yield folder
+    subprocess.run(["scancel", "--name", f"study-{folder.name}"], capture_output=True)
+
+
+def sweep(dump: Path, *args: str, train_args=(), launcher=None) -> int:
+    argv = ["--dump-folder", str(dump), "--scheduler", "slurm", "--last-k", "2", *args]
+    argv += ["--launcher", launcher] if launcher else []
+    return main([*argv, "--", *TINY, *train_args])
+
+
+def wait_until(predicate, what: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s; squeue:\n{_squeue()}")
+        time.sleep(1)
+
+
+def _squeue() -> str:
+    return subprocess.run(["squeue", "-r"], capture_output=True, text=True).stdout
+
+
+def statuses(dump: Path) -> dict[str, str]:
+    return {p.parent.name: json.loads(p.read_text())["outcome"] for p in (dump / "runs").glob("*/sweep_status.json")}
+
+
+def job_scripts(dump: Path) -> list[Path]:
+    return sorted((dump / SLURM_FOLDER).glob("array-*.sh"))
+
+
+def test_a_study_through_slurm_is_one_job_array_and_a_second_call_submits_nothing(dump, capsys):
+    study = ["--optimizers", "AdamW,AdamMini", "--lrs", "1e-3", "--seeds", "0,1", "--parallel", "2"]
+    assert sweep(dump, *study, train_args=["--training.steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "submitted 4 run(s) as job array" in out and ", 2 at a time" in out
+    (script,) = job_scripts(dump)
+    jobs = {json.loads((d / JOB_FILE).read_text())["job_id"] for d in (dump / "runs").iterdir()}
+    assert len({j.split("_")[0] for j in jobs}) == 1 and len(jobs) == 4  # one array, one task per run
+
+    wait_until(lambda: len(statuses(dump)) == 4, "the 4 runs ending")
+    assert main(["--dump-folder", str(dump), "--report-only", "--last-k", "2"]) == 0
+    report = capsys.readouterr().out
+    assert "slurm: 4 finished" in report
+    assert set(statuses(dump).values()) == {"finished"}
+
+    assert sweep(dump, *study, train_args=["--training.steps", "3"]) == 0
+    again = capsys.readouterr().out
+    assert "submitted" not in again.replace("finished earlier, skipped", "") and job_scripts(dump) == [script]
+    assert again.count("finished earlier, skipped") == 4
+
+
+def test_a_live_job_is_never_submitted_again_and_a_full_queue_is_no_failure(dump, capsys):
+    # The whole node taken by another job: the run waits in the queue.
+    blocker = subprocess.run(
+        ["sbatch", "--parsable", "--exclusive", "--job-name", f"study-{dump.name}", "-o", "/dev/null"]
+        + ["--wrap", "sleep 300"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    wait_until(lambda: f"{blocker} " in _running(), "the blocking job starting")
+    args = ["--optimizers", "AdamW", "--lrs", "1e-3", "--nproc", "1"]
+    assert sweep(dump, *args, launcher=FAKE) == 0
+    first = capsys.readouterr().out
+    assert "submitted 1 run(s)" in first and "slurm: 1 pending" in first
+    assert sweep(dump, *args, launcher=FAKE) == 0
+    second = capsys.readouterr().out
+    assert "is still there, not submitted again" in second and "slurm: 1 pending" in second
+    assert len(job_scripts(dump)) == 1
+
+
+def _state(job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+def _running() -> str:
+    return subprocess.run(["squeue", "-h", "-t", "R", "-o", "%i "], capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--slurm-partition", "no-such-partition"], "--slurm-partition"),
+        (["--slurm-time", "1"], "--slurm-time"),  # one minute: less than the 120 s warning before the limit
+        (["--slurm-time", "2:00:00"], "--slurm-time"),  # above the partition's time limit
+        (["--parallel", "64"], "--parallel"),
+    ],
+    ids=["partition", "time-below-warning", "time-above-limit", "parallel"],
+)
+def test_bad_slurm_input_is_one_line_naming_the_option(args, option, dump, capsys):
+    assert sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", *args, launcher=FAKE) == 2
+    line = one_error_line(capsys)
+    assert option in line, line
+    assert not (dump / SLURM_FOLDER).exists()
+
+
+def test_slurm_options_without_slurm_are_a_mistake(tmp_path, capsys):
+    argv = ["--dump-folder", str(tmp_path), "--launcher", FAKE, "--slurm-partition", "debug"]
+    assert main(argv) == 2
+    assert "--scheduler slurm" in one_error_line(capsys)
+
+
+def test_a_run_warned_ahead_of_its_time_limit_is_requeued_and_resumes_bit_for_bit(dump, tmp_path, capsys):
+    steps = 8
+    train_args = [
+        "--training.steps",
+        str(steps),
+        "--training.param_dtype",
+        "float64",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.interval",
+        "100",
+    ]
+    assert sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", "--nproc", "1", train_args=train_args) == 0
+    run_dir = next((dump / "runs").iterdir())
+    job = json.loads((run_dir / JOB_FILE).read_text())["job_id"]
+    log = run_dir / "train.log"
+    wait_until(lambda: log.exists() and "step:     2" in log.read_text(), "the run logging step 2", timeout=120)
+    # What Slurm does --signal seconds before the time limit: USR1 to the job script.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+    wait_until(lambda: "preempted" in (run_dir / EVENTS_FILE).read_text(), "the run stopping", timeout=120)
+    if _state(job) == "PENDING":  # requeued, waiting to start again
+        assert main(["--dump-folder", str(dump), "--report-only", "--last-k", "2"]) == 0
+        assert "slurm: 1 preempted" in capsys.readouterr().out
+        # A job requeued from outside waits about two minutes before it may start again; the test does not.
+        now = time.strftime("%Y-%m-%dT%H:%M:%S")
+        subprocess.run(["scontrol", "update", f"jobid={job}", f"StartTime={now}"], capture_output=True)
+    wait_until(lambda: statuses(dump).get(run_dir.name) is not None, "the run ending after its requeue")
+
+    events = [json.loads(line)["event"] for line in (run_dir / EVENTS_FILE).read_text().splitlines()]
+    assert events == ["started", "preempted", "started", "ended"], events
+    text = log.read_text()
+    assert "preempted: stopped on SIGTERM after step" in text and "resumed from step" in text
+    assert statuses(dump)[run_dir.name] == "finished", (run_dir / "sweep_status.json").read_text()
+
+    reference = tmp_path / "straight"
+    options = ["--optimizer.name", "AdamW", "--optimizer.lr", "0.001", "--training.seed", "0"]
+    train(reference, *TINY, *train_args, *options, cpu=True, base=DEBUG_RUN[:2])
+    expected = by_step(metric_rows(next((reference / "tb").iterdir())))
+    got: dict[int, float] = {}
+    for folder in sorted((run_dir / "tb").iterdir()):
+        got.update(by_step(metric_rows(folder)))
+    assert sorted(expected) == list(range(1, steps + 1)) and got == expected
+    final = read_checkpoint(run_dir / "checkpoint" / "AdamW" / f"step-{steps}")
+    straight = read_checkpoint(reference / "checkpoint" / "AdamW" / f"step-{steps}")
+    assert final.keys() == straight.keys()
+    for name, tensor in straight.items():
+        assert torch.equal(final[name], tensor), name
+
+
+def test_a_coordinate_descent_submits_each_round_when_the_one_before_ends(dump, capsys):
+    descent = ["--optimizers", "AdamW", "--lrs", "3e-4,1e-3,3e-3,1e-2", "--search", "coordinate", "--nproc", "1"]
+    descent += ["--start", "optimizer.lr=3e-3", "--parallel", "2"]
+    assert sweep(dump, *descent, launcher=FAKE) == 0  # the start point only, then the sweep exits
+    assert "submitted 1 run(s)" in capsys.readouterr().out and len(job_scripts(dump)) == 1
+
+    assert sweep(dump, *descent, "--wait", launcher=FAKE) == 0  # every round, each when the one before ended
+    out = capsys.readouterr().out
+    assert "not submitted again" in out or "finished earlier" in out
+    # The fake loss is lowest at 1e-3: start 3e-3, round 2 its neighbours 1e-3 and 1e-2, round 3 1e-3's other
+    # neighbour 3e-4; then no step improves.
+    assert len(job_scripts(dump)) == 3
+    assert set(statuses(dump)) == {f"AdamW_lr{lr}_seed0" for lr in ("3e-4", "1e-3", "3e-3", "1e-2")}
+    assert "converged" in (dump / "sweep.md").read_text()
+
+
+def fake_slurm(folder: Path, sbatch_error: str) -> str:
+    """A PATH whose sinfo shows one idle node and whose sbatch refuses with ``sbatch_error``."""
+    folder.mkdir()
+    scripts = {
+        "sinfo": "echo 'debug*|1:00:00|1|2|(null)'",
+        "squeue": "true",
+        "sacct": "echo 'Slurm accounting storage is disabled' >&2; exit 1",
+        "sbatch": f"echo {json.dumps(sbatch_error)} >&2; exit 1",
+    }
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+        (folder / name).chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
+
+
+def test_a_full_queue_submits_nothing_and_is_no_failure(tmp_path, monkeypatch, capsys):
+    full = (
+        "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy (job submit limit, user's "
+        "size and/or time limits)"
+    )
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", full))
+    dump = tmp_path / "study"
+    assert sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3,3e-3", "--nproc", "1", launcher=FAKE) == 0
+    out = capsys.readouterr().out
+    assert "the queue takes no more jobs now (Batch job submission failed: Job violates" in out
+    assert "nothing submitted, run the same command again later" in out
+    assert not list((dump / "runs").glob(f"*/{JOB_FILE}"))  # nothing recorded as submitted: the next call submits
+
+
+def test_any_other_sbatch_refusal_is_one_line_naming_the_option(tmp_path, monkeypatch, capsys):
+    refused = "sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified"
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", refused))
+    assert (
+        sweep(tmp_path / "study", "--optimizers", "AdamW", "--lrs", "1e-3", "--slurm-account", "x", launcher=FAKE) == 2
+    )
+    line = one_error_line(capsys)
+    assert "Slurm refused the job array: Batch job submission failed: Invalid account" in line
+    assert line.endswith("check --slurm-account")

@@ -1,0 +1,79 @@
+"""Stopping cleanly when a scheduler asks: finish the step, save a checkpoint, exit with its own code.
+
+Slurm warns a job before it kills it: at preemption and at the time limit every process gets SIGTERM (then SIGKILL
+after the cluster's grace time), and ``sbatch --signal=USR1@SECONDS`` sends SIGUSR1 that long before the time limit.
+train.py installs :class:`Preemption` before training; the handler only notes the signal, and the loop asks
+:meth:`Preemption.requested` after each step. All ranks agree on it (a max over the world, so that a rank signalled
+a moment later stops at the same step), save the step they are at whatever the checkpoint interval, and leave with
+:class:`torchtitan.errors.Preempted`, whose exit code (:data:`torchtitan.errors.PREEMPTED_EXIT_CODE`) tells a job
+script to requeue the run; started again with the same command, it resumes from that checkpoint, bit for bit.
+
+Later stop signals change nothing (torchrun, itself signalled, passes SIGTERM on to its workers), but torchrun
+SIGKILLs its workers 30 s after that: under torchrun, a step and its save must fit in those 30 s. Ctrl-C (SIGINT)
+still interrupts at once.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.collectives import all_reduce_scalar
+from torchtitan.errors import Preempted
+
+# The signals that ask a run to save and stop: Slurm's warning ahead of a time limit, and its (or anyone's) SIGTERM.
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A data loader worker's ``worker_init_fn``: the stop signals are the training process's to handle (Slurm
+    signals every process of a job step; a worker ended by one would fail the step it should finish)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class Preemption:
+    """Notes a stop signal; the training loop polls :meth:`requested` after each step."""
+
+    def __init__(self, signals=STOP_SIGNALS):
+        self.received: Optional[int] = None
+        self._previous = {}
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.received = self.received or signum  # later ones change nothing: torchrun passes its own SIGTERM on
+
+    def requested(self, group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
+        """Whether any rank of ``group`` (the world; None for one process) received a stop signal."""
+        if group is None or not dist.is_initialized():
+            return self.received is not None
+        return all_reduce_scalar(float(self.received is not None), "max", group, device) > 0
+
+    def signal_name(self) -> str:
+        return signal.Signals(self.received).name if self.received is not None else "a stop signal on another rank"
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def stop(self, checkpoint, step: int, updated: bool, metric_logger) -> Preempted:
+        """Save ``step`` (unless it was skipped: never a checkpoint at a skipped step), wait for the save, close the
+        metrics; the exception that ends the run."""
+        if updated:
+            checkpoint.save(step, force=True)
+        saved = checkpoint.last_finite_step()
+        checkpoint.close()
+        metric_logger.close()
+        self.restore()
+        received = self.signal_name()
+        if saved is None:
+            return Preempted(f"stopped on {received} after step {step}; {checkpoint.resume_hint()}")
+        return Preempted(
+            f"stopped on {received} after step {step}, checkpoint of step {saved} saved; run the same command again "
+            "to resume from it"
+        )
