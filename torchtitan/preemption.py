@@ -15,7 +15,9 @@ still interrupts at once.
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 from typing import Optional
 
 import torch
@@ -30,9 +32,26 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
     """A data loader worker's ``worker_init_fn``: the stop signals are the training process's to handle (Slurm
-    signals every process of a job step; a worker ended by one would fail the step it should finish)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    signals every process of a job step; a worker ended by one would fail the step it should finish).
+
+    SIGUSR1 is ignored. SIGTERM is ignored too unless the worker's own parent sends it: that is how the parent ends
+    its workers (``multiprocessing`` terminates its live daemonic children at exit, the data loader after a timed-out
+    join), and a worker that ignored it would leave the parent waiting forever. The sender is read with
+    ``sigwaitinfo`` on a thread of its own, SIGTERM being blocked in every thread of the worker."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _ignore)  # where a thread leaves SIGTERM unblocked, it is ignored there
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit the mask
+    threading.Thread(target=_end_on_sigterm_from, args=(os.getppid(),), name="sigterm-from-parent", daemon=True).start()
+
+
+def _ignore(signum, frame) -> None:
+    pass
+
+
+def _end_on_sigterm_from(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(128 + signal.SIGTERM)  # as the default action would (the parent only joins it)
 
 
 class Preemption:
