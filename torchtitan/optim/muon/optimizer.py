@@ -145,7 +145,32 @@ def split_hidden_matrices(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class Muon(torch.optim.Optimizer):
+class MatricesAndOthers(torch.optim.Optimizer):
+    """The front of an optimizer of the hidden matrices (group 0, stepped by ``_matrix_step``) whose other
+    parameters an inner optimizer ``others`` (AdamW) steps, sharing this one's groups and state: Muon, NorMuon
+    and SOAP."""
+
+    others: Optional[torch.optim.Optimizer]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._matrix_step(self.param_groups[0])
+        if self.others is not None:
+            # The same group dicts and state (a load replaces both with new objects).
+            self.others.param_groups = self.param_groups[1:]
+            self.others.state = self.state
+            self.others.step()
+        return loss
+
+    def _matrix_step(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class Muon(MatricesAndOthers):
     """Muon over ``matrices`` (2-D weights, plain tensors or DTensors), stepped with ``others`` (e.g. AdamW over
     every other weight).
 
@@ -196,21 +221,7 @@ class Muon(torch.optim.Optimizer):
         keep_state_dtypes_on_load(self, {key: state_dtype for key in _STATE_KEYS})
         self._matrices: dict[Tensor, Optional[ShardedMatrix]] = {}
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._muon_step(self.param_groups[0])
-        if self.others is not None:
-            # The same group dicts and state (a load replaces both with new objects).
-            self.others.param_groups = self.param_groups[1:]
-            self.others.state = self.state
-            self.others.step()
-        return loss
-
-    def _muon_step(self, group: dict[str, Any]) -> None:
+    def _matrix_step(self, group: dict[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return

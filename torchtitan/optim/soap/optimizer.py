@@ -17,7 +17,7 @@ for every matrix.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import UserError
 from torchtitan.optim.muon.distributed import ShardedMatrix, sharded_matrix, transform_sharded
+from torchtitan.optim.muon.optimizer import MatricesAndOthers
 from torchtitan.optim.soap.update import BASES, EXP_AVG, EXP_AVG_SQ, GRAMS, matrix_step, new_matrix_state, step_size
 from torchtitan.optim.state.storage import FLOAT32, at_least_float32, keep_state_dtypes_on_load
 from torchtitan.utils import grad_like_param, local_tensor
@@ -39,7 +40,7 @@ DEFAULT_MAX_PRECONDITION_DIM = 10000
 DEFAULT_BETAS = (0.95, 0.95)
 
 
-class SOAP(torch.optim.Optimizer):
+class SOAP(MatricesAndOthers):
     """SOAP over ``matrices`` (2-D weights, plain tensors or DTensors), stepped with ``others``.
 
     Args:
@@ -87,21 +88,7 @@ class SOAP(torch.optim.Optimizer):
         keep_state_dtypes_on_load(self, {key: FLOAT32 for key in (EXP_AVG, EXP_AVG_SQ, *GRAMS, *BASES)})
         self._matrices: dict[Tensor, Optional[ShardedMatrix]] = {}
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._soap_step(self.param_groups[0])
-        if self.others is not None:
-            # The same group dicts and state (a load replaces both with new objects).
-            self.others.param_groups = self.param_groups[1:]
-            self.others.state = self.state
-            self.others.step()
-        return loss
-
-    def _soap_step(self, group: dict[str, Any]) -> None:
+    def _matrix_step(self, group: dict[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
