@@ -151,6 +151,7 @@ class MatricesAndOthers(torch.optim.Optimizer):
     and SOAP."""
 
     others: Optional[torch.optim.Optimizer]
+    _matrices: dict[Tensor, Optional[ShardedMatrix]]
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -168,6 +169,14 @@ class MatricesAndOthers(torch.optim.Optimizer):
 
     def _matrix_step(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def _sharded_matrix(self, p: Tensor) -> Optional[ShardedMatrix]:
+        """How ``p``'s whole matrix is split over ranks (None for a plain tensor), worked out once per parameter."""
+        if not isinstance(p, DTensor):
+            return None
+        if p not in self._matrices:
+            self._matrices[p] = sharded_matrix(p)
+        return self._matrices[p]
 
 
 class Muon(MatricesAndOthers):
@@ -270,13 +279,6 @@ class Muon(MatricesAndOthers):
             for i, piece in zip(indices, pieces):
                 results[i] = piece
         return results
-
-    def _sharded_matrix(self, p: Tensor) -> Optional[ShardedMatrix]:
-        if not isinstance(p, DTensor):
-            return None
-        if p not in self._matrices:
-            self._matrices[p] = sharded_matrix(p)
-        return self._matrices[p]
 
 
 def _check_arguments(

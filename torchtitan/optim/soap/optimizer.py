@@ -21,10 +21,9 @@ from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import UserError
-from torchtitan.optim.muon.distributed import ShardedMatrix, sharded_matrix, transform_sharded
+from torchtitan.optim.muon.distributed import ShardedMatrix, transform_sharded
 from torchtitan.optim.muon.optimizer import MatricesAndOthers
 from torchtitan.optim.soap.update import BASES, EXP_AVG, EXP_AVG_SQ, GRAMS, matrix_step, new_matrix_state, step_size
 from torchtitan.optim.state.storage import FLOAT32, at_least_float32, keep_state_dtypes_on_load
@@ -154,13 +153,6 @@ class SOAP(MatricesAndOthers):
             for i, piece in zip(indices, pieces):
                 results[i] = piece
         return results
-
-    def _sharded_matrix(self, p: Tensor) -> Optional[ShardedMatrix]:
-        if not isinstance(p, DTensor):
-            return None
-        if p not in self._matrices:
-            self._matrices[p] = sharded_matrix(p)
-        return self._matrices[p]
 
 
 def _check_arguments(
