@@ -4,8 +4,9 @@
   follows the runs to the end, and a second call submits nothing new;
 - a run warned as Slurm warns ahead of a time limit (USR1 to its job script) saves, is requeued, resumes, and ends
   with losses and a final state equal to an uninterrupted run's, bit for bit;
-- bad input (an unknown partition, a time limit shorter than the warning, --parallel above what the partition runs
-  at once) stops the sweep with one line naming the option, and a full queue is not a failure.
+- bad input (an unknown partition, a time limit shorter than the warning or than the study's runs need to log once
+  before it, --parallel above what the partition runs at once) stops the sweep with one line naming the option, and
+  a full queue is not a failure.
 
 Without Slurm these tests skip with one line; with CI=true they fail.
 """
@@ -15,8 +16,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +27,8 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_RUN, FAKE, ROOT, by_step, metric_rows, one_error_line, read_checkpoint, train
-from torchtitan.study.slurm import EVENTS_FILE, JOB_FILE, SLURM_FOLDER
+from torchtitan.errors import UserError
+from torchtitan.study.slurm import EVENTS_FILE, JOB_FILE, SLURM_FOLDER, SlurmSettings, check_time_limit, run_state
 from torchtitan.tools.sweep import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
@@ -114,6 +118,12 @@ def test_a_study_through_slurm_is_one_job_array_and_a_second_call_submits_nothin
     assert "submitted" not in again.replace("finished earlier, skipped", "") and job_scripts(dump) == [script]
     assert again.count("finished earlier, skipped") == 4
 
+    # A time limit too short for these runs to start and log once before the 120 s warning: measured on them.
+    assert sweep(dump, *study, "--slurm-time", "2:01", train_args=["--training.steps", "3"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: --slurm-time 2:01 is shorter than a run needs to log once"), line
+    assert job_scripts(dump) == [script]
+
 
 def test_a_live_job_is_never_submitted_again_and_a_full_queue_is_no_failure(dump, capsys):
     # The whole node taken by another job: the run waits in the queue.
@@ -160,6 +170,58 @@ def test_bad_slurm_input_is_one_line_naming_the_option(args, option, dump, capsy
     assert not (dump / SLURM_FOLDER).exists()
 
 
+def _finished_run(dump: Path, name: str, seconds: float, logs: dict[int, float], outcome: str = "finished") -> None:
+    """A run folder as a finished run leaves it: its status and a metrics.jsonl with its step times."""
+    folder = dump / "runs" / name
+    (folder / "tb" / "20261203-000000").mkdir(parents=True)
+    (folder / "sweep_status.json").write_text(json.dumps({"outcome": outcome, "seconds": seconds}))
+    rows = [
+        {
+            "step": step,
+            "loss_metrics/global_avg_loss": 5.0,
+            "time/data(s)": 0.1 * t,
+            "time/forward_backward(s)": 0.6 * t,
+            "time/optimizer(s)": 0.3 * t,
+            "time/checkpoint(s)": 0.0,
+        }
+        for step, t in logs.items()
+    ]
+    (folder / "tb" / "20261203-000000" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_time_limit_shorter_than_a_measured_start_and_logging_interval_is_refused(tmp_path):
+    def settings(time_limit):
+        return SlurmSettings(None, None, time_limit, 0, 1, None, 120, False)
+
+    check_time_limit(settings("0:00:10"), tmp_path)  # nothing measured yet: nothing to check against
+    # Steps of 0.5 s (the median; the first log line's 2 s holds compilation), a log line every 10 steps, 40 steps
+    # in 50 s: 30 s of start. Logging once takes 30 + 10 x 0.5 = 35 s, then the 120 s warning: 155 s.
+    _finished_run(tmp_path, "AdamW_lr1e-3_seed0", 50.0, {10: 2.0, 20: 0.5, 30: 0.5, 40: 0.4})
+    _finished_run(tmp_path, "AdamW_lr1e-3_seed1", 20.0, {10: 0.5, 20: 0.5})  # a faster run: the slowest decides
+    _finished_run(tmp_path, "AdamW_lr1e-1_seed0", 900.0, {10: 9.0, 20: 9.0}, outcome="diverged")  # not measured
+    check_time_limit(settings("2:35"), tmp_path)
+    with pytest.raises(UserError) as refused:
+        check_time_limit(settings("2:34"), tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "run AdamW_lr1e-3_seed0 took 30 s to start and 0.5 s a step (10 steps a log line)" in message
+    assert message.endswith("raise --slurm-time to at least 0:02:35"), message
+    check_time_limit(SlurmSettings(None, None, None, 0, 1, None, 120, False), tmp_path)  # no limit given
+
+
+def test_a_job_killed_at_its_time_limit_names_the_options_to_raise(tmp_path):
+    # The run's step and save did not fit in the warning: Slurm killed the job (TIMEOUT) before any status.
+    run_dir = tmp_path / "runs" / "AdamW_lr1e-3_seed0"
+    run_dir.mkdir(parents=True)
+    (run_dir / JOB_FILE).write_text(json.dumps({"job_id": "7_0", "array": "7", "submitted": 0.0, "fields": {}}))
+    state, detail = run_state(run_dir, {"7_0": ("TIMEOUT", "")})
+    assert state == "failed"
+    assert detail.startswith("job 7_0 reached its time limit before the run could save and stop; raise --slurm-time")
+    assert "--slurm-signal-seconds" in detail
+    state, detail = run_state(run_dir, {"7_0": ("CANCELLED", "")})
+    assert (state, detail) == ("failed", "job 7_0 cancelled without a status; the next call submits it again")
+
+
 def test_slurm_options_without_slurm_are_a_mistake(tmp_path, capsys):
     argv = ["--dump-folder", str(tmp_path), "--launcher", FAKE, "--slurm-partition", "debug"]
     assert main(argv) == 2
@@ -177,14 +239,20 @@ def test_a_run_warned_ahead_of_its_time_limit_is_requeued_and_resumes_bit_for_bi
         "--checkpoint.interval",
         "100",
     ]
-    assert sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", "--nproc", "1", train_args=train_args) == 0
+    # train.py, held after step 2 until the signal reaches it: the signal lands at that step on any machine.
+    held = f"{sys.executable} {ROOT / 'tests' / 'hold_until_stopped.py'} {tmp_path / 'held'}"
+    args = ["--optimizers", "AdamW", "--lrs", "1e-3", "--nproc", "1"]
+    assert sweep(dump, *args, train_args=train_args, launcher=held) == 0
     run_dir = next((dump / "runs").iterdir())
     job = json.loads((run_dir / JOB_FILE).read_text())["job_id"]
     log = run_dir / "train.log"
-    wait_until(lambda: log.exists() and "step:     2" in log.read_text(), "the run logging step 2", timeout=120)
+    wait_until(lambda: log.exists() and "HELD" in log.read_text(), "the run held after step 2", timeout=120)
     # What Slurm does --signal seconds before the time limit: USR1 to the job script.
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
     wait_until(lambda: "preempted" in (run_dir / EVENTS_FILE).read_text(), "the run stopping", timeout=120)
+    # The job script requeues the task right after it records the preemption.
+    started_again = lambda: (run_dir / EVENTS_FILE).read_text().count('"started"') == 2  # noqa: E731
+    wait_until(lambda: _state(job) == "PENDING" or started_again(), "the job requeued", timeout=120)
     if _state(job) == "PENDING":  # requeued, waiting to start again
         assert main(["--dump-folder", str(dump), "--report-only", "--last-k", "2"]) == 0
         assert "slurm: 1 preempted" in capsys.readouterr().out
@@ -196,7 +264,8 @@ def test_a_run_warned_ahead_of_its_time_limit_is_requeued_and_resumes_bit_for_bi
     events = [json.loads(line)["event"] for line in (run_dir / EVENTS_FILE).read_text().splitlines()]
     assert events == ["started", "preempted", "started", "ended"], events
     text = log.read_text()
-    assert "preempted: stopped on SIGTERM after step" in text and "resumed from step" in text
+    assert "preempted: stopped on SIGTERM after step 2, checkpoint of step 2 saved" in text, text
+    assert "resumed from step 2" in text and text.count("HELD") == 1
     assert statuses(dump)[run_dir.name] == "finished", (run_dir / "sweep_status.json").read_text()
 
     reference = tmp_path / "straight"
@@ -212,6 +281,23 @@ def test_a_run_warned_ahead_of_its_time_limit_is_requeued_and_resumes_bit_for_bi
     assert final.keys() == straight.keys()
     for name, tensor in straight.items():
         assert torch.equal(final[name], tensor), name
+
+
+def test_a_run_that_ends_as_the_warning_comes_has_ended_and_is_not_requeued(dump, capsys):
+    # The run's launcher warns its own job as Slurm would, waits for the SIGTERM the job script passes on, then
+    # trains to the end and exits 0: finished, never started again.
+    script = (
+        'got=""; trap got=1 TERM; scancel --signal=USR1 --batch "$SLURM_JOB_ID"; '
+        'for _ in $(seq 600); do [ -n "$got" ] && break; sleep 0.1; done; '
+        '[ -n "$got" ] || { echo "no SIGTERM came" >&2; exit 1; }; exec ' + FAKE + ' "$@"'
+    )
+    launcher = f"bash -c {shlex.quote(script)} warned"
+    assert sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", "--nproc", "1", launcher=launcher) == 0
+    run_dir = next((dump / "runs").iterdir())
+    wait_until(lambda: statuses(dump).get(run_dir.name) is not None, "the run ending")
+    events = [json.loads(line)["event"] for line in (run_dir / EVENTS_FILE).read_text().splitlines()]
+    assert events == ["started", "ended"], (events, (run_dir / "train.log").read_text())
+    assert statuses(dump)[run_dir.name] == "finished"
 
 
 def test_a_coordinate_descent_submits_each_round_when_the_one_before_ends(dump, capsys):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -31,7 +32,7 @@ from typing import Optional, Sequence
 
 from torchtitan.errors import PREEMPTED_EXIT_CODE, UserError
 from torchtitan.study.plan import COMMAND_FILE, LOG_FILE, RUNS_FOLDER, RunSpec, run_command, run_folder
-from torchtitan.study.run_folders import read_status, write_status
+from torchtitan.study.run_folders import merged_scalars, read_status, status_paths, write_status
 from torchtitan.study.scheduling import RUN_ENVIRONMENT, command_script, ended_status, spec_fields
 
 SLURM_FOLDER = "slurm"  # in the dump folder: each submission's job script, its list of run folders, Slurm's output
@@ -179,6 +180,75 @@ def time_seconds(text: str) -> int:
     return int(a) * 60
 
 
+LOSS_TAG = "loss_metrics/global_avg_loss"
+
+
+@dataclass(frozen=True)
+class FirstLog:
+    """How long a finished run of the study took to reach its first log line: its start (everything before the
+    steps: launch, model, data, compilation beyond a typical step) and one logging interval of typical steps."""
+
+    run: str
+    start_seconds: float
+    interval_steps: int
+    step_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.start_seconds + self.interval_steps * self.step_seconds
+
+
+def first_log(run_dir: Path, status: dict) -> Optional[FirstLog]:
+    """Measured from a finished run's own logs (None when it logged no step time or fewer than two log lines): the
+    median step time over its log lines, the most common gap between logged steps, and whatever of its wall time
+    those steps do not account for."""
+    from torchtitan.step_timing import PARTS  # here: the job script's calls need no torch
+    from torchtitan.step_timing import tag as time_tag
+
+    scalars = merged_scalars(run_dir)
+    parts = [scalars[time_tag(p)] for p in PARTS if time_tag(p) in scalars]
+    loss = scalars.get(LOSS_TAG)
+    if not parts or loss is None or len(loss.steps) < 2 or status.get("seconds") is None:
+        return None
+    per_step = [sum(vals) for vals in zip(*(s.values for s in parts))]
+    gaps = [b - a for a, b in zip(loss.steps, loss.steps[1:])]
+    interval = max(set(gaps), key=lambda g: (gaps.count(g), g))
+    step_seconds = sorted(per_step)[len(per_step) // 2]
+    start = max(0.0, float(status["seconds"]) - loss.steps[-1] * step_seconds)
+    return FirstLog(run_dir.name, start, interval, step_seconds)
+
+
+def check_time_limit(settings: SlurmSettings, dump: Path) -> None:
+    """A time limit that cannot let a run start and log once before its warning is refused, measured on the runs of
+    this study that finished and logged their step time (the slowest of them); nothing is checked before any has."""
+    if settings.time is None:
+        return
+    measured = []
+    for path in status_paths(dump):
+        status = json.loads(path.read_text())
+        if status.get("outcome") == "finished" and (found := first_log(path.parent, status)) is not None:
+            measured.append(found)
+    if not measured:
+        return
+    slowest = max(measured, key=lambda m: m.seconds)
+    needed = slowest.seconds + settings.signal_seconds
+    if time_seconds(settings.time) < needed:
+        steps = f"{slowest.interval_steps} step{'s' if slowest.interval_steps != 1 else ''}"
+        raise UserError(
+            f"--slurm-time {settings.time} is shorter than a run needs to log once before its warning: run "
+            f"{slowest.run} took {slowest.start_seconds:.0f} s to start and {slowest.step_seconds:.3g} s a step "
+            f"({steps} a log line), plus {settings.signal_seconds} s of warning "
+            f"(--slurm-signal-seconds); raise --slurm-time to at least {slurm_time(math.ceil(needed))}"
+        )
+
+
+def slurm_time(seconds: int) -> str:
+    """Seconds as Slurm's H:MM:SS (D-HH:MM:SS past a day)."""
+    days, rest = divmod(seconds, 86400)
+    text = f"{rest // 3600}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{text}" if days else text
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Asking Slurm
 
@@ -314,7 +384,7 @@ def run_state(run_dir: Path, states: dict[str, tuple[str, str]]) -> tuple[str, s
         return status["outcome"], status.get("message", "")
     if job is not None:
         ended = states.get(job["job_id"], ("ended", ""))[0].lower()
-        return "failed", f"job {job['job_id']} {ended} without a status; the next call submits it again"
+        return "failed", f"job {job['job_id']} {_without_status(ended)}; the next call submits it again"
     return "", ""
 
 
@@ -370,7 +440,9 @@ while kill -0 "$step" 2>/dev/null; do
     wait "$step"
     code=$?
 done
-if [ -n "$stop" ] || [ "$code" -eq {preempted} ]; then
+# Stopped by the run (it saved its step), or killed by the signal before it could: again. A run that ended
+# anyway (its last step done as the signal came) has ended.
+if [ "$code" -eq {preempted} ] || {{ [ -n "$stop" ] && [ "$code" -ne 0 ]; }}; then
     record preempted "$code"
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
@@ -513,6 +585,16 @@ class SlurmRunner:
             time.sleep(POLL_SECONDS)
 
 
+def _without_status(state: str) -> str:
+    """What a job that ended without writing the run's status did (``state`` in squeue's words, lower case)."""
+    if state == "timeout":  # killed at its limit: its step and save did not fit in the warning
+        return (
+            "reached its time limit before the run could save and stop; raise --slurm-time, or "
+            "--slurm-signal-seconds if a step and its save take longer than the warning"
+        )
+    return f"{state} without a status"
+
+
 def _ended_status(run_dir: Path, job_id: str, states: dict) -> dict:
     """The status the job wrote; one recorded here (failed) when the job ended without writing it (cancelled,
     killed at its time limit, its node lost)."""
@@ -522,7 +604,7 @@ def _ended_status(run_dir: Path, job_id: str, states: dict) -> dict:
         return status
     state = states.get(job_id, ("ended",))[0].lower()
     status = ended_status(job["fields"], -1, run_dir, job["submitted"])
-    status["message"] = f"Slurm job {job_id} {state} without a status"
+    status["message"] = f"Slurm job {job_id} {_without_status(state)}"
     write_status(run_dir, status)
     return status
 
