@@ -132,6 +132,7 @@ def main(job_config: JobConfig) -> None:
     guard = DivergenceGuard(t.max_skipped_steps, device)
     health, timer = OptimizerHealth.build(model_parts, job_config, device), StepTimer(device)
     spikes = LossSpikes.build(job_config, device, dp_group)
+    train_state.count_spikes(spikes)  # a resumed run goes on from its checkpoint's count
     logger.info(
         f"training {t.steps} steps from step {train_state.step}: global batch {t.batch_size * dp_degree} x "
         f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"

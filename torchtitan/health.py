@@ -336,7 +336,9 @@ class LossSpikes:
         if updated:
             self.pending.append(loss.detach().reshape(()).to(torch.float64))
 
-    def metrics(self) -> dict[str, float]:
+    def flush(self) -> None:
+        """Count the losses recorded since the last call (one all-reduce over the data-parallel group: every rank
+        calls it at the same step)."""
         if self.pending:
             losses = all_reduce_sum_(torch.stack(self.pending).to(self.device), self.group)
             if self.group is not None and dist.is_initialized():
@@ -344,10 +346,26 @@ class LossSpikes:
             self.pending = []
             for loss in losses.tolist():
                 self.observe(loss)
+
+    def metrics(self) -> dict[str, float]:
+        self.flush()
         metrics = {"health/loss_spikes": float(self.count)}
         if not math.isnan(self.last_ratio):  # none before a median exists
             metrics["health/loss_to_median"] = self.last_ratio
         return metrics
+
+    def state_dict(self) -> dict:
+        """The count and the median's window, saved with the run's position so that a resumed run goes on counting
+        as if it had never stopped (the losses recorded since the last log step are counted first)."""
+        self.flush()
+        ratio = None if math.isnan(self.last_ratio) else self.last_ratio
+        return {"count": self.count, "history": list(self.history), "last_ratio": ratio}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = int(state["count"])
+        self.history.clear()
+        self.history.extend(float(x) for x in state["history"])  # a shorter window keeps the latest losses
+        self.last_ratio = float("nan") if state["last_ratio"] is None else float(state["last_ratio"])
 
     def observe(self, loss: float) -> bool:
         """Count ``loss`` against the running median of the losses before it; whether it is a spike."""

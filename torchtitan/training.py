@@ -14,7 +14,7 @@ step a run takes:
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.guard import DivergenceGuard
-from torchtitan.health import OptimizerHealth
+from torchtitan.health import LossSpikes, OptimizerHealth
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.parallelisms import ParallelDims, loss_parallel_context, parallelize_llama
 from torchtitan.step_timing import StepTimer
@@ -31,20 +31,33 @@ from torchtitan.utils import DTYPES, clip_grad_norm_
 
 
 class TrainState:
-    """The loop's own position, saved with every checkpoint."""
+    """The loop's own position, saved with every checkpoint, and the loss-spike count when health is measured."""
 
     def __init__(self) -> None:
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0  # steps whose update the divergence guard skipped
+        self.spikes: Optional[LossSpikes] = None  # counted from here on, saved with the position
+        self.saved_spikes: Optional[dict] = None  # what the loaded checkpoint held of them
 
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": self.step, "tokens_seen": self.tokens_seen}
+        state["skipped_steps"] = self.skipped_steps
+        if self.spikes is not None:
+            state["loss_spikes"] = self.spikes.state_dict()
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))  # absent from checkpoints of older versions
+        self.saved_spikes = state.get("loss_spikes")  # absent from older ones, or from runs without health
+
+    def count_spikes(self, spikes: Optional[LossSpikes]) -> None:
+        """Count loss spikes with ``spikes`` (None: health is off), going on from the loaded checkpoint's count."""
+        self.spikes = spikes
+        if spikes is not None and self.saved_spikes is not None:
+            spikes.load_state_dict(self.saved_spikes)
 
 
 def build_model(

@@ -15,6 +15,7 @@ import torch
 from tests.distributed import run_workers
 from tests.helpers import BATCH, SEQ_LEN, TINY, job_config, materialize, meta_model
 from torchtitan import training
+from torchtitan.checkpoint.codec import decode_plain, encode_plain
 from torchtitan.guard import DivergenceGuard
 from torchtitan.health import LossSpikes, OptimizerHealth, format_health_line, health_groups
 from torchtitan.models.llama.model import apply_rope
@@ -239,6 +240,24 @@ def test_loss_spikes_leave_skipped_steps_out():
     assert metrics["health/loss_spikes"] == 1.0
     assert metrics["health/loss_to_median"] == pytest.approx(7.0 / 3.0)
     assert list(spikes.history) == [3.0, 7.0]
+
+
+def test_loss_spikes_state_goes_on_where_it_stopped():
+    spikes = LossSpikes(factor=2.0, window=3, device=CPU)
+    fresh = LossSpikes(factor=2.0, window=3, device=CPU)
+    fresh.load_state_dict(fresh.state_dict())  # no median yet: no ratio, and none after the round trip
+    assert "health/loss_to_median" not in fresh.metrics() and fresh.count == 0
+    for loss in (4.0, 3.0, 2.0, 9.0):
+        spikes.record(torch.tensor(loss, dtype=torch.float64), True)
+    state = encode_plain(spikes.state_dict())  # counts what was recorded since the last log step first
+    assert spikes.count == 1 and not spikes.pending
+    resumed = LossSpikes(factor=2.0, window=3, device=CPU)
+    resumed.load_state_dict(decode_plain(state))
+    assert [resumed.observe(x) for x in (2.5, 2.0, 5.5)] == [spikes.observe(x) for x in (2.5, 2.0, 5.5)]
+    assert resumed.count == spikes.count == 2 and resumed.last_ratio == spikes.last_ratio
+    shorter = LossSpikes(factor=2.0, window=2, device=CPU)  # a resumed run with a shorter window: the latest ones
+    shorter.load_state_dict(decode_plain(state))
+    assert list(shorter.history) == [2.0, 9.0]
 
 
 def test_step_time_is_split_into_its_parts_per_step():

@@ -15,7 +15,7 @@ import torch
 
 from tests import processes
 from tests.distributed import launch_env
-from tests.helpers import DEBUG_RUN, ROOT, by_step, metric_rows, read_checkpoint, run_dirs, train, train_command
+from tests.helpers import DEBUG_RUN, LOSS, ROOT, by_step, metric_rows, read_checkpoint, run_dirs, train, train_command
 from torchtitan.errors import PREEMPTED_EXIT_CODE
 from torchtitan.process_tree import descendants
 
@@ -35,15 +35,23 @@ ARGS = [
     "100",  # no save but the last: the one at the signal comes from the signal alone
     "--checkpoint.keep_latest_k",
     "0",
+    "--metrics.loss_spike_factor",
+    "1.0001",  # every rise of the loss counts: a spike count that a restart from zero would change
 ]
+SPIKES, TO_MEDIAN = "health/loss_spikes", "health/loss_to_median"
+
+
+def logged(dump: str, tag: str) -> dict[int, float]:
+    """``tag`` at each step over every attempt of the run in ``dump`` (later attempts win)."""
+    merged: dict[int, float] = {}
+    for run in run_dirs(dump):
+        merged.update(by_step(metric_rows(run), tag))
+    return merged
 
 
 def losses(dump: str) -> dict[int, float]:
     """Each step's loss over every attempt of the run in ``dump`` (later attempts win)."""
-    merged: dict[int, float] = {}
-    for run in run_dirs(dump):
-        merged.update(by_step(metric_rows(run)))
-    return merged
+    return logged(dump, LOSS)
 
 
 def checkpoint_steps(dump: str) -> list[str]:
@@ -107,6 +115,9 @@ def test_a_signalled_run_saves_exits_and_resumes_bit_for_bit(sig, straight, tmp_
     resumed = train(dump, *ARGS, cpu=True)
     assert f"resumed from step {step}" in resumed.stdout + resumed.stderr
     assert losses(dump) == expected
+    # The spike count and its running median go on from the checkpoint, as if the run had never stopped.
+    assert logged(dump, SPIKES) == logged(straight, SPIKES) and logged(straight, SPIKES)[STEPS] >= 1
+    assert logged(dump, TO_MEDIAN) == logged(straight, TO_MEDIAN)
     final = read_checkpoint(os.path.join(dump, "checkpoint", "AdamW", f"step-{STEPS}"))
     reference = read_checkpoint(os.path.join(straight, "checkpoint", "AdamW", f"step-{STEPS}"))
     assert final.keys() == reference.keys() and any(k.startswith("optimizer.state.") for k in final)
