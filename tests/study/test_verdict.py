@@ -253,3 +253,18 @@ def test_a_verdict_waits_for_its_confirmation_runs(tmp_path):
     assert report["best"]["Muon"]["versus_baseline"] is None and report["best"]["Muon"]["loss_mean"] is None
     row = next(line for line in format_markdown(report).splitlines() if line.startswith("| Muon |"))
     assert "not confirmed yet" in row and "better" not in row
+
+
+def test_a_value_extend_would_add_is_checked_before_it_trains(tmp_path, capsys):
+    # beta2 is at the grid's end (0.95, 0.99; the fake loss ignores it, so the descent stays at its start 0.99):
+    # the next value by the grid's ratio, 1.03, is no beta. It is refused before any run, and the descent ends.
+    dump = tmp_path / "sweep"
+    args = ("--optimizers", "AdamW", "--lrs", "1e-4,1e-3,1e-2", "--axis", "optimizer.beta2=0.95,0.99")
+    args += ("--search", "coordinate", "--start", "optimizer.beta2=0.99")
+    assert fake_sweep(dump, *args, "--extend", "2") == 0
+    out = capsys.readouterr().out
+    assert "AdamW: best optimizer.beta2 at the grid's end; not extended to 1.03168421053e0: " in out, out
+    assert "optimizer.beta2 must be in [0, 1)" in out
+    assert not any("beta2=1.03" in name for name in run_names(dump))
+    space = json.loads((dump / "search.json").read_text())["spaces"]["AdamW"]
+    assert ["0.95", "0.99"] in [c["values"] for c in space["coordinates"]], space

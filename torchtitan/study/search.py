@@ -369,23 +369,45 @@ def extended_value(c: Coordinate, end: int) -> Optional[str]:
     return str(new) if isinstance(new, int) else lr_label(new)
 
 
-def extend_spaces(search: dict, found: Sequence, used: dict[str, int], limit: int) -> Optional[str]:
+def extend_spaces(
+    search: dict,
+    found: Sequence,
+    used: dict[str, int],
+    limit: int,
+    refused: Optional[dict[tuple[str, str, str], str]] = None,
+    check: Optional[Callable[[str, Optional[int], Space, tuple], None]] = None,
+) -> Optional[str]:
     """Grow one optimizer's grid by one value past the end where a converged descent of it stopped, while it has
     used fewer than ``limit`` extensions (``used`` counts them); ``search`` is updated in place. A line saying what
-    grew, or None when no descent stops at an end it may pass."""
-    for optimizer, _, space, descent in found:
+    grew, or None when no descent stops at an end it may pass.
+
+    ``check(optimizer, tokens, space, point)`` (preflight) sees the job of the new value at the descent's point
+    before the grid grows; a value it refuses is not added, and is kept in ``refused`` (with the reason) so that
+    the descent stays at that end."""
+    refused = {} if refused is None else refused
+    for optimizer, tokens, space, descent in found:
         if descent.state != "converged" or used.get(optimizer, 0) >= limit:
             continue
         for n, c in enumerate(space.coordinates):
             index = descent.current[n]
             end = -1 if index == 0 else 1 if index == len(c.values) - 1 else 0
             new = extended_value(c, end) if end else None
-            if new is None:
+            if new is None or (optimizer, c.key, new) in refused:
                 continue
             values = (new, *c.values) if end < 0 else (*c.values, new)
             coordinates = (*space.coordinates[:n], Coordinate(c.key, values), *space.coordinates[n + 1 :])
             start = tuple(i + (1 if m == n and end < 0 else 0) for m, i in enumerate(space.start))
-            search["spaces"][optimizer] = Space(coordinates, start).to_json()
+            grown = Space(coordinates, start)
+            if check is not None:  # the new value at the descent's point
+                point = tuple(
+                    (0 if end < 0 else len(values) - 1) if m == n else i for m, i in enumerate(descent.current)
+                )
+                try:
+                    check(optimizer, tokens, grown, point)
+                except UserError as error:
+                    refused[(optimizer, c.key, new)] = str(error)
+                    return f"{optimizer}: best {c.key} at the grid's end; not extended to {new}: {error}"
+            search["spaces"][optimizer] = grown.to_json()
             used[optimizer] = used.get(optimizer, 0) + 1
             search.setdefault("extended", {})[optimizer] = used[optimizer]
             return f"{optimizer}: best {c.key} at the grid's end; extended to {new} ({used[optimizer]} of {limit})"
@@ -406,13 +428,19 @@ def _refresh(dump: Path, loaded: dict[Path, SweepRun]) -> list[SweepRun]:
 
 
 def run_descents(
-    runner: Runner, search: dict, budgets: Sequence[Optional[Budget]], last_k: int, extend: int = 0
+    runner: Runner,
+    search: dict,
+    budgets: Sequence[Optional[Budget]],
+    last_k: int,
+    extend: int = 0,
+    check: Optional[Callable[[RunSpec], None]] = None,
 ) -> list:
     """Train what the descents of ``search`` need, as many runs at once as the runner has slots, until every descent
     converged or is blocked by a run that failed in this sweep (failed runs of earlier sweeps are tried again);
     returns the descents, as :func:`descents` does. With ``extend`` a descent that converged at an end of its grid
     goes on past it, one value at a time (:func:`extend_spaces`), up to ``extend`` values per optimizer; the grown
-    grid is written back to ``search.json``."""
+    grid is written back to ``search.json``. ``check`` (preflight) sees the job of each value added so before it
+    trains; a value it refuses is not added."""
     seeds = search["seeds"]
     by_tokens = {None if b is None else b.tokens: b for b in budgets}
     attempted: set[str] = set()
@@ -424,7 +452,11 @@ def run_descents(
     def retry(optimizer: str, tokens: Optional[int], space: Space, point) -> bool:
         return not any(spec.name in attempted for spec in specs(optimizer, tokens, space, point))
 
-    started, used = 0, {}
+    def check_new(optimizer: str, tokens: Optional[int], space: Space, point) -> None:
+        if check is not None:
+            check(specs(optimizer, tokens, space, point)[0])
+
+    started, used, refused = 0, {}, {}
     with runner:
         while True:
             runs = _refresh(runner.dump, loaded)
@@ -444,7 +476,7 @@ def run_descents(
                 attempted.add(spec.name)
                 runner.start(spec, f"[descent, run {started}]")
             if not runner.running and not wanted:
-                grown = extend_spaces(search, found, used, extend) if extend else None
+                grown = extend_spaces(search, found, used, extend, refused, check_new) if extend else None
                 if grown is None:
                     return found
                 print(grown, flush=True)

@@ -161,7 +161,11 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
                 failed = [s for s in statuses if s["outcome"] == FAILED]
                 failed_text = f"{len(failed)} of {len(statuses)} runs failed (see their train.log)"
             else:
-                found = run_descents(runner, read_search(dump), budgets, last_k, args.extend)
+
+                def check(spec) -> None:  # a value --extend adds, before it trains
+                    preflight_jobs([spec], config_file, nproc, train_args, args.vary_data_seed)
+
+                found = run_descents(runner, read_search(dump), budgets, last_k, args.extend, check)
                 failed = [d for _, _, _, d in found if d.state == "blocked"]
                 failed_text = f"{len(failed)} of {len(found)} descents stopped at a run that failed (see its train.log)"
             # Every selection run has ended (under Slurm the sweep may exit while they run): the best settings are
