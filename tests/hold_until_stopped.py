@@ -1,6 +1,9 @@
-"""Run train.py as ``run_llama_train.sh`` does for one process, holding it after a step until it is asked to stop.
+"""Run train.py in one process, holding it after a step until it is asked to stop.
 
-    python tests/hold_until_stopped.py MARKER ARGS...    (the job's config from CONFIG_FILE, as the launcher's)
+    python tests/hold_until_stopped.py MARKER ARGS...
+
+ARGS go to train.py, after ``--job.config_file $CONFIG_FILE`` when CONFIG_FILE is set (as ``run_llama_train.sh``
+passes it: the script is also a launcher for the sweep).
 
 Unless MARKER exists, the run creates it after its second step, prints ``HELD``, and waits there (at most 300 s)
 until a stop signal has reached it; then it goes on as train.py does: it saves that step and exits. A test can
@@ -38,6 +41,6 @@ def held_requested(self, group, device):
 
 Preemption.requested = held_requested
 os.chdir(ROOT)
-config = os.environ.get("CONFIG_FILE", "train_configs/debug_model.toml")
-sys.argv = ["train.py", "--job.config_file", config, *sys.argv[2:]]
+config = ["--job.config_file", os.environ["CONFIG_FILE"]] if os.environ.get("CONFIG_FILE") else []
+sys.argv = ["train.py", *config, *sys.argv[2:]]
 runpy.run_path("train.py", run_name="__main__")

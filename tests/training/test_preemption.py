@@ -22,7 +22,7 @@ from torchtitan.process_tree import descendants
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 
 STEPS = 8
-SIGNAL_AFTER = 2  # the signal is sent once this step is logged; the run stops a step or so later
+SIGNAL_AFTER = 2  # the signal is sent once this step is logged (one process waits there for it)
 ARGS = [
     "--training.steps",
     str(STEPS),
@@ -59,9 +59,18 @@ def checkpoint_steps(dump: str) -> list[str]:
 
 
 def signalled_run(dump: str, sig: int, nproc: int = 1, rank: int = 0) -> tuple[int, str]:
-    """train.py until step SIGNAL_AFTER is logged, then ``sig`` to rank ``rank`` only; its exit code and output."""
-    command = train_command([*DEBUG_RUN, *ARGS, "--job.dump_folder", dump], nproc)
+    """train.py until step SIGNAL_AFTER is logged, then ``sig`` to rank ``rank`` only; its exit code and output.
+    One process is held after that step until the signal reaches it (tests/hold_until_stopped.py), so that it stops
+    there however fast the machine; ranks under torchrun run on."""
+    args = [*DEBUG_RUN, *ARGS, "--job.dump_folder", dump]
+    if nproc == 1:
+        command = train_command(
+            [os.path.join(dump, "held"), *args], script=str(ROOT / "tests" / "hold_until_stopped.py")
+        )
+    else:
+        command = train_command(args, nproc)
     env = launch_env(nproc, cpu=True, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env.pop("CONFIG_FILE", None)
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     with processes.started(command, env=env, cwd=ROOT, **pipes) as child:
         output = processes.LineReader(child.stdout)
@@ -108,7 +117,7 @@ def test_a_signalled_run_saves_exits_and_resumes_bit_for_bit(sig, straight, tmp_
     code, output = signalled_run(dump, sig)
     assert code == PREEMPTED_EXIT_CODE, output[-3000:]
     step = stopped_at(output)
-    assert SIGNAL_AFTER <= step < STEPS
+    assert step == SIGNAL_AFTER  # held there until the signal came
     assert checkpoint_steps(dump) == [f"step-{step}"]  # saved at the signal, off the interval
     assert losses(dump) == {s: expected[s] for s in range(1, step + 1)}
 
