@@ -52,6 +52,8 @@ ClusterName=ci
 SlurmctldHost=$host
 SlurmUser=slurm
 AuthType=auth/munge
+# Job credentials live 20 s, not 120: a requeued job waits that long before it may start again (the tests requeue).
+AuthInfo=cred_expire=20
 StateSaveLocation=$STATE_DIR/ctld
 SlurmdSpoolDir=$STATE_DIR/d
 SlurmctldPidFile=$STATE_DIR/slurmctld.pid
