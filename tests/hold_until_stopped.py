@@ -1,14 +1,15 @@
-"""Run train.py in one process, holding it after a step until it is asked to stop.
+"""Run train.py, holding it after a step until it is asked to stop.
 
-    python tests/hold_until_stopped.py MARKER ARGS...
+    python tests/hold_until_stopped.py MARKER ARGS...    (also as torchrun's script: every rank holds)
 
 ARGS go to train.py, after ``--job.config_file $CONFIG_FILE`` when CONFIG_FILE is set (as ``run_llama_train.sh``
 passes it: the script is also a launcher for the sweep).
 
-Unless MARKER exists, the run creates it after its second step, prints ``HELD``, and waits there (at most 300 s)
-until a stop signal has reached it; then it goes on as train.py does: it saves that step and exits. A test can
-then signal a run at a step it knows, however fast or slow the machine; the run resumed (MARKER now there) is not
-held again. Only time passes while it is held: the losses and the checkpoint are train.py's own.
+Unless MARKER exists when the process starts, the run creates it after its second step, prints ``HELD``, and waits
+there (at most 300 s) until a stop signal reaches one of its ranks: the rank that gets it creates ``MARKER.released``
+for the others, and all of them go on as train.py does, stopping at that step. A test can then signal a run at a
+step it knows, however fast or slow the machine; the run resumed (MARKER now there) is not held again. Only time
+passes while it is held: the losses and the checkpoint are train.py's own.
 """
 
 import os
@@ -23,6 +24,8 @@ sys.path.insert(0, str(ROOT))
 from torchtitan.preemption import Preemption  # noqa: E402
 
 marker = Path(sys.argv[1])
+released = marker.with_name(marker.name + ".released")
+hold = not marker.exists()  # read at start: every rank of a first attempt holds, a resumed run does not
 asked = Preemption.requested
 calls = 0
 
@@ -30,11 +33,14 @@ calls = 0
 def held_requested(self, group, device):
     global calls
     calls += 1
-    if calls == 2 and not marker.exists():
+    if calls == 2 and hold:
         marker.touch()
         print("HELD", flush=True)
         deadline = time.monotonic() + 300
-        while self.received is None and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not released.exists():
+            if self.received is not None:
+                released.touch()  # the other ranks learn of the signal from the all-reduce below
+                break
             time.sleep(0.05)
     return asked(self, group, device)
 

@@ -22,7 +22,7 @@ from torchtitan.process_tree import descendants
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 
 STEPS = 8
-SIGNAL_AFTER = 2  # the signal is sent once this step is logged (one process waits there for it)
+SIGNAL_AFTER = 2  # the signal is sent once this step is logged (the run waits there for it)
 ARGS = [
     "--training.steps",
     str(STEPS),
@@ -60,15 +60,10 @@ def checkpoint_steps(dump: str) -> list[str]:
 
 def signalled_run(dump: str, sig: int, nproc: int = 1, rank: int = 0) -> tuple[int, str]:
     """train.py until step SIGNAL_AFTER is logged, then ``sig`` to rank ``rank`` only; its exit code and output.
-    One process is held after that step until the signal reaches it (tests/hold_until_stopped.py), so that it stops
-    there however fast the machine; ranks under torchrun run on."""
-    args = [*DEBUG_RUN, *ARGS, "--job.dump_folder", dump]
-    if nproc == 1:
-        command = train_command(
-            [os.path.join(dump, "held"), *args], script=str(ROOT / "tests" / "hold_until_stopped.py")
-        )
-    else:
-        command = train_command(args, nproc)
+    The run is held after that step until the signal reaches it (tests/hold_until_stopped.py), so that it stops
+    there however fast or slow the machine."""
+    args = [os.path.join(dump, "held"), *DEBUG_RUN, *ARGS, "--job.dump_folder", dump]
+    command = train_command(args, nproc, script=str(ROOT / "tests" / "hold_until_stopped.py"))
     env = launch_env(nproc, cpu=True, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env.pop("CONFIG_FILE", None)
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
@@ -139,5 +134,6 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     code, output = signalled_run(dump, signal.SIGUSR1, nproc=2, rank=1)
     assert code != 0, output[-3000:]
     step = stopped_at(output)  # rank 0 prints the line: it stopped too, though it had no signal
+    assert step == SIGNAL_AFTER
     assert checkpoint_steps(dump) == [f"step-{step}"]
     assert sorted(losses(dump)) == list(range(1, step + 1))
