@@ -92,7 +92,8 @@ def main(job_config: JobConfig) -> None:
         group=_world_group(),
     )
     validator = build_validator(job_config, tokenizer, parallel_dims, dp_rank, dp_degree, dp_group, device)
-    train_state = training.TrainState()
+    spikes = LossSpikes.build(job_config, device, dp_group)
+    train_state = training.TrainState(spikes)  # a resumed run counts loss spikes on from its checkpoint's count
     checkpoint = CheckpointManager(
         data_loader=data_loader,
         model_parts=model_parts,
@@ -131,8 +132,6 @@ def main(job_config: JobConfig) -> None:
     batches = iter(data_loader)
     guard = DivergenceGuard(t.max_skipped_steps, device)
     health, timer = OptimizerHealth.build(model_parts, job_config, device), StepTimer(device)
-    spikes = LossSpikes.build(job_config, device, dp_group)
-    train_state.count_spikes(spikes)  # a resumed run goes on from its checkpoint's count
     logger.info(
         f"training {t.steps} steps from step {train_state.step}: global batch {t.batch_size * dp_degree} x "
         f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"

@@ -181,11 +181,20 @@ BATCH = 12  # divisible by every data-parallel degree tested (2, 3, 4)
 LR = 1e-2
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
+def batch(seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed global batch of BATCH sequences of SEQ_LEN tokens: (inputs, labels)."""
-    generator = torch.Generator().manual_seed(11)
+    generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, TINY.vocab_size, (BATCH, SEQ_LEN + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def micro_batches(accumulation: int, dp_rank: int, dp_degree: int, seed: int):
+    """This rank's micro-batches of the global batch ``batch(seed)``, in the data loader's order."""
+    inputs, labels = batch(seed)
+    rows = BATCH // (accumulation * dp_degree)
+    for m in range(accumulation):
+        start = (m * dp_degree + dp_rank) * rows
+        yield inputs[start : start + rows], labels[start : start + rows]
 
 
 def with_ignored_labels(labels: torch.Tensor) -> torch.Tensor:

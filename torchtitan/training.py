@@ -31,14 +31,14 @@ from torchtitan.utils import DTYPES, clip_grad_norm_
 
 
 class TrainState:
-    """The loop's own position, saved with every checkpoint, and the loss-spike count when health is measured."""
+    """The loop's own position, saved with every checkpoint, and the loss-spike count of ``spikes`` (None when
+    health is off), so that a resumed run counts on from its checkpoint's."""
 
-    def __init__(self) -> None:
+    def __init__(self, spikes: Optional[LossSpikes] = None) -> None:
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0  # steps whose update the divergence guard skipped
-        self.spikes: Optional[LossSpikes] = None  # counted from here on, saved with the position
-        self.saved_spikes: Optional[dict] = None  # what the loaded checkpoint held of them
+        self.spikes = spikes
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"step": self.step, "tokens_seen": self.tokens_seen}
@@ -51,13 +51,8 @@ class TrainState:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))  # absent from checkpoints of older versions
-        self.saved_spikes = state.get("loss_spikes")  # absent from older ones, or from runs without health
-
-    def count_spikes(self, spikes: Optional[LossSpikes]) -> None:
-        """Count loss spikes with ``spikes`` (None: health is off), going on from the loaded checkpoint's count."""
-        self.spikes = spikes
-        if spikes is not None and self.saved_spikes is not None:
-            spikes.load_state_dict(self.saved_spikes)
+        if self.spikes is not None and "loss_spikes" in state:  # absent from older ones, or from runs without health
+            self.spikes.load_state_dict(state["loss_spikes"])
 
 
 def build_model(

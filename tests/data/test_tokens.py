@@ -156,6 +156,16 @@ def test_pretokenize_refuses_an_existing_folder_and_a_damaged_shard(tmp_path, sa
         read_manifest(str(damaged))
 
 
+def with_manifest(tmp_path: Path, sample_tokens: Path, edit) -> Path:
+    """A copy of the sample tokens folder whose manifest ``edit`` (called on the parsed JSON) changed."""
+    folder = tmp_path / "tokens"
+    shutil.copytree(sample_tokens, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    edit(manifest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
 MANIFEST_KEYS = [
     ("format",),
     ("dtype",),
@@ -177,16 +187,13 @@ MANIFEST_KEYS = [
 def test_a_manifest_without_a_key_is_one_line_naming_it(tmp_path, sample_tokens, key):
     from torchtitan.preflight import preflight
 
-    folder = tmp_path / "tokens"
-    folder.mkdir()
-    for file in sample_tokens.iterdir():
-        (folder / file.name).write_bytes(file.read_bytes())
-    manifest = json.loads((folder / "manifest.json").read_text())
-    holder = manifest
-    for part in key[:-1]:
-        holder = holder[part]
-    del holder[key[-1]]
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    def remove(manifest: dict) -> None:
+        holder = manifest
+        for part in key[:-1]:
+            holder = holder[part]
+        del holder[key[-1]]
+
+    folder = with_manifest(tmp_path, sample_tokens, remove)
     name = key[0] if len(key) == 1 else f"{key[0]}[0].{key[2]}" if key[0] == "shards" else ".".join(key)
     job = job_config("--training.dataset", "tokens", "--training.dataset_path", str(folder))
     with pytest.raises(UserError) as error:
@@ -196,26 +203,18 @@ def test_a_manifest_without_a_key_is_one_line_naming_it(tmp_path, sample_tokens,
 
 
 def test_a_manifest_whose_width_cannot_hold_its_vocabulary_is_refused(tmp_path, sample_tokens):
-    folder = tmp_path / "tokens"
-    folder.mkdir()
-    for file in sample_tokens.iterdir():
-        (folder / file.name).write_bytes(file.read_bytes())
-    manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["dtype"] == "<u2"
-    manifest["tokenizer"]["vocab_size"] = 128_256
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    def widen(manifest: dict) -> None:
+        assert manifest["dtype"] == "<u2"
+        manifest["tokenizer"]["vocab_size"] = 128_256
+
+    folder = with_manifest(tmp_path, sample_tokens, widen)
     with pytest.raises(UserError, match="uint16 tokens, which cannot hold the ids of its tokenizer's vocabulary"):
         read_manifest(str(folder))
 
 
 def test_a_documents_split_without_a_key_is_one_line_naming_it(tmp_path, sample_tokens):
-    folder = tmp_path / "tokens"
-    folder.mkdir()
-    for file in sample_tokens.iterdir():
-        (folder / file.name).write_bytes(file.read_bytes())
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["documents_split"] = {"held_out": True}  # the optional part, written by pretokenize --held-out-every
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    # The optional part, written by pretokenize --held-out-every, without its "every".
+    folder = with_manifest(tmp_path, sample_tokens, lambda m: m.update(documents_split={"held_out": True}))
     with pytest.raises(UserError, match="has no key 'documents_split.every'; pretokenize the data again"):
         read_manifest(str(folder))
 

@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
+from tests import helpers
 from tests.distributed import run_workers
-from tests.helpers import BATCH, SEQ_LEN, TINY, job_config, materialize, meta_model
+from tests.helpers import job_config, materialize, meta_model
 from torchtitan import training
 from torchtitan.checkpoint.codec import decode_plain, encode_plain
 from torchtitan.guard import DivergenceGuard
@@ -27,18 +28,9 @@ CPU = torch.device("cpu")
 LR = 1e-2
 
 
-def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, TINY.vocab_size, (BATCH, SEQ_LEN + 1), generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 def micro_batches(accumulation: int, dp_rank: int, dp_degree: int):
-    inputs, labels = global_batch()
-    rows = BATCH // (accumulation * dp_degree)
-    for m in range(accumulation):
-        start = (m * dp_degree + dp_rank) * rows
-        yield inputs[start : start + rows], labels[start : start + rows]
+    """This rank's micro-batches of this file's global batch, in the data loader's order."""
+    return helpers.micro_batches(accumulation, dp_rank, dp_degree, seed=7)
 
 
 def health_step(degrees: tuple[int, int, int], world_size: int, accumulation: int = 2, max_layers: int = 16):

@@ -22,8 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import helpers
 from tests.distributed import run_workers
-from tests.helpers import BATCH, SEQ_LEN, TINY, grads, job_config, materialize, meta_model, to_numpy, weights
+from tests.helpers import TINY, grads, job_config, materialize, meta_model, to_numpy, weights
 from torchtitan import training
 from torchtitan.optim import OptimizersContainer, build_optimizers
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
@@ -37,19 +38,9 @@ GRAD_TOLERANCE = {"rtol": 1e-10, "atol": 1e-12}
 WEIGHT_TOLERANCE = {"rtol": 0.0, "atol": 1e-10}
 
 
-def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, TINY.vocab_size, (BATCH, SEQ_LEN + 1), generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 def micro_batches(accumulation: int, dp_rank: int, dp_degree: int):
-    """This rank's micro-batches of the global batch, in the data loader's order."""
-    inputs, labels = global_batch()
-    rows = BATCH // (accumulation * dp_degree)
-    for m in range(accumulation):
-        start = (m * dp_degree + dp_rank) * rows
-        yield inputs[start : start + rows], labels[start : start + rows]
+    """This rank's micro-batches of this file's global batch, in the data loader's order."""
+    return helpers.micro_batches(accumulation, dp_rank, dp_degree, seed=5)
 
 
 class SGDContainer(OptimizersContainer):

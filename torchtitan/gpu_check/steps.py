@@ -225,18 +225,20 @@ def step_float8(ctx: Context) -> StepResult:
     return result
 
 
+def debug_train_command(ctx: Context, dump: Path, *args: str) -> list[str]:
+    """train.py on the debug model at this check's sizes, dumping into ``dump``, with ``args``."""
+    config = REPO_ROOT / "train_configs" / "debug_model.toml"
+    command = [sys.executable, str(REPO_ROOT / "train.py"), "--job.config_file", str(config)]
+    return [*command, "--job.dump_folder", str(dump), *ctx.sizes.train_overrides, *args]
+
+
 def step_async_checkpoint(ctx: Context) -> StepResult:
     """train.py saves asynchronously at steps 2 and 4; a second run resumes from step 4 and trains to 6."""
     dump = ctx.out / "async_checkpoint"
     shutil.rmtree(dump, ignore_errors=True)  # the first run must not resume from an earlier gpu_check's checkpoints
-    common = [
-        sys.executable,
-        str(REPO_ROOT / "train.py"),
-        "--job.config_file",
-        str(REPO_ROOT / "train_configs" / "debug_model.toml"),
-        "--job.dump_folder",
-        str(dump),
-        *ctx.sizes.train_overrides,
+    common = debug_train_command(
+        ctx,
+        dump,
         "--checkpoint.enable_checkpoint",
         "true",
         "--checkpoint.async_mode",
@@ -247,7 +249,7 @@ def step_async_checkpoint(ctx: Context) -> StepResult:
         "1",
         "--training.warmup_steps",
         "1",
-    ]
+    )
     result = StepResult()
     rows = result.rows
     for steps in (4, 6):
@@ -284,14 +286,9 @@ def step_health_timing(ctx: Context) -> StepResult:
     dump = ctx.out / "health_timing"
     shutil.rmtree(dump, ignore_errors=True)
     steps = 4 if ctx.dry_run else 12
-    command = [
-        sys.executable,
-        str(REPO_ROOT / "train.py"),
-        "--job.config_file",
-        str(REPO_ROOT / "train_configs" / "debug_model.toml"),
-        "--job.dump_folder",
-        str(dump),
-        *ctx.sizes.train_overrides,
+    command = debug_train_command(
+        ctx,
+        dump,
         "--training.steps",
         str(steps),
         "--training.warmup_steps",
@@ -300,7 +297,7 @@ def step_health_timing(ctx: Context) -> StepResult:
         "2",
         "--metrics.health_freq",
         "2",
-    ]
+    )
     done = run_command(command, ctx)
     if not done.ok:
         raise RuntimeError(f"train.py {done.how_it_ended()}:\n{done.output[-3000:]}")

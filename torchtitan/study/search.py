@@ -374,7 +374,7 @@ def extend_spaces(
     found: Sequence,
     used: dict[str, int],
     limit: int,
-    refused: Optional[dict[tuple[str, str, str], str]] = None,
+    refused: Optional[set[tuple[str, str, str]]] = None,
     check: Optional[Callable[[str, Optional[int], Space, tuple], None]] = None,
 ) -> Optional[str]:
     """Grow one optimizer's grid by one value past the end where a converged descent of it stopped, while it has
@@ -382,9 +382,9 @@ def extend_spaces(
     grew, or None when no descent stops at an end it may pass.
 
     ``check(optimizer, tokens, space, point)`` (preflight) sees the job of the new value at the descent's point
-    before the grid grows; a value it refuses is not added, and is kept in ``refused`` (with the reason) so that
+    before the grid grows; a value it refuses is not added, and is kept in ``refused`` (optimizer, key, value) so that
     the descent stays at that end."""
-    refused = {} if refused is None else refused
+    refused = set() if refused is None else refused
     for optimizer, tokens, space, descent in found:
         if descent.state != "converged" or used.get(optimizer, 0) >= limit:
             continue
@@ -405,7 +405,7 @@ def extend_spaces(
                 try:
                     check(optimizer, tokens, grown, point)
                 except UserError as error:
-                    refused[(optimizer, c.key, new)] = str(error)
+                    refused.add((optimizer, c.key, new))
                     return f"{optimizer}: best {c.key} at the grid's end; not extended to {new}: {error}"
             search["spaces"][optimizer] = grown.to_json()
             used[optimizer] = used.get(optimizer, 0) + 1
@@ -456,7 +456,7 @@ def run_descents(
         if check is not None:
             check(specs(optimizer, tokens, space, point)[0])
 
-    started, used, refused = 0, {}, {}
+    started, used, refused = 0, {}, set()
     with runner:
         while True:
             runs = _refresh(runner.dump, loaded)

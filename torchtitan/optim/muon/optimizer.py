@@ -281,6 +281,20 @@ class Muon(MatricesAndOthers):
         return results
 
 
+def check_matrices(name: str, does: str, matrices: list[Tensor], lr: float, weight_decay: float) -> None:
+    """What every optimizer of the hidden matrices refuses: no matrices, a matrix that is not 2-D, a negative lr or
+    weight decay (``name`` and what it ``does`` to the matrices, for the message)."""
+    if not matrices:
+        raise UserError(f"{name} got no hidden matrices (2-D query, key, value, attention output or MLP weights)")
+    for p in matrices:
+        if p.dim() != 2:
+            raise UserError(f"{name} {does} 2-D matrices only; got a parameter of shape {tuple(p.shape)}")
+    if not isinstance(lr, Tensor) and not lr >= 0.0:
+        raise UserError(f"{name} lr must be at least 0; got {lr}")
+    if not weight_decay >= 0.0:
+        raise UserError(f"{name} weight_decay must be at least 0; got {weight_decay}")
+
+
 def _check_arguments(
     matrices: list[Tensor],
     lr: float,
@@ -291,15 +305,7 @@ def _check_arguments(
     adjust_lr: str,
     state_dtype: str,
 ) -> None:
-    if not matrices:
-        raise UserError("Muon got no hidden matrices (2-D query, key, value, attention output or MLP weights)")
-    for p in matrices:
-        if p.dim() != 2:
-            raise UserError(f"Muon orthogonalises 2-D matrices only; got a parameter of shape {tuple(p.shape)}")
-    if not isinstance(lr, Tensor) and not lr >= 0.0:
-        raise UserError(f"Muon lr must be at least 0; got {lr}")
-    if not weight_decay >= 0.0:
-        raise UserError(f"Muon weight_decay must be at least 0; got {weight_decay}")
+    check_matrices("Muon", "orthogonalises", matrices, lr, weight_decay)
     if not 0.0 <= momentum < 1.0:
         raise UserError(f"Muon momentum must be in [0, 1); got {momentum}")
     if not 0 < ns_steps < 100:

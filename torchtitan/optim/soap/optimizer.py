@@ -24,7 +24,7 @@ from torch import Tensor
 
 from torchtitan.errors import UserError
 from torchtitan.optim.muon.distributed import ShardedMatrix, transform_sharded
-from torchtitan.optim.muon.optimizer import MatricesAndOthers
+from torchtitan.optim.muon.optimizer import MatricesAndOthers, check_matrices
 from torchtitan.optim.soap.update import BASES, EXP_AVG, EXP_AVG_SQ, GRAMS, matrix_step, new_matrix_state, step_size
 from torchtitan.optim.state.storage import FLOAT32, at_least_float32, keep_state_dtypes_on_load
 from torchtitan.utils import grad_like_param, local_tensor
@@ -165,19 +165,11 @@ def _check_arguments(
     precondition_frequency: int,
     max_precondition_dim: int,
 ) -> None:
-    if not matrices:
-        raise UserError("SOAP got no hidden matrices (2-D query, key, value, attention output or MLP weights)")
-    for p in matrices:
-        if p.dim() != 2:
-            raise UserError(f"SOAP preconditions 2-D matrices only; got a parameter of shape {tuple(p.shape)}")
-    if not isinstance(lr, Tensor) and not lr >= 0.0:
-        raise UserError(f"SOAP lr must be at least 0; got {lr}")
+    check_matrices("SOAP", "preconditions", matrices, lr, weight_decay)
     if len(tuple(betas)) != 2 or not all(0.0 <= float(beta) < 1.0 for beta in betas):
         raise UserError(f"SOAP betas must be two numbers in [0, 1); got {tuple(betas)}")
     if not eps >= 0.0:
         raise UserError(f"SOAP eps must be at least 0; got {eps}")
-    if not weight_decay >= 0.0:
-        raise UserError(f"SOAP weight_decay must be at least 0; got {weight_decay}")
     if shampoo_beta is not None and not 0.0 <= shampoo_beta < 1.0:
         raise UserError(f"SOAP shampoo_beta must be in [0, 1); got {shampoo_beta}")
     if isinstance(precondition_frequency, bool) or not int(precondition_frequency) == precondition_frequency >= 1:
