@@ -88,6 +88,7 @@ start_munge() {
         [ -s /etc/munge/munge.key ] || { mungekey --create --force 2>/dev/null || dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null; }
         chown munge:munge /etc/munge/munge.key && chmod 600 /etc/munge/munge.key
         runuser -u munge -- /usr/sbin/munged
+        touch "$STATE_DIR/munged.ours"  # started here: stop stops it too (a munged that was running is left alone)
     fi
 }
 
@@ -132,6 +133,10 @@ stop() {
     fi
     stop_daemon slurmd
     stop_daemon slurmctld
+    if [ -e "$STATE_DIR/munged.ours" ]; then
+        [ -s /run/munge/munged.pid ] && kill "$(cat /run/munge/munged.pid)" 2>/dev/null || true
+        rm -f "$STATE_DIR/munged.ours"
+    fi
     log "stopped"
 }
 
