@@ -341,6 +341,15 @@ def test_a_full_queue_submits_nothing_and_is_no_failure(tmp_path, monkeypatch, c
     assert not list((dump / "runs").glob(f"*/{JOB_FILE}"))  # nothing recorded as submitted: the next call submits
 
 
+def test_runs_through_slurm_are_named_and_grouped_in_wandb_as_local_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", "sbatch: error: job submit limit"))
+    dump = tmp_path / "study"
+    args = ["--optimizers", "AdamW", "--lrs", "1e-3", "--nproc", "1"]
+    assert sweep(dump, *args, train_args=["--metrics.enable_wandb", "true"], launcher=FAKE) == 0
+    command = (dump / "runs" / "AdamW_lr1e-3_seed0" / "command.sh").read_text()
+    assert "--metrics.wandb_run_name AdamW_lr1e-3_seed0 --metrics.wandb_group study" in command, command
+
+
 def test_any_other_sbatch_refusal_is_one_line_naming_the_option(tmp_path, monkeypatch, capsys):
     refused = "sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified"
     monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", refused))

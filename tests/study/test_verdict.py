@@ -11,6 +11,7 @@ import html
 import json
 
 import numpy as np
+import pytest
 
 from tests.helpers import fake_sweep, one_error_line
 from torchtitan.study import statistics
@@ -84,6 +85,23 @@ def test_confirm_seeds_train_the_best_settings_again_and_the_verdict_reads_only_
     assert main(["--dump-folder", str(dump), "--report-only"]) == 0
     again = json.loads((dump / "sweep.json").read_text())
     assert again["last_k"] == 3 and again["best"]["Muon"]["seeds"] == [2, 3]
+    # A later call that leaves --confirm-seeds out keeps the study confirmed (it does not judge on seeds 0-3).
+    assert fake_sweep(dump, *GRID) == 0
+    assert sorted(p.name for p in (dump / "runs").iterdir()) == names
+    later = json.loads((dump / "sweep.json").read_text())
+    assert later["confirmation_seeds"] == [2, 3] and later["best"]["Muon"]["seeds"] == [2, 3]
+    assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", "--seeds", "2") == 2  # a recorded one
+    assert "the confirmation seeds this study recorded 2 also in --seeds" in one_error_line(capsys)
+
+
+def test_an_optimizer_added_in_a_later_call_leaves_the_earlier_ones_ranked(tmp_path):
+    dump = tmp_path / "sweep"
+    axis = ("--axis", "optimizer.weight_decay=0.1,0.3")
+    assert fake_sweep(dump, "--optimizers", "AdamW,Muon", "--lrs", "1e-3", *axis) == 0
+    assert fake_sweep(dump, "--optimizers", "NorMuon", "--lrs", "1e-3", *axis) == 0
+    report = json.loads((dump / "sweep.json").read_text())
+    assert set(report["best"]) == {"AdamW", "Muon", "NorMuon"} and report["older_runs"] == []
+    assert report["best"]["AdamW"]["settings"] == {"lr": 1e-3, "optimizer.weight_decay": 0.1}
 
 
 def test_without_confirmation_the_page_says_the_seeds_were_shared(tmp_path):
@@ -253,6 +271,37 @@ def test_a_verdict_waits_for_its_confirmation_runs(tmp_path):
     assert report["best"]["Muon"]["versus_baseline"] is None and report["best"]["Muon"]["loss_mean"] is None
     row = next(line for line in format_markdown(report).splitlines() if line.startswith("| Muon |"))
     assert "not confirmed yet" in row and "better" not in row
+
+
+@pytest.mark.parametrize(
+    "confirmation, state, words",
+    [
+        ((("Muon", 2, "finished"),), "pending", "not confirmed yet"),  # seed 3 has not ended
+        ((("Muon", 2, "finished"), ("Muon", 3, "diverged")), "diverged", "diverged on a confirmation seed"),
+        ((("Muon", 2, "finished"), ("Muon", 3, "failed")), "failed", "a confirmation run failed"),
+    ],
+    ids=["one-of-two-ended", "one-diverged", "one-failed"],
+)
+def test_a_verdict_reads_every_confirmation_seed_or_none(confirmation, state, words):
+    # Muon is better on every seed that finished; a verdict from the survivors alone would say "better".
+    from tests.study.test_study import made_up_run
+    from torchtitan.study.report import format_markdown
+    from torchtitan.study.summary import summarize_sweep
+
+    runs = [made_up_run(o, seed, scale) for o, scale in (("AdamW", 1.0), ("Muon", 0.5)) for seed in (0, 1, 2, 3)]
+    runs = [r for r in runs if not (r.spec.optimizer == "Muon" and r.spec.seed in (2, 3))]
+    runs += [made_up_run(o, seed, 0.5, outcome=outcome) for o, seed, outcome in confirmation]
+    report = summarize_sweep(runs, last_k=3, confirm_seeds=[2, 3])
+    muon = report["best"]["Muon"]
+    assert muon["confirmation"] == state and report["best"]["AdamW"]["confirmation"] == "finished"
+    assert muon["loss_mean"] is None and muon["versus_baseline"] is None and muon["speedup"] is None
+    row = next(line for line in format_markdown(report).splitlines() if line.startswith("| Muon |"))
+    assert words in row and "better" not in row
+    # Every seed finished: the verdict.
+    runs = [r for r in runs if not (r.spec.optimizer == "Muon" and r.spec.seed in (2, 3))]
+    runs += [made_up_run("Muon", seed, 0.5) for seed in (2, 3)]
+    done = summarize_sweep(runs, last_k=3, confirm_seeds=[2, 3])["best"]["Muon"]
+    assert done["confirmation"] == "finished" and done["versus_baseline"]["verdict"] == "better"
 
 
 def test_a_value_extend_would_add_is_checked_before_it_trains(tmp_path, capsys):

@@ -14,21 +14,26 @@ from typing import Optional, Sequence
 from torchtitan.errors import UserError
 from torchtitan.study.plan import RunSpec, parse_seeds
 from torchtitan.study.run_folders import load_sweep_runs
+from torchtitan.study.search import read_search
 from torchtitan.study.summary import DEFAULT_BASELINE, cell_runs, summarize_sweep
 
 
-def parse_confirm_seeds(raw: Optional[str], seeds: Sequence[int]) -> list[int]:
-    """The confirmation seeds of ``--confirm-seeds`` (none when not given); they must differ from the selection's."""
+def parse_confirm_seeds(raw: Optional[str], seeds: Sequence[int], recorded: Sequence[int] = ()) -> list[int]:
+    """The confirmation seeds of ``--confirm-seeds``; when not given, those the dump folder's earlier calls recorded
+    (a call that leaves the flag out must not turn a confirmed study back into one judged on its selection seeds).
+    They must differ from the selection's."""
     if raw is None:
-        return []
-    confirm = parse_seeds(raw)
-    if not confirm:
-        raise UserError("--confirm-seeds is empty; give seeds other than --seeds, like '3,4,5', or leave it out")
+        confirm = list(recorded)
+    else:
+        confirm = parse_seeds(raw)
+        if not confirm:
+            raise UserError("--confirm-seeds is empty; give seeds other than --seeds, like '3,4,5', or leave it out")
     shared = sorted(set(confirm) & set(seeds))
     if shared:
+        given = "--confirm-seeds" if raw is not None else "the confirmation seeds this study recorded"
         raise UserError(
-            f"--confirm-seeds {', '.join(map(str, shared))} also in --seeds: confirmation needs seeds the search did "
-            "not choose on; give other seeds"
+            f"{given} {', '.join(map(str, shared))} also in --seeds: confirmation needs seeds the search did not "
+            "choose on; give other seeds"
         )
     return confirm
 
@@ -40,7 +45,8 @@ def confirmation_specs(dump: Path, last_k: int, confirm_seeds: Sequence[int]) ->
     if not runs or not confirm_seeds:
         return []
     by_name = {r.spec.name: r for r in runs}
-    report = summarize_sweep(runs, last_k, DEFAULT_BASELINE, confirm_seeds)
+    axes = (read_search(dump) or {}).get("axes")  # the cells the report ranks, so both choose the same settings
+    report = summarize_sweep(runs, last_k, DEFAULT_BASELINE, confirm_seeds, axes)
     specs = []
     for entry in report["best_by_budget"]:
         for optimizer, b in entry["best"].items():

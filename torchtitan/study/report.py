@@ -17,10 +17,11 @@ from torchtitan.config_manager import JOB_CONFIG_RECORD
 from torchtitan.errors import UserError
 from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.figures import plot_budgets, plot_main, plot_sensitivity, plot_study_health, plot_sweep
-from torchtitan.study.plan import COMMAND_FILE, DIVERGED, FINISHED, LOG_FILE, lr_label, tokens_label
+from torchtitan.study.plan import COMMAND_FILE, DIVERGED, FAILED, FINISHED, LOG_FILE, lr_label, tokens_label
 from torchtitan.study.run_folders import load_sweep_runs
 from torchtitan.study.search import descent_report, read_search
 from torchtitan.study.summary import (
+    CONFIRMATION_PENDING,
     DEFAULT_BASELINE,
     TPS_WARMUP_LOGS,
     cell_runs,
@@ -53,14 +54,25 @@ def loss_text(mean: Optional[float], ci: Optional[float], n: int) -> str:
     return f"{mean:.4f} ± {ci:.4f} ({n} seeds)"
 
 
+# A best cell's confirmation that gives no verdict (summary's ``confirmation``), in words.
+CONFIRMATION_TEXT = {
+    CONFIRMATION_PENDING: "not confirmed yet: its confirmation runs have not all ended",
+    DIVERGED: "diverged on a confirmation seed: no verdict",
+    FAILED: "a confirmation run failed: no verdict (the next call trains it again)",
+}
+
+
 def versus_text(optimizer: str, b: dict, report: dict) -> str:
     if optimizer == report["baseline"]:
         return "baseline"
     v = b.get("versus_baseline")
-    if report["confirmation_seeds"] and b["settings"] is not None and not b["seed_losses"]:
-        return "not confirmed yet: its confirmation runs have not finished"
+    if b.get("confirmation", FINISHED) != FINISHED:
+        return CONFIRMATION_TEXT[b["confirmation"]]
     if b["loss_mean"] is None or not report["baseline_found"]:
         return "n/a"
+    base = report["best"][report["baseline"]]
+    if base.get("confirmation", FINISHED) != FINISHED:
+        return f"no verdict: {report['baseline']} {CONFIRMATION_TEXT[base['confirmation']]}"
     if v is None:
         return "one seed: no verdict"
     text = f"{v['difference']:+.4f} [{v['low']:+.4f}, {v['high']:+.4f}] ({v.get('method', 'Welch')}), {v['verdict']}"

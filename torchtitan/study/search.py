@@ -233,10 +233,11 @@ def write_search(
     axes: Optional[dict] = None,
 ) -> None:
     """``search.json``: the last search of the dump folder, which the report draws, its confirmation seeds and each
-    optimizer's current axes (the report ranks only the cells of those)."""
+    optimizer's current axes (the report ranks only the cells of those; an optimizer this call does not sweep keeps
+    the axes an earlier call recorded)."""
     data: dict = {"method": method}
     if axes is not None:
-        data["axes"] = axes
+        data["axes"] = {**((read_search(dump) or {}).get("axes") or {}), **axes}
     if confirm_seeds:
         data["confirm_seeds"] = list(confirm_seeds)
     if method == "coordinate":

@@ -31,8 +31,17 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import PREEMPTED_EXIT_CODE, UserError
-from torchtitan.study.plan import COMMAND_FILE, LOG_FILE, RUNS_FOLDER, RunSpec, run_command, run_folder
-from torchtitan.study.run_folders import merged_scalars, read_status, status_paths, write_status
+from torchtitan.study.plan import (
+    COMMAND_FILE,
+    FINISHED,
+    LOG_FILE,
+    RUNS_FOLDER,
+    RunSpec,
+    run_command,
+    run_folder,
+    wandb_group,
+)
+from torchtitan.study.run_folders import LOSS, merged_scalars, read_status, status_paths, write_status
 from torchtitan.study.scheduling import RUN_ENVIRONMENT, command_script, ended_status, spec_fields
 
 SLURM_FOLDER = "slurm"  # in the dump folder: each submission's job script, its list of run folders, Slurm's output
@@ -180,9 +189,6 @@ def time_seconds(text: str) -> int:
     return int(a) * 60
 
 
-LOSS_TAG = "loss_metrics/global_avg_loss"
-
-
 @dataclass(frozen=True)
 class FirstLog:
     """How long a finished run of the study took to reach its first log line: its start (everything before the
@@ -207,7 +213,7 @@ def first_log(run_dir: Path, status: dict) -> Optional[FirstLog]:
 
     scalars = merged_scalars(run_dir)
     parts = [scalars[time_tag(p)] for p in PARTS if time_tag(p) in scalars]
-    loss = scalars.get(LOSS_TAG)
+    loss = scalars.get(LOSS)
     if not parts or loss is None or len(loss.steps) < 2 or status.get("seconds") is None:
         return None
     per_step = [sum(vals) for vals in zip(*(s.values for s in parts))]
@@ -225,8 +231,8 @@ def check_time_limit(settings: SlurmSettings, dump: Path) -> None:
         return
     measured = []
     for path in status_paths(dump):
-        status = json.loads(path.read_text())
-        if status.get("outcome") == "finished" and (found := first_log(path.parent, status)) is not None:
+        status = read_status(path.parent)
+        if status.get("outcome") == FINISHED and (found := first_log(path.parent, status)) is not None:
             measured.append(found)
     if not measured:
         return
@@ -483,6 +489,7 @@ class SlurmRunner:
         self.parallel = parallel
         self.vary_data_seed = vary_data_seed
         self.after_each = after_each
+        self.wandb_group = wandb_group(dump, config_file, train_args)
         self.running: list[_Job] = []
 
     def __enter__(self) -> "SlurmRunner":
@@ -516,7 +523,7 @@ class SlurmRunner:
         for spec, _ in queued:
             run_dir = run_folder(self.dump, spec)
             run_dir.mkdir(parents=True, exist_ok=True)
-            command = run_command(spec, run_dir, self.train_args, self.launcher, self.vary_data_seed)
+            command = run_command(spec, run_dir, self.train_args, self.launcher, self.vary_data_seed, self.wandb_group)
             (run_dir / COMMAND_FILE).write_text(command_script(command, recorded, os.getcwd()))
             commands[spec.name] = (command, run_dir)
         runs.write_text("".join(f"{commands[spec.name][1]}\n" for spec, _ in queued))

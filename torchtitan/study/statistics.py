@@ -1,8 +1,8 @@
 """The study's statistics: Student's t, the paired or Welch's interval for a difference of means, tokens to reach a
 loss along a curve, speedup at matched loss, and the power-law fit of loss against tokens with a bootstrap interval.
 
-Pure functions of numbers (quantiles and the bootstrap from scipy.stats, no torch), so the report is the same wherever
-it is rebuilt and each function is tested on made-up values.
+Pure functions of numbers (t quantiles from scipy.stats, the bootstrap with numpy, no torch), so the report is the
+same wherever it is rebuilt and each function is tested on made-up values.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
-import scipy.stats
 
 CONFIDENCE = 0.95
 BETTER, WORSE, NO_DIFFERENCE = "better", "worse", "no detectable difference"
@@ -22,13 +21,11 @@ BETTER, WORSE, NO_DIFFERENCE = "better", "worse", "no detectable difference"
 # Student's t distribution (scipy.stats)
 
 
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with ``df`` (> 0, not necessarily whole) degrees of freedom."""
-    return float(scipy.stats.t.cdf(t, df))
-
-
 def t_quantile(p: float, df: float) -> float:
-    """The t with P(T <= t) = p (0 < p < 1)."""
+    """The t with P(T <= t) = p (0 < p < 1) for Student's t with ``df`` (> 0, not necessarily whole) degrees of
+    freedom."""
+    import scipy.stats  # here: the study's modules load without it (a Slurm job's callbacks import them)
+
     if not (0.0 < p < 1.0) or not df > 0:
         raise ValueError(f"t_quantile needs 0 < p < 1 and df > 0; got p={p}, df={df}")
     return float(scipy.stats.t.ppf(p, df))

@@ -417,15 +417,28 @@ def grid_edges(settings: dict, cells: Sequence[dict]) -> list[dict]:
     return edges
 
 
-def _confirm(b: dict, runs: Sequence[dict]) -> None:
-    """Replace a best cell's loss by that of its confirmation runs (the seeds it was not chosen on)."""
-    finished = [r for r in runs if _ranked(r)]
-    losses = [r["rank_loss"] for r in finished]
+CONFIRMATION_PENDING = "pending"  # a best cell's confirmation while some of its confirmation seeds have not ended
+
+
+def _confirm(b: dict, optimizer: str, budget, runs: Sequence[dict], confirm_seeds: int) -> None:
+    """Replace a best cell's loss by that of its confirmation runs (the seeds it was not chosen on), judged as the
+    selection judges a cell: ``confirmation`` is "pending" until every confirmation seed ended, then the cell's
+    outcome (diverged if any seed diverged, failed if any failed, else finished); only a finished one has a loss."""
+    cell = _cell(optimizer, budget, b["settings"], runs)
+    state = CONFIRMATION_PENDING if len(runs) < confirm_seeds else cell["outcome"]
     b["selection"] = {k: b[k] for k in ("loss_mean", "loss_ci", "seeds")}
-    b["loss_mean"], b["loss_std"] = mean_std(losses)
-    b["loss_ci"] = statistics.mean_ci(losses) if len(losses) > 1 else None
-    b["seeds"] = sorted(r["seed"] for r in finished)
-    b["confirmation_runs"] = len(runs)
+    b["confirmation"] = state
+    done = state == FINISHED
+    b["loss_mean"], b["loss_std"], b["loss_ci"] = (
+        cell[k] if done else None for k in ("loss_mean", "loss_std", "loss_ci")
+    )
+    b["seeds"] = cell["seeds"]
+
+
+def _judged(b: Optional[dict]) -> bool:
+    """Whether a best cell has runs to judge it by: settings, and, under confirmation, every confirmation seed
+    finished (a verdict never reads the seeds that happened to survive)."""
+    return b is not None and b["settings"] is not None and b.get("confirmation", FINISHED) == FINISHED
 
 
 def _of_current_axes(run: dict, current_axes: dict) -> bool:
@@ -475,15 +488,17 @@ def summarize_sweep(
             b = best_by_budget[budget][optimizer] = _best(mine, cells)
             b["settings_tried"] = len(cells)
             b["edges"] = grid_edges(b["settings"], cells) if b["settings"] else []
-            if confirming:
-                _confirm(b, cell_runs(confirmations, optimizer, budget, b["settings"]))
+            if confirming and b["settings"] is not None:
+                _confirm(
+                    b, optimizer, budget, cell_runs(confirmations, optimizer, budget, b["settings"]), len(confirming)
+                )
 
     # The comparison with the baseline needs the curves of the best cells only (their confirmation runs if any).
     verdict_runs = confirmations if confirming else summaries
     by_name = {r.spec.name: r for r in runs}
     for budget, best in best_by_budget.items():
         base = best.get(baseline)
-        base_runs = cell_runs(verdict_runs, baseline, budget, base["settings"]) if base else []
+        base_runs = cell_runs(verdict_runs, baseline, budget, base["settings"]) if _judged(base) else []
         curves = {}
         for r in base_runs:
             if r["outcome"] == FINISHED:
@@ -491,7 +506,7 @@ def summarize_sweep(
                 if curve is not None:
                     curves[r["name"]] = curve
         for optimizer, b in best.items():
-            chosen = cell_runs(verdict_runs, optimizer, budget, b["settings"])
+            chosen = cell_runs(verdict_runs, optimizer, budget, b["settings"]) if _judged(b) else []
             b["seed_losses"] = [r["rank_loss"] for r in chosen if _ranked(r)]
             if optimizer == baseline:
                 b["versus_baseline"] = None

@@ -129,7 +129,8 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         budgets, warmup_fraction = _budgets(args, config_file, nproc, train_args)
         axes = [parse_axis(raw, args.budgets is not None, args.vary_data_seed) for raw in args.axis]
         optimizers, lrs, seeds = items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds)
-        confirm_seeds = parse_confirm_seeds(args.confirm_seeds, seeds)
+        recorded = (read_search(dump) or {}).get("confirm_seeds", [])
+        confirm_seeds = parse_confirm_seeds(args.confirm_seeds, seeds, recorded)
         specs = plan(optimizers, lrs, seeds, budgets, axes, train_args)
         spaces = None
         if args.search == "coordinate":
