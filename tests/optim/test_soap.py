@@ -4,6 +4,8 @@ arguments checked."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -211,7 +213,7 @@ def test_state_of_bfloat16_weights_is_float32_and_stays_so_across_a_load():
     params = [torch.nn.Parameter(p.detach().bfloat16()) for p in _matrices()]
     optimizer = SOAP(params, max_precondition_dim=MAX_DIM, **OPTIONS)
     _run(optimizer, params, 3)
-    saved = optimizer.state_dict()
+    saved = copy.deepcopy(optimizer.state_dict())  # a copy, as from a checkpoint: the load must not alias it
     fresh = SOAP(params, max_precondition_dim=MAX_DIM, **OPTIONS)
     fresh.load_state_dict(saved)
     for p in params:
@@ -219,13 +221,16 @@ def test_state_of_bfloat16_weights_is_float32_and_stays_so_across_a_load():
         assert {key: t.dtype for key, t in state.items() if key != "step"} == {
             key: torch.float32 for key in optimizer.state[p] if key != "step"
         }
+        assert all(state[key] is not optimizer.state[p][key] for key in state if key != "step")
         assert all(torch.equal(state[key], optimizer.state[p][key]) for key in state)
 
 
-def test_the_gpu_check_runs_soap_in_its_optimizer_and_large_groups_and_benchmarks_it():
+def test_the_gpu_check_runs_soap_in_its_only_groups_not_the_quick_profile_and_benchmarks_it():
     from benchmarks.bench_optimizers import FAMILIES
     from torchtitan.gpu_check import steps as plan
 
+    # Its first eigendecompositions at 1B would not fit the quick profile's eight minutes cold.
+    assert "SOAP" not in plan.QUICK_OPTIMIZERS and all(not s.startswith("SOAP") for s in plan.QUICK_8B)
     assert "SOAP" in plan.optimizers_1b_variant_specs() and "SOAP" in plan.llama3_8b_more_specs()
     assert "SOAP" in FAMILIES
 

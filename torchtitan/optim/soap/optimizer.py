@@ -106,7 +106,7 @@ class SOAP(MatricesAndOthers):
         size = step_size(lr, beta1, beta2, step)
         for p, direction in zip(params, directions):
             local = local_tensor(p)
-            local.add_(direction.to(local.dtype), alpha=-size)
+            local.add_(direction, alpha=-size)  # in the state's precision, rounded once to the weights'
             if group["weight_decay"] != 0.0:
                 local.mul_(1 - lr * group["weight_decay"])
 

@@ -121,7 +121,7 @@ def refresh_eigenbases(state: dict[str, Tensor]) -> None:
         estimated = (basis * product).sum(dim=0)
         order = torch.argsort(estimated, descending=True)
         exp_avg_sq = exp_avg_sq.index_select(side, order)
-        q, _ = torch.linalg.qr(product.index_select(1, order).to(torch.promote_types(basis.dtype, torch.float32)))
+        q, _ = torch.linalg.qr(product.index_select(1, order))  # grams and bases are float32 or wider
         basis.copy_(q)
     state[EXP_AVG_SQ].copy_(exp_avg_sq)
 
