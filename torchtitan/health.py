@@ -11,9 +11,9 @@ layer as well when the model has at most ``metrics.health_max_layers`` layers; a
 * ``health/update_to_weight/<group>``: the norm of that change over the norm of the weights before the step;
 * ``health/weight_norm/<group>``: the norm of the weights after the step;
 * ``health/attn_logit_max`` (and ``health/attn_logit_max/layers.N``): the largest pre-softmax attention logit
-  (q·k/√d over the step's micro-batches, causal positions only); a compiled model gets them from one more forward of
-  each micro-batch without gradients, run eagerly, before its training forward (the same weights and inputs, so the
-  same logits).
+  (q·k/√d over the step's micro-batches, causal positions only); a compiled model, or one with activation
+  checkpointing, gets them from one more forward of each micro-batch without gradients, run eagerly, before its
+  training forward (the same weights and inputs, so the same logits).
 
 Each rank sums squares over its own shards in float64, each counted once (a shard replicated over a mesh dimension
 is weighted by one over that dimension's size), and one all-reduce of the stacked sums (plus one max for the logits)
@@ -51,7 +51,7 @@ from torchtitan.models.roles import (
     VALUE,
     canonical_name,
 )
-from torchtitan.utils import local_tensor
+from torchtitan.utils import grad_like_param, local_tensor
 
 # The group of each declared role; MLP splits into its input projections (w1, w3) and its output one (w2).
 GROUP_OF_ROLE = {
@@ -65,7 +65,6 @@ GROUP_OF_ROLE = {
     BIAS: "bias",
 }
 MLP_OUT_SUFFIX = "w2.weight"
-QUANTITIES = ("grad_norm", "update_rms", "update_rms_per_lr", "update_to_weight", "weight_norm")
 
 
 ALL = "all"
@@ -111,8 +110,7 @@ class OptimizerHealth:
     ):
         self.freq = freq
         self.device = device
-        # A compiled model's graphs cannot keep the logits (a side effect), so they come from a forward of their own.
-        self.separate_forward = separate_forward
+        self.separate_forward = separate_forward  # the logits from a forward of their own (see ``build``)
         self.attention = [
             (name, module)
             for part in model_parts
@@ -149,7 +147,11 @@ class OptimizerHealth:
         m = job_config.metrics
         if m.health_freq == 0:
             return None
-        return cls(model_parts, m.health_freq, m.health_max_layers, device, job_config.training.compile)
+        # Compiled graphs cannot keep the logits (a side effect), and activation checkpointing would see the
+        # measurement's ops (selective checkpointing saves and replays by op count): both measure in a forward of
+        # their own.
+        separate = job_config.training.compile or job_config.activation_checkpoint.mode != "none"
+        return cls(model_parts, m.health_freq, m.health_max_layers, device, separate)
 
     def _reset(self) -> None:
         self.measuring = False
@@ -185,10 +187,10 @@ class OptimizerHealth:
             module.record_logit_max = keep
 
     def record_attention(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, chunks: int) -> None:
-        """With ``separate_forward`` (a compiled model), run the micro-batch's forward (with its loss over ``chunks``)
-        once more, without gradients and eagerly, with the attention layers keeping their largest logit: the
-        compiled graphs (and activation checkpointing's recomputation in them) never see the measurement. Otherwise
-        the training forward itself keeps them (recomputation under checkpointing keeps the same values again)."""
+        """With ``separate_forward`` (a compiled or checkpointed model), run the micro-batch's forward (with its loss
+        over ``chunks``) once more, without gradients and eagerly, with the attention layers keeping their largest
+        logit: the compiled graphs and checkpointing's saved and recomputed ops never see the measurement. Otherwise
+        the training forward itself keeps them."""
         if not (self.measuring and self.separate_forward):
             return
         self._keep_logits(True)
@@ -296,14 +298,8 @@ def format_health_line(step: int, metrics: dict[str, float]) -> str:
 
 
 def _grad_like_param(p: torch.Tensor) -> torch.Tensor:
-    """``p``'s gradient laid out as ``p`` (so that the parameter's weight counts it once), or zeros without one; a
-    DTensor gradient may come back with other placements (e.g. replicated where the weight is sharded)."""
-    if p.grad is None:
-        return local_tensor(p).new_zeros(())
-    grad = p.grad
-    if isinstance(grad, DTensor) and grad.placements != p.placements:
-        grad = grad.redistribute(p.device_mesh, p.placements)
-    return grad
+    """``p``'s gradient laid out as ``p`` (so that the parameter's weight counts it once), or zeros without one."""
+    return local_tensor(p).new_zeros(()) if p.grad is None else grad_like_param(p, "optimizer health")
 
 
 def _minus_inf(device: torch.device) -> torch.Tensor:

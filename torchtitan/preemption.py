@@ -9,8 +9,9 @@ a moment later stops at the same step), save the step they are at whatever the c
 script to requeue the run; started again with the same command, it resumes from that checkpoint, bit for bit.
 
 Later stop signals change nothing (torchrun, itself signalled, passes SIGTERM on to its workers), but torchrun
-SIGKILLs its workers 30 s after that: under torchrun, a step and its save must fit in those 30 s. Ctrl-C (SIGINT)
-still interrupts at once.
+SIGKILLs its workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds after that (30 by default; the Slurm job scripts set
+the warning less 10 s): under torchrun, a step and its save must fit in that time. Ctrl-C (SIGINT) still interrupts
+at once.
 """
 
 from __future__ import annotations

@@ -171,8 +171,10 @@ def test_a_skipped_step_logs_no_health_and_keeps_the_weights():
     with torch.no_grad():
         model.tok_embeddings.weight[0, 0] = math.inf
     guard = DivergenceGuard(3, CPU)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
     _, _, updated = training.train_step(model, optimizers, micro_batches(1, 0, 1), dims, config, CPU, guard, 1, health)
     assert not updated
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert health.metrics(LR) == {}
     assert all(not m.record_logit_max and m.logit_max is None for _, m in health.attention)
 
@@ -270,31 +272,42 @@ def test_step_time_is_split_into_its_parts_per_step():
             pass
 
 
-def _compiled_step(compile: bool) -> dict[str, float]:
-    """Two float32 steps of the tiny model under full activation checkpointing, health at the second."""
+def _measured_step(compile: bool, checkpointing: dict) -> dict[str, float]:
+    """Two float32 steps of the tiny model, health at the second."""
     config = job_config(
         training={"max_norm": 0.5, "compile": compile},
         optimizer={"name": "AdamW", "lr": LR},
-        activation_checkpoint={"mode": "full"},
+        activation_checkpoint=checkpointing,
         metrics={"health_freq": 2},
     )
     dims = ParallelDims(1, 1, 1, 1)
     model = materialize(parallelize_llama(meta_model(dtype=torch.float32), dims.build_mesh("cpu"), dims, config))
     optimizers = build_optimizers([model], config)
     health = OptimizerHealth.build([model], config, CPU)
-    assert health.separate_forward == compile
+    assert health.separate_forward == (compile or checkpointing["mode"] != "none")
     for step in (1, 2):
         training.train_step(model, optimizers, micro_batches(1, 0, 1), dims, config, CPU, None, step, health)
     return health.metrics(LR)
 
 
-def test_a_compiled_checkpointed_model_measures_what_the_eager_one_does():
-    # A compiled model's logits come from an eager forward of their own (fullgraph compile refuses the side effect
-    # in its graphs, and under activation checkpointing); the eager model's from its training forward.
-    compiled, eager = _compiled_step(True), _compiled_step(False)
-    assert compiled.keys() == eager.keys() and "health/attn_logit_max/layers.1" in compiled
+@pytest.mark.parametrize(
+    "compile, checkpointing",
+    [
+        (True, {"mode": "full"}),
+        (False, {"mode": "full"}),
+        (False, {"mode": "selective", "selective_ac_option": "op"}),  # replays saved ops by count: none may be added
+        (False, {"mode": "selective", "selective_ac_option": "1"}),
+    ],
+    ids=["compiled-full", "full", "selective-op", "selective-layer"],
+)
+def test_a_compiled_or_checkpointed_model_measures_what_the_plain_eager_one_does(compile, checkpointing):
+    # Its logits come from an eager forward of their own (fullgraph compile refuses the side effect in its graphs;
+    # checkpointing would save or recompute the measurement's ops); the plain eager model's from its training
+    # forward.
+    measured, eager = _measured_step(compile, checkpointing), _measured_step(False, {"mode": "none"})
+    assert measured.keys() == eager.keys() and "health/attn_logit_max/layers.1" in measured
     for key, value in eager.items():
-        assert compiled[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+        assert measured[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
 
 
 def test_the_health_log_line_names_the_group_with_the_largest_relative_update(one_process):

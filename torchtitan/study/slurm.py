@@ -434,6 +434,8 @@ trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 record started
 export NNODES=$SLURM_NNODES RDZV_ID=$SLURM_JOB_ID
+# torchrun, signalled too, gives its workers this long to save before it kills them (its default is 30 s).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{shutdown_seconds}}}
 RDZV_ENDPOINT=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):29500
 export RDZV_ENDPOINT
 echo "$ (Slurm job $SLURM_JOB_ID, start $((${{SLURM_RESTART_COUNT:-0}} + 1))) $(tail -n 1 "$run_dir/{command}")" \\
@@ -533,6 +535,7 @@ class SlurmRunner:
                 name=f"study-{self.dump.name}",
                 output=shlex.quote(str(folder)),
                 signal_seconds=self.settings.signal_seconds,
+                shutdown_seconds=max(10, self.settings.signal_seconds - 10),  # the warning, less time to pass it on
                 sbatch=sbatch,
                 runs=shlex.quote(str(runs)),
                 root=shlex.quote(str(Path(__file__).resolve().parents[2])),
