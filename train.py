@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 
 from torchtitan.cuda_allocator import allocator_environ, allocator_setting
 
@@ -138,7 +139,8 @@ def main(job_config: JobConfig) -> None:
     )
     window_start, window_steps = time.perf_counter(), 0
     first_step = train_state.step + 1
-    preemption = Preemption()  # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/preemption.py)
+    # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/preemption.py)
+    preemption = Preemption(timeout=timedelta(seconds=job_config.comm.init_timeout_seconds))
     with maybe_profile(job_config, train_state) as profiler, GarbageCollection(t.gc_freq) as garbage_collection:
         while train_state.step < t.steps:
             train_state.step += 1
@@ -203,7 +205,7 @@ def main(job_config: JobConfig) -> None:
                 logger.warning(f"the last step was skipped: no final checkpoint; {checkpoint.resume_hint()}")
             if profiler is not None:
                 profiler.step()
-            if train_state.step < t.steps and preemption.requested(_world_group(), device):
+            if train_state.step < t.steps and preemption.requested():
                 raise preemption.stop(checkpoint, train_state.step, updated, metric_logger)
 
     checkpoint.close()

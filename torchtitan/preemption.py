@@ -19,12 +19,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from torchtitan.collectives import all_reduce_scalar
+from torchtitan.collectives import any_rank
 from torchtitan.errors import Preempted
 
 # The signals that ask a run to save and stop: Slurm's warning ahead of a time limit, and its (or anyone's) SIGTERM.
@@ -56,22 +57,28 @@ def _end_on_sigterm_from(parent: int) -> None:
 
 
 class Preemption:
-    """Notes a stop signal; the training loop polls :meth:`requested` after each step."""
+    """Notes a stop signal; the training loop polls :meth:`requested` after each step.
 
-    def __init__(self, signals=STOP_SIGNALS):
+    With a process group, every rank asks the others on a gloo group of its own (CPU tensors): the question costs
+    a host round trip per step and never waits for the device (an NCCL all-reduce read back on the host would wait
+    for the step's optimizer kernels before the next step could be queued)."""
+
+    def __init__(self, signals=STOP_SIGNALS, timeout: Optional[timedelta] = None):
         self.received: Optional[int] = None
         self._previous = {}
+        # Made by every rank at the same point of start-up, as new_group requires.
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._note)
 
     def _note(self, signum, frame) -> None:
         self.received = self.received or signum  # later ones change nothing: torchrun passes its own SIGTERM on
 
-    def requested(self, group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
-        """Whether any rank of ``group`` (the world; None for one process) received a stop signal."""
-        if group is None or not dist.is_initialized():
+    def requested(self) -> bool:
+        """Whether any rank received a stop signal."""
+        if self.group is None:
             return self.received is not None
-        return all_reduce_scalar(float(self.received is not None), "max", group, device) > 0
+        return any_rank(self.received is not None, torch.device("cpu"), self.group)
 
     def signal_name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a stop signal on another rank"

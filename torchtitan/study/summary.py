@@ -365,7 +365,9 @@ def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -
     interval = statistics.bootstrap_power_law(list(zip([d for d, _ in points], seed_losses)), [t for _, t in targets])
     if interval is None:
         result["interval"] = None
-        result["interval_note"] = "no bootstrap interval: it needs two or more seeds at every budget"
+        result["interval_note"] = (
+            "no bootstrap interval: it needs two or more seeds at every budget and for every optimizer compared"
+        )
     else:
         result["interval"] = {
             "alpha": list(interval.alpha),
