@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torchtitan.collectives import all_to_all
 from torchtitan.utils import split_dim
 
-__all__ = ["ShardedMatrix", "sharded_matrix", "orthogonalize_sharded", "transform_sharded"]
+__all__ = ["ShardedMatrix", "sharded_matrix", "transform_sharded"]
 
 
 def _on_vector(placement: Any, dim: int) -> Any:
@@ -151,17 +151,6 @@ def _pieces_along(param: DTensor, dim: int, dims: list[int], coordinates: list[l
     if found != local.shape[dim]:
         raise RuntimeError(f"found {found} of this rank's {local.shape[dim]} indices along dimension {dim}")
     return pieces
-
-
-def orthogonalize_sharded(
-    updates: list[Tensor], matrices: list[ShardedMatrix], orthogonalize: Callable[[Tensor], Tensor], dtype: torch.dtype
-) -> list[Tensor]:
-    """``orthogonalize`` applied to every whole matrix whose local pieces are ``updates``; returns the local pieces
-    of the results (in ``dtype``, shaped like ``updates``).
-
-    Every rank of a group must pass that group's matrices in the same order (they do: the optimizer's order).
-    """
-    return transform_sharded(updates, matrices, lambda index, whole: orthogonalize(whole), dtype)
 
 
 def transform_sharded(

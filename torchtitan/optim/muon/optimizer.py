@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.errors import UserError
 from torchtitan.models.roles import ATTN_OUT, KEY, MLP, QUERY, VALUE, canonical_name
 from torchtitan.optim.adam_mini.partition import role_from_name
-from torchtitan.optim.muon.distributed import ShardedMatrix, orthogonalize_sharded, sharded_matrix
+from torchtitan.optim.muon.distributed import ShardedMatrix, sharded_matrix, transform_sharded
 from torchtitan.optim.state.storage import (
     BFLOAT16,
     FLOAT32,
@@ -178,6 +178,31 @@ class MatricesAndOthers(torch.optim.Optimizer):
             self._matrices[p] = sharded_matrix(p)
         return self._matrices[p]
 
+    def _whole_matrices(
+        self, params: list[Tensor], inputs: list[Tensor], transform: Callable[[int, Tensor], Tensor], dtype: torch.dtype
+    ) -> list[Tensor]:
+        """``transform(i, whole)`` of each matrix ``params[i]``, ``whole`` being the whole matrix of which
+        ``inputs[i]`` is this rank's piece: here where this rank holds it whole, else by the rank that owns it
+        (the owner rounds of ``muon.distributed``, in ``dtype``); the results' local pieces, in ``params``' order."""
+        results: list[Optional[Tensor]] = [None] * len(params)
+        sharded = []
+        for i, p in enumerate(params):
+            matrix = self._sharded_matrix(p)
+            if matrix is None:
+                results[i] = transform(i, inputs[i])
+            else:
+                sharded.append((i, matrix))
+        if sharded:
+            indices, matrices = zip(*sharded)
+
+            def by_position(position: int, whole: Tensor) -> Tensor:
+                return transform(indices[position], whole)
+
+            pieces = transform_sharded([inputs[i] for i in indices], list(matrices), by_position, dtype)
+            for i, piece in zip(indices, pieces):
+                results[i] = piece
+        return results
+
 
 class Muon(MatricesAndOthers):
     """Muon over ``matrices`` (2-D weights, plain tensors or DTensors), stepped with ``others`` (e.g. AdamW over
@@ -262,23 +287,10 @@ class Muon(MatricesAndOthers):
     def _orthogonalize(self, params: list[Tensor], updates: list[Tensor], steps: int, dtype: torch.dtype):
         """Newton–Schulz of every whole matrix: locally where a rank holds it whole, else shared by its ranks."""
 
-        def orthogonalize(update: Tensor) -> Tensor:
+        def orthogonalize(index: int, update: Tensor) -> Tensor:
             return newton_schulz(update, steps, dtype)
 
-        results: list[Optional[Tensor]] = [None] * len(params)
-        sharded = []
-        for i, p in enumerate(params):
-            matrix = self._sharded_matrix(p)
-            if matrix is None:
-                results[i] = orthogonalize(updates[i])
-            else:
-                sharded.append((i, matrix))
-        if sharded:
-            indices, matrices = zip(*sharded)
-            pieces = orthogonalize_sharded([updates[i] for i in indices], list(matrices), orthogonalize, dtype)
-            for i, piece in zip(indices, pieces):
-                results[i] = piece
-        return results
+        return self._whole_matrices(params, updates, orthogonalize, dtype)
 
 
 def check_matrices(name: str, does: str, matrices: list[Tensor], lr: float, weight_decay: float) -> None:

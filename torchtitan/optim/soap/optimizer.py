@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from torchtitan.errors import UserError
-from torchtitan.optim.muon.distributed import ShardedMatrix, transform_sharded
 from torchtitan.optim.muon.optimizer import MatricesAndOthers, check_matrices
 from torchtitan.optim.soap.update import BASES, EXP_AVG, EXP_AVG_SQ, GRAMS, matrix_step, new_matrix_state, step_size
 from torchtitan.optim.state.storage import FLOAT32, at_least_float32, keep_state_dtypes_on_load
@@ -85,7 +84,7 @@ class SOAP(MatricesAndOthers):
         self.others = others
         # torch's load casts state to the weights' dtype; SOAP's (and its AdamW part's moments) stay float32.
         keep_state_dtypes_on_load(self, {key: FLOAT32 for key in (EXP_AVG, EXP_AVG_SQ, *GRAMS, *BASES)})
-        self._matrices: dict[Tensor, Optional[ShardedMatrix]] = {}
+        self._matrices = {}  # see MatricesAndOthers
 
     def _matrix_step(self, group: dict[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -134,25 +133,7 @@ class SOAP(MatricesAndOthers):
             )
             return torch.zeros_like(state[EXP_AVG]) if direction is None else direction
 
-        results: list[Optional[Tensor]] = [None] * len(params)
-        sharded = []
-        for i, p in enumerate(params):
-            matrix = self._sharded_matrix(p)
-            if matrix is None:
-                results[i] = advance(i, grads[i])
-            else:
-                sharded.append((i, matrix))
-        if sharded:
-            indices, matrices = zip(*sharded)
-            dtype = at_least_float32(params[indices[0]].dtype)
-
-            def advance_sharded(position: int, whole_grad: Tensor) -> Tensor:
-                return advance(indices[position], whole_grad)
-
-            pieces = transform_sharded([grads[i] for i in indices], list(matrices), advance_sharded, dtype)
-            for i, piece in zip(indices, pieces):
-                results[i] = piece
-        return results
+        return self._whole_matrices(params, grads, advance, at_least_float32(params[0].dtype))
 
 
 def _check_arguments(
