@@ -118,21 +118,30 @@ def _build_adam(model: nn.Module, settings: OptimizerSettings) -> torch.optim.Op
     )
 
 
+def _hidden_split(model: nn.Module, name: str) -> tuple[list, list]:
+    """(hidden matrices, other parameters) of ``model`` for optimizer ``name``, by declared role or name; a model
+    with no hidden matrix is refused in one line."""
+    from torchtitan.optim.muon.optimizer import split_hidden_matrices
+
+    roles = model.named_param_roles() if hasattr(model, "named_param_roles") else None
+    matrices, others = split_hidden_matrices(model.named_parameters(), roles)
+    if not matrices:
+        raise UserError(
+            f"{name} found no hidden matrices in {type(model).__name__} (2-D query, key, value, attention output or "
+            "MLP weights, by declared role or name); use AdamW for this model"
+        )
+    return matrices, others
+
+
 def _muon_family_factory(name: str) -> Callable[[nn.Module, OptimizerSettings], torch.optim.Optimizer]:
     """Muon or NorMuon on the hidden matrices; AdamW, exactly as ``optimizer.name = "AdamW"`` has it, on everything
     else."""
 
     def build(model: nn.Module, settings: OptimizerSettings) -> torch.optim.Optimizer:
         from torchtitan.optim.muon.normuon import NorMuon
-        from torchtitan.optim.muon.optimizer import Muon, log_split, split_hidden_matrices
+        from torchtitan.optim.muon.optimizer import Muon, log_split
 
-        roles = model.named_param_roles() if hasattr(model, "named_param_roles") else None
-        matrices, others = split_hidden_matrices(model.named_parameters(), roles)
-        if not matrices:
-            raise UserError(
-                f"{name} found no hidden matrices in {type(model).__name__} (2-D query, key, value, attention output "
-                "or MLP weights, by declared role or name); use AdamW for this model"
-            )
+        matrices, others = _hidden_split(model, name)
         log_split(matrices, others)
         # Options left unset take the optimizer's own defaults; [optimizer] names them as its constructor does.
         own = (*MUON_OPTIONS, STATE_DTYPE) + (NORMUON_OPTIONS if name == "NorMuon" else ())
@@ -153,16 +162,9 @@ def _muon_family_factory(name: str) -> Callable[[nn.Module, OptimizerSettings], 
 def _build_soap(model: nn.Module, settings: OptimizerSettings) -> torch.optim.Optimizer:
     """SOAP on the hidden matrices (Muon's split); AdamW, as ``optimizer.name = "AdamW"`` has it with float32
     moments, on everything else."""
-    from torchtitan.optim.muon.optimizer import split_hidden_matrices
     from torchtitan.optim.soap.optimizer import SOAP, log_split
 
-    roles = model.named_param_roles() if hasattr(model, "named_param_roles") else None
-    matrices, others = split_hidden_matrices(model.named_parameters(), roles)
-    if not matrices:
-        raise UserError(
-            f"SOAP found no hidden matrices in {type(model).__name__} (2-D query, key, value, attention output or MLP "
-            "weights, by declared role or name); use AdamW for this model"
-        )
+    matrices, others = _hidden_split(model, "SOAP")
     chosen = settings.chosen(*SOAP_OPTIONS)
     log_split(matrices, others, chosen[MAX_PRECONDITION_DIM])
     adamw_settings = dataclasses.replace(
