@@ -8,6 +8,7 @@ HSDP, FSDP x TP on gloo) must log the one-process values of the same step.
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -177,6 +178,24 @@ def test_a_skipped_step_logs_no_health_and_keeps_the_weights():
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert health.metrics(LR) == {}
     assert all(not m.record_logit_max and m.logit_max is None for _, m in health.attention)
+
+
+@pytest.mark.parametrize("budget", [2**26, 40, 7, 1], ids=["whole", "blocks-of-rows", "few-rows", "one-score"])
+def test_the_largest_logit_is_the_same_whatever_block_it_is_found_in(budget, monkeypatch):
+    from torchtitan.models.llama import model as llama
+
+    monkeypatch.setattr(llama, "LOGIT_BLOCK_ELEMENTS", budget)
+    generator = torch.Generator().manual_seed(2)
+    batch, seq_len, heads, head_dim = 2, 9, 3, 4
+    q, k = (torch.randn(batch, seq_len, heads, head_dim, generator=generator, dtype=torch.float64) for _ in "qk")
+    k[:, 1:, 0, :] *= 50  # later keys far larger: seen by a query only where the mask lets it
+    scores = q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2) / math.sqrt(head_dim)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    want = scores.masked_fill(~causal, -math.inf).amax()
+    attention = types.SimpleNamespace(head_dim=head_dim, logit_max=None)
+    llama.Attention._keep_logit_max(attention, q, k)
+    llama.Attention._keep_logit_max(attention, q * 0.5, k)  # a second micro-batch: the larger one stays
+    assert attention.logit_max == want and want < scores.amax()
 
 
 def test_off_builds_nothing():

@@ -33,6 +33,9 @@ from torchtitan.models.roles import (
 from torchtitan.models.rope_types import ROPE_SCALING_TYPES
 from torchtitan.utils import local_tensor
 
+# The most attention scores optimizer health builds at once to find the largest logit (float32: 256 MiB).
+LOGIT_BLOCK_ELEMENTS = 2**26
+
 
 @dataclass
 class ModelArgs:
@@ -247,18 +250,25 @@ class Attention(nn.Module):
 
     @torch.no_grad()
     def _keep_logit_max(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """The largest causal logit q·k/√d of this forward, folded into ``logit_max``; a few heads at a time so that
-        the scores never take more than about 2**26 elements (the attention itself never builds them)."""
-        batch, seq_len, heads, _ = q.shape
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
-        step = max(1, 2**26 // max(1, batch * seq_len * seq_len))
+        """The largest causal logit q·k/√d of this forward, folded into ``logit_max``. The scores are built a block
+        of (batch × head) rows and query positions at a time, each block at most ``LOGIT_BLOCK_ELEMENTS`` scores
+        and its causal mask (the attention itself never builds them), against only the keys its queries see."""
+        batch, seq_len, heads, head_dim = q.shape
         dtype = torch.promote_types(q.dtype, torch.float32)
+        qs = q.transpose(1, 2).reshape(batch * heads, seq_len, head_dim)
+        ks = k.transpose(1, 2).reshape(batch * heads, seq_len, head_dim)
+        rows = max(1, min(seq_len, LOGIT_BLOCK_ELEMENTS // seq_len))  # query positions per block
+        pairs = max(1, LOGIT_BLOCK_ELEMENTS // (rows * seq_len))  # (batch, head) pairs per block
+        positions = torch.arange(seq_len, device=q.device)
         largest = torch.full((), -math.inf, dtype=dtype, device=q.device)
-        for first in range(0, heads, step):
-            qs = q[:, :, first : first + step].transpose(1, 2).to(dtype)
-            ks = k[:, :, first : first + step].transpose(1, 2).to(dtype)
-            scores = (qs @ ks.transpose(-1, -2)) / math.sqrt(self.head_dim)
-            largest = torch.maximum(largest, scores.masked_fill(~causal, -math.inf).amax())
+        for first in range(0, batch * heads, pairs):
+            for top in range(0, seq_len, rows):
+                end = min(seq_len, top + rows)
+                block_q = qs[first : first + pairs, top:end].to(dtype)
+                block_k = ks[first : first + pairs, :end].to(dtype)  # later keys are masked for every query here
+                scores = block_q @ block_k.transpose(-1, -2)
+                scores.masked_fill_(positions[:end] > positions[top:end, None], -math.inf)
+                largest = torch.maximum(largest, scores.amax() / math.sqrt(self.head_dim))
         self.logit_max = largest if self.logit_max is None else torch.maximum(self.logit_max, largest)
 
 
