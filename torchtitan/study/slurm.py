@@ -493,6 +493,7 @@ class SlurmRunner:
         self.after_each = after_each
         self.wandb_group = wandb_group(dump, config_file, train_args)
         self.running: list[_Job] = []
+        self._states: Optional[dict[str, tuple[str, str]]] = None  # see _known_states
 
     def __enter__(self) -> "SlurmRunner":
         return self
@@ -506,11 +507,19 @@ class SlurmRunner:
     def start(self, spec: RunSpec, label: str) -> None:
         run_dir = run_folder(self.dump, spec)
         job = read_job(run_dir)
-        if job is not None and job_states([job["job_id"]]).get(job["job_id"], ("",))[0] in ALIVE:
+        if job is not None and self._known_states().get(job["job_id"], ("",))[0] in ALIVE:
             print(f"{label} {spec.name}: Slurm job {job['job_id']} is still there, not submitted again", flush=True)
             self.running.append(_Job(spec, job["job_id"]))
             return
         self.running.append(_Job(spec, None))  # submitted with the others at the next wait()
+
+    def _known_states(self) -> dict[str, tuple[str, str]]:
+        """The states of every job this dump folder's runs recorded, asked of Slurm once per submission (not once
+        per run: a study of a hundred runs is one squeue, not a hundred)."""
+        if self._states is None:
+            jobs = [read_job(d) for d in (self.dump / RUNS_FOLDER).glob("*") if d.is_dir()]
+            self._states = job_states([job["job_id"] for job in jobs if job is not None])
+        return self._states
 
     def _submit(self) -> None:
         queued = [(job.spec, job) for job in self.running if job.job_id is None]
@@ -574,6 +583,7 @@ class SlurmRunner:
     def wait(self) -> tuple[RunSpec, dict]:
         """The next run to end and its status; without ``--wait``, the next run Slurm holds, at once, with the
         outcome "submitted" (written nowhere: the sweep leaves it to Slurm)."""
+        self._states = None  # the runs started after this one ends ask Slurm afresh
         if any(job.job_id is None for job in self.running):
             self._submit()
         unsubmitted = next((job for job in self.running if not job.job_id), None)
