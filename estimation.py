@@ -6,7 +6,7 @@
 
 Takes the same config file and overrides as ``train.py`` (plus the ``[memory_estimation]`` section). The job's
 model is built and parallelized by the trainer's own code on a fake process group of ``world_size`` ranks, with
-fake tensors, and one training step (``torchtitan.training.train_step``, the step ``train.py`` runs) is tracked for
+fake tensors, and one training step (``torchtitan.training.step.train_step``, the step ``train.py`` runs) is tracked for
 each optimizer.
 """
 
@@ -25,7 +25,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def estimate(argv: Optional[list[str]]) -> None:
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.job_config import JobConfig
 
     job_config = JobConfig.parse_args(argv, prog="estimation.py")
     # The simulated step's gradient clipping on a 2-D mesh advises on its collectives; no use to a reader here.

@@ -16,7 +16,7 @@ CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 if [ "${NNODES:-1}" -gt 1 ]; then
-    python -m torchtitan.preflight --nproc $((NNODES * NGPU)) --job.config_file "$CONFIG_FILE" "$@"
+    python -m torchtitan.config.preflight --nproc $((NNODES * NGPU)) --job.config_file "$CONFIG_FILE" "$@"
     exec torchrun --nnodes "$NNODES" --nproc_per_node "$NGPU" --rdzv_id "$RDZV_ID" --rdzv_backend c10d \
         --rdzv_endpoint "$RDZV_ENDPOINT" train.py --job.config_file "$CONFIG_FILE" "$@"
 fi
@@ -27,6 +27,6 @@ if [ "$NGPU" -eq 1 ]; then
 fi
 
 # Check the job once before starting workers, so a mistake is one line rather than a wall of launcher output.
-python -m torchtitan.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+python -m torchtitan.config.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
 
 exec torchrun --standalone --nnodes=1 --nproc_per_node="$NGPU" train.py --job.config_file "$CONFIG_FILE" "$@"

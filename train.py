@@ -2,7 +2,8 @@
 
 Reads top to bottom like the training recipe: config, device mesh, tokenizer, model on meta, parallelize,
 initialise, optimizers, schedulers, data, checkpoint, loop. The model building and one training step (forward,
-loss, backward, clip, divergence guard, update) live in ``torchtitan/training.py``, shared with the memory estimator.
+loss, backward, clip, divergence guard, update) live in ``torchtitan/training/step.py``, shared with the memory
+estimator.
 ``python train.py ...`` without torchrun runs as one process.
 """
 
@@ -14,25 +15,24 @@ import sys
 import time
 from datetime import timedelta
 
-from torchtitan.cuda_allocator import allocator_environ, allocator_setting
+from torchtitan.distributed.cuda_allocator import allocator_environ, allocator_setting
 
 # Before torch is imported: the CUDA allocator reads its settings once, at its first allocation.
 os.environ.update(allocator_environ(os.environ))
 
 import torch.distributed as dist
 
-from torchtitan import training
 from torchtitan.checkpoint import CheckpointManager
-from torchtitan.collectives import all_reduce_scalar, set_collective_timeout
-from torchtitan.config_manager import JOB_CONFIG_RECORD, JobConfig
+from torchtitan.config.job_config import JOB_CONFIG_RECORD, JobConfig
+from torchtitan.config.preflight import preflight
 from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset_record
+from torchtitan.distributed.collectives import all_reduce_scalar, set_collective_timeout
+from torchtitan.distributed.utils import init_distributed, set_determinism
 from torchtitan.errors import exit_code
-from torchtitan.garbage_collection import GarbageCollection
-from torchtitan.guard import DivergenceGuard
-from torchtitan.health import LossSpikes, OptimizerHealth, format_health_line
 from torchtitan.logging import init_logger, logger
-from torchtitan.lr_scheduling import build_lr_schedulers
-from torchtitan.metrics import (
+from torchtitan.optim import build_optimizers
+from torchtitan.telemetry.health import LossSpikes, OptimizerHealth, format_health_line
+from torchtitan.telemetry.metrics import (
     build_metric_logger,
     format_log_line,
     format_validation_line,
@@ -42,13 +42,14 @@ from torchtitan.metrics import (
     reset_peak_memory,
     run_header,
 )
-from torchtitan.optim import build_optimizers
-from torchtitan.preemption import Preemption
-from torchtitan.preflight import preflight
-from torchtitan.profiling import maybe_profile
-from torchtitan.step_timing import StepTimer
-from torchtitan.utils import init_distributed, set_determinism
-from torchtitan.validate import build_validator, training_split
+from torchtitan.telemetry.profiling import maybe_profile
+from torchtitan.telemetry.step_timing import StepTimer
+from torchtitan.training.garbage_collection import GarbageCollection
+from torchtitan.training.guard import DivergenceGuard
+from torchtitan.training.lr_scheduling import build_lr_schedulers
+from torchtitan.training.preemption import Preemption
+from torchtitan.training.step import TrainState, build_model, init_model, train_step
+from torchtitan.training.validate import build_validator, training_split
 
 
 def main(job_config: JobConfig) -> None:
@@ -69,13 +70,13 @@ def main(job_config: JobConfig) -> None:
     dp_rank, dp_degree = parallel_dims.dp_rank_and_degree(world_mesh)
     dp_group = parallel_dims.dp_mesh(world_mesh).get_group() if parallel_dims.dp_enabled else None
 
-    model = training.build_model(job_config, model_args, parallel_dims, world_mesh, compute_device_type=device.type)
+    model = build_model(job_config, model_args, parallel_dims, world_mesh, compute_device_type=device.type)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         f"model: llama3 {job_config.model.flavor}, {num_params:,} parameters, vocab {model_args.vocab_size}, "
         f"{t.param_dtype} weights"
     )
-    training.init_model(model, device, t.seed)
+    init_model(model, device, t.seed)
     model_parts = [model]
 
     optimizers = build_optimizers(model_parts, job_config)
@@ -94,7 +95,7 @@ def main(job_config: JobConfig) -> None:
     )
     validator = build_validator(job_config, tokenizer, parallel_dims, dp_rank, dp_degree, dp_group, device)
     spikes = LossSpikes.build(job_config, device, dp_group)
-    train_state = training.TrainState(spikes)  # a resumed run counts loss spikes on from its checkpoint's count
+    train_state = TrainState(spikes)  # a resumed run counts loss spikes on from its checkpoint's count
     checkpoint = CheckpointManager(
         data_loader=data_loader,
         model_parts=model_parts,
@@ -139,14 +140,14 @@ def main(job_config: JobConfig) -> None:
     )
     window_start, window_steps = time.perf_counter(), 0
     first_step = train_state.step + 1
-    # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/preemption.py)
+    # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/training/preemption.py)
     preemption = Preemption(timeout=timedelta(seconds=job_config.comm.init_timeout_seconds))
     with maybe_profile(job_config, train_state) as profiler, GarbageCollection(t.gc_freq) as garbage_collection:
         while train_state.step < t.steps:
             train_state.step += 1
             garbage_collection.run(train_state.step)
             lr = lr_schedulers.get_last_lr()
-            loss, grad_norm, updated = training.train_step(
+            loss, grad_norm, updated = train_step(
                 model, optimizers, batches, parallel_dims, job_config, device, guard, train_state.step, health, timer
             )
             timer.step_done()
@@ -158,7 +159,7 @@ def main(job_config: JobConfig) -> None:
             if train_state.step == first_step and job_config.comm.train_timeout_seconds is not None:
                 set_collective_timeout(job_config.comm.train_timeout_seconds, world_mesh, dp_group)
                 logger.info(f"collectives: timeout {job_config.comm.train_timeout_seconds} s from now on")
-            # A skipped step still consumes its batch and advances the schedule (see torchtitan/guard.py).
+            # A skipped step still consumes its batch and advances the schedule (see torchtitan/training/guard.py).
             lr_schedulers.step()
             train_state.tokens_seen += tokens_per_step
             train_state.skipped_steps += not updated

@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan import training  # noqa: E402
-from torchtitan.config_manager import JobConfig  # noqa: E402
+from torchtitan.config.job_config import JobConfig  # noqa: E402
+from torchtitan.config.preflight import preflight  # noqa: E402
 from torchtitan.errors import UserError, exit_code  # noqa: E402
-from torchtitan.health import LossSpikes, OptimizerHealth  # noqa: E402
 from torchtitan.optim import build_optimizers  # noqa: E402
-from torchtitan.preflight import preflight  # noqa: E402
+from torchtitan.telemetry.health import LossSpikes, OptimizerHealth  # noqa: E402
+from torchtitan.training.step import build_model, init_model, train_step  # noqa: E402
 
 DEBUG_CONFIG = str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml")
 
@@ -47,7 +47,7 @@ def batches(job: JobConfig, vocab_size: int, device: torch.device):
 
 def measure(job: JobConfig, rounds: int, device: torch.device) -> dict[str, float]:
     dims, model_args, _ = preflight(job, 1)
-    model = training.init_model(training.build_model(job, model_args, dims, None), device, job.training.seed)
+    model = init_model(build_model(job, model_args, dims, None), device, job.training.seed)
     optimizers = build_optimizers([model], job)
     freq = job.metrics.health_freq or JobConfig().metrics.health_freq
     health = OptimizerHealth([model], freq, job.metrics.health_max_layers, device)
@@ -58,7 +58,7 @@ def measure(job: JobConfig, rounds: int, device: torch.device) -> dict[str, floa
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        loss, _, updated = training.train_step(model, optimizers, data, dims, job, device, None, step, probe)
+        loss, _, updated = train_step(model, optimizers, data, dims, job, device, None, step, probe)
         if probe is not None:
             probe.metrics(job.optimizer.lr)
         if device.type == "cuda":

@@ -5,7 +5,7 @@
     python benchmarks/bench_loss.py --device cuda --job.config_file train_configs/llama3_8b.toml \\
         --n_layers 2                                                  # 8B shapes, 2 blocks (~1.5B parameters)
 
-The whole training step (``torchtitan.training.train_step``: forward, loss, backward, clipping, AdamW step) of the
+The whole training step (``torchtitan.training.step.train_step``: forward, loss, backward, clipping, AdamW step) of the
 job's model on random tokens, one process, no parallelism. The variants take turns, one step each per round; the
 ratio is the median over rounds of whole logits' step time divided by the variant's in the same round (> 1: faster).
 Peak memory: on CUDA the allocator's peak allocated bytes of one step; on CPU the peak of live tensor bytes
@@ -28,14 +28,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan import training  # noqa: E402
-from torchtitan.config_manager import JobConfig  # noqa: E402
+from torchtitan.config.job_config import JobConfig  # noqa: E402
+from torchtitan.config.preflight import model_args_for  # noqa: E402
 from torchtitan.estimation.simulate import vocab_size  # noqa: E402
 from torchtitan.estimation.tracker import LiveMemoryTracker  # noqa: E402
 from torchtitan.optim import build_optimizers  # noqa: E402
 from torchtitan.parallelisms import ParallelDims  # noqa: E402
 from torchtitan.parallelisms.parallelize_llama import mixed_precision_mode  # noqa: E402
-from torchtitan.preflight import model_args_for  # noqa: E402
+from torchtitan.training.step import build_model, init_model, train_step  # noqa: E402
 
 GIB = 2**30
 
@@ -64,8 +64,8 @@ class Trainer:
             args = dataclasses.replace(args, n_layers=n_layers)
         self.job, self.device = job, device
         self.dims = ParallelDims(1, 1, 1, 1)
-        model = training.build_model(job, args, self.dims, None, compute_device_type=device.type)
-        self.model = training.init_model(model, device, job.training.seed)
+        model = build_model(job, args, self.dims, None, compute_device_type=device.type)
+        self.model = init_model(model, device, job.training.seed)
         self.optimizers = build_optimizers([self.model], job)
         self.batches = random_batches(job, vocab, device)
         self.params = sum(p.numel() for p in self.model.parameters())
@@ -76,7 +76,7 @@ class Trainer:
         self.job.loss.num_chunks = num_chunks
         _synchronize(self.device)
         start = time.perf_counter()
-        training.train_step(self.model, self.optimizers, self.batches, self.dims, self.job, self.device)
+        train_step(self.model, self.optimizers, self.batches, self.dims, self.job, self.device)
         _synchronize(self.device)
         return time.perf_counter() - start
 

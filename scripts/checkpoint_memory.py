@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torchtitan.checkpoint import CheckpointManager  # noqa: E402
-from torchtitan.config_manager import JobConfig  # noqa: E402
+from torchtitan.config.job_config import JobConfig  # noqa: E402
 from torchtitan.gpu_check.context import low_bit_names  # noqa: E402
 from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
 from torchtitan.optim import build_optimizers  # noqa: E402

@@ -39,13 +39,13 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from tests import processes
 from tests.distributed import free_port, launch_env
 from torchtitan.checkpoint import CheckpointManager, SafeFileSystemReader, SafeLoadPlanner
-from torchtitan.config_manager import JobConfig
-from torchtitan.lr_scheduling import SchedulersContainer
+from torchtitan.config.job_config import JobConfig
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.models.roles import canonical_name
 from torchtitan.optim import AdamMini, build_optimizers
 from torchtitan.optim.adam_mini.partition import PER_ROW
 from torchtitan.optim.container import tensor_bytes
+from torchtitan.training.lr_scheduling import SchedulersContainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "train.py")
@@ -308,8 +308,8 @@ def run_single_process(
 
 def debug_model(job: JobConfig, vocab_size: int, mesh, parallel_dims, device: torch.device) -> Transformer:
     """``job``'s model with ``vocab_size`` tokens, parallelized and initialised as train.py builds it, on ``device``."""
+    from torchtitan.config.preflight import model_args_for
     from torchtitan.parallelisms import parallelize_llama
-    from torchtitan.preflight import model_args_for
 
     with torch.device("meta"):
         model = Transformer(model_args_for(job, vocab_size))

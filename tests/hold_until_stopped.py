@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from torchtitan.preemption import Preemption  # noqa: E402
+from torchtitan.training.preemption import Preemption  # noqa: E402
 
 marker = Path(sys.argv[1])
 released = marker.with_name(marker.name + ".released")

@@ -27,7 +27,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
 
-from torchtitan.process_tree import descendants
+from torchtitan.distributed.process_tree import descendants
 
 MARK = "TORCHTITAN_TEST_RUN"
 # One id per test session (the pytest process); each launch adds ".<n>".

@@ -2,7 +2,8 @@
 
 The rules, one per kind of name:
 - a dotted flag (``--section.key``) is a job option (``JobConfig``) or a 2024 torchtitan key we still read
-  (``legacy_config.LEGACY_KEYS``); a tool's own flags have no dot (``--dump-folder``) and are the tool's business;
+  (``torchtitan.config.legacy.LEGACY_KEYS``); a tool's own flags have no dot (``--dump-folder``) and are the
+  tool's business;
 - a ``section.key`` in code whose section is a job-config section is such an option too, unless its last part is a
   file extension (``model.safetensors``, ``metrics.jsonl`` are files);
 - ``python -m module`` names an importable module; a ``torchtitan.…`` name in code imports (module, then attributes);
@@ -24,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.config_manager import JobConfig
-from torchtitan.legacy_config import LEGACY_KEYS
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.legacy import LEGACY_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

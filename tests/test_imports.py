@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import torchtitan.optim as optim
-from torchtitan.optim import MOVED_MODULES
+from torchtitan.moved import MOVED_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,3 +244,50 @@ def test_no_lower_layer_imports_the_study_or_the_tools():
 def test_the_command_line_tools_are_thin():
     lengths = {path.name: len(path.read_text().splitlines()) for path in (ROOT / "torchtitan" / "tools").glob("*.py")}
     assert {name: n for name, n in lengths.items() if n > 250} == {}
+
+
+# The top floor: packages by concern, and a few leaf modules that import nothing of the package.
+TOP_LEAVES = {"errors", "files", "logging", "moved"}
+
+
+def test_the_top_floor_holds_packages_and_a_few_leaves():
+    loose = {path.stem for path in (ROOT / "torchtitan").glob("*.py")} - {"__init__"}
+    assert loose == TOP_LEAVES
+    graph = import_graph(ROOT / "torchtitan")
+    for leaf in TOP_LEAVES:
+        assert graph[f"torchtitan.{leaf}"] == set(), f"torchtitan.{leaf} is a leaf: it imports nothing of the package"
+
+
+def upward_arrows(package_root: Path) -> list[str]:
+    """Imports of a package that holds the importing module, other than to read one of its submodules
+    (``from pkg import sub`` reads ``pkg.sub``; ``from pkg import name`` or ``import pkg`` reads ``pkg`` itself)."""
+    modules = module_files(package_root)
+    found = []
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [alias.name for alias in node.names]
+                targets = [node.module] if any(f"{node.module}.{n}" not in modules for n in names) else []
+            else:
+                continue
+            found += [f"{module} imports {t}" for t in targets if t != module and module.startswith(t + ".")]
+    return sorted(found)
+
+
+def test_no_module_imports_a_package_above_it():
+    assert upward_arrows(ROOT / "torchtitan") == []
+
+
+def test_the_walk_finds_an_upward_arrow(tmp_path):
+    package = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "NAME = 1\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/a.py": "from pkg import NAME\nfrom pkg.sub import b\n",
+            "pkg/sub/b.py": "import pkg.sub\n",
+        },
+    )
+    assert upward_arrows(package) == ["pkg.sub.a imports pkg", "pkg.sub.b imports pkg.sub"]

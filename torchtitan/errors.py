@@ -2,7 +2,7 @@
 
 ``UserError`` is a mistake a user can fix (bad config, missing file, bad option); ``DivergenceError`` says training
 stopped because its numbers became non-finite; ``Preempted`` that it stopped on a scheduler's signal, saved.
-Every entry point (``train.py``, ``estimation.py``, ``torchtitan.preflight`` and the tools) runs its body through
+Every entry point (``train.py``, ``estimation.py``, ``torchtitan.config.preflight`` and the tools) runs its body through
 :func:`exit_code`, which prints either as a single ``error:`` line (``preempted:`` for the last) and returns its
 exit code; everything else is an internal bug and keeps its traceback. This module
 imports nothing heavy, so tools that only need the codes start fast.
@@ -28,7 +28,7 @@ class DivergenceError(Exception):
 
 
 class Preempted(Exception):
-    """Training stopped on a scheduler's signal (SIGTERM, SIGUSR1) after saving a checkpoint (see preemption.py)."""
+    """Training stopped on a scheduler's signal (SIGTERM, SIGUSR1), saved (``torchtitan.training.preemption``)."""
 
 
 def exit_code(body: Callable[[], Any], *, print_errors: bool = True, interrupted: Optional[str] = None) -> int:

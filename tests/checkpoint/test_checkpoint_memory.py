@@ -21,11 +21,11 @@ from tests.helpers import job_config, materialize, meta_model
 from torchtitan.checkpoint import CheckpointManager, SafeFileSystemReader
 from torchtitan.estimation.simulate import checkpoint_save_peak
 from torchtitan.estimation.tracker import OPTIMIZER_STATE, PARAMS, TRANSIENT, LiveMemoryTracker
-from torchtitan.guard import DivergenceError
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
 from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.state.quantized_checkpoint import QuantizedEntry, entry_groups, read_in_groups
+from torchtitan.training.guard import DivergenceError
 
 # An async save's background thread writes without a process group, as a single-process run should.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")

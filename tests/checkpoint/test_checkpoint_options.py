@@ -10,10 +10,10 @@ import pytest
 
 from tests.helpers import Trainer, assert_same_snapshot, job_config, train
 from tests.helpers import checkpoint_job as job
-from torchtitan import metrics
 from torchtitan.errors import UserError
-from torchtitan.garbage_collection import GarbageCollection
-from torchtitan.metrics import build_metric_logger, format_log_line
+from torchtitan.telemetry import metrics
+from torchtitan.telemetry.metrics import build_metric_logger, format_log_line
+from torchtitan.training.garbage_collection import GarbageCollection
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized"),

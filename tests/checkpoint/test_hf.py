@@ -22,12 +22,12 @@ from tests.helpers import (
     meta_model,
     tiny_manager,
 )
-from torchtitan import training
 from torchtitan.checkpoint import hf
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.preflight import preflight
 from torchtitan.errors import UserError
 from torchtitan.parallelisms import ParallelDims
-from torchtitan.preflight import preflight
+from torchtitan.training.step import build_model, init_model, train_step
 
 
 def _transformers():
@@ -97,7 +97,7 @@ def test_first_training_loss_of_a_transformers_model_equals_its_loss_in_transfor
     reference = _hf_llama(tmp_path / "hf")
     model, manager, job = _loaded(tmp_path, tmp_path / "hf")
     inputs, labels = batch()
-    loss, _, updated = training.train_step(
+    loss, _, updated = train_step(
         model, manager.optimizers, iter([(inputs, labels)]), ParallelDims(1, -1, 1, 1), job, torch.device("cpu")
     )
     tokens = torch.cat([inputs, labels[:, -1:]], dim=1)
@@ -205,7 +205,7 @@ def test_train_py_exports_what_transformers_and_our_loader_agree_on(debug_run, t
     )
     _, args, tokenizer = preflight(config, world_size=1)
     assert (reread.config.bos_token_id, reread.config.eos_token_id) == (tokenizer.bos_id, tokenizer.eos_id)
-    ours = training.init_model(training.build_model(config, args, ParallelDims(1, -1, 1, 1), None), "cpu", seed=1)
+    ours = init_model(build_model(config, args, ParallelDims(1, -1, 1, 1), None), "cpu", seed=1)
     assert tiny_manager(ours, config).load()
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -357,7 +357,7 @@ def test_first_loss_of_a_scaled_or_tied_transformers_model_equals_its_loss_in_tr
         unscaled = materialize(meta_model(dataclasses.replace(args, rope_scaling="none")))
         unscaled.load_state_dict(model.state_dict())
         assert abs(unscaled(inputs, labels=labels).item() - expected) > 20 * 1e-6 * expected
-    loss, _, _ = training.train_step(
+    loss, _, _ = train_step(
         model, manager.optimizers, iter([(inputs, labels)]), ParallelDims(1, -1, 1, 1), job, torch.device("cpu")
     )
     assert loss.item() == pytest.approx(expected, rel=1e-6)

@@ -43,11 +43,11 @@ def steps_of(rows: list[dict]) -> list[int]:
 
 def loss_of_saved_weights(step_folder: Path) -> float:
     """The loss train.py computes at step 1 of a run (first batch of the data), with the checkpoint's weights."""
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.config.preflight import preflight
     from torchtitan.datasets import build_hf_data_loader
-    from torchtitan.loss import cross_entropy
     from torchtitan.models.llama import Transformer
-    from torchtitan.preflight import preflight
+    from torchtitan.training.loss import cross_entropy
 
     config = JobConfig.parse_args(ARGS)
     t = config.training

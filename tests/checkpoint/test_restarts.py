@@ -2,7 +2,7 @@
 since the last checkpoint.
 
 torchrun's workers share its agent's store, which outlives them; ``init_distributed`` scopes this attempt's keys so
-that a restarted group never reads the addresses of the ranks that died (``torchtitan/utils.py``).
+that a restarted group never reads the addresses of the ranks that died (``torchtitan/distributed/utils.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from tests.helpers import ROOT, restartable_command
 WORKER = textwrap.dedent(
     """
     import os, torch
-    from torchtitan.collectives import all_reduce_scalar
-    from torchtitan.utils import init_distributed
+    from torchtitan.distributed.collectives import all_reduce_scalar
+    from torchtitan.distributed.utils import init_distributed
 
     device, rank, world_size = init_distributed(60)
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])

@@ -4,9 +4,10 @@ from pathlib import Path
 import pytest
 
 from tests import processes
-from torchtitan.config_manager import JobConfig, help_text
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.parsing import help_text
+from torchtitan.config.preflight import preflight
 from torchtitan.errors import UserError
-from torchtitan.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,7 +130,7 @@ def test_bad_toml(tmp_path, toml, message):
 
 
 def test_help_lists_every_option_with_default_and_description():
-    text = help_text()
+    text = help_text(JobConfig)
     config = JobConfig()
     for section, values in config.to_dict().items():
         for key, default in values.items():
@@ -155,7 +156,7 @@ def test_help_from_the_command_line():
 
 
 def test_model_options_replace_the_flavors_rope_scaling_and_tying():
-    from torchtitan.preflight import model_args_for
+    from torchtitan.config.preflight import model_args_for
 
     def args(*argv):
         return model_args_for(JobConfig.parse_args(list(argv)), 2256)
@@ -181,7 +182,7 @@ def test_model_options_replace_the_flavors_rope_scaling_and_tying():
     ],
 )
 def test_rope_options_that_cannot_act_or_are_wrong_are_one_line(argv, fragment):
-    from torchtitan.preflight import model_args_for
+    from torchtitan.config.preflight import model_args_for
 
     with pytest.raises(UserError, match=fragment) as error:
         model_args_for(JobConfig.parse_args(argv), 2256)

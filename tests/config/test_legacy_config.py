@@ -7,11 +7,11 @@ import textwrap
 import pytest
 
 from tests.helpers import ROOT, job_config
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.legacy import LEGACY_KEYS
+from torchtitan.config.preflight import preflight
 from torchtitan.errors import UserError
-from torchtitan.legacy_config import LEGACY_KEYS
 from torchtitan.parallelisms import ParallelDims
-from torchtitan.preflight import preflight
 
 # torchtitan's train_configs/llama3_8b.toml as of late July 2024 (its 64-GPU preset), written out here as data.
 LLAMA3_8B_2024 = textwrap.dedent(
@@ -264,7 +264,7 @@ def test_train_timeout_applies_to_the_default_group_and_the_mesh_after_a_barrier
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from torchtitan.collectives import set_collective_timeout
+    from torchtitan.distributed.collectives import set_collective_timeout
 
     calls = []
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)

@@ -185,7 +185,7 @@ MANIFEST_KEYS = [
 
 @pytest.mark.parametrize("key", MANIFEST_KEYS, ids=lambda key: ".".join(map(str, key)))
 def test_a_manifest_without_a_key_is_one_line_naming_it(tmp_path, sample_tokens, key):
-    from torchtitan.preflight import preflight
+    from torchtitan.config.preflight import preflight
 
     def remove(manifest: dict) -> None:
         holder = manifest
@@ -464,7 +464,7 @@ def test_dataset_record_of_each_kind(tokenizer, tmp_path, sample_tokens):
     ],
 )
 def test_options_that_cannot_act_are_refused(argv, message):
-    from torchtitan.preflight import preflight
+    from torchtitan.config.preflight import preflight
 
     with pytest.raises(UserError, match=message):
         preflight(job_config(*argv), 1)
@@ -524,7 +524,7 @@ def test_the_state_is_gathered_over_the_ranks_and_names_every_window_read(tokeni
 
 
 def test_validation_batches_of_tokens_data_are_held_out_windows(tokenizer, sample_tokens):
-    from torchtitan.validate import load_validation_batches
+    from torchtitan.training.validate import load_validation_batches
 
     job = job_config(
         "--training.dataset", "tokens", "--training.dataset_path", str(sample_tokens), "--training.seq_len", "31",
@@ -600,7 +600,7 @@ def test_train_py_validates_the_same_windows_after_a_resume_in_another_layout(tm
 
 
 def test_too_few_validation_windows_are_refused_before_any_worker_starts(sample_tokens):
-    from torchtitan.preflight import preflight
+    from torchtitan.config.preflight import preflight
 
     tokens = ["--training.dataset", "tokens", "--training.dataset_path", str(sample_tokens), "--validation.enable"]
     windows = len(TokenArray(str(sample_tokens), read_manifest(str(sample_tokens)))) // 33  # seq_len 32

@@ -29,13 +29,13 @@ from tests.helpers import (
     run_dir,
     train,
 )
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets import DocumentSplit, build_hf_data_loader, build_tokenizer
 from torchtitan.datasets.hf_datasets import SAMPLE_DATA_DIR, is_held_out
 from torchtitan.datasets.tokens import ShardWriter, TokenArray, read_manifest, write_manifest
 from torchtitan.errors import UserError
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
-from torchtitan.validate import load_validation_batches, training_split, validation_data, validation_loss
+from torchtitan.training.validate import load_validation_batches, training_split, validation_data, validation_loss
 
 TOKENIZER = ROOT / "assets" / "tokenizer" / "tiktoken_test.model"
 
@@ -391,7 +391,7 @@ def _score_validation_windows(rank: int, world_size: int, folder: str, batch_siz
     from torch.distributed.device_mesh import init_device_mesh
 
     from tests.helpers import fsdp
-    from torchtitan.loss import IGNORE_INDEX
+    from torchtitan.training.loss import IGNORE_INDEX
 
     tokenizer = build_tokenizer(str(TOKENIZER))
     group = dist.group.WORLD if world_size > 1 else None

@@ -19,12 +19,12 @@ from estimation import main as estimation_main
 from tests import processes
 from tests.distributed import run_workers
 from tests.helpers import DEBUG_CONFIG, ROOT, debug_model, job_config, random_batches
-from torchtitan import training
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.estimation import LiveMemoryTracker, estimate_memory
 from torchtitan.estimation.simulate import simulated_implementation
 from torchtitan.estimation.tracker import GATHERED_PARAMS, PARAMS, storages_of
-from torchtitan.garbage_collection import collecting_only_new_objects
+from torchtitan.training.garbage_collection import collecting_only_new_objects
+from torchtitan.training.step import train_step
 
 VOCAB = 512
 # Estimate vs the allocator's measured peak, as (lowest, highest) relative error. One process: the same allocations
@@ -97,7 +97,7 @@ def _measure_real_steps(job: JobConfig, world_size: int, mesh, optimizer_names: 
             named = copy.deepcopy(job)
             named.optimizer.name = name
             optimizers = build_optimizers([model], named)
-            step = lambda: training.train_step(model, optimizers, data, parallel_dims, named, torch.device("cpu"))  # noqa
+            step = lambda: train_step(model, optimizers, data, parallel_dims, named, torch.device("cpu"))  # noqa
             step()  # warm-up: creates the optimizer state
             for p in model.parameters():
                 p.grad = None
@@ -197,8 +197,8 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
         "state_dtype": "bfloat16"
     }
 
+    from torchtitan.config.preflight import model_args_for
     from torchtitan.models.llama import Transformer
-    from torchtitan.preflight import model_args_for
 
     with torch.device("meta"):
         model = Transformer(model_args_for(job, VOCAB))

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG, debug_model, job_config, random_batches
-from torchtitan import training
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.estimation import estimate_memory
+from torchtitan.training.step import train_step
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: the estimate is compared with the CUDA allocator's peak"
@@ -63,13 +63,13 @@ def _measured_peaks(job: JobConfig) -> dict[str, int]:
         named = copy.deepcopy(job)
         named.optimizer.name = name
         optimizers = build_optimizers([model], named)
-        training.train_step(model, optimizers, data, dims, named, device)  # warm-up: creates the optimizer state
+        train_step(model, optimizers, data, dims, named, device)  # warm-up: creates the optimizer state
         for p in model.parameters():
             p.grad = None
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-        training.train_step(model, optimizers, data, dims, named, device)
+        train_step(model, optimizers, data, dims, named, device)
         torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated(device)
         del optimizers

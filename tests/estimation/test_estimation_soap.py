@@ -41,8 +41,8 @@ def test_one_process_estimate_counts_the_state_of_a_real_step():
 
 def _split(job) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The job's model (on the meta device): its hidden matrices and its other parameters."""
+    from torchtitan.config.preflight import model_args_for
     from torchtitan.models.llama import Transformer
-    from torchtitan.preflight import model_args_for
 
     with torch.device("meta"):
         model = Transformer(model_args_for(job, VOCAB))

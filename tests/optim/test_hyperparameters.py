@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY, tiny_model
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserError
 from torchtitan.optim import AdamMini, build_optimizers
 
@@ -93,7 +93,7 @@ def test_every_entry_point_accepts_the_edge_values_torch_accepts(field, value):
 def test_the_config_is_checked_without_importing_torch():
     code = (
         "import sys\n"
-        "from torchtitan.config_manager import JobConfig\n"
+        "from torchtitan.config.job_config import JobConfig\n"
         "from torchtitan.errors import UserError\n"
         "try:\n"
         "    JobConfig.parse_args(['--optimizer.eps', '-1'])\n"

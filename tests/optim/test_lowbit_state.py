@@ -20,13 +20,13 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from tests.distributed import run_workers
 from tests.helpers import fsdp, full, job_config, materialize, meta_model, synthetic_grad
 from torchtitan.checkpoint import CheckpointManager
+from torchtitan.distributed.utils import local_tensor
 from torchtitan.errors import UserError
 from torchtitan.models.llama import ModelArgs
 from torchtitan.optim import build_optimizers
 from torchtitan.optim import container as container_module
 from torchtitan.optim.state.quantized_checkpoint import QuantizedEntry, entries_for_quantized, without_scales
 from torchtitan.optim.state.storage import is_quantized, quantized_layout
-from torchtitan.utils import local_tensor
 
 torchao_optim = pytest.importorskip(
     "torchao.optim", reason="needs torchao for the low-bit optimizers (the lowbit extra)"

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from tests.helpers import job_config
-from torchtitan.config_manager import Optimizer
+from torchtitan.config.tables.optimizer import Optimizer
 from torchtitan.errors import UserError
 from torchtitan.optim.builder import OPTIMIZERS
 from torchtitan.optim.settings import OPTION_RULES, OPTIONAL_OPTIONS, TAKES, optimizer_settings

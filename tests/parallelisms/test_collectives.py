@@ -1,7 +1,8 @@
 """Collectives only on tensors their group's backend can take (NCCL reduces CUDA tensors only).
 
-No GPU runs in CI, so the rule is checked over the source: collectives are called in ``torchtitan/collectives.py``
-(whose helpers put their tensor on the device the caller names) or on the checkpoint manager's own gloo group, and
+No GPU runs in CI, so the rule is checked over the source: collectives are called in
+``torchtitan/distributed/collectives.py`` (whose helpers put their tensor on the device the caller names) or on the
+checkpoint manager's own gloo group, and
 every call of those helpers names a device. The helpers reduce over gloo in every multi-process train.py test.
 """
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT
-from torchtitan import collectives
+from torchtitan.distributed import collectives
 
 COLLECTIVES = {
     "all_reduce",
@@ -35,7 +36,7 @@ COLLECTIVES = {
     "scatter",
     "scatter_object_list",
 }
-HOME = ROOT / "torchtitan" / "collectives.py"
+HOME = ROOT / "torchtitan" / "distributed" / "collectives.py"
 # Groups created with an explicit CPU backend, where CPU tensors are right: (file, the group expression).
 CPU_GROUPS = {(ROOT / "torchtitan" / "checkpoint" / "manager.py", "self._group")}
 # Helper name -> the number of positional arguments that include the device.
@@ -103,7 +104,9 @@ def helper_calls_without_device(path: Path) -> list[str]:
 
 def test_collectives_run_only_in_their_home_or_on_cpu_groups():
     offenders = [line for path in project_sources() for line in collective_calls_outside_home(path)]
-    assert offenders == [], "call torchtitan.collectives (which puts the tensor on the group's device) instead"
+    assert offenders == [], (
+        "call torchtitan.distributed.collectives (which puts the tensor on the group's device) instead"
+    )
 
 
 def test_every_collective_helper_call_names_its_device():

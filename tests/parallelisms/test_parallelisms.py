@@ -149,9 +149,9 @@ MICRO_BATCHES = 3  # BATCH 12 over 4 data-parallel ranks: 3 micro-batches of 1 s
 
 
 def _hsdp_step(world_size: int, accumulation: int) -> dict:
-    """One training.train_step of a fresh HSDP 2 x 2 model; its collective counts and gradients."""
-    from torchtitan import training
+    """One train_step of a fresh HSDP 2 x 2 model; its collective counts and gradients."""
     from torchtitan.optim import build_optimizers
+    from torchtitan.training.step import train_step
 
     config = job_config(training={"gradient_accumulation_steps": accumulation, "max_norm": 0.0})
     dims = ParallelDims(2, 2, 1, world_size)
@@ -164,7 +164,7 @@ def _hsdp_step(world_size: int, accumulation: int) -> dict:
     starts = [(m * dp_degree + dp_rank) * rows for m in range(accumulation)]
     batches = iter([(inputs[s : s + rows], labels[s : s + rows]) for s in starts])
     with CollectiveCounts() as comms:
-        training.train_step(model, optimizers, batches, dims, config, torch.device("cpu"))
+        train_step(model, optimizers, batches, dims, config, torch.device("cpu"))
     return {"counts": comms.counts(), "grads": to_numpy({n: p.grad.full_tensor() for n, p in model.named_parameters()})}
 
 

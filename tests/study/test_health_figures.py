@@ -11,10 +11,10 @@ import pytest
 from PIL import Image
 
 from tests.study.test_study import made_up_run, write_jsonl_run
-from torchtitan.metrics import MetricLogger
 from torchtitan.study.figures import HEALTH_PANELS, _health_curve, plot_health
 from torchtitan.study.report import write_report
 from torchtitan.study.run_folders import Series
+from torchtitan.telemetry.metrics import MetricLogger
 from torchtitan.tools.compare_runs import health_path, main
 
 GROUPS = [group for _, groups in HEALTH_PANELS for group in groups]

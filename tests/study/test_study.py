@@ -431,7 +431,7 @@ def write_jsonl_run(run_dir: Path, run: SweepRun, dataset: dict | None = None) -
 
 
 def test_metrics_jsonl_reads_as_the_event_files_do(tmp_path):
-    from torchtitan.metrics import MetricLogger
+    from torchtitan.telemetry.metrics import MetricLogger
 
     logger = MetricLogger(str(tmp_path), enable_tensorboard=True)
     for step in range(1, 6):

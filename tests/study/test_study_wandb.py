@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.helpers import DEBUG_CONFIG
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.study.plan import RunSpec, run_command, wandb_group
 
 

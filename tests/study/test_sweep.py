@@ -385,9 +385,9 @@ def test_budgets_are_runs_of_their_own_length_and_schedule_and_the_report_fits_t
 
 
 def test_budgets_in_tokens_per_parameter_count_the_non_embedding_parameters(tmp_path):
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.config.preflight import model_args_for
     from torchtitan.models.llama import non_embedding_params
-    from torchtitan.preflight import model_args_for
 
     dump = tmp_path / "x"
     batch = ["--training.batch_size", "8192", "--training.seq_len", "256"]  # 2^21 tokens per step

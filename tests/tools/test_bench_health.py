@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from benchmarks import bench_health
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 
 
 def test_bench_health_prints_one_ratio_at_the_default_frequency(capsys):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.helpers import TINY, fake_sweep, job_config, one_error_line, status_of
-from torchtitan import training
-from torchtitan.metrics import memory_metrics, peak_flops
 from torchtitan.parallelisms import ParallelDims
+from torchtitan.telemetry.metrics import memory_metrics, peak_flops
+from torchtitan.training.step import build_model, init_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -19,7 +19,7 @@ def test_one_gpu_job_computes_in_bf16_with_float32_weights():
     device = torch.device("cuda", torch.cuda.current_device())
     config = job_config()
     dims = ParallelDims(1, 1, 1, 1)
-    model = training.init_model(training.build_model(config, TINY, dims, None, compute_device_type="cuda"), device, 0)
+    model = init_model(build_model(config, TINY, dims, None, compute_device_type="cuda"), device, 0)
     tokens = torch.randint(0, TINY.vocab_size, (2, TINY.max_seq_len), device=device)
     logits = model(tokens)
     logits.float().sum().backward()
@@ -32,7 +32,7 @@ def test_one_gpu_job_computes_in_bf16_with_float32_weights():
 
 def test_this_gpu_has_an_mfu_peak():
     name = torch.cuda.get_device_name()
-    assert peak_flops(torch.device("cuda")) is not None, f"add '{name}' to torchtitan/metrics.py's peak table"
+    assert peak_flops(torch.device("cuda")) is not None, f"add '{name}' to torchtitan/telemetry/metrics.py's peak table"
 
 
 def test_the_sweep_gives_each_run_gpus_that_torch_sees_and_no_more(tmp_path, capsys):

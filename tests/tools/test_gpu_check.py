@@ -18,7 +18,7 @@ import torch
 from tests import processes
 from tests.distributed import launch_env
 from tests.helpers import ROOT
-from torchtitan.cuda_allocator import DEFAULT_ALLOC_CONF
+from torchtitan.distributed.cuda_allocator import DEFAULT_ALLOC_CONF
 from torchtitan.errors import UserError
 from torchtitan.gpu_check import context, runner
 from torchtitan.gpu_check import steps as plan

@@ -13,8 +13,9 @@ import torch
 import train as train_module
 from tests.distributed import run_workers
 from tests.helpers import DEBUG_RUN, ROOT, Trainer, checkpoint_job, event_tags, metric_rows, run_dir, train
-from torchtitan import training
-from torchtitan.guard import DivergenceError, DivergenceGuard, resume_hint, tensors_are_finite
+from torchtitan.training import step as step_module
+from torchtitan.training.guard import DivergenceError, DivergenceGuard, resume_hint, tensors_are_finite
+from torchtitan.training.step import train_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 
@@ -110,7 +111,7 @@ def test_two_ranks_decide_together_and_refuse_non_finite_state(tmp_path):
 def in_process_run(tmp_path, monkeypatch, nan_at_step=None, *extra):
     """train.run() on the tiny debug job; per step: (updated, params and optimizer state unchanged by the step),
     and the metrics.jsonl rows."""
-    real_step, real_clip = training.train_step, training.clip_grad_norm_
+    real_step, real_clip = train_step, step_module.clip_grad_norm_
     record, calls = {}, []
 
     def clip_with_injection(parameters, max_norm):
@@ -128,8 +129,8 @@ def in_process_run(tmp_path, monkeypatch, nan_at_step=None, *extra):
         record[len(record) + 1] = (updated, unchanged)
         return loss, grad_norm, updated
 
-    monkeypatch.setattr(training, "train_step", observed_step)
-    monkeypatch.setattr(training, "clip_grad_norm_", clip_with_injection)
+    monkeypatch.setattr(train_module, "train_step", observed_step)
+    monkeypatch.setattr(step_module, "clip_grad_norm_", clip_with_injection)
     monkeypatch.setattr(sys, "argv", ["train.py", *DEBUG_RUN, "--job.dump_folder", str(tmp_path), *extra])
     monkeypatch.chdir(ROOT)
     code = train_module.run()

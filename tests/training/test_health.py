@@ -1,4 +1,5 @@
-"""Optimizer health (``torchtitan.health``), loss spikes and the step-time split (``torchtitan.step_timing``).
+"""Optimizer health (``torchtitan.telemetry.health``), loss spikes and the step-time split
+(``torchtitan.telemetry.step_timing``).
 
 Health values are checked against an independent computation in one float64 process (the gradients, the weights
 before and after the step, the attention logits recomputed from q and k), then every parallel layout (FSDP2, TP,
@@ -16,14 +17,14 @@ import torch
 from tests import helpers
 from tests.distributed import run_workers
 from tests.helpers import job_config, materialize, meta_model
-from torchtitan import training
 from torchtitan.checkpoint.codec import decode_plain, encode_plain
-from torchtitan.guard import DivergenceGuard
-from torchtitan.health import LossSpikes, OptimizerHealth, format_health_line, health_groups
 from torchtitan.models.llama.model import apply_rope
 from torchtitan.optim import build_optimizers
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
-from torchtitan.step_timing import PARTS, StepTimer, tag
+from torchtitan.telemetry.health import LossSpikes, OptimizerHealth, format_health_line, health_groups
+from torchtitan.telemetry.step_timing import PARTS, StepTimer, tag
+from torchtitan.training.guard import DivergenceGuard
+from torchtitan.training.step import train_step
 
 CPU = torch.device("cpu")
 LR = 1e-2
@@ -49,7 +50,7 @@ def health_step(degrees: tuple[int, int, int], world_size: int, accumulation: in
     results = []
     for step in (1, 2):
         batches = micro_batches(accumulation, dp_rank, dp_degree)
-        _, grad_norm, updated = training.train_step(model, optimizers, batches, dims, config, CPU, None, step, health)
+        _, grad_norm, updated = train_step(model, optimizers, batches, dims, config, CPU, None, step, health)
         assert updated
         results.append((health.metrics(LR), float(grad_norm)))
     assert results[0][0] == {}  # step 1 is not due
@@ -80,7 +81,7 @@ def _reference(accumulation: int = 2) -> dict[str, float]:
     dims = ParallelDims(1, 1, 1, 1)
     model = materialize(parallelize_llama(meta_model(), dims.build_mesh("cpu"), dims, config))
     optimizers = build_optimizers([model], config)
-    training.train_step(model, optimizers, micro_batches(accumulation, 0, 1), dims, config, CPU)
+    train_step(model, optimizers, micro_batches(accumulation, 0, 1), dims, config, CPU)
     # Step 2 by hand: gradients of the accumulated micro-batches, then the step; q and k of each layer kept.
     logits = {}
 
@@ -173,7 +174,7 @@ def test_a_skipped_step_logs_no_health_and_keeps_the_weights():
         model.tok_embeddings.weight[0, 0] = math.inf
     guard = DivergenceGuard(3, CPU)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    _, _, updated = training.train_step(model, optimizers, micro_batches(1, 0, 1), dims, config, CPU, guard, 1, health)
+    _, _, updated = train_step(model, optimizers, micro_batches(1, 0, 1), dims, config, CPU, guard, 1, health)
     assert not updated
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert health.metrics(LR) == {}
@@ -305,7 +306,7 @@ def _measured_step(compile: bool, checkpointing: dict) -> dict[str, float]:
     health = OptimizerHealth.build([model], config, CPU)
     assert health.separate_forward == (compile or checkpointing["mode"] != "none")
     for step in (1, 2):
-        training.train_step(model, optimizers, micro_batches(1, 0, 1), dims, config, CPU, None, step, health)
+        train_step(model, optimizers, micro_batches(1, 0, 1), dims, config, CPU, None, step, health)
     return health.metrics(LR)
 
 

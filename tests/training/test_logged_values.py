@@ -16,10 +16,10 @@ import pytest
 
 from tests.distributed import memory_tag
 from tests.helpers import DEBUG_RUN, PER_STEP_TAGS, metric_rows, run_dir, train
-from torchtitan.config_manager import JobConfig
-from torchtitan.lr_scheduling import lr_factor, schedule_options
+from torchtitan.config.job_config import JobConfig
 from torchtitan.study.summary import TPS_WARMUP_LOGS
 from torchtitan.tools.compare_runs import main as compare_main
+from torchtitan.training.lr_scheduling import lr_factor, schedule_options
 
 EXTRA = ["--training.steps", "5", "--training.gradient_accumulation_steps", "2", "--metrics.log_freq", "2"]
 LOGGED_STEPS = [2, 4, 5]  # every log_freq steps, and the last step

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import TINY, batch, grads, job_config, tiny_model, with_ignored_labels
 from torchtitan.errors import UserError
-from torchtitan.loss import IGNORE_INDEX, chunk_bounds
+from torchtitan.training.loss import IGNORE_INDEX, chunk_bounds
 
 TOLERANCE = dict(rtol=1e-9, atol=0.0)
 

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserError
-from torchtitan.lr_scheduling import build_lr_schedulers, lr_factor
+from torchtitan.training.lr_scheduling import build_lr_schedulers, lr_factor
 
 
 def factors(**kw):

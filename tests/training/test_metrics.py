@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from tests.helpers import ROOT, TRAIN
-from torchtitan.cuda_allocator import DEFAULT_ALLOC_CONF, allocator_environ, allocator_setting
-from torchtitan.metrics import cuda_memory_metrics, format_log_line, model_flops_per_token, peak_flops_for
+from torchtitan.distributed.cuda_allocator import DEFAULT_ALLOC_CONF, allocator_environ, allocator_setting
 from torchtitan.models.llama import ModelArgs
+from torchtitan.telemetry.metrics import cuda_memory_metrics, format_log_line, model_flops_per_token, peak_flops_for
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_train_py_sets_the_allocator_before_importing_torch():
     ]
     late = [ast.unparse(body[i]) for i in imports if i < setting and not _standard_library(body[i])]
     assert late == []
-    code = "import sys, torchtitan.cuda_allocator; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = "import sys, torchtitan.distributed.cuda_allocator; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

@@ -16,8 +16,8 @@ import torch
 from tests import processes
 from tests.distributed import launch_env
 from tests.helpers import DEBUG_RUN, LOSS, ROOT, by_step, metric_rows, read_checkpoint, run_dirs, train, train_command
+from torchtitan.distributed.process_tree import descendants
 from torchtitan.errors import PREEMPTED_EXIT_CODE
-from torchtitan.process_tree import descendants
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 

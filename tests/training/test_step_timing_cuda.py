@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from torchtitan.health import OptimizerHealth
-from torchtitan.step_timing import StepTimer, tag
+from torchtitan.telemetry.health import OptimizerHealth
+from torchtitan.telemetry.step_timing import StepTimer, tag
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

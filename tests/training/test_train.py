@@ -27,7 +27,7 @@ def test_one_process_trains_and_logs(debug_run):
 
 
 def test_the_run_folder_keeps_the_resolved_config_it_ran_with(debug_run):
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.job_config import JobConfig
 
     path, _ = debug_run
     record = run_dir(path) / "job_config.toml"
@@ -197,7 +197,7 @@ def test_unwritable_checkpoint_folder_is_reported_before_training(tmp_path, monk
     ],
 )
 def test_preflight_rejects_layouts(nproc, args, message, capsys, monkeypatch):
-    from torchtitan.preflight import main as preflight_main
+    from torchtitan.config.preflight import main as preflight_main
 
     monkeypatch.chdir(ROOT)
     assert preflight_main(["--nproc", str(nproc), "--job.config_file", "train_configs/debug_model.toml", *args]) == 2
@@ -207,7 +207,7 @@ def test_preflight_rejects_layouts(nproc, args, message, capsys, monkeypatch):
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamMini8bit", "AdamMini4bit"])
 def test_preflight_rejects_state_dtype_for_low_bit_optimizers(name, capsys, monkeypatch):
-    from torchtitan.preflight import main as preflight_main
+    from torchtitan.config.preflight import main as preflight_main
 
     monkeypatch.chdir(ROOT)
     args = ["--optimizer.name", name, "--optimizer.state_dtype", "bfloat16"]
@@ -217,7 +217,7 @@ def test_preflight_rejects_state_dtype_for_low_bit_optimizers(name, capsys, monk
 
 
 def test_preflight_accepts_a_good_layout(monkeypatch):
-    from torchtitan.preflight import main as preflight_main
+    from torchtitan.config.preflight import main as preflight_main
 
     monkeypatch.chdir(ROOT)
     assert (

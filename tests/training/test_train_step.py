@@ -1,4 +1,4 @@
-"""The training step (``torchtitan.training.train_step``, the one train.py runs): gradient accumulation and
+"""The training step (``torchtitan.training.step.train_step``, the one train.py runs): gradient accumulation and
 gradient clipping, in one process and on 2 ranks (FSDP2, TP).
 
 Everything runs in float64 on the tiny Llama of tests/helpers.py, so that results differ only by the order
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from tests import helpers
 from tests.distributed import run_workers
 from tests.helpers import TINY, grads, job_config, materialize, meta_model, to_numpy, weights
-from torchtitan import training
 from torchtitan.optim import OptimizersContainer, build_optimizers
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
+from torchtitan.training.step import build_model, train_step
 
 CPU = torch.device("cpu")
 LR = 1e-2
@@ -74,7 +74,7 @@ def run_case(
     optimizers = SGDContainer(model) if optimizer == "SGD" else build_optimizers([model], config)
     dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
     batches = micro_batches(accumulation, dp_rank, dp_degree)
-    loss, grad_norm, updated = training.train_step(model, optimizers, batches, dims, config, torch.device("cpu"))
+    loss, grad_norm, updated = train_step(model, optimizers, batches, dims, config, torch.device("cpu"))
     assert updated
     assert next(batches, None) is None  # the step used all its micro-batches, no more
     loss = loss.detach().reshape(1).clone()
@@ -121,13 +121,13 @@ def gpu_precision_case(degrees: tuple[int, int, int], world_size: int) -> dict:
     result = {}
     for compute in ("cuda", "cpu"):
         mesh = dims.build_mesh("cpu")
-        built = training.build_model(config, TINY, dims, mesh, compute_device_type=compute, tensor_device_type="cpu")
+        built = build_model(config, TINY, dims, mesh, compute_device_type=compute, tensor_device_type="cpu")
         model = materialize(built)
         logits: list[torch.dtype] = []
         model.output.register_forward_hook(lambda module, args, out, seen=logits: seen.append(out.dtype))
         dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
         batches = micro_batches(1, dp_rank, dp_degree)
-        loss, _, _ = training.train_step(model, build_optimizers([model], config), batches, dims, config, CPU)
+        loss, _, _ = train_step(model, build_optimizers([model], config), batches, dims, config, CPU)
         result[compute] = {
             "loss": float(loss),
             "logits": str(logits[0]),

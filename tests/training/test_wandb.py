@@ -13,7 +13,7 @@ import pytest
 from tests import processes
 from tests.distributed import launch_env
 from tests.helpers import DEBUG_RUN, ROOT, event_tags, job_config, metric_rows, run_dirs, train_command
-from torchtitan.config_manager import WANDB_INSTALL
+from torchtitan.config.tables.metrics import WANDB_INSTALL
 from torchtitan.errors import UserError
 
 # A .wandb file: a 7-byte header (":W&B", a magic number, a version), then LevelDB log records in 32 KiB blocks,
@@ -149,7 +149,7 @@ def test_options_that_would_change_nothing_are_refused():
 def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
     import wandb
 
-    from torchtitan.metrics import build_metric_logger
+    from torchtitan.telemetry.metrics import build_metric_logger
 
     def refuse(**kwargs):
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.\nmore detail")

@@ -32,10 +32,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchtitan.checkpoint.folders import fsync_file
+from torchtitan.distributed.utils import local_tensor
 from torchtitan.errors import UserError
 from torchtitan.models.llama.model import ModelArgs
 from torchtitan.models.roles import canonical_name
-from torchtitan.utils import local_tensor
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_SUFFIX = ".safetensors"

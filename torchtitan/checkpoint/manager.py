@@ -48,14 +48,9 @@ from torchtitan.checkpoint.safe_reading import (
     SafeFileSystemReader,
     SafeLoadPlanner,
 )
-from torchtitan.collectives import all_reduce_scalar, any_rank
+from torchtitan.distributed.collectives import all_reduce_scalar, any_rank
+from torchtitan.distributed.utils import DTYPES
 from torchtitan.errors import UserError
-from torchtitan.guard import (
-    DivergenceError,
-    resume_hint,
-    state_tensors,
-    tensors_are_finite,
-)
 from torchtitan.logging import logger
 from torchtitan.optim.settings import OPTION_RULES, canonical_name, state_signature
 from torchtitan.optim.state.quantized_checkpoint import (
@@ -65,7 +60,12 @@ from torchtitan.optim.state.quantized_checkpoint import (
     scales_keys,
     stage_entries,
 )
-from torchtitan.utils import DTYPES
+from torchtitan.training.guard import (
+    DivergenceError,
+    resume_hint,
+    state_tensors,
+    tensors_are_finite,
+)
 
 MODEL, OPTIMIZER, LR_SCHEDULERS, DATALOADER = "model", "optimizer", "lr_schedulers", "dataloader"
 JOB_FACTS = "job_facts"

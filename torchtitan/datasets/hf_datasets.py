@@ -59,11 +59,11 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.collectives import all_gather_objects
 from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.distributed.collectives import all_gather_objects
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
-from torchtitan.preemption import ignore_stop_signals
+from torchtitan.training.preemption import ignore_stop_signals
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA_DIR = REPO_ROOT / "assets" / "data" / "sample"
@@ -651,7 +651,7 @@ class TextDataLoader:
                 num_workers=self.workers,
                 collate_fn=_keep_batch,
                 generator=torch.Generator(),
-                worker_init_fn=ignore_stop_signals,  # a stop signal is the training process's (preemption.py)
+                worker_init_fn=ignore_stop_signals,  # a stop signal is the training process's (training/preemption.py)
                 pin_memory=self._pin_memory,
             )
 

@@ -39,11 +39,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from torchtitan.collectives import all_gather_objects
+from torchtitan.distributed.collectives import all_gather_objects
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
-from torchtitan.loss import IGNORE_INDEX
-from torchtitan.preemption import ignore_stop_signals
+from torchtitan.training.loss import IGNORE_INDEX
+from torchtitan.training.preemption import ignore_stop_signals
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -507,7 +507,7 @@ class TokenDataLoader:
             pin_memory=self._pin_memory,
             generator=torch.Generator(),  # the loader never draws on the global torch RNG
             persistent_workers=False,
-            worker_init_fn=ignore_stop_signals,  # a stop signal is the training process's (preemption.py)
+            worker_init_fn=ignore_stop_signals,  # a stop signal is the training process's (training/preemption.py)
         )
         for batch in loader:
             self._taken += 1

@@ -1,9 +1,9 @@
 """Simulate one training step of a job on one rank of a fake world, without allocating its memory.
 
-The model is built and parallelized by the trainer's own code (``torchtitan.training.build_model`` on a mesh from
+The model is built and parallelized by the trainer's own code (``torchtitan.training.step.build_model`` on a mesh from
 ``ParallelDims.build_mesh``) over a fake process group of the simulated world size, with every tensor a fake tensor
 (``FakeTensorMode``: shapes, dtypes and devices, no data). Each optimizer is built by ``build_optimizers`` and its
-state created by the optimizer's own code; then the step ``train.py`` runs, ``torchtitan.training.train_step``
+state created by the optimizer's own code; then the step ``train.py`` runs, ``torchtitan.training.step.train_step``
 (forward, loss, backward, clipping, optimizer step), runs under :class:`LiveMemoryTracker`, which counts live tensor
 bytes on the simulated rank.
 """
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan import training
-from torchtitan.config_manager import JobConfig, set_option
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.parsing import set_option
 from torchtitan.errors import UserError
 from torchtitan.estimation.tracker import (
     OPTIMIZER_STATE,
@@ -32,7 +32,6 @@ from torchtitan.estimation.tracker import (
     TRANSIENT,
     LiveMemoryTracker,
 )
-from torchtitan.garbage_collection import collecting_only_new_objects
 from torchtitan.optim.builder import (
     OPTIMIZERS,
     OptimizerKind,
@@ -43,6 +42,8 @@ from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.settings import OPTIONAL_OPTIONS
 from torchtitan.optim.state.quantized_checkpoint import QuantizedEntry
 from torchtitan.optim.state.torchao_import import import_torchao_optim
+from torchtitan.training.garbage_collection import collecting_only_new_objects
+from torchtitan.training.step import build_model, train_step
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 _CUDA_BLOCK_BYTES = 512
@@ -385,7 +386,7 @@ def estimate_optimizer(
     device = torch.device("cpu")
     if warm_up:
         with torch.compiler.set_stance("force_eager"):
-            training.train_step(model, optimizers, batches, parallel_dims, job_config, device)
+            train_step(model, optimizers, batches, parallel_dims, job_config, device)
     for p in model.parameters():
         p.grad = None
     gc.collect()
@@ -395,7 +396,7 @@ def estimate_optimizer(
     measured: dict[str, int] = {}
     # Fake tensors hold no data to compile kernels for: compiled optimizer steps (torchao) run eagerly.
     with _phase_hooks(tracker, model, optimizers, measured), torch.compiler.set_stance("force_eager"), tracker:
-        training.train_step(model, optimizers, batches, parallel_dims, job_config, device)
+        train_step(model, optimizers, batches, parallel_dims, job_config, device)
     gradients = sum(tensor_bytes(p.grad) for p in model.parameters())
     save_peak = checkpoint_save_peak(model, optimizers, round_to)
     estimate = OptimizerEstimate(
@@ -427,8 +428,8 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
     """Per-rank memory of ``job_config``'s training for each optimizer in ``[memory_estimation]``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from torchtitan.config.preflight import model_args_for
     from torchtitan.parallelisms import ParallelDims, mixed_precision_mode, validate_model_for_parallelism
-    from torchtitan.preflight import model_args_for
 
     settings = job_config.memory_estimation
     choices = optimizer_choices(settings.optimizers)
@@ -465,7 +466,7 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
         # Mesh and sharding plan are built for real (on the meta device); only tensors with data are fake.
         # The simulated mesh and fake tensors live on the CPU (fake collectives need no GPU); a CUDA job computes in
         # training.mixed_precision_param as train.py's would (FSDP2's policy, or autocast, here CPU autocast).
-        model = training.build_model(
+        model = build_model(
             job,
             model_args,
             parallel_dims,

@@ -16,8 +16,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from torchtitan.cuda_allocator import allocator_environ
-from torchtitan.process_tree import kill_tree
+from torchtitan.distributed.cuda_allocator import allocator_environ
+from torchtitan.distributed.process_tree import kill_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.gpu_check.context import GIB, Sizes
 
 
@@ -81,16 +81,16 @@ class _Model:
 
 
 def build(sizes: Sizes, flavor: str, *extra: str) -> _Model:
-    from torchtitan import training
-    from torchtitan.metrics import model_flops_per_token
+    from torchtitan.config.preflight import model_args_for
     from torchtitan.parallelisms import ParallelDims
-    from torchtitan.preflight import model_args_for
+    from torchtitan.telemetry.metrics import model_flops_per_token
+    from torchtitan.training.step import build_model, init_model
 
     job = _job(sizes, flavor, *extra)
     args = model_args_for(job, sizes.vocab_size)
     dims = ParallelDims.from_job_config(job, 1)
-    model = training.build_model(job, args, dims, None, compute_device_type=sizes.device.type)
-    training.init_model(model, sizes.device, job.training.seed)
+    model = build_model(job, args, dims, None, compute_device_type=sizes.device.type)
+    init_model(model, sizes.device, job.training.seed)
     params = sum(p.numel() for p in model.parameters())
     return _Model(job, model, args, dims, model_flops_per_token(params, args, job.training.seq_len))
 
@@ -103,10 +103,10 @@ def _error_text(e: BaseException) -> str:
 def train(built: _Model, spec: str, sizes: Sizes, steps: Optional[tuple[int, int]] = None) -> dict[str, Any]:
     """Warm-up then timed steps of ``spec``'s optimizer on ``built``; tokens/s, MFU and peaks of the timed steps,
     or ``fits: no`` when the GPU runs out of memory. The row names the optimizer step's implementation."""
-    from torchtitan import training
     from torchtitan.estimation.simulate import job_for_optimizer, optimizer_choices, simulated_implementation
-    from torchtitan.metrics import peak_flops
     from torchtitan.optim import build_optimizers
+    from torchtitan.telemetry.metrics import peak_flops
+    from torchtitan.training.step import train_step
 
     warmup, timed = steps or (sizes.warmup_steps, sizes.timed_steps)
     device = sizes.device
@@ -118,13 +118,13 @@ def train(built: _Model, spec: str, sizes: Sizes, steps: Optional[tuple[int, int
         built.model.init_weights(seed=job.training.seed)
         optimizers = build_optimizers([built.model], job)
         for _ in range(warmup):
-            training.train_step(built.model, optimizers, batches, built.parallel_dims, job, device)
+            train_step(built.model, optimizers, batches, built.parallel_dims, job, device)
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         for _ in range(timed):
-            loss, _, _ = training.train_step(built.model, optimizers, batches, built.parallel_dims, job, device)
+            loss, _, _ = train_step(built.model, optimizers, batches, built.parallel_dims, job, device)
         _sync(device)
         seconds = time.perf_counter() - start
         tps = sizes.batch_size * sizes.seq_len * timed / seconds

@@ -16,9 +16,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from torchtitan.cuda_allocator import allocator_setting
+from torchtitan.distributed.cuda_allocator import allocator_setting
 from torchtitan.errors import UserError
-from torchtitan.garbage_collection import collecting_only_new_objects
 from torchtitan.gpu_check.context import (
     DRY_RUN_BUDGET_S,
     FAILED,
@@ -39,6 +38,7 @@ from torchtitan.gpu_check.context import (
     write_atomically,
 )
 from torchtitan.gpu_check.steps import GROUPS, STEPS
+from torchtitan.training.garbage_collection import collecting_only_new_objects
 
 # ----------------------------------------------------------------------------------------------------------------
 # Running the plan and the report

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from torchtitan.cuda_allocator import allocator_setting
+from torchtitan.distributed.cuda_allocator import allocator_setting
 from torchtitan.errors import UserError
 from torchtitan.gpu_check.context import (
     FAILED,

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan.config_manager import ActivationCheckpoint
+from torchtitan.config.tables.training import ActivationCheckpoint
 
 
 def _ops(*names: str) -> frozenset:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserError
 
 # Mesh dimension names, outermost first; "dp" is the flattened (replicate, shard) dimension.

@@ -32,12 +32,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.utils import DTYPES
 from torchtitan.errors import UserError
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.parallelisms.activation_checkpoint import apply_activation_checkpointing
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.utils import DTYPES
 
 # Float8 needs hardware float8 matmuls (Ada / Hopper and newer).
 _FLOAT8_MIN_CAPABILITY = (8, 9)
@@ -232,8 +232,8 @@ def _fsdp_policy(job_config: JobConfig) -> MixedPrecisionPolicy:
 def apply_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
     """Run ``model``'s forward under autocast to ``dtype``: matmuls compute in it from float32 master weights,
     whose gradients stay float32. The loss is part of the forward: cross-entropy runs in float32 (at least), and
-    the chunked loss computes its projection in ``dtype`` (``torchtitan.loss``). Backward runs outside autocast, as
-    torch recommends; state-dict names are untouched (the forward is wrapped, not the module)."""
+    the chunked loss computes its projection in ``dtype`` (``torchtitan.training.loss``). Backward runs outside
+    autocast, as torch recommends; state-dict names are untouched (the forward is wrapped, not the module)."""
     forward = model.forward
 
     @functools.wraps(forward)

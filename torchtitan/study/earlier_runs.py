@@ -14,7 +14,7 @@ from torchtitan.study.run_folders import status_paths, write_status
 
 
 def _job_value(config_file: str, train_args: Sequence[str], key: str):
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.job_config import JobConfig
 
     config = JobConfig.parse_args(["--job.config_file", config_file, *train_args])
     section, _, name = key.partition(".")

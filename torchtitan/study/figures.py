@@ -326,7 +326,7 @@ def plot_sweep(runs: Sequence[SweepRun], report: dict, out: Path) -> None:
     fig.savefig(out, format="png")
 
 
-# Optimizer health (torchtitan/health.py): the role groups each panel shows, one line style per group.
+# Optimizer health (torchtitan/telemetry/health.py): the role groups each panel shows, one line style per group.
 HEALTH_PANELS = (
     ("embedding and output", ("embedding", "output")),
     ("attention q, k, v, o", ("q", "k", "v", "o")),

@@ -211,10 +211,10 @@ def parse_budgets(raw: str) -> list[tuple[str, float, bool]]:
 def tokens_per_step(config_file: str, nproc: int, train_args: Sequence[str]) -> tuple[int, int]:
     """(tokens per optimizer step, non-embedding parameters) of the job: batch_size x seq_len x data-parallel
     degree x gradient_accumulation_steps, and the flavor's parameters counted on the meta device."""
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.config.preflight import model_args_for
     from torchtitan.models.llama import non_embedding_params
     from torchtitan.parallelisms.parallel_dims import ParallelDims
-    from torchtitan.preflight import model_args_for
 
     config = JobConfig.parse_args(["--job.config_file", config_file, *train_args])
     dims = ParallelDims.from_job_config(config, nproc)
@@ -226,7 +226,7 @@ def tokens_per_step(config_file: str, nproc: int, train_args: Sequence[str]) -> 
 
 def job_warmup_fraction(config_file: str, train_args: Sequence[str]) -> float:
     """The job's own warmup as a share of its steps: training.warmup_steps / training.steps."""
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.job_config import JobConfig
 
     t = JobConfig.parse_args(["--job.config_file", config_file, *train_args]).training
     return min(1.0, t.warmup_steps / t.steps)
@@ -355,7 +355,7 @@ def run_command(
 
 def wandb_group(dump: Path, config_file: str, train_args: Sequence[str]) -> Optional[str]:
     """The W&B group of a study's runs (the study folder's name) when its job logs to W&B; else None."""
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.job_config import JobConfig
 
     enabled = JobConfig.parse_args(["--job.config_file", config_file, *train_args]).metrics.enable_wandb
     return Path(dump).resolve().name if enabled else None
@@ -366,8 +366,8 @@ def preflight_jobs(
 ) -> None:
     """Check each optimizer's job (at each budget and point of its axes) as train.py will, so that a mistake stops
     the sweep before any run starts."""
-    from torchtitan.config_manager import JobConfig
-    from torchtitan.preflight import preflight
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.config.preflight import preflight
 
     checked = set()
     for spec in specs:

@@ -13,7 +13,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Optional, Sequence
 
-from torchtitan.config_manager import JOB_CONFIG_RECORD
+from torchtitan.config.job_config import JOB_CONFIG_RECORD
 from torchtitan.errors import UserError
 from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.figures import plot_budgets, plot_main, plot_sensitivity, plot_study_health, plot_sweep

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from torchtitan.config_manager import JOB_CONFIG_RECORD  # the resolved config a run trained with
+from torchtitan.config.job_config import JOB_CONFIG_RECORD  # the resolved config a run trained with
 from torchtitan.errors import UserError
 from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.plan import RUNS_FOLDER, STATUS_FILE, Budget, RunSpec

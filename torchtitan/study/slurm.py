@@ -4,8 +4,8 @@ limit is ``--parallel``; the jobs outlive the sweep, which may exit after submit
 Each array task trains one run through ``srun`` and the sweep's launcher (``run_llama_train.sh``: torchrun on one
 node, or on ``--slurm-nodes`` nodes with a rendezvous on the first), appending to the run's ``train.log``. The job
 script asks for ``--signal=B:USR1@{seconds}`` and traps USR1 and TERM: it passes SIGTERM to the run, which saves its
-step and exits (torchtitan/preemption.py), and requeues the task, which resumes from that checkpoint. When the run
-ends the task writes its ``sweep_status.json`` as the local runner does.
+step and exits (torchtitan/training/preemption.py), and requeues the task, which resumes from that checkpoint.
+When the run ends the task writes its ``sweep_status.json`` as the local runner does.
 
 What Slurm knows, each run folder keeps: ``slurm_job.json`` (the job of its last submission) and
 ``slurm_events.jsonl`` (each start, preemption and end of it). A run's state is read from its folder and from Slurm
@@ -208,8 +208,8 @@ def first_log(run_dir: Path, status: dict) -> Optional[FirstLog]:
     """Measured from a finished run's own logs (None when it logged no step time or fewer than two log lines): the
     median step time over its log lines, the most common gap between logged steps, and whatever of its wall time
     those steps do not account for."""
-    from torchtitan.step_timing import PARTS  # here: the job script's calls need no torch
-    from torchtitan.step_timing import tag as time_tag
+    from torchtitan.telemetry.step_timing import PARTS  # here: the job script's calls need no torch
+    from torchtitan.telemetry.step_timing import tag as time_tag
 
     scalars = merged_scalars(run_dir)
     parts = [scalars[time_tag(p)] for p in PARTS if time_tag(p) in scalars]

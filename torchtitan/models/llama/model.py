@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from torchtitan.loss import chunked_cross_entropy, cross_entropy
+from torchtitan.distributed.utils import local_tensor
 from torchtitan.models.norm_types import NORM_TYPES
 from torchtitan.models.roles import (
     ATTN_OUT,
@@ -31,7 +31,7 @@ from torchtitan.models.roles import (
     canonical_name,
 )
 from torchtitan.models.rope_types import ROPE_SCALING_TYPES
-from torchtitan.utils import local_tensor
+from torchtitan.training.loss import chunked_cross_entropy, cross_entropy
 
 # The most attention scores optimizer health builds at once to find the largest logit (float32: 256 MiB).
 LOGIT_BLOCK_ELEMENTS = 2**26
@@ -220,8 +220,8 @@ def build_norm(norm_type: str, dim: int, eps: float) -> nn.Module:
 
 class Attention(nn.Module):
     param_roles = {"wq.weight": QUERY, "wk.weight": KEY, "wv.weight": VALUE, "wo.weight": ATTN_OUT}
-    # Set by torchtitan.health on the steps it measures: each forward then keeps the largest pre-softmax logit in
-    # ``logit_max`` (a 0-d tensor on the device, the max over this rank's heads and micro-batches).
+    # Set by torchtitan.telemetry.health on the steps it measures: each forward then keeps the largest pre-softmax
+    # logit in ``logit_max`` (a 0-d tensor on the device, the max over this rank's heads and micro-batches).
     record_logit_max = False
     logit_max: Optional[torch.Tensor] = None
 
@@ -324,7 +324,7 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, loss_chunks: int = 1
     ) -> torch.Tensor:
         """Logits of ``tokens`` (batch, seq); with ``labels``, the mean cross-entropy instead, its output
-        projection run ``loss_chunks`` chunks of tokens at a time (see ``torchtitan.loss``).
+        projection run ``loss_chunks`` chunks of tokens at a time (see ``torchtitan.training.loss``).
 
         The loss is part of the forward so that FSDP2 gathers the output weight for it like any other weight.
         """

@@ -8,7 +8,7 @@
   of tensors.
 """
 
-from torchtitan.optim import lazy_names
+from torchtitan.moved import lazy_names
 
 __getattr__ = lazy_names(
     __name__,

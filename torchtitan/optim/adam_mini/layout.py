@@ -15,9 +15,9 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Replicate
 
+from torchtitan.distributed.utils import split_dim
 from torchtitan.optim.adam_mini.partition import PER_ELEMENT, PER_HEAD, PER_ROW, PER_TENSOR, BlockPlan
 from torchtitan.optim.state.storage import at_least_float32
-from torchtitan.utils import split_dim
 
 __all__ = ["BlockLayout", "layout_for", "new_second_moment"]
 

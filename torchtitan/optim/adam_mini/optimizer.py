@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 from torch import Tensor
 
+from torchtitan.distributed.utils import grad_like_param, local_tensor
 from torchtitan.errors import UserError
 from torchtitan.models.roles import ATTN_OUT, EMBEDDING, KEY, MLP, OUTPUT, QUERY, VALUE
 from torchtitan.optim.adam_mini.foreach import foreach_update
@@ -57,7 +58,6 @@ from torchtitan.optim.state.storage import (
     keep_state_dtypes_on_load,
     new_state,
 )
-from torchtitan.utils import grad_like_param, local_tensor
 
 logger = logging.getLogger(__name__)
 

@@ -6,6 +6,6 @@ alpha; alpha and the slow momentum's decay beta3 warm up over the run.
   bfloat16). Element-wise, so a DTensor's shard steps on its own: no communication.
 """
 
-from torchtitan.optim import lazy_names
+from torchtitan.moved import lazy_names
 
 __getattr__ = lazy_names(__name__, {"AdEMAMix": f"{__name__}.optimizer"}, former=f"{__name__}.optimizer")

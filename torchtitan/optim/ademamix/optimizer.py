@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import Tensor
 
+from torchtitan.distributed.utils import local_tensor
 from torchtitan.optim.ademamix.update import StepFactors, ademamix_update, alpha_schedule, beta3_schedule
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
 from torchtitan.optim.state.storage import FLOAT32, STATE_DTYPES, at_least_float32, keep_state_dtypes_on_load, new_state
-from torchtitan.utils import local_tensor
 
 MOMENTS = ("exp_avg", "exp_avg_slow", "exp_avg_sq")
 

@@ -16,9 +16,9 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import Tensor
 
+from torchtitan.distributed.utils import local_tensor
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
 from torchtitan.optim.state.storage import BFLOAT16, at_least_float32, keep_state_dtypes_on_load, new_state, write_state
-from torchtitan.utils import local_tensor
 
 
 def _local_adam_steps(

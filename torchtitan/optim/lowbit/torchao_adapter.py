@@ -21,9 +21,9 @@ from typing import Any, Iterator
 
 import torch
 
+from torchtitan.distributed.utils import local_tensor
 from torchtitan.optim.state.storage import dequantized, is_quantized, laid_out_like, quantized_layout
 from torchtitan.optim.state.torchao_import import import_torchao_optim
-from torchtitan.utils import local_tensor
 
 _low_bit_classes: dict[str, type] = {}
 

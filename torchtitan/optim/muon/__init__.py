@@ -6,7 +6,7 @@
   communication but NorMuon's row statistics.
 """
 
-from torchtitan.optim import lazy_names
+from torchtitan.moved import lazy_names
 
 __getattr__ = lazy_names(
     __name__, {"Muon": f"{__name__}.optimizer", "NorMuon": f"{__name__}.normuon"}, former=f"{__name__}.optimizer"

@@ -37,8 +37,8 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torchtitan.collectives import all_to_all
-from torchtitan.utils import split_dim
+from torchtitan.distributed.collectives import all_to_all
+from torchtitan.distributed.utils import split_dim
 
 __all__ = ["ShardedMatrix", "sharded_matrix", "transform_sharded"]
 

@@ -40,11 +40,11 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
+from torchtitan.distributed.utils import local_tensor, split_dim
 from torchtitan.errors import UserError
 from torchtitan.optim.adam_mini.statistics import _sum_over_shards
 from torchtitan.optim.muon.optimizer import Muon
 from torchtitan.optim.state.storage import FLOAT32, at_least_float32, keep_state_dtypes_on_load
-from torchtitan.utils import local_tensor, split_dim
 
 __all__ = ["NorMuon", "normalize_rows", "NEURON_SECOND_MOMENT"]
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed.utils import grad_like_param, local_tensor
 from torchtitan.errors import UserError
 from torchtitan.models.roles import ATTN_OUT, KEY, MLP, QUERY, VALUE, canonical_name
 from torchtitan.optim.adam_mini.partition import role_from_name
@@ -44,7 +45,6 @@ from torchtitan.optim.state.storage import (
     read_state,
     write_state,
 )
-from torchtitan.utils import grad_like_param, local_tensor
 
 logger = logging.getLogger(__name__)
 

@@ -5,6 +5,6 @@
   (``muon.distributed``), which keeps their state.
 """
 
-from torchtitan.optim import lazy_names
+from torchtitan.moved import lazy_names
 
 __getattr__ = lazy_names(__name__, {"SOAP": f"{__name__}.optimizer"})

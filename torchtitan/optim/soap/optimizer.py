@@ -22,11 +22,11 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
+from torchtitan.distributed.utils import grad_like_param, local_tensor
 from torchtitan.errors import UserError
 from torchtitan.optim.muon.optimizer import MatricesAndOthers, check_matrices
 from torchtitan.optim.soap.update import BASES, EXP_AVG, EXP_AVG_SQ, GRAMS, matrix_step, new_matrix_state, step_size
 from torchtitan.optim.state.storage import FLOAT32, at_least_float32, keep_state_dtypes_on_load
-from torchtitan.utils import grad_like_param, local_tensor
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from torchtitan.utils import local_tensor
+from torchtitan.distributed.utils import local_tensor
 
 
 @torch.no_grad()

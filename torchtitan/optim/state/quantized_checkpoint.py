@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed.utils import local_tensor
 from torchtitan.optim.state.storage import block_scales, dequantized, is_quantized, quantize_with_scales
-from torchtitan.utils import local_tensor
 
 _SAVED_DTYPE = torch.float32  # what a checkpoint holds for a quantized state
 SCALES_SUFFIX = ".block_scales"  # the key of a quantized state's block scales: the state's own key and this

@@ -20,8 +20,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from torchtitan.distributed.utils import local_tensor, split_dim
 from torchtitan.errors import UserError
-from torchtitan.utils import local_tensor, split_dim
 
 FLOAT32, BFLOAT16, INT8, INT4 = "float32", "bfloat16", "int8", "int4"
 STATE_DTYPES = (FLOAT32, BFLOAT16)  # what [optimizer] state_dtype offers

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from torchtitan.collectives import any_rank
+from torchtitan.distributed.collectives import any_rank
 from torchtitan.errors import Preempted
 
 # The signals that ask a run to save and stop: Slurm's warning ahead of a time limit, and its (or anyone's) SIGTERM.

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from torchtitan.collectives import all_gather_objects
+from torchtitan.distributed.collectives import all_gather_objects
 from torchtitan.errors import UserError
 from torchtitan.files import write_text_atomically
 from torchtitan.logging import logger

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan.collectives import all_reduce_max_, all_reduce_sum_
+from torchtitan.distributed.collectives import all_reduce_max_, all_reduce_sum_
+from torchtitan.distributed.utils import grad_like_param, local_tensor
 from torchtitan.models.roles import (
     ATTN_OUT,
     BIAS,
@@ -51,7 +52,6 @@ from torchtitan.models.roles import (
     VALUE,
     canonical_name,
 )
-from torchtitan.utils import grad_like_param, local_tensor
 
 # The group of each declared role; MLP splits into its input projections (w1, w3) and its output one (w2).
 GROUP_OF_ROLE = {

@@ -21,13 +21,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config_manager import JobConfig
-from torchtitan.guard import DivergenceGuard
-from torchtitan.health import LossSpikes, OptimizerHealth
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.utils import DTYPES, clip_grad_norm_
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.parallelisms import ParallelDims, loss_parallel_context, parallelize_llama
-from torchtitan.step_timing import StepTimer
-from torchtitan.utils import DTYPES, clip_grad_norm_
+from torchtitan.telemetry.health import LossSpikes, OptimizerHealth
+from torchtitan.telemetry.step_timing import StepTimer
+from torchtitan.training.guard import DivergenceGuard
 
 
 class TrainState:

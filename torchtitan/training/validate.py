@@ -22,15 +22,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan.collectives import all_reduce_scalar, all_reduce_sum_
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets import DocumentSplit, build_hf_data_loader, resolve_dataset
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.datasets.tokens import check_tokenizer, open_validation_windows, read_manifest, validation_windows
+from torchtitan.distributed.collectives import all_reduce_scalar, all_reduce_sum_
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
-from torchtitan.loss import IGNORE_INDEX
 from torchtitan.parallelisms import ParallelDims, loss_parallel_context
+from torchtitan.training.loss import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

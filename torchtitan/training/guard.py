@@ -24,10 +24,10 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtitan.collectives import any_rank
+from torchtitan.distributed.collectives import any_rank
+from torchtitan.distributed.utils import local_tensor
 from torchtitan.errors import DivergenceError
 from torchtitan.logging import logger
-from torchtitan.utils import local_tensor
 
 
 def tensors_are_finite(tensors: Iterable[Any]) -> bool:

@@ -1,4 +1,4 @@
-"""Check a job before any worker starts: ``python -m torchtitan.preflight --nproc N [train.py options]``.
+"""Check a job before any worker starts: ``python -m torchtitan.config.preflight --nproc N [train.py options]``.
 
 ``run_llama_train.sh`` runs this first, so that a mistake in the config shows as one line instead of one traceback
 per worker from the launcher. ``train.py`` runs the same checks at start.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserError, exit_code
 
 
@@ -78,7 +78,7 @@ def preflight(job_config: JobConfig, world_size: int):
     optimizer_settings(job_config)
     resolve_dataset(t.dataset, t.dataset_path)
     if job_config.validation.enable:
-        from torchtitan.validate import check_validation
+        from torchtitan.training.validate import check_validation
 
         check_validation(job_config)
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.tokenizer_type)
@@ -104,7 +104,7 @@ def preflight(job_config: JobConfig, world_size: int):
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "--nproc" or not argv[1].isdigit() or int(argv[1]) < 1:
-        print("usage: python -m torchtitan.preflight --nproc N [train.py options]", file=sys.stderr)
+        print("usage: python -m torchtitan.config.preflight --nproc N [train.py options]", file=sys.stderr)
         return 2
     return exit_code(lambda: preflight(JobConfig.parse_args(argv[2:]), int(argv[1])))
 
