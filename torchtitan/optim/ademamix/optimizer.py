@@ -20,7 +20,7 @@ from torch import Tensor
 from torchtitan.optim.ademamix.update import StepFactors, ademamix_update, alpha_schedule, beta3_schedule
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
 from torchtitan.optim.state.storage import FLOAT32, STATE_DTYPES, at_least_float32, keep_state_dtypes_on_load, new_state
-from torchtitan.utils import local_tensor
+from torchtitan.utils import grad_like_param, local_tensor
 
 MOMENTS = ("exp_avg", "exp_avg_slow", "exp_avg_sq")
 
@@ -100,7 +100,7 @@ class AdEMAMix(torch.optim.Optimizer):
         local = [local_tensor(p) for p in params]
         columns = (
             [p.detach() for p in local],
-            [local_tensor(p.grad) for p in params],
+            [local_tensor(grad_like_param(p, "AdEMAMix")) for p in params],
             *([local_tensor(state[key]) for state in states] for key in MOMENTS),
             self._factors(group, torch.stack(steps).to(torch.float64), local),
         )
