@@ -165,12 +165,16 @@ def test_cell_equals_one_process(label, column):
     assert worst <= tolerance["weights"], f"weights differ from one process by {worst:.3g} (they moved {moved:.3g})"
 
 
+def _option(options: tuple[str, ...], key: str, default: int) -> int:
+    return int(options[options.index(key) + 1]) if key in options else default
+
+
 def _assert_state_on_owners_or_everywhere(row: Row, column: str, result: dict) -> None:
     """Each state of each parameter is on every rank (a DTensor shard, or a step count) or, kept whole for a matrix
     by its owner, on one rank of each group that splits it: one per replica (HSDP), one in all (FSDP, TP)."""
     layout = column.split("<-")[0]
-    world_size = COLUMNS[layout][0]
-    replicas = 2 if layout == "hsdp2x2" else 1
+    world_size, options = COLUMNS[layout]
+    replicas = _option(options, "--training.data_parallel_replicate_degree", 1)
     counts = set(result["held_by"].values())
     assert counts <= {world_size, replicas}, (layout, counts)
     if not row.determined and layout not in ("ddp2", "one_process"):  # SOAP keeps its matrices' state on owners

@@ -3,9 +3,10 @@
 
 The main matrix (test_layout_matrix.py) runs every step eagerly (torch's own switch, TORCHDYNAMO_DISABLE) and in
 float64, where these steps run eagerly anyway. Here the steps really compile: float32 weights, dynamo on. Rows:
-Adam-mini's fused back end, AdEMAMix, the bfloat16-state AdamW (our compiled step), and torchao's AdamW8bit (the
-representative of torchao's compiled step: its 4-bit and fp8 forms compile the same function over another state
-class, 15-45 s each cold on a CPU, and run eagerly in the main matrix).
+Adam-mini's fused back end, AdEMAMix, and torchao's AdamW8bit (the representative of torchao's compiled step: its
+4-bit and fp8 forms compile the same function over another state class, 15-45 s each cold on a CPU, and run eagerly
+in the main matrix). The bfloat16-state AdamW's step is a CompiledStep like fused Adam-mini's and AdEMAMix's; it runs
+eagerly in every layout of the main matrix, and compiled, in one process, in tests/optim/test_adam_mini_lowprec.py.
 
 Tolerance: float32 in both, compiled kernels against eager ones: the layouts and the kernels agree to float32
 rounding, which Adam's normalised step magnifies on entries with near-zero gradients (~lr x 2e-3 after a few
@@ -30,7 +31,6 @@ from torchtitan.models.roles import canonical_name
 ROWS = [
     Row("AdamMini", (("implementation", "fused"),)),
     Row("AdEMAMix"),
-    Row("AdamW", (("state_dtype", "bfloat16"),)),
     Row("AdamW8bit"),
 ]
 FLOAT32 = ("--training.param_dtype", "float32")
@@ -46,7 +46,6 @@ COLUMN = "fsdp2"
 CACHE_TAGS = {
     "AdamMini-implementation=fused": "AdamMini",
     "AdEMAMix": "AdEMAMix",
-    "AdamW-state_dtype=bfloat16": "AdamW_bf16",
     "AdamW8bit": "AdamW8bit",
 }
 
