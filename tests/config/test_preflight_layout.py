@@ -56,7 +56,7 @@ def test_one_process_needs_no_layout_check(monkeypatch):
     def fail(*args):
         raise AssertionError("no layout to check")
 
-    monkeypatch.setattr("torchtitan.estimation.simulate.fake_world", fail)
+    monkeypatch.setattr("torchtitan.estimation.fake.fake_world", fail)
     from torchtitan.config_manager import JobConfig
     from torchtitan.parallelisms import ParallelDims
 

@@ -38,7 +38,7 @@ def check_optimizer_layout(job_config, parallel_dims, model_args) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torchtitan import training
-    from torchtitan.estimation.simulate import fake_world, precompute_quantization_maps
+    from torchtitan.estimation.fake import fake_world, precompute_quantization_maps
     from torchtitan.optim import build_optimizers
 
     job = copy.deepcopy(job_config)
