@@ -68,6 +68,8 @@ def preflight(job_config: JobConfig, world_size: int):
     Returns (parallel dims, model args, tokenizer) for the trainer to go on with.
     """
     # Imported here so that `--help` and config errors answer without importing torch.
+    import torch.distributed as dist
+
     from torchtitan.datasets import build_tokenizer, check_hub_reachable, resolve_dataset
     from torchtitan.optim.settings import optimizer_settings
     from torchtitan.parallelisms import ParallelDims, validate_model_for_parallelism
@@ -90,6 +92,11 @@ def preflight(job_config: JobConfig, world_size: int):
         )
     model_args = model_args_for(job_config, tokenizer.n_words)
     validate_model_for_parallelism(model_args, parallel_dims)
+    if not dist.is_initialized():
+        # Before the workers start (train.py's workers meet the same refusal when they build the optimizer).
+        from torchtitan.estimation.layout_check import check_optimizer_layout
+
+        check_optimizer_layout(job_config, parallel_dims, model_args)
     if job_config.checkpoint.initial_load_in_hf:
         from torchtitan.checkpoint.hf import check_hf_config
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib
 import itertools
 import os
 from contextlib import contextmanager, nullcontext
@@ -20,12 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.parsing import set_option
 from torchtitan.errors import UserError
+from torchtitan.estimation.fake import fake_world, precompute_quantization_maps
 from torchtitan.estimation.tracker import (
     OPTIMIZER_STATE,
     PARAMS,
@@ -41,7 +40,6 @@ from torchtitan.optim.builder import (
 from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.settings import OPTIONAL_OPTIONS
 from torchtitan.optim.state.quantized_checkpoint import QuantizedEntry
-from torchtitan.optim.state.torchao_import import import_torchao_optim
 from torchtitan.training.garbage_collection import collecting_only_new_objects
 from torchtitan.training.step import build_model, train_step
 
@@ -241,40 +239,6 @@ def simulated_implementation(job_config: JobConfig, device: str) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 # The fake world
-
-
-@contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """A fake process group: rank 0 of ``world_size``, collectives return at once without data."""
-    if dist.is_initialized():
-        raise RuntimeError("memory estimation needs a process without a process group; run it on its own")
-    # Fake implementations of the c10d collectives for fake tensors.
-    import torch.distributed._tools.fake_collectives  # noqa: F401
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def precompute_quantization_maps() -> None:
-    """Compute torchao's cached quantization maps for real, before fake mode.
-
-    torchao builds them once from Python lists read out of tensors, which fake tensors (having no values) cannot
-    give; once cached, the low-bit optimizers create their state on fake parameters with their own code.
-    """
-    for module_name in ("torchao.optim.subclass_4bit", "torchao.optim.subclass_8bit"):
-        try:
-            import_torchao_optim()
-            module = importlib.import_module(module_name)
-        except (ImportError, UserError):
-            continue
-        for function_name in ("get_qmap_signed", "get_qmap_unsigned"):
-            function = getattr(module, function_name, None)
-            if function is not None:
-                function()
 
 
 def fake_batches(batch_size: int, seq_len: int, vocab: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import Tensor
 
-from torchtitan.distributed.utils import local_tensor
+from torchtitan.distributed.utils import grad_like_param, local_tensor
 from torchtitan.optim.ademamix.update import StepFactors, ademamix_update, alpha_schedule, beta3_schedule
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
 from torchtitan.optim.state.storage import FLOAT32, STATE_DTYPES, at_least_float32, keep_state_dtypes_on_load, new_state
@@ -100,7 +100,7 @@ class AdEMAMix(torch.optim.Optimizer):
         local = [local_tensor(p) for p in params]
         columns = (
             [p.detach() for p in local],
-            [local_tensor(p.grad) for p in params],
+            [local_tensor(grad_like_param(p, "AdEMAMix")) for p in params],
             *([local_tensor(state[key]) for state in states] for key in MOMENTS),
             self._factors(group, torch.stack(steps).to(torch.float64), local),
         )

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import Tensor
 
-from torchtitan.distributed.utils import local_tensor
+from torchtitan.distributed.utils import grad_like_param, local_tensor
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
 from torchtitan.optim.state.storage import BFLOAT16, at_least_float32, keep_state_dtypes_on_load, new_state, write_state
 
@@ -117,7 +117,8 @@ class LowPrecisionAdam(torch.optim.Optimizer):
             dtype=dtype, device=device
         )
         l2 = None if decoupled else torch.tensor(group["weight_decay"], dtype=dtype).to(device)
-        grads = [local_tensor(p.grad) for p in params]
+        name = "AdamW" if decoupled else "Adam"
+        grads = [local_tensor(grad_like_param(p, name)) for p in params]
         exp_avgs, exp_avg_sqs = (
             [local_tensor(s["exp_avg"]) for s in states],
             [local_tensor(s["exp_avg_sq"]) for s in states],

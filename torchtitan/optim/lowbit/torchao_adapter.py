@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from torchtitan.distributed.utils import local_tensor
+from torchtitan.distributed.utils import grad_like_param, local_tensor
 from torchtitan.optim.state.storage import dequantized, is_quantized, laid_out_like, quantized_layout
 from torchtitan.optim.state.torchao_import import import_torchao_optim
 
@@ -34,6 +34,11 @@ def low_bit_class(name: str) -> type:
         base = getattr(import_torchao_optim(), name)
 
         def step(self, closure=None):
+            # torchao's step reads p.grad: hand it each gradient in its parameter's layout (grad_like_param).
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad = grad_like_param(p, name)
             with separate_compile_cache(name):
                 return base.step(self, closure)
 

@@ -3,7 +3,8 @@
 Muon orthogonalises every hidden matrix as a whole, while FSDP2, tensor parallelism or both leave each rank a piece
 of it. This module owns all of Muon's communication. The ranks that split a matrix (its *group*: the mesh
 dimensions whose placements shard it, e.g. FSDP's ranks, TP's, or both) share the work round-robin: the ``j``-th
-matrix of a group is owned by group rank ``j mod S`` and the matrices go in rounds of ``S``. In a round
+matrix of a group (counting all its matrices, whether or not they have a gradient this step) is owned by group rank
+``j mod S``, and the matrices go in rounds of at most ``S``, one per owner. In a round
 
 1. every rank sends its pieces of the round's matrices to their owners (one ``all_to_all_single``),
 2. each owner assembles its matrix and runs Newton–Schulz on it,
@@ -158,13 +159,16 @@ def transform_sharded(
     matrices: list[ShardedMatrix],
     transform: Callable[[int, Tensor], Tensor],
     dtype: torch.dtype,
+    ordinals: Optional[list[int]] = None,
 ) -> list[Tensor]:
     """``transform(i, whole)`` run by the owner of each whole matrix ``i`` whose local pieces are ``pieces[i]``;
     returns the local pieces of the results (in ``dtype``, shaped like ``pieces``).
 
     The owner rounds above; ``transform`` is called on the owning rank only, so state it keeps for matrix ``i``
-    lives there alone (SOAP's preconditioners). Every rank of a group must pass that group's matrices in the same
-    order.
+    lives there alone (SOAP's preconditioners). Matrix ``i`` is owned by group rank ``ordinals[i] mod S``:
+    ``ordinals[i]`` is its position among all the matrices of its group, so that its owner stays the same on a
+    step where some of them have no gradient (None: the position among ``matrices``). Every rank of a group must
+    pass that group's matrices in the same order, with the same ordinals.
     """
     results: list[Optional[Tensor]] = [None] * len(pieces)
     by_group: dict[Any, list[int]] = defaultdict(list)
@@ -172,13 +176,18 @@ def transform_sharded(
         by_group[matrix.group].append(index)
     for group, indices in by_group.items():
         size = matrices[indices[0]].group_size
-        for start in range(0, len(indices), size):
-            _round(indices[start : start + size], pieces, matrices, group, transform, dtype, results)
+        by_owner: list[list[int]] = [[] for _ in range(size)]
+        for position, index in enumerate(indices):
+            ordinal = position if ordinals is None else ordinals[index]
+            by_owner[ordinal % size].append(index)
+        for round_index in range(max(len(owned) for owned in by_owner)):
+            owners = [owned[round_index] if round_index < len(owned) else None for owned in by_owner]
+            _round(owners, pieces, matrices, group, transform, dtype, results)
     return results
 
 
 def _round(
-    indices: list[int],
+    owners: list[Optional[int]],
     updates: list[Tensor],
     matrices: list[ShardedMatrix],
     group: Any,
@@ -186,24 +195,27 @@ def _round(
     dtype: torch.dtype,
     results: list[Optional[Tensor]],
 ) -> None:
-    """One round: group rank k owns ``indices[k]``; pieces go to owners, results come back."""
+    """One round: group rank k owns matrix ``owners[k]`` (None: none this round); pieces go to owners, results
+    come back."""
     me, size = dist.get_rank(group), dist.get_world_size(group)
-    device = updates[indices[0]].device
-    pieces_out = [updates[i].to(dtype).reshape(-1) for i in indices]
-    sent = [piece.numel() for piece in pieces_out] + [0] * (size - len(indices))
-    owned = matrices[indices[me]] if me < len(indices) else None
+    present = [i for i in owners if i is not None]
+    device = updates[present[0]].device
+    pieces_out = [updates[i].to(dtype).reshape(-1) for i in present]
+    sent = [updates[i].numel() if i is not None else 0 for i in owners]
+    owned = matrices[owners[me]] if owners[me] is not None else None
     received = [owned.piece_numel(q) for q in range(size)] if owned is not None else [0] * size
     inbox = all_to_all(torch.cat(pieces_out), sent, received, group)
     if owned is not None:
         whole = torch.empty(owned.shape, dtype=dtype, device=device)
         for q, piece in enumerate(inbox.split(received)):
             whole[owned.rows[q].unsqueeze(1), owned.cols[q]] = piece.view(owned.rows[q].numel(), owned.cols[q].numel())
-        result = transform(indices[me], whole).to(dtype)
+        result = transform(owners[me], whole).to(dtype)
         del whole
         outbox = torch.cat([result[owned.rows[q].unsqueeze(1), owned.cols[q]].reshape(-1) for q in range(size)])
         del result
     else:
         outbox = torch.empty(0, dtype=dtype, device=device)
     returned = all_to_all(outbox, received, sent, group)
-    for i, piece in zip(indices, returned.split(sent)):
-        results[i] = piece.view(updates[i].shape)
+    for i, piece in zip(owners, returned.split(sent)):
+        if i is not None:
+            results[i] = piece.view(updates[i].shape)

@@ -152,6 +152,7 @@ class MatricesAndOthers(torch.optim.Optimizer):
 
     others: Optional[torch.optim.Optimizer]
     _matrices: dict[Tensor, Optional[ShardedMatrix]]
+    _ordinals: Optional[dict[Tensor, int]] = None  # see _owner_ordinals
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -178,6 +179,21 @@ class MatricesAndOthers(torch.optim.Optimizer):
             self._matrices[p] = sharded_matrix(p)
         return self._matrices[p]
 
+    def _owner_ordinals(self) -> dict[Tensor, int]:
+        """Each sharded matrix's position among all the matrices of its process group, in the first group's order,
+        whether or not it has a gradient: its owner (position mod the group's size) never depends on which matrices
+        have a gradient this step, so the state a rank keeps for a matrix stays on that rank."""
+        if self._ordinals is None:
+            counts: dict[Any, int] = {}
+            ordinals = {}
+            for p in self.param_groups[0]["params"]:
+                matrix = self._sharded_matrix(p)
+                if matrix is not None:
+                    ordinals[p] = counts.get(matrix.group, 0)
+                    counts[matrix.group] = ordinals[p] + 1
+            self._ordinals = ordinals
+        return self._ordinals
+
     def _whole_matrices(
         self, params: list[Tensor], inputs: list[Tensor], transform: Callable[[int, Tensor], Tensor], dtype: torch.dtype
     ) -> list[Tensor]:
@@ -198,7 +214,10 @@ class MatricesAndOthers(torch.optim.Optimizer):
             def by_position(position: int, whole: Tensor) -> Tensor:
                 return transform(indices[position], whole)
 
-            pieces = transform_sharded([inputs[i] for i in indices], list(matrices), by_position, dtype)
+            ordinals = self._owner_ordinals()
+            pieces = transform_sharded(
+                [inputs[i] for i in indices], list(matrices), by_position, dtype, [ordinals[params[i]] for i in indices]
+            )
             for i, piece in zip(indices, pieces):
                 results[i] = piece
         return results

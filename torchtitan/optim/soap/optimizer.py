@@ -11,7 +11,8 @@ the matrix's SOAP state (its moments and both sides' statistics and bases, whole
 its piece of the direction. Nothing is replicated within a group, and the matrices of a group are spread
 round-robin over its ranks. A step costs Muon's collectives: two ``all_to_all`` per round of the group's size, in
 at least float32. A matrix that no mesh dimension splits is stepped where it is. Every rank keeps a ``step`` count
-for every matrix.
+for every matrix, counted from that matrix's own first gradient (one whose first gradient comes late starts its
+state, bases and bias corrections then, as a SOAP of its own would).
 """
 
 from __future__ import annotations
@@ -95,22 +96,22 @@ class SOAP(MatricesAndOthers):
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
             state["step"] += 1
-        step = int(self.state[params[0]]["step"])  # every matrix steps together
+        # Each matrix counts its own steps from its own first gradient (a matrix may get its first one later).
+        steps = [int(self.state[p]["step"]) for p in params]
         grads = [local_tensor(grad_like_param(p, "SOAP")) for p in params]
-        directions = self._directions(group, params, grads, step)
-        if step == 1:
-            return  # the first step only sets the bases, as the reference's does
+        directions = self._directions(group, params, grads, steps)
         lr = float(group["lr"])
         beta1, beta2 = group["betas"]
-        size = step_size(lr, beta1, beta2, step)
-        for p, direction in zip(params, directions):
+        for p, direction, step in zip(params, directions, steps):
+            if step == 1:
+                continue  # a matrix's first step only sets its bases, as the reference's does
             local = local_tensor(p)
-            local.add_(direction, alpha=-size)  # in the state's precision, rounded once to the weights'
+            local.add_(direction, alpha=-step_size(lr, beta1, beta2, step))  # in the state's precision, rounded once
             if group["weight_decay"] != 0.0:
                 local.mul_(1 - lr * group["weight_decay"])
 
     def _directions(
-        self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], step: int
+        self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], steps: list[int]
     ) -> list[Optional[Tensor]]:
         """Each matrix's direction (this rank's piece), computed whole by the rank that keeps its state."""
         beta1, beta2 = group["betas"]
@@ -124,7 +125,7 @@ class SOAP(MatricesAndOthers):
             direction = matrix_step(
                 whole_grad,
                 state,
-                step,
+                steps[index],
                 beta1,
                 beta2,
                 group["shampoo_beta"],
