@@ -26,7 +26,7 @@ from torchtitan.checkpoint import CheckpointManager
 from torchtitan.collectives import all_reduce_scalar, set_collective_timeout
 from torchtitan.config_manager import JOB_CONFIG_RECORD, JobConfig
 from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset_record
-from torchtitan.errors import exit_code
+from torchtitan.errors import exit_code, write_exit_record
 from torchtitan.garbage_collection import GarbageCollection
 from torchtitan.guard import DivergenceGuard
 from torchtitan.health import LossSpikes, OptimizerHealth, format_health_line
@@ -218,9 +218,22 @@ def _world_group():
 
 
 def run() -> int:
+    first_rank = int(os.environ.get("RANK", "0")) == 0
+    folders: list[str] = []
+
+    def body() -> None:
+        job_config = JobConfig.parse_args()
+        folders.append(job_config.job.dump_folder)
+        main(job_config)
+
+    def record(code: int, message: str) -> None:
+        # torchrun reports any worker's failure as 1: the run's own ending is kept where a sweep reads it.
+        if first_rank and folders:
+            write_exit_record(folders[0], code, message)
+
     try:
         # Every rank raises the same error; the first one says it.
-        return exit_code(lambda: main(JobConfig.parse_args()), print_errors=int(os.environ.get("RANK", "0")) == 0)
+        return exit_code(body, print_errors=first_rank, on_exit=record)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -527,7 +527,7 @@ class SlurmRunner:
         folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
         runs, script = folder / f"array-{stamp}.runs", folder / f"array-{stamp}.sh"
-        environment = {"NGPU": str(self.nproc), "CONFIG_FILE": self.config_file}
+        environment = {"NGPU": str(self.nproc), "CONFIG_FILE": self.config_file, "PYTHON": sys.executable}
         recorded = {**{k: os.environ[k] for k in RUN_ENVIRONMENT if k in os.environ}, **environment}
         recorded.pop("CUDA_VISIBLE_DEVICES", None)  # Slurm gives each job its GPUs
         commands = {}
