@@ -1,14 +1,16 @@
 """Stand-ins for Slurm's commands in the scheduler's fault-injection tests: ``sbatch``, ``squeue``, ``sacct``,
-``scontrol`` and ``sinfo`` as one script, called through a link of each name (see ``tests/helpers.py``'s
-``stand_in_slurm``). Nothing runs: a "controller" is a JSON file, ``$STAND_IN_SLURM/state.json``, holding the jobs
+``scontrol`` and ``sinfo`` as one script, called by a wrapper of each name that sets ``STAND_IN_COMMAND``. Nothing
+runs: a "controller" is a JSON file, ``$STAND_IN_SLURM/state.json``, holding the jobs
 queued so far; ``$STAND_IN_SLURM/behaviour.json`` says how the next ``sbatch`` answers:
 
   {"sbatch": "ok"}                  - queues the array and prints its id (``--parsable``);
   {"sbatch": "timeout"}             - queues the array, then does not answer (sleeps past the caller's timeout);
-  {"sbatch": "socket"}              - queues the array, then fails with "Socket timed out on send/recv operation";
+  {"sbatch": "socket"}              - queues the array, then fails with "Socket timed out on send/recv operation"
+                                      ("queue": false: fails so without queuing it);
   {"sbatch": "refuse", "error": E}  - queues nothing and fails with E;
   "squeue_user_jobs": N             - the user has N other jobs queued (what ``squeue -u`` counts);
-  "max_array_size": N               - ``scontrol show config``'s MaxArraySize (default 1001).
+  "max_array_size": N               - ``scontrol show config``'s MaxArraySize (default 1001);
+  "hidden": true                    - squeue shows none of the jobs queued (a controller slow to list them).
 
 Every call is appended to ``$STAND_IN_SLURM/calls.jsonl`` (its name and arguments). Job states: every task of an
 array stays PENDING unless ``state.json`` says otherwise (``"states": {"12_0": "RUNNING"}``).
@@ -51,6 +53,9 @@ def sbatch(argv: list[str], state: dict, behaviour: dict) -> int:
     if mode == "refuse":
         print(behaviour["error"], file=sys.stderr)
         return 1
+    if mode == "socket" and behaviour.get("queue") is False:
+        print("sbatch: error: Batch job submission failed: Socket timed out on send/recv operation", file=sys.stderr)
+        return 1
     array = option(argv, "--array")
     last = int(re.match(r"0-(\d+)", array).group(1)) if array else 0
     script = argv[-1]
@@ -76,6 +81,8 @@ def squeue(argv: list[str], state: dict, behaviour: dict) -> int:
         for n in range(behaviour.get("squeue_user_jobs", 0)):
             print(f"{9000 + n}|PENDING|Priority")
         return 0
+    if behaviour.get("hidden"):
+        return 0
     name, ids = option(argv, "-n", "--name"), option(argv, "-j", "--jobs")
     wanted = set(ids.split(",")) if ids else None
     for job in state.get("jobs", []):
@@ -96,7 +103,7 @@ def scontrol(argv: list[str], behaviour: dict) -> int:
 
 
 def main() -> int:
-    command, argv = Path(sys.argv[0]).name, sys.argv[1:]
+    command, argv = os.environ["STAND_IN_COMMAND"], sys.argv[1:]
     with open(FOLDER / "calls.jsonl", "a") as f:
         f.write(json.dumps([command, *argv]) + "\n")
     state, behaviour = load("state.json", {}), load("behaviour.json", {})

@@ -43,7 +43,14 @@ from torchtitan.study.plan import (
 from torchtitan.study.report import PAGE_NAME, REPORT_NAME, InterimReport, format_markdown, write_report
 from torchtitan.study.scheduling import Runner, first_failure, is_done, plan_slots, run_all, visible_gpus
 from torchtitan.study.search import parse_starts, read_search, run_descents, search_spaces, specs_of, write_search
-from torchtitan.study.slurm import SlurmRunner, check_cluster, check_time_limit, print_states, slurm_settings
+from torchtitan.study.slurm import (
+    SlurmRunner,
+    check_cluster,
+    check_time_limit,
+    checkpointing,
+    print_states,
+    slurm_settings,
+)
 
 
 def _default_nproc(gpus: list[str], parallel: int) -> int:
@@ -119,7 +126,7 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         else:  # each run on GPUs Slurm gives it: --slurm-gpus per node, one process per GPU
             nproc = args.nproc or slurm.gpus or 1
             check_cluster(slurm, args.parallel, nproc)
-            check_time_limit(slurm, dump)
+            check_time_limit(slurm, dump, checkpointing(str(Path(args.config_file).resolve()), train_args))
         config_file = str(Path(args.config_file).resolve())
         check_train_options(train_args, args.vary_data_seed, budgets=args.budgets is not None)
         if args.extend and args.search != "coordinate":

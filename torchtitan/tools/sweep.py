@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import exit_code
-from torchtitan.study.slurm import add_scheduler_options
+from torchtitan.study.slurm import SlurmRefused, add_scheduler_options
 from torchtitan.study.summary import DEFAULT_BASELINE
 from torchtitan.study.sweep import run_sweep
 
@@ -180,7 +180,11 @@ def sweep(argv: Sequence[str]) -> int:
     argv = list(argv)
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = _parser().parse_args(argv[: len(argv) - len(train_args) - (1 if "--" in argv else 0)])
-    return run_sweep(args, train_args)
+    try:
+        return run_sweep(args, train_args)
+    except SlurmRefused as e:  # not a mistake in the options, and not "later": exit 1
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
