@@ -118,6 +118,7 @@ def main(job_config: JobConfig) -> None:
         _world_group(),
         checkpoint.folder if checkpoint.enabled else None,
         resumed=train_state.step > 0,
+        resumed_step=train_state.step,
     )
     if rank == 0:  # what the run read and the whole config it ran with, beside its metrics
         metric_logger.write_record(DATASET_RECORD, json.dumps(data_record, indent=1))
@@ -137,6 +138,9 @@ def main(job_config: JobConfig) -> None:
         f"training {t.steps} steps from step {train_state.step}: global batch {t.batch_size * dp_degree} x "
         f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"
     )
+    if validator is not None and 0 < train_state.step < t.steps and validator.due(train_state.step):
+        # Resumed at a step whose validation was due: a run stopped on a signal saved it without validating.
+        validate(validator, model, train_state.step, metric_logger)
     window_start, window_steps = time.perf_counter(), 0
     first_step = train_state.step + 1
     # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/preemption.py)
@@ -191,11 +195,11 @@ def main(job_config: JobConfig) -> None:
                 metric_logger.close()
                 raise stop
 
-            if validator is not None and validator.due(train_state.step):
+            # Asked before a due validation: a stop saves this step at once (the resumed run validates it first).
+            stop_now = train_state.step < t.steps and preemption.requested()
+            if validator is not None and validator.due(train_state.step) and not stop_now:
                 started = time.perf_counter()
-                val_metrics, val_tokens = validator.run(model)
-                logger.info(format_validation_line(train_state.step, val_metrics, val_tokens))
-                metric_logger.log(val_metrics, train_state.step)
+                validate(validator, model, train_state.step, metric_logger)
                 window_start += time.perf_counter() - started  # evaluation time is not training throughput
 
             if updated:  # never a checkpoint at a skipped step, the last one included
@@ -205,12 +209,18 @@ def main(job_config: JobConfig) -> None:
                 logger.warning(f"the last step was skipped: no final checkpoint; {checkpoint.resume_hint()}")
             if profiler is not None:
                 profiler.step()
-            if train_state.step < t.steps and preemption.requested():
+            if stop_now:
                 raise preemption.stop(checkpoint, train_state.step, updated, metric_logger)
 
     checkpoint.close()
     metric_logger.close()
     logger.info("training done")
+
+
+def validate(validator, model, step: int, metric_logger) -> None:
+    val_metrics, val_tokens = validator.run(model)
+    logger.info(format_validation_line(step, val_metrics, val_tokens))
+    metric_logger.log(val_metrics, step)
 
 
 def _world_group():

@@ -300,15 +300,6 @@ def check_time_limit(settings: SlurmSettings, dump: Path, checkpointing: bool = 
             measured.append(found)
     if not measured:
         return
-    longest = max(measured, key=lambda m: m.whole_seconds)
-    if not checkpointing and time_seconds(settings.time) < longest.whole_seconds + settings.signal_seconds:
-        raise UserError(
-            f"--slurm-time {settings.time} is shorter than a run of this study needs ({longest.run}: "
-            f"{longest.start_seconds:.0f} s to start, {longest.steps} steps of {longest.step_seconds:.3g} s, plus "
-            f"{settings.signal_seconds} s of warning) and checkpointing is off, so a run stopped at its limit "
-            "cannot resume; add --checkpoint.enable_checkpoint, or raise --slurm-time to at least "
-            f"{slurm_time(math.ceil(longest.whole_seconds + settings.signal_seconds))}"
-        )
     slowest = max(measured, key=lambda m: m.seconds)
     needed = slowest.seconds + settings.signal_seconds
     if time_seconds(settings.time) < needed:
@@ -318,6 +309,15 @@ def check_time_limit(settings: SlurmSettings, dump: Path, checkpointing: bool = 
             f"{slowest.run} took {slowest.start_seconds:.0f} s to start and {slowest.step_seconds:.3g} s a step "
             f"({steps} a log line), plus {settings.signal_seconds} s of warning "
             f"(--slurm-signal-seconds); raise --slurm-time to at least {slurm_time(math.ceil(needed))}"
+        )
+    longest = max(measured, key=lambda m: m.whole_seconds)
+    if not checkpointing and time_seconds(settings.time) < longest.whole_seconds + settings.signal_seconds:
+        raise UserError(
+            f"--slurm-time {settings.time} is shorter than a run of this study needs ({longest.run}: "
+            f"{longest.start_seconds:.0f} s to start, {longest.steps} steps of {longest.step_seconds:.3g} s, plus "
+            f"{settings.signal_seconds} s of warning) and checkpointing is off, so a run stopped at its limit "
+            "cannot resume; add --checkpoint.enable_checkpoint, or raise --slurm-time to at least "
+            f"{slurm_time(math.ceil(longest.whole_seconds + settings.signal_seconds))}"
         )
 
 
