@@ -28,6 +28,8 @@ def test_a_two_process_run_that_diverges_is_diverged_and_the_study_goes_on_to_co
     assert "AdamW_lr1e-2_seed0: diverged, exit 3" in out
     report = json.loads((dump / "sweep.json").read_text())
     assert report["best"]["AdamW"]["lr"] == 1e-3  # the rest ranked
+    row = next(line for line in (dump / "sweep.md").read_text().splitlines() if "[AdamW_lr1e-2_seed0]" in line)
+    assert "| diverged | error: the loss was non-finite at step 3; lower optimizer.lr |" in row  # why it ended
     assert status_of(dump / "runs" / "AdamW_lr1e-3_seed1")["outcome"] == "finished"  # confirmation trained
     # Diverged is done: a second call trains nothing again.
     assert fake_sweep(dump, *study) == 0

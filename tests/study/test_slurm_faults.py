@@ -16,6 +16,7 @@ import pytest
 from tests.helpers import FAKE, ROOT, one_error_line
 from torchtitan.errors import write_exit_record
 from torchtitan.study import slurm
+from torchtitan.study.report import why_it_ended
 from torchtitan.study.slurm import (
     EVENTS_FILE,
     JOB_FILE,
@@ -272,3 +273,11 @@ def test_jobs_waiting_on_someone_are_shown_as_such_with_what_to_do(tmp_path, sta
     (tmp_path / JOB_FILE).write_text(json.dumps({"job_id": "7_0", "array": "7", "submitted": 0.0, "fields": {}}))
     got, detail = run_state(tmp_path, {"7_0": (state, "None")})
     assert got == shown and advice in detail
+
+
+def test_the_page_says_why_each_run_ended():
+    assert why_it_ended({"outcome": "finished", "requeues": 2}) == "finished its steps, requeued 2 time(s)"
+    assert why_it_ended({"outcome": "finished"}) == "finished its steps"
+    stopped = {"outcome": "failed", "message": "stopped on a signal without a checkpoint newer: ...", "requeues": 1}
+    assert why_it_ended(stopped) == "stopped on a signal without a checkpoint newer: ...; requeued 1 time(s)"
+    assert why_it_ended({"outcome": "failed", "message": None, "exit_code": 1}) == "exit 1"

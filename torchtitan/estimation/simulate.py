@@ -474,6 +474,7 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
             tensor_device_type="cpu",
         )
         estimate.num_params = sum(p.numel() for p in model.parameters())
+        notes.extend(health_host_memory(job_config, model))
         # Meta parameters become fake ones in to_empty, hence non-fake inputs are allowed.
         with FakeTensorMode(allow_non_fake_inputs=True):
             # No init_weights: values do not change memory, and fake tensors have none.
@@ -494,6 +495,26 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
                     )
                 )
     return estimate
+
+
+def health_host_memory(job_config: JobConfig, model: nn.Module) -> list[str]:
+    """What optimizer health holds in host memory per rank (the weights before a measured step, within
+    metrics.health_snapshot_gib; torchtitan.health.snapshot_bytes), said as a note: host memory is not in the table."""
+    from torchtitan.health import snapshot_bytes
+
+    m = job_config.metrics
+    if m.health_freq == 0:
+        return []
+    held = snapshot_bytes(list(model.parameters()), m.health_snapshot_gib)
+    if held == 0:
+        return [
+            f"optimizer health: this rank's weights are above metrics.health_snapshot_gib {m.health_snapshot_gib:g}, "
+            "so it holds no host copy of them and logs no update metrics"
+        ]
+    return [
+        f"optimizer health: {held / 2**30:.2f} GiB of host memory per rank (pinned from a GPU), the weights before "
+        f"a measured step, held for the whole run (metrics.health_snapshot_gib {m.health_snapshot_gib:g} bounds it)"
+    ]
 
 
 def _ac_description(job_config: JobConfig) -> str:
