@@ -11,6 +11,8 @@ queued so far; ``$STAND_IN_SLURM/behaviour.json`` says how the next ``sbatch`` a
   "squeue_user_jobs": N             - the user has N other jobs queued (what ``squeue -u`` counts);
   "max_array_size": N               - ``scontrol show config``'s MaxArraySize (default 1001);
   "hidden": true                    - squeue shows none of the jobs queued (a controller slow to list them).
+``srun`` runs its command here (a job script can run on this machine), ``scontrol show hostnames`` says localhost,
+``scontrol requeue`` and ``scancel`` do nothing but be recorded.
 
 Every call is appended to ``$STAND_IN_SLURM/calls.jsonl`` (its name and arguments). Job states: every task of an
 array stays PENDING unless ``state.json`` says otherwise (``"states": {"12_0": "RUNNING"}``).
@@ -95,6 +97,9 @@ def squeue(argv: list[str], state: dict, behaviour: dict) -> int:
 
 
 def scontrol(argv: list[str], behaviour: dict) -> int:
+    if argv[:2] == ["show", "hostnames"]:
+        print("localhost")
+        return 0
     if argv[:2] == ["show", "config"]:
         print(f"MaxArraySize            = {behaviour.get('max_array_size', 1001)}")
         print("MinJobAge               = 300 sec")
@@ -113,6 +118,11 @@ def main() -> int:
         return squeue(argv, state, behaviour)
     if command == "scontrol":
         return scontrol(argv, behaviour)
+    if command == "srun":  # runs its command here, as one task
+        args = [a for a in argv if not a.startswith("--")]
+        os.execvp(args[0], args)
+    if command in ("scancel",):
+        return 0
     if command == "sinfo":
         print("debug*|1:00:00|1|64|(null)")
         return 0

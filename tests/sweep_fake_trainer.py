@@ -12,7 +12,9 @@ misbehave:
   "exit3" - logs two steps, prints an ``error: ... non-finite ...`` line and exits 3, as train.py's guard does;
   "exit1" - logs two steps and crashes;
   "exit2" - prints a one-line user error and exits 2;
-  "hang"  - writes its pid to ``{dump}/fake.pid`` and sleeps until it is killed.
+  "hang"  - writes its pid to ``{dump}/fake.pid`` and sleeps until it is killed;
+  "stop"  - logs two steps and stops as train.py does on a scheduler's signal (exit 4), having saved a checkpoint
+            of step 2 when FAKE_CHECKPOINT is set.
 Like train.py, it records how it ended in its folder's exit record (not for a crash); with NGPU above 1 it exits as
 torchrun does, 1 for any failure.
 """
@@ -72,6 +74,16 @@ def main() -> int:
     weight_decay_distance = abs(float(o.get("optimizer.weight_decay", "0.1")) - (0.3 if optimizer == "Muon" else 0.1))
     log(0, "optimizer/state_bytes", {"AdamMini": 1 << 20}.get(optimizer, 2 << 20))
     for step in range(1, steps + 1):
+        if behaviour == "stop" and step == 3:
+            writer.close()
+            if os.environ.get("FAKE_CHECKPOINT"):
+                folder = dump / "checkpoint" / optimizer / "step-2"
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / ".metadata").write_text("")
+            message = "preempted: stopped on SIGTERM after step 2"
+            print(message, file=sys.stderr)
+            write_exit_record(dump, 4, message)
+            return as_launched(4)
         if behaviour in ("exit3", "exit1") and step == 3:
             writer.close()
             if behaviour == "exit3":

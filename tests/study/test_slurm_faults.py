@@ -39,7 +39,7 @@ def controller(tmp_path, monkeypatch):
     bin_dir = folder / "bin"
     bin_dir.mkdir(parents=True)
     stand_in = ROOT / "tests" / "slurm_stand_in.py"
-    for name in ("sbatch", "squeue", "sacct", "scontrol", "sinfo"):
+    for name in ("sbatch", "squeue", "sacct", "scontrol", "sinfo", "srun", "scancel"):
         (bin_dir / name).write_text(f'#!/bin/sh\nSTAND_IN_COMMAND={name} exec {sys.executable} {stand_in} "$@"\n')
         (bin_dir / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}")
@@ -53,6 +53,10 @@ def controller(tmp_path, monkeypatch):
         def jobs(self) -> list[dict]:
             state = folder / "state.json"
             return json.loads(state.read_text()).get("jobs", []) if state.exists() else []
+
+        def calls(self, command: str) -> list[list[str]]:
+            lines = (folder / "calls.jsonl").read_text().splitlines()
+            return [call for call in map(json.loads, lines) if call[0] == command]
 
         def sbatch_calls(self) -> list[list[str]]:
             lines = (folder / "calls.jsonl").read_text().splitlines()
@@ -281,3 +285,57 @@ def test_the_page_says_why_each_run_ended():
     stopped = {"outcome": "failed", "message": "stopped on a signal without a checkpoint newer: ...", "requeues": 1}
     assert why_it_ended(stopped) == "stopped on a signal without a checkpoint newer: ...; requeued 1 time(s)"
     assert why_it_ended({"outcome": "failed", "message": None, "exit_code": 1}) == "exit 1"
+
+
+def test_the_job_script_requeues_a_stopped_run_only_when_it_saved_a_newer_checkpoint(tmp_path, controller):
+    # The job script itself, run here: srun runs the run's command.sh (the fake trainer), which stops as train.py
+    # does on a signal (exit 4); Slurm's own commands are the stand-ins.
+    controller(sbatch="ok")
+    dump = tmp_path / "study"
+    assert main(["--dump-folder", str(dump), "--scheduler", "slurm", "--launcher", FAKE, "--optimizers", "AdamW",
+                 "--lrs", "1e-3", "--nproc", "1"]) == 0  # fmt: skip
+    (script,) = (dump / SLURM_FOLDER).glob("array-*.sh")
+    run = dump / "runs" / "AdamW_lr1e-3_seed0"
+    name = json.loads((run / JOB_FILE).read_text())["name"]
+    environment = {**os.environ, "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "0", "SLURM_JOB_ID": "101"}
+    environment.update(SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_JOB_NAME=name, PYTHONPATH=str(ROOT))
+    environment["FAKE_OUTCOMES"] = json.dumps({"AdamW_lr1e-3_seed0": "stop"})
+
+    def job(**more) -> None:
+        done = subprocess.run(["bash", str(script)], env={**environment, **more}, capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+    job()  # stopped without any checkpoint: not requeued, ended with why
+    assert controller.calls("scontrol") and not [c for c in controller.calls("scontrol") if c[1] == "requeue"]
+    status = json.loads((run / "sweep_status.json").read_text())
+    assert status["outcome"] == "failed" and "without a checkpoint newer: not requeued" in status["message"]
+
+    (run / "sweep_status.json").unlink()
+    job(FAKE_CHECKPOINT="1")  # saved step 2, newer than none: requeued
+    assert [c for c in controller.calls("scontrol") if c[1] == "requeue"] == [["scontrol", "requeue", "101"]]
+    assert not (run / "sweep_status.json").exists()
+    events = [json.loads(line) for line in (run / EVENTS_FILE).read_text().splitlines()]
+    assert [e["event"] for e in events] == ["started", "ended", "started", "preempted"]
+    assert events[-2]["checkpoint"] is None and {e["job_name"] for e in events} == {name}
+
+    job(FAKE_CHECKPOINT="1", SLURM_RESTART_COUNT="1")  # started from step 2 and saved step 2 again: not requeued
+    assert len([c for c in controller.calls("scontrol") if c[1] == "requeue"]) == 1
+    status = json.loads((run / "sweep_status.json").read_text())
+    assert "without a checkpoint newer than step 2, the one it started from" in status["message"]
+    assert status["requeues"] == 1
+
+
+def test_the_newest_checkpoint_is_read_as_the_checkpoint_manager_reads_them(tmp_path):
+    from torchtitan.checkpoint.folders import SUPERSEDED_FOLDER, complete_steps
+    from torchtitan.study.slurm import newest_checkpoint
+
+    folder = tmp_path / "checkpoint" / "AdamW"
+    for name, complete in (("step-4", True), ("step-12", True), ("step-20", False), (".step-30.tmp-ab", True)):
+        (folder / name).mkdir(parents=True)
+        if complete:
+            (folder / name / ".metadata").write_text("")
+    (folder / SUPERSEDED_FOLDER / "step-40").mkdir(parents=True)
+    (folder / SUPERSEDED_FOLDER / "step-40" / ".metadata").write_text("")
+    assert complete_steps(str(folder)) == [4, 12]
+    assert newest_checkpoint(tmp_path) == 12
+    assert newest_checkpoint(tmp_path / "none") is None

@@ -732,8 +732,8 @@ class SlurmRunner:
         command = ["sbatch", "--parsable", f"--array=0-{len(queued) - 1}%{self.parallel}"]
         command += [f"--dependency=afterany:{after}"] if after else []
         result = _slurm([*command, str(script)])
-        array = result.stdout.strip().split(";")[0] if result.returncode == 0 else None
-        if array is None and unconfirmed(result.stderr):
+        array = (result.stdout.strip().split(";")[0] or None) if result.returncode == 0 else None
+        if array is None and (result.returncode == 0 or unconfirmed(result.stderr)):  # queued or not: look it up
             found = arrays_named(name)
             if not found:
                 print(
@@ -884,11 +884,16 @@ def _job_id() -> str:
 
 def newest_checkpoint(run_dir: Path) -> Optional[int]:
     """The step of the newest complete checkpoint below the run's folder (where train.py writes them unless
-    checkpoint.folder is absolute); None when there is none."""
-    from torchtitan.checkpoint.folders import SUPERSEDED_FOLDER, complete_steps  # here: only a stop needs torch
-
-    folders = {p.parent for p in run_dir.rglob("step-*") if p.is_dir() and SUPERSEDED_FOLDER not in p.parts}
-    steps = [step for folder in folders for step in complete_steps(str(folder))]
+    checkpoint.folder is absolute); None when there is none. The rule of ``checkpoint.folders.complete_steps`` (a
+    ``step-N`` folder holding DCP's ``.metadata``, none set aside as superseded), read without importing torch: the
+    job script asks at every start and stop."""
+    steps = [
+        int(match.group(1))
+        for path in run_dir.rglob("step-*")
+        if (match := re.fullmatch(r"step-(\d+)", path.name))
+        and (path / ".metadata").is_file()
+        and "superseded" not in path.relative_to(run_dir).parts
+    ]
     return max(steps) if steps else None
 
 
