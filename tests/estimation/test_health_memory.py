@@ -19,3 +19,13 @@ def test_the_estimate_counts_the_health_snapshot_within_its_limit():
     (note,) = health_host_memory(job_config("--metrics.health_snapshot_gib", "40"), eight_b)
     assert note.startswith("optimizer health: 29.9") and "GiB of host memory per rank" in note
     assert health_host_memory(job_config("--metrics.health_freq", "0"), eight_b) == []
+
+
+def test_the_estimate_bounds_the_logit_measurements_device_memory():
+    from torchtitan.estimation.simulate import health_device_memory
+
+    args = llama3_configs["8B"]  # 32 heads of 128; batch 1 x 8192 tokens per rank
+    (note,) = health_device_memory(job_config("--training.batch_size", "1", "--training.seq_len", "8192"), args, 1)
+    # 320 MiB of scores and mask, and q and k (8192 x 32 x 128 each) in float32 twice: 512 MiB.
+    assert "adds at most 832 MiB of device memory" in note
+    assert health_device_memory(job_config("--metrics.health_freq", "0"), args, 1) == []

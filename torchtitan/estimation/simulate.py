@@ -475,6 +475,7 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
         )
         estimate.num_params = sum(p.numel() for p in model.parameters())
         notes.extend(health_host_memory(job_config, model))
+        notes.extend(health_device_memory(job_config, model_args, parallel_dims.degrees.get("tp", 1)))
         # Meta parameters become fake ones in to_empty, hence non-fake inputs are allowed.
         with FakeTensorMode(allow_non_fake_inputs=True):
             # No init_weights: values do not change memory, and fake tensors have none.
@@ -514,6 +515,25 @@ def health_host_memory(job_config: JobConfig, model: nn.Module) -> list[str]:
     return [
         f"optimizer health: {held / 2**30:.2f} GiB of host memory per rank (pinned from a GPU), the weights before "
         f"a measured step, held for the whole run (metrics.health_snapshot_gib {m.health_snapshot_gib:g} bounds it)"
+    ]
+
+
+def health_device_memory(job_config: JobConfig, model_args, tp: int) -> list[str]:
+    """A bound on the device memory a measured step's largest-logit measurement adds (not in the table: it runs
+    between the steps' phases, without gradients): one block of scores in float32 (LOGIT_BLOCK_ELEMENTS) and its
+    mask, and one layer's q and k as (batch x head) rows, widened to float32 block by block."""
+    from torchtitan.models.llama.model import LOGIT_BLOCK_ELEMENTS
+
+    if job_config.metrics.health_freq == 0:
+        return []
+    t = job_config.training
+    heads = model_args.n_heads // tp
+    head_dim = model_args.dim // model_args.n_heads
+    rows = 2 * t.batch_size * t.seq_len * heads * head_dim * 4 * 2  # q and k, and their float32 blocks
+    bound = 4 * LOGIT_BLOCK_ELEMENTS + LOGIT_BLOCK_ELEMENTS + rows
+    return [
+        f"optimizer health: a measured step's attention-logit measurement adds at most {bound / 2**20:,.0f} MiB of "
+        "device memory for its duration (a block of scores, its mask, one layer's q and k)"
     ]
 
 
