@@ -138,11 +138,11 @@ stop_daemon() {
 }
 
 ours_answers() {
-    # The controller that answers is the one start started: its pid file is ours and names a live slurmctld, and
-    # the cluster is named as our slurm.conf names it.
-    [ -e "$STATE_DIR/slurmctld.ours" ] && [ -s "$STATE_DIR/slurmctld.pid" ] \
-        && kill -0 "$(cat "$STATE_DIR/slurmctld.pid")" 2>/dev/null \
-        && timeout 5 scontrol show config 2>/dev/null | grep -qE '^ClusterName += ci$'
+    # The controller that answers is the one start started: Slurm's commands read our slurm.conf, and the
+    # slurmctld it names (our pid file) is the one start started and still runs.
+    [ -e "$CONF_DIR/slurm.conf" ] && head -n 1 "$CONF_DIR/slurm.conf" | grep -qxF "$HEADER" \
+        && [ -e "$STATE_DIR/slurmctld.ours" ] && [ -s "$STATE_DIR/slurmctld.pid" ] \
+        && kill -0 "$(cat "$STATE_DIR/slurmctld.pid")" 2>/dev/null
 }
 
 stop() {
