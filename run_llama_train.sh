@@ -4,29 +4,32 @@
 #   CONFIG_FILE  job config (default: ./train_configs/debug_model.toml)
 #   NNODES       nodes of the job (default 1); above 1, each node runs this script (srun), and torchrun meets the
 #                others at RDZV_ENDPOINT (host:port of the first node) for job RDZV_ID
+#   PYTHON       the interpreter to train with (default: python on PATH); the sweep passes its own
 #   extra arguments go to train.py, e.g. ./run_llama_train.sh --optimizer.name AdamMini --training.steps 100
 set -euo pipefail
 cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python}
+TORCHRUN=("$PYTHON" -m torch.distributed.run)  # torchrun of that interpreter, whatever PATH finds first
 
 if [ -z "${NGPU:-}" ]; then
-    NGPU=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+    NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
     [ "$NGPU" -gt 0 ] || NGPU=2
 fi
 CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 if [ "${NNODES:-1}" -gt 1 ]; then
-    python -m torchtitan.config.preflight --nproc $((NNODES * NGPU)) --job.config_file "$CONFIG_FILE" "$@"
-    exec torchrun --nnodes "$NNODES" --nproc_per_node "$NGPU" --rdzv_id "$RDZV_ID" --rdzv_backend c10d \
+    "$PYTHON" -m torchtitan.config.preflight --nproc $((NNODES * NGPU)) --job.config_file "$CONFIG_FILE" "$@"
+    exec "${TORCHRUN[@]}" --nnodes "$NNODES" --nproc_per_node "$NGPU" --rdzv_id "$RDZV_ID" --rdzv_backend c10d \
         --rdzv_endpoint "$RDZV_ENDPOINT" train.py --job.config_file "$CONFIG_FILE" "$@"
 fi
 
 if [ "$NGPU" -eq 1 ]; then
     # One process needs no launcher: train.py checks the job itself and reports a mistake as one line.
-    exec python train.py --job.config_file "$CONFIG_FILE" "$@"
+    exec "$PYTHON" train.py --job.config_file "$CONFIG_FILE" "$@"
 fi
 
 # Check the job once before starting workers, so a mistake is one line rather than a wall of launcher output.
-python -m torchtitan.config.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+"$PYTHON" -m torchtitan.config.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
 
-exec torchrun --standalone --nnodes=1 --nproc_per_node="$NGPU" train.py --job.config_file "$CONFIG_FILE" "$@"
+exec "${TORCHRUN[@]}" --standalone --nnodes=1 --nproc_per_node="$NGPU" train.py --job.config_file "$CONFIG_FILE" "$@"

@@ -28,7 +28,7 @@ from torchtitan.config.preflight import preflight
 from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset_record
 from torchtitan.distributed.collectives import all_reduce_scalar, set_collective_timeout
 from torchtitan.distributed.utils import init_distributed, set_determinism
-from torchtitan.errors import exit_code
+from torchtitan.errors import exit_code, write_exit_record
 from torchtitan.logging import init_logger, logger
 from torchtitan.optim import build_optimizers
 from torchtitan.telemetry.health import LossSpikes, OptimizerHealth, format_health_line
@@ -119,6 +119,7 @@ def main(job_config: JobConfig) -> None:
         _world_group(),
         checkpoint.folder if checkpoint.enabled else None,
         resumed=train_state.step > 0,
+        resumed_step=train_state.step,
     )
     if rank == 0:  # what the run read and the whole config it ran with, beside its metrics
         metric_logger.write_record(DATASET_RECORD, json.dumps(data_record, indent=1))
@@ -138,6 +139,9 @@ def main(job_config: JobConfig) -> None:
         f"training {t.steps} steps from step {train_state.step}: global batch {t.batch_size * dp_degree} x "
         f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"
     )
+    if validator is not None and 0 < train_state.step < t.steps and validator.due(train_state.step):
+        # Resumed at a step whose validation was due: a run stopped on a signal saved it without validating.
+        validate(validator, model, train_state.step, metric_logger)
     window_start, window_steps = time.perf_counter(), 0
     first_step = train_state.step + 1
     # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/training/preemption.py)
@@ -192,11 +196,11 @@ def main(job_config: JobConfig) -> None:
                 metric_logger.close()
                 raise stop
 
-            if validator is not None and validator.due(train_state.step):
+            # Asked before a due validation: a stop saves this step at once (the resumed run validates it first).
+            stop_now = train_state.step < t.steps and preemption.requested()
+            if validator is not None and validator.due(train_state.step) and not stop_now:
                 started = time.perf_counter()
-                val_metrics, val_tokens = validator.run(model)
-                logger.info(format_validation_line(train_state.step, val_metrics, val_tokens))
-                metric_logger.log(val_metrics, train_state.step)
+                validate(validator, model, train_state.step, metric_logger)
                 window_start += time.perf_counter() - started  # evaluation time is not training throughput
 
             if updated:  # never a checkpoint at a skipped step, the last one included
@@ -206,7 +210,7 @@ def main(job_config: JobConfig) -> None:
                 logger.warning(f"the last step was skipped: no final checkpoint; {checkpoint.resume_hint()}")
             if profiler is not None:
                 profiler.step()
-            if train_state.step < t.steps and preemption.requested():
+            if stop_now:
                 raise preemption.stop(checkpoint, train_state.step, updated, metric_logger)
 
     checkpoint.close()
@@ -214,14 +218,33 @@ def main(job_config: JobConfig) -> None:
     logger.info("training done")
 
 
+def validate(validator, model, step: int, metric_logger) -> None:
+    val_metrics, val_tokens = validator.run(model)
+    logger.info(format_validation_line(step, val_metrics, val_tokens))
+    metric_logger.log(val_metrics, step)
+
+
 def _world_group():
     return dist.group.WORLD if dist.is_initialized() else None
 
 
 def run() -> int:
+    first_rank = int(os.environ.get("RANK", "0")) == 0
+    folders: list[str] = []
+
+    def body() -> None:
+        job_config = JobConfig.parse_args()
+        folders.append(job_config.job.dump_folder)
+        main(job_config)
+
+    def record(code: int, message: str) -> None:
+        # torchrun reports any worker's failure as 1: the run's own ending is kept where a sweep reads it.
+        if first_rank and folders:
+            write_exit_record(folders[0], code, message)
+
     try:
         # Every rank raises the same error; the first one says it.
-        return exit_code(lambda: main(JobConfig.parse_args()), print_errors=int(os.environ.get("RANK", "0")) == 0)
+        return exit_code(body, print_errors=first_rank, on_exit=record)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

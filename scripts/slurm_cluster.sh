@@ -3,7 +3,8 @@
 #   scripts/slurm_cluster.sh start    install Debian's munge, slurmctld, slurmd and slurm-client when missing (as
 #                                     root), write slurm.conf for this host's CPUs and memory, start the daemons and
 #                                     wait until the node takes jobs; does nothing more when the cluster is up
-#   scripts/slurm_cluster.sh stop     stop the daemons this script started (jobs still there are cancelled first)
+#   scripts/slurm_cluster.sh stop     stop the daemons this script's start started, after cancelling the jobs this
+#                                     user left on its partition; a cluster it did not start is left alone
 #   scripts/slurm_cluster.sh status   one line: up (with the node's state) or down; exit 0 when up
 # The cluster has one partition, "debug" (default, 1 hour at most per job), jobs share the node's cores, a job that
 # exits with the preemption code may requeue itself, and finished jobs stay visible to squeue/scontrol for 10
@@ -39,15 +40,22 @@ install_packages() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
+HEADER="# Written by scripts/slurm_cluster.sh for this host: one node, one partition."
+
 write_conf() {
     local host cpus memory
+    if [ -e "$CONF_DIR/slurm.conf" ] && ! head -n 1 "$CONF_DIR/slurm.conf" | grep -qxF "$HEADER"; then
+        log "$CONF_DIR/slurm.conf was not written by this script (a cluster of this machine's own?); it is left as it" \
+            "is: stop that cluster's daemons and move the file away to use the test cluster"
+        exit 1
+    fi
     host=$(hostname -s)
     cpus=$(nproc)
     memory=$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 9 / 10))  # MiB, 90% of it for jobs
     mkdir -p "$CONF_DIR" "$STATE_DIR/ctld" "$STATE_DIR/d" "$LOG_DIR"
     chown -R slurm:slurm "$STATE_DIR" "$LOG_DIR"
     cat >"$CONF_DIR/slurm.conf" <<EOF
-# Written by scripts/slurm_cluster.sh for this host: one node, one partition.
+$HEADER
 ClusterName=ci
 SlurmctldHost=$host
 SlurmUser=slurm
@@ -100,8 +108,9 @@ start() {
     install_packages
     write_conf
     start_munge
-    pgrep -x slurmctld >/dev/null || slurmctld
-    pgrep -x slurmd >/dev/null || slurmd
+    # Each daemon started here is marked, so that stop stops it and only it.
+    pgrep -x slurmctld >/dev/null || { slurmctld && touch "$STATE_DIR/slurmctld.ours"; }
+    pgrep -x slurmd >/dev/null || { slurmd && touch "$STATE_DIR/slurmd.ours"; }
     for _ in $(seq 120); do
         if is_up; then
             log "up: partition $PARTITION, $(nproc) CPUs on $(hostname -s)"
@@ -115,6 +124,8 @@ start() {
 
 stop_daemon() {
     local pidfile=$STATE_DIR/$1.pid
+    [ -e "$STATE_DIR/$1.ours" ] || return 0  # not started by this script's start: not ours to stop
+    rm -f "$STATE_DIR/$1.ours"
     [ -s "$pidfile" ] || return 0
     local pid
     pid=$(cat "$pidfile")
@@ -126,10 +137,21 @@ stop_daemon() {
     kill -9 "$pid" 2>/dev/null || true
 }
 
+ours_answers() {
+    # The controller that answers is the one start started: Slurm's commands read our slurm.conf, and the
+    # slurmctld it names (our pid file) is the one start started and still runs.
+    [ -e "$CONF_DIR/slurm.conf" ] && head -n 1 "$CONF_DIR/slurm.conf" | grep -qxF "$HEADER" \
+        && [ -e "$STATE_DIR/slurmctld.ours" ] && [ -s "$STATE_DIR/slurmctld.pid" ] \
+        && kill -0 "$(cat "$STATE_DIR/slurmctld.pid")" 2>/dev/null
+}
+
 stop() {
-    if is_up; then
-        scancel --full --quiet --state=PENDING 2>/dev/null || true
-        scancel --full --quiet 2>/dev/null || true
+    if ours_answers; then
+        # Only this user's jobs on the test partition: the tests' own.
+        scancel --quiet --user="$(id -un)" --partition="$PARTITION" --state=PENDING 2>/dev/null || true
+        scancel --full --quiet --user="$(id -un)" --partition="$PARTITION" 2>/dev/null || true
+    elif is_up; then
+        log "the cluster that answers was not started by this script: no job cancelled, no daemon stopped"
     fi
     stop_daemon slurmd
     stop_daemon slurmctld

@@ -18,6 +18,7 @@ import pickle
 import queue as queue_module
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -114,7 +115,8 @@ def uses_cuda(nproc: int = 1, cpu: bool = False) -> bool:
 
 def launch_env(nproc: int = 1, cpu: bool = False, **extra: str) -> dict[str, str]:
     """Environment for a train.py subprocess of ``nproc`` ranks (``cpu``: always on CPU)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    # PYTHON: the interpreter run_llama_train.sh trains with, this one whatever PATH finds first.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **extra}
     if not uses_cuda(nproc, cpu):
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env

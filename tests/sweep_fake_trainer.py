@@ -12,7 +12,11 @@ misbehave:
   "exit3" - logs two steps, prints an ``error: ... non-finite ...`` line and exits 3, as train.py's guard does;
   "exit1" - logs two steps and crashes;
   "exit2" - prints a one-line user error and exits 2;
-  "hang"  - writes its pid to ``{dump}/fake.pid`` and sleeps until it is killed.
+  "hang"  - writes its pid to ``{dump}/fake.pid`` and sleeps until it is killed;
+  "stop"  - logs two steps and stops as train.py does on a scheduler's signal (exit 4), having saved a checkpoint
+            of step 2 when FAKE_CHECKPOINT is set.
+Like train.py, it records how it ended in its folder's exit record (not for a crash); with NGPU above 1 it exits as
+torchrun does, 1 for any failure.
 """
 
 import json
@@ -26,12 +30,18 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from torchtitan.errors import write_exit_record
 from torchtitan.study.plan import lr_label
 
 
 def options(argv: list[str]) -> dict[str, str]:
     # The sweep always passes "--key value"; the last value of a key wins, as in train.py.
     return {argv[i][2:]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+
+
+def as_launched(code: int) -> int:
+    """The exit code the sweep sees: under torchrun (NGPU above 1) any worker's failure reads as 1."""
+    return 1 if code != 0 and int(os.environ.get("NGPU", "1")) > 1 else code
 
 
 def main() -> int:
@@ -44,8 +54,10 @@ def main() -> int:
     behaviour = outcomes.get(dump.name, outcomes.get(name))
     started = time.time()
     if behaviour == "exit2":
-        print("error: training.steps is too large for this test; lower it", file=sys.stderr)
-        return 2
+        message = "error: training.steps is too large for this test; lower it"
+        print(message, file=sys.stderr)
+        write_exit_record(dump, 2, message)
+        return as_launched(2)
     if behaviour == "hang":
         dump.mkdir(parents=True, exist_ok=True)
         (dump / "fake.pid").write_text(str(os.getpid()))
@@ -62,11 +74,23 @@ def main() -> int:
     weight_decay_distance = abs(float(o.get("optimizer.weight_decay", "0.1")) - (0.3 if optimizer == "Muon" else 0.1))
     log(0, "optimizer/state_bytes", {"AdamMini": 1 << 20}.get(optimizer, 2 << 20))
     for step in range(1, steps + 1):
+        if behaviour == "stop" and step == 3:
+            writer.close()
+            if os.environ.get("FAKE_CHECKPOINT"):
+                folder = dump / "checkpoint" / optimizer / "step-2"
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / ".metadata").write_text("")
+            message = "preempted: stopped on SIGTERM after step 2"
+            print(message, file=sys.stderr)
+            write_exit_record(dump, 4, message)
+            return as_launched(4)
         if behaviour in ("exit3", "exit1") and step == 3:
             writer.close()
             if behaviour == "exit3":
-                print(f"error: the loss was non-finite at step {step}; lower optimizer.lr", file=sys.stderr)
-                return 3
+                message = f"error: the loss was non-finite at step {step}; lower optimizer.lr"
+                print(message, file=sys.stderr)
+                write_exit_record(dump, 3, message)
+                return as_launched(3)
             raise RuntimeError("the fake trainer crashed")
         loss = 2.0 + distance + weight_decay_distance + 0.01 * seed + 4.0 / step
         log(step, "loss_metrics/global_avg_loss", math.nan if behaviour == "nan" and step >= 3 else loss)
@@ -80,6 +104,7 @@ def main() -> int:
         keys = ("CUDA_VISIBLE_DEVICES", "NGPU")
         record = {"start": started, "end": time.time(), **{k: os.environ.get(k) for k in keys}}
         (dump / "fake_run.json").write_text(json.dumps(record))
+    write_exit_record(dump, 0, "")
     return 0
 
 

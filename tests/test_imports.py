@@ -246,7 +246,7 @@ def test_the_command_line_tools_are_thin():
     assert {name: n for name, n in lengths.items() if n > 250} == {}
 
 
-# The top floor: packages by concern, and a few leaf modules that import nothing of the package.
+# The top floor: packages by concern, and a few leaf modules that import nothing of the package but one another.
 TOP_LEAVES = {"errors", "files", "logging", "moved"}
 
 
@@ -254,8 +254,9 @@ def test_the_top_floor_holds_packages_and_a_few_leaves():
     loose = {path.stem for path in (ROOT / "torchtitan").glob("*.py")} - {"__init__"}
     assert loose == TOP_LEAVES
     graph = import_graph(ROOT / "torchtitan")
-    for leaf in TOP_LEAVES:
-        assert graph[f"torchtitan.{leaf}"] == set(), f"torchtitan.{leaf} is a leaf: it imports nothing of the package"
+    leaves = {f"torchtitan.{leaf}" for leaf in TOP_LEAVES}
+    for leaf in sorted(leaves):
+        assert graph[leaf] <= leaves, f"{leaf} is a leaf: it imports nothing of the package but the other leaves"
 
 
 def upward_arrows(package_root: Path) -> list[str]:

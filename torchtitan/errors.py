@@ -6,17 +6,26 @@ Every entry point (``train.py``, ``estimation.py``, ``torchtitan.config.prefligh
 :func:`exit_code`, which prints either as a single ``error:`` line (``preempted:`` for the last) and returns its
 exit code; everything else is an internal bug and keeps its traceback. This module
 imports nothing heavy, so tools that only need the codes start fast.
+
+A launcher may not pass the code on: torchrun reports any worker's failure as 1. So ``train.py``'s first rank also
+writes how the run ended into its dump folder (:data:`EXIT_RECORD`, :func:`write_exit_record`); the study reads
+that record, not the launcher's code, to tell a diverged run (3), a mistake (2) or a saved stop (4) from a crash.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
-from typing import Any, Callable, Optional
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
 
 USER_ERROR_EXIT_CODE = 2  # "your input is wrong"
 DIVERGENCE_EXIT_CODE = 3  # "training diverged": the loss, the gradients or the state became non-finite
 PREEMPTED_EXIT_CODE = 4  # "stopped on a scheduler's signal, checkpoint saved": run the same command to resume
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for a run ended by Ctrl-C
+EXIT_RECORD = "exit.json"  # in a run's dump folder: {"exit_code", "message", "time"} of its latest ending
 
 
 class UserError(ValueError):
@@ -31,28 +40,61 @@ class Preempted(Exception):
     """Training stopped on a scheduler's signal (SIGTERM, SIGUSR1), saved (``torchtitan.training.preemption``)."""
 
 
-def exit_code(body: Callable[[], Any], *, print_errors: bool = True, interrupted: Optional[str] = None) -> int:
+def exit_code(
+    body: Callable[[], Any],
+    *,
+    print_errors: bool = True,
+    interrupted: Optional[str] = None,
+    on_exit: Optional[Callable[[int, str], None]] = None,
+) -> int:
     """Run an entry point's ``body``: the int it returns (anything else: 0), or the exit code of its error.
 
     ``print_errors`` False keeps the ``error:`` line to itself (every rank but the first of a job);
-    ``interrupted``, when given, is the line printed for Ctrl-C or SIGTERM (exit 130) instead of a traceback.
+    ``interrupted``, when given, is the line printed for Ctrl-C or SIGTERM (exit 130) instead of a traceback;
+    ``on_exit``, when given, is called with the exit code and its one-line message ("" for a plain return) before
+    returning (not for an internal bug, which keeps its traceback).
     """
     try:
         code = body()
     except UserError as e:
-        return _report(e, USER_ERROR_EXIT_CODE, print_errors)
+        code, message = _report(e, USER_ERROR_EXIT_CODE, print_errors)
     except DivergenceError as e:
-        return _report(e, DIVERGENCE_EXIT_CODE, print_errors)
+        code, message = _report(e, DIVERGENCE_EXIT_CODE, print_errors)
     except Preempted as e:
-        return _report(e, PREEMPTED_EXIT_CODE, print_errors, "preempted")
+        code, message = _report(e, PREEMPTED_EXIT_CODE, print_errors, "preempted")
     except KeyboardInterrupt:
         if interrupted is None:
             raise
-        return _report(interrupted, INTERRUPTED_EXIT_CODE, print_errors)
-    return code if isinstance(code, int) and not isinstance(code, bool) else 0
-
-
-def _report(error: object, code: int, print_errors: bool, kind: str = "error") -> int:
-    if print_errors:
-        print(f"{kind}: {error}", file=sys.stderr)
+        code, message = _report(interrupted, INTERRUPTED_EXIT_CODE, print_errors)
+    else:
+        code, message = (code if isinstance(code, int) and not isinstance(code, bool) else 0), ""
+    if on_exit is not None:
+        on_exit(code, message)
     return code
+
+
+def _report(error: object, code: int, print_errors: bool, kind: str = "error") -> tuple[int, str]:
+    message = f"{kind}: {error}"
+    if print_errors:
+        print(message, file=sys.stderr)
+    return code, message
+
+
+def write_exit_record(folder: Union[str, Path], code: int, message: str) -> None:
+    """Record in ``folder`` (a run's dump folder) how the run ended: its exit code and one-line message, now."""
+    from torchtitan.files import write_text_atomically
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    record = {"exit_code": code, "message": message, "time": time.time(), "pid": os.getpid()}
+    write_text_atomically(Path(folder) / EXIT_RECORD, json.dumps(record) + "\n")
+
+
+def read_exit_record(folder: Union[str, Path], since: float = 0.0) -> Optional[dict]:
+    """The exit record of ``folder`` written at ``since`` or later (an attempt's own, not an earlier one's); None
+    when there is none."""
+    path = Path(folder) / EXIT_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return record if record.get("time", 0.0) >= since else None

@@ -69,7 +69,10 @@ def dump(slurm, tmp_path):
     """The sweep's folder; every job of it is cancelled at the end, whatever happens."""
     folder = tmp_path / "study"
     yield folder
-    subprocess.run(["scancel", "--name", f"study-{folder.name}"], capture_output=True)
+    names = [f"study-{folder.name}"]  # a test's own jobs; each array's: study-{folder}-{stamp}
+    names += [f"study-{folder.name}-{script.stem[len('array-') :]}" for script in (folder / SLURM_FOLDER).glob("*.sh")]
+    for name in names:
+        subprocess.run(["scancel", "--name", name], capture_output=True)
 
 
 def sweep(dump: Path, *args: str, train_args=(), launcher=None) -> int:
@@ -317,7 +320,8 @@ def fake_slurm(folder: Path, sbatch_error: str) -> str:
     folder.mkdir()
     scripts = {
         "sinfo": "echo 'debug*|1:00:00|1|2|(null)'",
-        "squeue": "true",
+        "squeue": "echo 4242",  # one job of the user's own queued: a submit limit is "not now"
+        "scontrol": "echo 'MaxArraySize            = 1001'",
         "sacct": "echo 'Slurm accounting storage is disabled' >&2; exit 1",
         "sbatch": f"echo {json.dumps(sbatch_error)} >&2; exit 1",
     }

@@ -58,11 +58,11 @@ def checkpoint_steps(dump: str) -> list[str]:
     return sorted(os.listdir(os.path.join(dump, "checkpoint", "AdamW")))
 
 
-def signalled_run(dump: str, sig: int, nproc: int = 1, rank: int = 0) -> tuple[int, str]:
-    """train.py until step SIGNAL_AFTER is logged, then ``sig`` to rank ``rank`` only; its exit code and output.
-    The run is held after that step until the signal reaches it (tests/hold_until_stopped.py), so that it stops
-    there however fast or slow the machine."""
-    args = [os.path.join(dump, "held"), *DEBUG_RUN, *ARGS, "--job.dump_folder", dump]
+def signalled_run(dump: str, sig: int, nproc: int = 1, rank: int = 0, extra: tuple = ()) -> tuple[int, str]:
+    """train.py (ARGS and ``extra``) until step SIGNAL_AFTER is logged, then ``sig`` to rank ``rank`` only; its exit
+    code and output. The run is held after that step until the signal reaches it (tests/hold_until_stopped.py), so
+    that it stops there however fast or slow the machine."""
+    args = [os.path.join(dump, "held"), *DEBUG_RUN, *ARGS, *extra, "--job.dump_folder", dump]
     command = train_command(args, nproc, script=str(ROOT / "tests" / "hold_until_stopped.py"))
     env = launch_env(nproc, cpu=True, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env.pop("CONFIG_FILE", None)

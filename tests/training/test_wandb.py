@@ -1,5 +1,6 @@
 """Weights & Biases logging (``metrics.enable_wandb``): a debug-model run in offline mode (no network) is read back
-from its offline run folder, then resumed from its checkpoint into the same W&B run."""
+from its offline run folder, then resumed from its checkpoint into a new W&B run of the same group, linked to the
+first (tests/training/test_wandb_resume.py: when a resumed run continues the kept one)."""
 
 from __future__ import annotations
 
@@ -121,9 +122,12 @@ def test_wandb_logs_the_same_scalars_as_tensorboard_and_the_resolved_config(resu
     assert event_tags(run_dir) == tags
 
 
-def test_a_resumed_run_continues_the_same_wandb_run(resumed_runs):
+def test_a_resumed_offline_run_is_a_new_wandb_run_in_the_group_linked_to_the_first(resumed_runs):
     first, second = (offline_run(run_dir) for run_dir in resumed_runs)
-    assert second["id"] == first["id"]
+    # Offline, each attempt is a run of its own (wandb sync uploads each); the second names where it resumed.
+    assert second["id"] != first["id"] and second["group"] == first["group"] == "study-a"
+    assert second["config"]["resumed_from"] == {"run_id": first["id"], "step": 4}
+    assert second["name"] == f"{resumed_runs[1].name}-from-step4"
     # The second process starts from step 4's checkpoint: its state bytes at step 4, then step 6; nothing replayed.
     assert sorted(second["history"]) == [4, 6]
     assert "loss_metrics/global_avg_loss" in second["history"][6]

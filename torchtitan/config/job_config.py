@@ -188,7 +188,7 @@ class JobConfig:
         changed = [key for key in wandb_keys if getattr(m, key) != getattr(defaults, key)]
         if not m.enable_wandb and changed:
             raise UserError(f"metrics.{changed[0]} is set but metrics.enable_wandb is off; set enable_wandb or drop it")
-        health_keys = ("health_max_layers", "loss_spike_factor", "loss_spike_window")
+        health_keys = ("health_max_layers", "health_snapshot_gib", "loss_spike_factor", "loss_spike_window")
         changed = [key for key in health_keys if getattr(m, key) != getattr(defaults, key)]
         if m.health_freq == 0 and changed:
             raise UserError(

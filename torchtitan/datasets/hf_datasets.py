@@ -63,7 +63,7 @@ from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed.collectives import all_gather_objects
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
-from torchtitan.training.preemption import ignore_stop_signals
+from torchtitan.training.preemption import worker_init
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA_DIR = REPO_ROOT / "assets" / "data" / "sample"
@@ -651,7 +651,7 @@ class TextDataLoader:
                 num_workers=self.workers,
                 collate_fn=_keep_batch,
                 generator=torch.Generator(),
-                worker_init_fn=ignore_stop_signals,  # a stop signal is the training process's (training/preemption.py)
+                worker_init_fn=worker_init(),  # a stop signal is the training process's (training/preemption.py)
                 pin_memory=self._pin_memory,
             )
 

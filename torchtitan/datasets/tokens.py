@@ -43,7 +43,7 @@ from torchtitan.distributed.collectives import all_gather_objects
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
 from torchtitan.training.loss import IGNORE_INDEX
-from torchtitan.training.preemption import ignore_stop_signals
+from torchtitan.training.preemption import worker_init
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -507,7 +507,7 @@ class TokenDataLoader:
             pin_memory=self._pin_memory,
             generator=torch.Generator(),  # the loader never draws on the global torch RNG
             persistent_workers=False,
-            worker_init_fn=ignore_stop_signals,  # a stop signal is the training process's (training/preemption.py)
+            worker_init_fn=worker_init(),  # a stop signal is the training process's (training/preemption.py)
         )
         for batch in loader:
             self._taken += 1

@@ -439,6 +439,8 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
             tensor_device_type="cpu",
         )
         estimate.num_params = sum(p.numel() for p in model.parameters())
+        notes.extend(health_host_memory(job_config, model))
+        notes.extend(health_device_memory(job_config, model_args, parallel_dims.degrees.get("tp", 1)))
         # Meta parameters become fake ones in to_empty, hence non-fake inputs are allowed.
         with FakeTensorMode(allow_non_fake_inputs=True):
             # No init_weights: values do not change memory, and fake tensors have none.
@@ -459,6 +461,46 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
                     )
                 )
     return estimate
+
+
+def health_host_memory(job_config: JobConfig, model: nn.Module) -> list[str]:
+    """What optimizer health holds in host memory per rank (the weights before a measured step, within
+    metrics.health_snapshot_gib; torchtitan.telemetry.health.snapshot_bytes), said as a note: host memory is not in
+    the table."""
+    from torchtitan.telemetry.health import snapshot_bytes
+
+    m = job_config.metrics
+    if m.health_freq == 0:
+        return []
+    held = snapshot_bytes(list(model.parameters()), m.health_snapshot_gib)
+    if held == 0:
+        return [
+            f"optimizer health: this rank's weights are above metrics.health_snapshot_gib {m.health_snapshot_gib:g}, "
+            "so it holds no host copy of them and logs no update metrics"
+        ]
+    return [
+        f"optimizer health: {held / 2**30:.2f} GiB of host memory per rank (pinned from a GPU), the weights before "
+        f"a measured step, held for the whole run (metrics.health_snapshot_gib {m.health_snapshot_gib:g} bounds it)"
+    ]
+
+
+def health_device_memory(job_config: JobConfig, model_args, tp: int) -> list[str]:
+    """A bound on the device memory a measured step's largest-logit measurement adds (not in the table: it runs
+    between the steps' phases, without gradients): one block of scores in float32 (LOGIT_BLOCK_ELEMENTS) and its
+    mask, and one layer's q and k as (batch x head) rows, widened to float32 block by block."""
+    from torchtitan.models.llama.model import LOGIT_BLOCK_ELEMENTS
+
+    if job_config.metrics.health_freq == 0:
+        return []
+    t = job_config.training
+    heads = model_args.n_heads // tp
+    head_dim = model_args.dim // model_args.n_heads
+    rows = 2 * t.batch_size * t.seq_len * heads * head_dim * 4 * 2  # q and k, and their float32 blocks
+    bound = 4 * LOGIT_BLOCK_ELEMENTS + LOGIT_BLOCK_ELEMENTS + rows
+    return [
+        f"optimizer health: a measured step's attention-logit measurement adds at most {bound / 2**20:,.0f} MiB of "
+        "device memory for its duration (a block of scores, its mask, one layer's q and k)"
+    ]
 
 
 def _ac_description(job_config: JobConfig) -> str:

@@ -318,7 +318,17 @@ def descent_sections(report: dict) -> list[tuple[str, list[str], list[list[str]]
     return sections
 
 
-RUN_COLUMNS = ("run", "outcome", "loss ranked", "seconds", "command", "config", "log")
+RUN_COLUMNS = ("run", "outcome", "why it ended", "loss ranked", "seconds", "command", "config", "log")
+
+
+def why_it_ended(run: dict) -> str:
+    """A run's ending in words: what stopped it (its status' message), and how often Slurm requeued it."""
+    requeued = f"requeued {run['requeues']} time(s)" if run.get("requeues") else ""
+    if run["outcome"] == FINISHED:
+        return f"finished its steps{', ' + requeued if requeued else ''}"
+    return "; ".join(part for part in (run.get("message") or f"exit {run.get('exit_code')}", requeued) if part)
+
+
 Link = tuple[str, str]  # (text, path relative to the sweep's folder)
 
 
@@ -332,6 +342,7 @@ def run_rows(report: dict) -> list[list]:
             [
                 (r["name"], r["folder"] + "/"),
                 r["outcome"],
+                why_it_ended(r),
                 _score_text(r["rank_loss"]) if r["outcome"] == FINISHED else r["outcome"],
                 "n/a" if r.get("seconds") is None else f"{r['seconds']:.0f}",
                 (COMMAND_FILE, f"{r['folder']}/{COMMAND_FILE}"),

@@ -4,15 +4,17 @@ each run's log, command and outcome, and the end of every run still going when t
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from torchtitan.errors import DIVERGENCE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
+from torchtitan.errors import DIVERGENCE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, read_exit_record
 from torchtitan.study.plan import (
     COMMAND_FILE,
     DIVERGED,
@@ -25,16 +27,18 @@ from torchtitan.study.plan import (
     run_folder,
     wandb_group,
 )
-from torchtitan.study.run_folders import LOSS, Series, merged_scalars, read_status, write_status
+from torchtitan.study.run_folders import LOSS, Series, merged_scalars, read_status, status_paths, write_status
 from torchtitan.study.summary import diverged_at_step
 
 # How often the runner looks for runs that ended (a run takes seconds at the very least).
 POLL_SECONDS = 0.1
 # The environment a run gets from the sweep, recorded in its status and command.sh (the rest is the sweep's own).
-RUN_ENVIRONMENT = ("NGPU", "CONFIG_FILE", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+# PYTHON: the sweep's own interpreter, which run_llama_train.sh trains with whatever PATH holds.
+RUN_ENVIRONMENT = ("NGPU", "CONFIG_FILE", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHON")
 
 
 def outcome(exit_code: int, scalars: dict[str, Series]) -> str:
+    """A run's outcome from its own exit code (:func:`run_exit_code`, not its launcher's) and what it logged."""
     if exit_code == DIVERGENCE_EXIT_CODE:
         return DIVERGED
     if exit_code != 0:
@@ -42,6 +46,16 @@ def outcome(exit_code: int, scalars: dict[str, Series]) -> str:
     if diverged_at_step(scalars) is not None:
         return DIVERGED
     return FINISHED if LOSS in scalars else FAILED
+
+
+def run_exit_code(run_dir: Path, launcher_code: int, started: float) -> tuple[int, Optional[str]]:
+    """The run's own exit code and message: what train.py's first rank recorded in the run's folder during this
+    attempt (torchrun reports any worker's failure, a divergence or a mistake alike, as 1); else the launcher's
+    code, and no message."""
+    record = read_exit_record(run_dir, since=started)
+    if record is None or launcher_code == 0 and record["exit_code"] != 0:
+        return launcher_code, None
+    return int(record["exit_code"]), record.get("message") or None
 
 
 def is_done(status: Optional[dict]) -> bool:
@@ -93,10 +107,18 @@ def plan_slots(parallel: int, nproc: int, gpus: Sequence[str]) -> list[Slot]:
 # One run
 
 
-def _last_error_line(log: Path) -> str:
-    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-    errors = [line for line in lines if line.startswith("error:")]
-    return (errors or lines or ["(no output)"])[-1].strip()
+ATTEMPT_MARK = "\n$ "  # each attempt's output in train.log follows a line "$ {command}" (Slurm's: "$ (Slurm job ...")
+# A line that says what went wrong: train.py's one-line errors, and the last line of a Python traceback.
+_ERROR_LINE = re.compile(r"^(error: |[\w.]*(Error|Exception|Interrupt): )")
+
+
+def attempt_error_line(log: Path) -> str:
+    """What went wrong in the latest attempt of ``log``: its first ``error:`` line or exception line (a run that
+    failed before its first step: ``ModuleNotFoundError: No module named 'torch'``), else its last line."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    lines = [line.strip() for line in text[text.rfind(ATTEMPT_MARK) + 1 :].splitlines()[1:] if line.strip()]
+    errors = [line for line in lines if _ERROR_LINE.match(line)]
+    return (errors or lines or ["(no output)"])[0 if errors else -1]
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
@@ -168,7 +190,7 @@ class Runner:
         self.launcher = list(launcher)
         self.vary_data_seed = vary_data_seed
         self.slots = list(slots)
-        self.base_environment = {"NGPU": str(nproc), "CONFIG_FILE": config_file}
+        self.base_environment = {"NGPU": str(nproc), "CONFIG_FILE": config_file, "PYTHON": sys.executable}
         self.wandb_group = wandb_group(dump, config_file, train_args)
         self.running: list[_Running] = []
         self.after_each = after_each  # called after each run's status is written (the sweep's interim report)
@@ -254,22 +276,39 @@ def spec_fields(spec: RunSpec, vary_data_seed: bool = False) -> dict:
 
 
 def ended_status(fields: dict, exit_code: int, run_dir: Path, started: float) -> dict:
-    """A run's ``sweep_status.json`` once it ended with ``exit_code``: ``fields`` (its cell, command and environment)
-    with its outcome, read from what it logged, its times and, unless it finished, why."""
+    """A run's ``sweep_status.json`` once its launcher ended with ``exit_code``: ``fields`` (its cell, command and
+    environment) with its outcome, read from its own exit record and what it logged, its times and, unless it
+    finished, why."""
     scalars = merged_scalars(run_dir)
+    code, message = run_exit_code(run_dir, exit_code, started)
     status = {
         **fields,
-        "outcome": outcome(exit_code, scalars),
-        "exit_code": exit_code,
+        "outcome": outcome(code, scalars),
+        "exit_code": code,
+        **({"launcher_exit_code": exit_code} if code != exit_code else {}),
         "started": started,
         "seconds": round(time.time() - started, 1),
         "ended": time.time(),
     }
-    if status["outcome"] == DIVERGED and exit_code == 0:
+    if status["outcome"] == DIVERGED and code == 0:
         status["message"] = f"non-finite loss logged at step {diverged_at_step(scalars)}"
     elif status["outcome"] != FINISHED:
-        status["message"] = _last_error_line(run_dir / LOG_FILE)
+        status["message"] = message or attempt_error_line(run_dir / LOG_FILE)
     return status
+
+
+def first_failure(dump: Path, since: float) -> str:
+    """``; first: {run}: {why}`` for the run of ``dump`` that failed first among those that ended at ``since`` or
+    later ("" when none did): what the sweep's last line names, so that a run that could not start says why."""
+    failed = []
+    for path in status_paths(dump):
+        status = read_status(path.parent)
+        if status.get("outcome") == FAILED and status.get("ended", 0.0) >= since:
+            failed.append((status["ended"], path.parent.name, status.get("message", "")))
+    if not failed:
+        return ""
+    _, name, message = min(failed)
+    return f"; first: {name}: {message}" if message else f"; first: {name}"
 
 
 def _raise_keyboard_interrupt(signum, frame):

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shlex
 import subprocess
 import sys
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from torchtitan.errors import PREEMPTED_EXIT_CODE, UserError
+from torchtitan.errors import DIVERGENCE_EXIT_CODE, PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
+from torchtitan.files import write_text_atomically
 from torchtitan.study.plan import (
     COMMAND_FILE,
     FINISHED,
@@ -42,12 +44,22 @@ from torchtitan.study.plan import (
     wandb_group,
 )
 from torchtitan.study.run_folders import LOSS, merged_scalars, read_status, status_paths, write_status
-from torchtitan.study.scheduling import RUN_ENVIRONMENT, command_script, ended_status, spec_fields
+from torchtitan.study.scheduling import RUN_ENVIRONMENT, command_script, ended_status, run_exit_code, spec_fields
 
 SLURM_FOLDER = "slurm"  # in the dump folder: each submission's job script, its list of run folders, Slurm's output
 JOB_FILE = "slurm_job.json"  # in a run folder: its last submission's job id, and the run's cell
 EVENTS_FILE = "slurm_events.jsonl"  # in a run folder: each start, preemption and end of its jobs
 POLL_SECONDS = 2.0
+DEFAULT_MAX_REQUEUES = 10
+SLURM_TIMEOUT_SECONDS = (
+    60.0  # how long a Slurm command may take to answer (sbatch retries while the controller is busy)
+)
+# An array sbatch did not confirm (it timed out, or its socket did) is looked for by its name; once this long has
+# passed since, a controller that knows no job of that name and no run that started under it never queued it.
+UNCONFIRMED_SECONDS = 120.0
+SUBMISSION_SUFFIX = ".submission.json"  # in the slurm folder: an array being submitted, until its runs know its id
+DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize: task ids 0 .. 1000
+RENDEZVOUS_PORTS = (20000, 10000)  # a multi-node run's rendezvous port: 20000 + its job id modulo 10000
 # Job states in which a job may still train (squeue's long names); anything else has ended.
 ALIVE = {
     "PENDING",
@@ -65,6 +77,24 @@ ALIVE = {
     "SPECIAL_EXIT",
 }
 PENDING, RUNNING, PREEMPTED = "pending", "running", "preempted"
+# Alive states in which a job waits for someone, as the sweep shows them, and what to do.
+WAITING_ON_SOMEONE = {
+    "REQUEUE_HOLD": (
+        "held",
+        "requeued and held by Slurm; release it (scontrol release {job}), or cancel it (scancel {job}) and the next "
+        "call submits the run again",
+    ),
+    "SUSPENDED": (
+        "suspended",
+        "suspended by the cluster (an administrator or a gang-scheduled partition); it goes on when resumed "
+        "(scontrol resume {job}, an operator's command); it keeps its place in the study",
+    ),
+    "STOPPED": (
+        "stopped",
+        "its processes were stopped (SIGSTOP) and hold their nodes; continue them (scancel --signal=CONT {job}) "
+        "or cancel it (scancel {job}) and the next call submits the run again",
+    ),
+}
 SUBMITTED = "submitted"  # what the sweep says of a run it leaves to Slurm (written nowhere)
 # Words of sbatch's refusals, and the option of the sweep each points to.
 REFUSAL_OPTIONS = (
@@ -76,8 +106,13 @@ REFUSAL_OPTIONS = (
     ("gpu", "--slurm-gpus"),
     ("node", "--slurm-nodes"),
 )
-# Refusals that mean "not now" (a full queue, a busy controller), not "never": nothing is submitted, nothing failed.
-QUEUE_FULL = ("MaxSubmit", "job submit limit", "temporarily", "did not answer")
+# sbatch's answers that leave open whether the controller queued the array (it may have, and answered too late).
+UNCONFIRMED = ("did not answer", "socket timed out", "unable to contact", "connection refused", "zero bytes")
+# Refusals that mean "not now" (a busy controller), not "never": nothing is submitted, nothing failed.
+TRANSIENT = ("temporarily", "try again", "resource temporarily unavailable")
+# Refusals by a limit on how many jobs may be queued: "not now" while other jobs of the user are queued, "never"
+# when the array alone is above the limit.
+SUBMIT_LIMIT = ("maxsubmit", "job submit limit", "submitjob", "qosmaxsubmit", "assocmaxsubmit")
 
 
 def add_scheduler_options(p: argparse.ArgumentParser) -> None:
@@ -106,6 +141,14 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
         "requeued (default 120)",
     )
     p.add_argument(
+        "--slurm-max-requeues",
+        type=int,
+        default=None,
+        help="with --scheduler slurm: a run stopped by its time limit or a preemption is requeued at most this "
+        f"many times per submission, and only when it saved a checkpoint newer than the one it started from "
+        f"(default {DEFAULT_MAX_REQUEUES})",
+    )
+    p.add_argument(
         "--wait",
         action="store_true",
         help="with --scheduler slurm: stay until every run ended (a coordinate descent submits each round as the "
@@ -123,12 +166,14 @@ class SlurmSettings:
     options_file: Optional[str]
     signal_seconds: int
     wait: bool
+    max_requeues: int = DEFAULT_MAX_REQUEUES
 
     def sbatch_lines(self, cpus: int) -> list[str]:
+        """The job script's ``#SBATCH`` options, each value quoted as sbatch reads it; a line of the options file
+        kept as written (it is sbatch's syntax already)."""
         lines = [f"--nodes={self.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}"]
-        lines += [f"--partition={self.partition}"] if self.partition else []
-        lines += [f"--account={self.account}"] if self.account else []
-        lines += [f"--time={self.time}"] if self.time else []
+        for option, value in (("partition", self.partition), ("account", self.account), ("time", self.time)):
+            lines += [f"--{option}={shlex.quote(value)}"] if value else []
         lines += [f"--gpus-per-node={self.gpus}"] if self.gpus else []
         if self.options_file:
             for line in Path(self.options_file).read_text().splitlines():
@@ -139,6 +184,12 @@ class SlurmSettings:
         return lines
 
 
+def one_line_value(option: str, value: Optional[str]) -> None:
+    """A value written into one line of a job script: a line break in it would write a line of its own."""
+    if value is not None and ("\n" in value or "\r" in value):
+        raise UserError(f"{option} {value!r} holds a line break; give it on one line")
+
+
 def slurm_settings(args: argparse.Namespace) -> Optional[SlurmSettings]:
     """The Slurm options checked; None for ``--scheduler local`` (where any of them is a mistake)."""
     given = [f"--{k.replace('_', '-')}" for k in vars(args) if k.startswith("slurm_") and getattr(args, k) is not None]
@@ -147,10 +198,13 @@ def slurm_settings(args: argparse.Namespace) -> Optional[SlurmSettings]:
         if given:
             raise UserError(f"{given[0]} applies to --scheduler slurm; add --scheduler slurm or drop {given[0]}")
         return None
-    for name in ("slurm_gpus", "slurm_nodes", "slurm_signal_seconds"):
+    for name in ("slurm_gpus", "slurm_nodes", "slurm_signal_seconds", "slurm_max_requeues"):
         value = getattr(args, name)
-        if value is not None and value < (0 if name == "slurm_gpus" else 1):
-            raise UserError(f"--{name.replace('_', '-')} must be at least {0 if name == 'slurm_gpus' else 1}")
+        least = 0 if name in ("slurm_gpus", "slurm_max_requeues") else 1
+        if value is not None and value < least:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {least}")
+    for name in ("slurm_partition", "slurm_account", "slurm_time", "dump_folder"):
+        one_line_value(f"--{name.replace('_', '-')}", getattr(args, name, None))
     if args.slurm_options and not Path(args.slurm_options).is_file():
         raise UserError(f"--slurm-options {args.slurm_options}: no such file; give a file of sbatch options")
     settings = SlurmSettings(
@@ -162,6 +216,7 @@ def slurm_settings(args: argparse.Namespace) -> Optional[SlurmSettings]:
         options_file=args.slurm_options,
         signal_seconds=args.slurm_signal_seconds or 120,
         wait=args.wait,
+        max_requeues=DEFAULT_MAX_REQUEUES if args.slurm_max_requeues is None else args.slurm_max_requeues,
     )
     if settings.time is not None:
         seconds = time_seconds(settings.time)
@@ -198,10 +253,16 @@ class FirstLog:
     start_seconds: float
     interval_steps: int
     step_seconds: float
+    steps: int = 0  # the steps it trained in all
 
     @property
     def seconds(self) -> float:
         return self.start_seconds + self.interval_steps * self.step_seconds
+
+    @property
+    def whole_seconds(self) -> float:
+        """Its start and all its steps: how long it needs in one attempt."""
+        return self.start_seconds + self.steps * self.step_seconds
 
 
 def first_log(run_dir: Path, status: dict) -> Optional[FirstLog]:
@@ -220,13 +281,16 @@ def first_log(run_dir: Path, status: dict) -> Optional[FirstLog]:
     gaps = [b - a for a, b in zip(loss.steps, loss.steps[1:])]
     interval = max(set(gaps), key=lambda g: (gaps.count(g), g))
     step_seconds = sorted(per_step)[len(per_step) // 2]
-    start = max(0.0, float(status["seconds"]) - loss.steps[-1] * step_seconds)
-    return FirstLog(run_dir.name, start, interval, step_seconds)
+    # Its seconds count starting and training (not time queued between requeues), once per start.
+    starts = 1 + int(status.get("requeues", 0))
+    start = max(0.0, float(status["seconds"]) - loss.steps[-1] * step_seconds) / starts
+    return FirstLog(run_dir.name, start, interval, step_seconds, loss.steps[-1])
 
 
-def check_time_limit(settings: SlurmSettings, dump: Path) -> None:
+def check_time_limit(settings: SlurmSettings, dump: Path, checkpointing: bool = True) -> None:
     """A time limit that cannot let a run start and log once before its warning is refused, measured on the runs of
-    this study that finished and logged their step time (the slowest of them); nothing is checked before any has."""
+    this study that finished and logged their step time (the slowest of them); so is one shorter than a whole run
+    when ``checkpointing`` is off (each requeue would start over). Nothing is checked before any run finished."""
     if settings.time is None:
         return
     measured = []
@@ -246,6 +310,22 @@ def check_time_limit(settings: SlurmSettings, dump: Path) -> None:
             f"({steps} a log line), plus {settings.signal_seconds} s of warning "
             f"(--slurm-signal-seconds); raise --slurm-time to at least {slurm_time(math.ceil(needed))}"
         )
+    longest = max(measured, key=lambda m: m.whole_seconds)
+    if not checkpointing and time_seconds(settings.time) < longest.whole_seconds + settings.signal_seconds:
+        raise UserError(
+            f"--slurm-time {settings.time} is shorter than a run of this study needs ({longest.run}: "
+            f"{longest.start_seconds:.0f} s to start, {longest.steps} steps of {longest.step_seconds:.3g} s, plus "
+            f"{settings.signal_seconds} s of warning) and checkpointing is off, so a run stopped at its limit "
+            "cannot resume; add --checkpoint.enable_checkpoint, or raise --slurm-time to at least "
+            f"{slurm_time(math.ceil(longest.whole_seconds + settings.signal_seconds))}"
+        )
+
+
+def checkpointing(config_file: str, train_args: Sequence[str]) -> bool:
+    """Whether the study's job saves checkpoints (checkpoint.enable_checkpoint), so that a stopped run resumes."""
+    from torchtitan.config.job_config import JobConfig
+
+    return JobConfig.parse_args(["--job.config_file", config_file, *train_args]).checkpoint.enable_checkpoint
 
 
 def slurm_time(seconds: int) -> str:
@@ -259,9 +339,10 @@ def slurm_time(seconds: int) -> str:
 # Asking Slurm
 
 
-def _slurm(command: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
+def _slurm(command: Sequence[str], timeout: Optional[float] = None) -> subprocess.CompletedProcess:
     """A Slurm command's result; one that does not answer in time (sbatch retries while the controller takes no
     more jobs) ends with code 124 and says so."""
+    timeout = SLURM_TIMEOUT_SECONDS if timeout is None else timeout
     try:
         return subprocess.run(list(command), capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
@@ -384,6 +465,9 @@ def run_state(run_dir: Path, states: dict[str, tuple[str, str]]) -> tuple[str, s
         if state == "PENDING":
             why = f", {reason}" if reason and reason != "None" else ""
             return (PREEMPTED if requeued else PENDING), f"job {job['job_id']}{why}"
+        if state in WAITING_ON_SOMEONE:
+            shown, what_to_do = WAITING_ON_SOMEONE[state]
+            return shown, f"job {job['job_id']}: {what_to_do.format(job=job['job_id'])}"
         return RUNNING, f"job {job['job_id']}, {state.lower()}"
     status = read_status(run_dir)
     if status is not None:
@@ -423,9 +507,10 @@ JOB_SCRIPT = """#!/bin/bash
 {sbatch}
 # One run of the study per array task: its folder is line SLURM_ARRAY_TASK_ID + 1 of {runs}.
 # USR1 (ahead of the time limit) or TERM (preemption): the run is asked to save its step and stop, and the task is
-# requeued; it resumes from that checkpoint.
+# requeued when it saved a checkpoint newer than the one it started from (at most {max_requeues} times); it resumes
+# from that checkpoint.
 run_dir=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {runs})
-record() {{ PYTHONPATH={root} {python} -m torchtitan.study.slurm "$1" "$run_dir" "${{2:-}}"; }}
+record() {{ PYTHONPATH={root} {python} -m torchtitan.study.slurm "$1" "$run_dir" "${{@:2}}"; }}
 stop=""
 step=""
 # SIGTERM to the run's processes through Slurm (not to srun, which would end the step at once)
@@ -436,7 +521,8 @@ record started
 export NNODES=$SLURM_NNODES RDZV_ID=$SLURM_JOB_ID
 # torchrun, signalled too, gives its workers this long to save before it kills them (its default is 30 s).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{shutdown_seconds}}}
-RDZV_ENDPOINT=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):29500
+# The rendezvous port from the job id: two runs whose first node is the same meet on ports of their own.
+RDZV_ENDPOINT=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):$(({port_base} + SLURM_JOB_ID % {port_span}))
 export RDZV_ENDPOINT
 echo "$ (Slurm job $SLURM_JOB_ID, start $((${{SLURM_RESTART_COUNT:-0}} + 1))) $(tail -n 1 "$run_dir/{command}")" \\
     >>"$run_dir/{log}"
@@ -448,11 +534,13 @@ while kill -0 "$step" 2>/dev/null; do
     wait "$step"
     code=$?
 done
-# Stopped by the run (it saved its step), or killed by the signal before it could: again. A run that ended
-# anyway (its last step done as the signal came) has ended.
+# Stopped by the run (it saved its step), or by the signal: requeued when the run's own record and its checkpoints
+# say a new start would go further (record stopped exits 0), else ended with why. A run that ended anyway (its last
+# step done as the signal came) has ended.
 if [ "$code" -eq {preempted} ] || {{ [ -n "$stop" ] && [ "$code" -ne 0 ]; }}; then
-    record preempted "$code"
-    scontrol requeue "$SLURM_JOB_ID"
+    if record stopped "$code" {max_requeues}; then
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
     exit 0
 fi
 record ended "$code"
@@ -462,13 +550,48 @@ record ended "$code"
 @dataclass
 class _Job:
     spec: RunSpec
-    job_id: Optional[str]  # None until submitted; "" when a full queue took it not
+    job_id: Optional[str]  # None until submitted; "" when not submitted in this call (see SlurmRunner.wait)
+
+
+def max_array_size() -> int:
+    """The cluster's MaxArraySize (``scontrol show config``): an array's task ids are 0 .. MaxArraySize - 1."""
+    result = _slurm(["scontrol", "show", "config"])
+    match = re.search(r"^MaxArraySize\s*=\s*(\d+)", result.stdout, re.MULTILINE) if result.returncode == 0 else None
+    return int(match.group(1)) if match else DEFAULT_MAX_ARRAY_SIZE
+
+
+def unconfirmed(stderr: str) -> bool:
+    """Whether sbatch's failure leaves open that the controller queued the array (a timeout, a socket error)."""
+    return any(word in stderr.lower() for word in UNCONFIRMED)
+
+
+def user_jobs() -> int:
+    """How many jobs of this user Slurm holds (-1 when squeue does not answer)."""
+    result = _slurm(["squeue", "-h", "--me", "-o", "%i"])
+    return len(result.stdout.split()) if result.returncode == 0 else -1
+
+
+def arrays_named(name: str) -> list[str]:
+    """The ids of the arrays Slurm knows by the job name ``name`` (squeue, then sacct where accounting is kept)."""
+    result = _slurm(["squeue", "-h", "-r", "--states=all", "-n", name, "-o", "%i"])
+    if result.returncode != 0:
+        raise UserError(f"Slurm did not answer (squeue: {one_line(result.stderr)}); is the cluster up?")
+    found = {line.strip().split("_")[0] for line in result.stdout.splitlines() if line.strip()}
+    if not found:
+        sacct = _slurm(["sacct", "-n", "-P", "-X", "--name", name, "-S", "now-7days", "-o", "JobID"])
+        if sacct.returncode == 0:
+            found = {line.strip().split("_")[0] for line in sacct.stdout.splitlines() if line.strip()}
+    return sorted(found)
 
 
 class SlurmRunner:
     """The local ``Runner``'s interface over Slurm: ``start`` queues a run for the next job array (or adopts the
     job of it still alive), ``wait`` submits the array and, with ``--wait``, returns the next run to end; without,
-    it raises :class:`Detached` once submitted."""
+    it raises :class:`Detached` once submitted.
+
+    No run trains twice: each array's runs and unique job name are written (``slurm/*.submission.json``) before
+    ``sbatch`` is called; when sbatch does not confirm (a timeout, a socket error), the array is looked for by that
+    name, in this call and the next ones, and its runs are not submitted again until Slurm is known not to hold it."""
 
     def __init__(
         self,
@@ -494,6 +617,7 @@ class SlurmRunner:
         self.wandb_group = wandb_group(dump, config_file, train_args)
         self.running: list[_Job] = []
         self._states: Optional[dict[str, tuple[str, str]]] = None  # see _known_states
+        self._unconfirmed: Optional[set[str]] = None  # run folders of arrays sbatch did not confirm; see _in_doubt
 
     def __enter__(self) -> "SlurmRunner":
         return self
@@ -506,6 +630,13 @@ class SlurmRunner:
 
     def start(self, spec: RunSpec, label: str) -> None:
         run_dir = run_folder(self.dump, spec)
+        if str(run_dir) in self._in_doubt():
+            print(
+                f"{label} {spec.name}: not submitted again: sbatch did not confirm its array, which Slurm may hold",
+                flush=True,
+            )
+            self.running.append(_Job(spec, ""))
+            return
         job = read_job(run_dir)
         if job is not None and self._known_states().get(job["job_id"], ("",))[0] in ALIVE:
             print(f"{label} {spec.name}: Slurm job {job['job_id']} is still there, not submitted again", flush=True)
@@ -521,27 +652,63 @@ class SlurmRunner:
             self._states = job_states([job["job_id"] for job in jobs if job is not None])
         return self._states
 
+    def _in_doubt(self) -> set[str]:
+        """The run folders of arrays sbatch did not confirm and Slurm may still hold; each such array found by its
+        name (or a run that started under it) is adopted first, and one Slurm is known not to hold is forgotten."""
+        if self._unconfirmed is None:
+            self._unconfirmed = set()
+            for path in sorted((self.dump / SLURM_FOLDER).glob(f"*{SUBMISSION_SUFFIX}")):
+                submission = json.loads(path.read_text())
+                array = _array_of(submission)
+                if array is not None:
+                    _adopt(path, submission, array)
+                    print(f"slurm: found job array {array} ({submission['name']}), which sbatch did not confirm")
+                elif time.time() - submission["time"] > UNCONFIRMED_SECONDS:
+                    path.unlink()
+                    print(f"slurm: Slurm never queued {submission['name']}; its runs are submitted again")
+                else:
+                    self._unconfirmed |= set(submission["runs"])
+        return self._unconfirmed
+
     def _submit(self) -> None:
-        queued = [(job.spec, job) for job in self.running if job.job_id is None]
+        queued = [job for job in self.running if job.job_id is None]
+        size = max_array_size() if len(queued) > 1 else 1
+        after = None
+        for first in range(0, len(queued), size):
+            chunk = queued[first : first + size]
+            after = self._submit_array(chunk, after)
+            if after is None:  # not confirmed, or not taken now: the rest waits for the next call
+                for job in queued[first + size :]:
+                    job.job_id = ""
+                return
+
+    def _submit_array(self, queued: list[_Job], after: Optional[str]) -> Optional[str]:
+        """Submit ``queued`` as one array (after array ``after`` has ended, when given: --parallel holds for the
+        whole study); its id, or None when sbatch did not confirm it or Slurm takes no jobs now."""
         folder = self.dump / SLURM_FOLDER
         folder.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+        stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}-{secrets.token_hex(3)}"
         runs, script = folder / f"array-{stamp}.runs", folder / f"array-{stamp}.sh"
-        environment = {"NGPU": str(self.nproc), "CONFIG_FILE": self.config_file}
+        name = f"study-{self.dump.name}-{stamp}"
+        environment = {"NGPU": str(self.nproc), "CONFIG_FILE": self.config_file, "PYTHON": sys.executable}
         recorded = {**{k: os.environ[k] for k in RUN_ENVIRONMENT if k in os.environ}, **environment}
         recorded.pop("CUDA_VISIBLE_DEVICES", None)  # Slurm gives each job its GPUs
-        commands = {}
-        for spec, _ in queued:
-            run_dir = run_folder(self.dump, spec)
+        entries = []
+        for job in queued:
+            run_dir = run_folder(self.dump, job.spec)
             run_dir.mkdir(parents=True, exist_ok=True)
-            command = run_command(spec, run_dir, self.train_args, self.launcher, self.vary_data_seed, self.wandb_group)
+            command = run_command(
+                job.spec, run_dir, self.train_args, self.launcher, self.vary_data_seed, self.wandb_group
+            )
             (run_dir / COMMAND_FILE).write_text(command_script(command, recorded, os.getcwd()))
-            commands[spec.name] = (command, run_dir)
-        runs.write_text("".join(f"{commands[spec.name][1]}\n" for spec, _ in queued))
+            fields = spec_fields(job.spec, self.vary_data_seed)
+            fields.update(command=shlex.join(command), environment=recorded)
+            entries.append({"run_dir": str(run_dir), "fields": fields})
+        runs.write_text("".join(f"{e['run_dir']}\n" for e in entries))
         sbatch = "\n".join(f"#SBATCH {line}" for line in self.settings.sbatch_lines(self.nproc))
         script.write_text(
             JOB_SCRIPT.format(
-                name=f"study-{self.dump.name}",
+                name=shlex.quote(name),
                 output=shlex.quote(str(folder)),
                 signal_seconds=self.settings.signal_seconds,
                 shutdown_seconds=max(10, self.settings.signal_seconds - 10),  # the warning, less time to pass it on
@@ -552,33 +719,69 @@ class SlurmRunner:
                 command=COMMAND_FILE,
                 log=LOG_FILE,
                 preempted=PREEMPTED_EXIT_CODE,
+                max_requeues=self.settings.max_requeues,
+                port_base=RENDEZVOUS_PORTS[0],
+                port_span=RENDEZVOUS_PORTS[1],
             )
         )
-        result = _slurm(["sbatch", "--parsable", f"--array=0-{len(queued) - 1}%{self.parallel}", str(script)])
-        if result.returncode != 0:
-            if any(word.lower() in result.stderr.lower() for word in QUEUE_FULL):
+        # Written before sbatch: whatever sbatch answers, a later call finds the array by its name.
+        submission = {"name": name, "time": time.time(), "script": str(script), "runs": [e["run_dir"] for e in entries]}
+        submission["entries"] = entries
+        record = folder / f"array-{stamp}{SUBMISSION_SUFFIX}"
+        write_text_atomically(record, json.dumps(submission, indent=1) + "\n")
+        command = ["sbatch", "--parsable", f"--array=0-{len(queued) - 1}%{self.parallel}"]
+        command += [f"--dependency=afterany:{after}"] if after else []
+        result = _slurm([*command, str(script)])
+        array = (result.stdout.strip().split(";")[0] or None) if result.returncode == 0 else None
+        if array is None and (result.returncode == 0 or unconfirmed(result.stderr)):  # queued or not: look it up
+            found = arrays_named(name)
+            if not found:
                 print(
-                    f"slurm: the queue takes no more jobs now ({one_line(result.stderr)}); nothing submitted, run "
-                    "the same command again later",
+                    f"slurm: sbatch did not confirm the array ({one_line(result.stderr)}); Slurm may have queued it: "
+                    f"the next call looks for it by its name ({name}) before submitting any of its "
+                    f"{len(queued)} run(s) again; run the same command again in a few minutes",
                     flush=True,
                 )
-                for _, job in queued:
+                for job in queued:
                     job.job_id = ""
-                return
-            raise refusal(result.stderr)
-        array = result.stdout.strip().split(";")[0]
-        for index, (spec, _) in enumerate(queued):
-            command, run_dir = commands[spec.name]
-            fields = spec_fields(spec, self.vary_data_seed)
-            fields.update(command=shlex.join(command), environment=recorded)
-            job = {"job_id": f"{array}_{index}", "array": array, "submitted": time.time(), "fields": fields}
-            (run_dir / JOB_FILE).write_text(json.dumps(job, indent=1) + "\n")
-            queued[index][1].job_id = job["job_id"]
+                return None
+            array = found[0]
+            print(f"slurm: sbatch did not confirm the array ({one_line(result.stderr)}), but Slurm queued it")
+        if array is None:
+            record.unlink()
+            self._refused(result.stderr, queued)
+            return None
+        for index, job in enumerate(queued):
+            job.job_id = f"{array}_{index}"
+        _adopt(record, submission, array)
         print(
             f"slurm: submitted {len(queued)} run(s) as job array {array}, {self.parallel} at a time "
             f"(job script {script})",
             flush=True,
         )
+        return array
+
+    def _refused(self, stderr: str, queued: list[_Job]) -> None:
+        """sbatch refused the array: not now (a hint, nothing failed: exit 0), or never (an error)."""
+        lowered = stderr.lower()
+        limit = any(word in lowered for word in SUBMIT_LIMIT)
+        if any(word in lowered for word in TRANSIENT) or (limit and user_jobs() > 0):
+            print(
+                f"slurm: the queue takes no more jobs now ({one_line(stderr)}); nothing submitted, run the same "
+                "command again later, when fewer of your jobs are queued",
+                flush=True,
+            )
+            for job in queued:
+                job.job_id = ""
+            return
+        if limit:  # no other job of the user queued: the array alone is above the limit, now and later
+            raise SlurmRefused(
+                f"Slurm refused the job array of {len(queued)} run(s) with none of your jobs queued: "
+                f"{one_line(stderr)}; the study's runs are more than your submit limit (QOS or account "
+                "MaxSubmitJobs): ask for a higher limit, or submit fewer runs per call (fewer --lrs, --seeds "
+                "or optimizers, then extend)"
+            )
+        raise refusal(stderr)
 
     def wait(self) -> tuple[RunSpec, dict]:
         """The next run to end and its status; without ``--wait``, the next run Slurm holds, at once, with the
@@ -587,7 +790,7 @@ class SlurmRunner:
         if any(job.job_id is None for job in self.running):
             self._submit()
         unsubmitted = next((job for job in self.running if not job.job_id), None)
-        if unsubmitted is not None:  # a full queue took none of them: neither running nor failed, submitted next time
+        if unsubmitted is not None:  # not taken this time: neither running nor failed, submitted next time
             self.running.remove(unsubmitted)
             return unsubmitted.spec, {"outcome": SUBMITTED}
         if not self.settings.wait:
@@ -603,6 +806,32 @@ class SlurmRunner:
                         self.after_each()
                     return job.spec, status
             time.sleep(POLL_SECONDS)
+
+
+class SlurmRefused(Exception):
+    """Slurm refuses the study's array for good (a submit limit below its size): an error, exit 1."""
+
+
+def _array_of(submission: dict) -> Optional[str]:
+    """The id of the array of an unconfirmed submission: Slurm's, by its name, or the job a run of it recorded
+    starting under that name; None when neither knows it."""
+    found = arrays_named(submission["name"])
+    if found:
+        return found[0]
+    for run_dir in submission["runs"]:
+        for event in read_events(Path(run_dir)):
+            if event.get("job_name") == submission["name"] and event.get("job_id"):
+                return event["job_id"].split("_")[0]
+    return None
+
+
+def _adopt(record: Path, submission: dict, array: str) -> None:
+    """Each run of ``submission`` now belongs to array ``array`` (its ``slurm_job.json``); the record is done."""
+    for index, entry in enumerate(submission["entries"]):
+        job = {"job_id": f"{array}_{index}", "array": array, "submitted": submission["time"]}
+        job.update(name=submission["name"], fields=entry["fields"])
+        write_text_atomically(Path(entry["run_dir"]) / JOB_FILE, json.dumps(job, indent=1) + "\n")
+    record.unlink()
 
 
 def _without_status(state: str) -> str:
@@ -630,16 +859,18 @@ def _ended_status(run_dir: Path, job_id: str, states: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The job script's calls: python -m torchtitan.study.slurm started|preempted|ended RUN_DIR [EXIT_CODE]
+# The job script's calls: python -m torchtitan.study.slurm started|stopped|ended RUN_DIR [EXIT_CODE [MAX_REQUEUES]]
 
 
-def _event(run_dir: Path, event: str, code: Optional[int]) -> dict:
+def _event(run_dir: Path, event: str, code: Optional[int], **more) -> dict:
     entry = {
         "event": event,
         "job_id": _job_id(),
+        "job_name": os.environ.get("SLURM_JOB_NAME", ""),
         "time": time.time(),
         "start": int(os.environ.get("SLURM_RESTART_COUNT", "0")) + 1,
         **({"exit_code": code} if code is not None else {}),
+        **more,
     }
     with open(run_dir / EVENTS_FILE, "a") as f:
         f.write(json.dumps(entry) + "\n")
@@ -651,15 +882,96 @@ def _job_id() -> str:
     return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID", "")
 
 
+def newest_checkpoint(run_dir: Path) -> Optional[int]:
+    """The step of the newest complete checkpoint below the run's folder (where train.py writes them unless
+    checkpoint.folder is absolute); None when there is none. The rule of ``checkpoint.folders.complete_steps`` (a
+    ``step-N`` folder holding DCP's ``.metadata``, none set aside as superseded), read without importing torch: the
+    job script asks at every start and stop."""
+    steps = [
+        int(match.group(1))
+        for path in run_dir.rglob("step-*")
+        if (match := re.fullmatch(r"step-(\d+)", path.name))
+        and (path / ".metadata").is_file()
+        and "superseded" not in path.relative_to(run_dir).parts
+    ]
+    return max(steps) if steps else None
+
+
+def trained_seconds(events: Sequence[dict], now: float) -> float:
+    """Seconds a job's starts took, from each start to the stop or end after it: time spent starting and
+    training, not time queued between a requeue and the next start."""
+    total, began = 0.0, None
+    for event in events:
+        if event["event"] == "started":
+            began = event["time"]
+        elif began is not None:
+            total, began = total + event["time"] - began, None
+    return total + (now - began if began is not None else 0.0)
+
+
+def requeue_refusal(run_dir: Path, code: int, max_requeues: int) -> Optional[str]:
+    """Why a run stopped on a signal is not requeued ("" when its own status says why); None to requeue it. Never
+    a run that stopped on its own
+    (diverged, a mistake: its exit record says so), never past ``max_requeues`` requeues of its job, and never a
+    run that saved no checkpoint newer than the one it started from (a new start would train the same steps)."""
+    events = [e for e in read_events(run_dir) if e.get("job_id") == _job_id()]
+    starts = [e for e in events if e["event"] == "started"]
+    own, _ = run_exit_code(run_dir, code, starts[-1]["time"] if starts else 0.0)
+    if own in (USER_ERROR_EXIT_CODE, DIVERGENCE_EXIT_CODE):
+        return ""  # its status says why: its own error line
+    requeues = sum(e["event"] == PREEMPTED for e in events)
+    if requeues >= max_requeues:
+        return (
+            f"stopped on a signal after {requeues} requeue(s), the most --slurm-max-requeues {max_requeues} allows: "
+            "not requeued; raise --slurm-time or --slurm-max-requeues"
+        )
+    newest, began_at = newest_checkpoint(run_dir), starts[-1].get("checkpoint") if starts else None
+    if newest is None or (began_at is not None and newest <= began_at):
+        since = "" if began_at is None else f" than step {began_at}, the one it started from"
+        return (
+            f"stopped on a signal without a checkpoint newer{since}: not requeued, a new start would train the same "
+            "steps again; enable checkpointing (--checkpoint.enable_checkpoint), or raise --slurm-signal-seconds "
+            "if a step and its save take longer than the warning"
+        )
+    return None
+
+
+def _write_ended(run_dir: Path, code: Optional[int], why: Optional[str] = None) -> None:
+    job = read_job(run_dir)
+    events = [e for e in read_events(run_dir) if e.get("job_id") == _job_id()]
+    starts = [e["time"] for e in events if e["event"] == "started"]
+    status = ended_status(job["fields"], code, run_dir, starts[-1] if starts else job["submitted"])
+    status["started"] = starts[0] if starts else job["submitted"]
+    status["seconds"] = round(trained_seconds(events, time.time()), 1)  # starting and training, not queueing
+    requeues = sum(e["event"] == PREEMPTED for e in events)
+    if requeues:
+        status["requeues"] = requeues
+    if why:
+        status["message"] = why
+    write_status(run_dir, status)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The job script's record of a start, a stop on a signal or an end of the run in ``RUN_DIR``; ``stopped``
+    exits 0 when the task is to be requeued (recorded as preempted), 1 when the run ended (its status written)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     event, run_dir = argv[0], Path(argv[1])
     code = int(argv[2]) if len(argv) > 2 and argv[2] else None
-    _event(run_dir, event, code)
-    if event == "ended":
-        job = read_job(run_dir)
-        starts = [e["time"] for e in read_events(run_dir) if e["event"] == "started" and e["job_id"] == _job_id()]
-        write_status(run_dir, ended_status(job["fields"], code, run_dir, starts[0] if starts else job["submitted"]))
+    if event == "started":
+        _event(run_dir, event, code, checkpoint=newest_checkpoint(run_dir))
+    elif event == "stopped":
+        max_requeues = int(argv[3]) if len(argv) > 3 else DEFAULT_MAX_REQUEUES
+        why = requeue_refusal(run_dir, code, max_requeues)
+        if why is None:
+            _event(run_dir, PREEMPTED, code)
+            return 0
+        _event(run_dir, "ended", code, reason=why)
+        _write_ended(run_dir, code, why)
+        return 1
+    else:
+        _event(run_dir, event, code)
+        if event == "ended":
+            _write_ended(run_dir, code)
     return 0
 
 

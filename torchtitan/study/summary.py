@@ -129,6 +129,7 @@ def sweep_run_summary(run: SweepRun, last_k: int, by_validation: bool) -> dict:
         "outcome": status["outcome"],
         "exit_code": status["exit_code"],
         "message": status.get("message"),
+        **({"requeues": status["requeues"]} if status.get("requeues") else {}),  # Slurm: requeued so many times
         # Where it ran and with what, relative to the sweep's folder: its folder, command.sh and job_config.toml.
         "folder": f"{RUNS_FOLDER}/{run.spec.name}",
         "config": None if run.config is None else f"{RUNS_FOLDER}/{run.spec.name}/{run.config}",

@@ -13,6 +13,7 @@ import argparse
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -40,9 +41,16 @@ from torchtitan.study.plan import (
     tokens_per_step,
 )
 from torchtitan.study.report import PAGE_NAME, REPORT_NAME, InterimReport, format_markdown, write_report
-from torchtitan.study.scheduling import Runner, is_done, plan_slots, run_all, visible_gpus
+from torchtitan.study.scheduling import Runner, first_failure, is_done, plan_slots, run_all, visible_gpus
 from torchtitan.study.search import parse_starts, read_search, run_descents, search_spaces, specs_of, write_search
-from torchtitan.study.slurm import SlurmRunner, check_cluster, check_time_limit, print_states, slurm_settings
+from torchtitan.study.slurm import (
+    SlurmRunner,
+    check_cluster,
+    check_time_limit,
+    checkpointing,
+    print_states,
+    slurm_settings,
+)
 
 
 def _default_nproc(gpus: list[str], parallel: int) -> int:
@@ -99,6 +107,7 @@ def _to_check(specs, spaces) -> list:
 
 def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
     """Train what the sweep still lacks (nothing with ``--report-only``), write the report; the exit code."""
+    sweep_started = time.time()
     dump = Path(args.dump_folder).resolve()
     last_k = args.last_k if args.last_k is not None else recorded_settings(dump).get("last_k", DEFAULT_LAST_K)
     if last_k < 1:
@@ -117,7 +126,7 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         else:  # each run on GPUs Slurm gives it: --slurm-gpus per node, one process per GPU
             nproc = args.nproc or slurm.gpus or 1
             check_cluster(slurm, args.parallel, nproc)
-            check_time_limit(slurm, dump)
+            check_time_limit(slurm, dump, checkpointing(str(Path(args.config_file).resolve()), train_args))
         config_file = str(Path(args.config_file).resolve())
         check_train_options(train_args, args.vary_data_seed, budgets=args.budgets is not None)
         if args.extend and args.search != "coordinate":
@@ -189,6 +198,7 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
     if args.report_only:
         return 0
     if failed:
-        print(f"error: {failed_text}; run the same command again to retry", file=sys.stderr)
+        first = first_failure(dump, since=sweep_started)
+        print(f"error: {failed_text}{first}; run the same command again to retry", file=sys.stderr)
         return 1
     return 0

@@ -20,7 +20,9 @@ is weighted by one over that dimension's size), and one all-reduce of the stacke
 completes them, so the values are those of one process whatever FSDP, TP or HSDP layout. A step whose update the
 divergence guard skips logs no health (nothing was updated); gradients are read once, after the last
 micro-batch of gradient accumulation. The weights before the step wait in host memory (pinned, from a GPU), so the
-device never holds a second copy of them.
+device never holds a second copy of them; at most ``metrics.health_snapshot_gib`` per rank: a rank whose weights are
+larger measures no update (its update metrics are not logged, said once), so the host memory the health holds is
+bounded in any layout (:func:`snapshot_bytes` counts it, for estimation.py).
 
 :class:`LossSpikes` counts steps whose loss (the data-parallel mean) exceeds ``metrics.loss_spike_factor`` times
 the median of the previous ``metrics.loss_spike_window`` steps' losses; skipped steps are left out. Losses stay on
@@ -40,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.collectives import all_reduce_max_, all_reduce_sum_
 from torchtitan.distributed.utils import grad_like_param, local_tensor
+from torchtitan.logging import logger
 from torchtitan.models.roles import (
     ATTN_OUT,
     BIAS,
@@ -83,6 +86,13 @@ def health_groups(name: str, role: Optional[str], per_layer: bool) -> list[str]:
     return [group, ALL]
 
 
+def snapshot_bytes(params, limit_gib: float) -> int:
+    """Host bytes this rank's health holds for the weights before a measured step: their local size when it is
+    within ``limit_gib``, else 0 (no update is measured)."""
+    size = sum(local_tensor(p).numel() * p.element_size() for p in params if p.requires_grad)
+    return size if size <= limit_gib * 2**30 else 0
+
+
 def _copies(tensor: torch.Tensor) -> int:
     """How many ranks hold the same values as this rank's part of ``tensor``: the product of the mesh sizes over
     which a DTensor is replicated; every rank for a plain tensor in a process group (a replicated model)."""
@@ -107,6 +117,7 @@ class OptimizerHealth:
         max_layers: int,
         device: torch.device,
         separate_forward: bool = False,
+        snapshot_gib: float = 1.0,
     ):
         self.freq = freq
         self.device = device
@@ -139,6 +150,16 @@ class OptimizerHealth:
         self.member_group = torch.tensor([self.groups.index(g) for _, g in members], dtype=torch.long, device=device)
         self.group_numel = [float(numel[g]) for g in self.groups]
         self._host: Optional[list[torch.Tensor]] = None  # pinned host buffers of the weights before a step
+        # The largest rank's weights decide for all (the update's sums are all-reduced together).
+        local = float(sum(local_tensor(p).numel() * p.element_size() for p in self.params))
+        largest = all_reduce_max_(torch.tensor([local], dtype=torch.float64, device=device), _world()).item()
+        self.measures_update = largest <= snapshot_gib * 2**30
+        if not self.measures_update:
+            logger.warning(
+                f"health: a rank's weights take {largest / 2**30:.2f} GiB, above metrics.health_snapshot_gib "
+                f"{snapshot_gib:g}: no update metrics (update RMS, update/weight) are logged; raise it to measure "
+                "them, with that much more host memory per rank"
+            )
         self.weights = torch.tensor([1.0 / _copies(p) for p in self.params], dtype=torch.float64, device=device)
         self._reset()
 
@@ -151,7 +172,7 @@ class OptimizerHealth:
         # measurement's ops (selective checkpointing saves and replays by op count): both measure in a forward of
         # their own.
         separate = job_config.training.compile or job_config.activation_checkpoint.mode != "none"
-        return cls(model_parts, m.health_freq, m.health_max_layers, device, separate)
+        return cls(model_parts, m.health_freq, m.health_max_layers, device, separate, m.health_snapshot_gib)
 
     def _reset(self) -> None:
         self.measuring = False
@@ -213,6 +234,9 @@ class OptimizerHealth:
         if not self.measuring:
             return
         weights = [local_tensor(p).detach() for p in self.params]
+        if not self.measures_update:  # the norms before the step, on the device: no copy
+            self._sums["before"] = self._group_sums(weights)
+            return
         if self._host is None or any(h.shape != w.shape or h.dtype != w.dtype for h, w in zip(self._host, weights)):
             self._host = [torch.empty_like(w, device="cpu", pin_memory=w.is_cuda) for w in weights]
         for host, weight in zip(self._host, weights):
@@ -221,6 +245,9 @@ class OptimizerHealth:
 
     def record_update(self) -> None:
         """Sums of squares of the change, the weights before and after; one parameter at a time on the device."""
+        if self.measuring and not self.measures_update and self._sums is not None:
+            self._sums["after"] = self._group_sums([local_tensor(p).detach() for p in self.params])
+            return
         if not self.measuring or self._snapshot is None:
             return
         update, before, after = [], [], []
@@ -245,21 +272,22 @@ class OptimizerHealth:
     def metrics(self, lr: float) -> dict[str, float]:
         """The measured step's values (one all-reduce of the sums, one max of the logits), or {} when it was not
         measured or its update was skipped."""
-        if not self.measuring or self._sums is None or "update" not in self._sums:
+        keys = ("grad", "update", "before", "after") if self.measures_update else ("grad", "before", "after")
+        if not self.measuring or self._sums is None or any(k not in self._sums for k in keys):
             self._reset()
             return {}
-        keys = ("grad", "update", "before", "after")
         stacked = all_reduce_sum_(torch.stack([self._sums[k] for k in keys]), _world())
         sums = dict(zip(keys, stacked.tolist()))
         numel = self.group_numel
         out: dict[str, float] = {}
         for i, group in enumerate(self.groups):
-            update_rms = math.sqrt(sums["update"][i] / numel[i])
             out[f"health/grad_norm/{group}"] = math.sqrt(sums["grad"][i])
-            out[f"health/update_rms/{group}"] = update_rms
-            out[f"health/update_rms_per_lr/{group}"] = update_rms / lr if lr > 0 else 0.0
-            before = math.sqrt(sums["before"][i])
-            out[f"health/update_to_weight/{group}"] = math.sqrt(sums["update"][i]) / before if before > 0 else 0.0
+            if self.measures_update:
+                update_rms = math.sqrt(sums["update"][i] / numel[i])
+                out[f"health/update_rms/{group}"] = update_rms
+                out[f"health/update_rms_per_lr/{group}"] = update_rms / lr if lr > 0 else 0.0
+                before = math.sqrt(sums["before"][i])
+                out[f"health/update_to_weight/{group}"] = math.sqrt(sums["update"][i]) / before if before > 0 else 0.0
             out[f"health/weight_norm/{group}"] = math.sqrt(sums["after"][i])
         out.update(self._logit_metrics())
         self._reset()

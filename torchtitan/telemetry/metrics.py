@@ -4,8 +4,9 @@
 Run directories are ``{job.dump_folder}/{metrics.save_tb_folder}/{timestamp}_{optimizer}``, so runs of the same
 config with different optimizers overlay in one TensorBoard. A W&B run is named after its run directory (or
 ``metrics.wandb_run_name``), records the resolved job config, and writes its own files (offline runs included)
-under ``wandb/`` in the run directory. With checkpointing on, its id is kept beside the checkpoint folder, so that a
-run resumed from a checkpoint continues the same W&B run.
+under ``wandb/`` in the run directory. With checkpointing on, its id and last logged step are kept beside the
+checkpoint folder, so that a run resumed from a checkpoint continues the same W&B run, or, resumed from a step older
+than the one it logged last (or offline), starts a new run in the same group, linked to it (``wandb_continuation``).
 """
 
 from __future__ import annotations
@@ -115,28 +116,65 @@ def wandb_id_path(checkpoint_folder: str) -> str:
     return os.path.join(head, f".{name}.wandb-run-id")
 
 
-def start_wandb(job_config, run_dir: str, id_path: Optional[str], resumed: bool):
-    """A W&B run for this training run: the run it continues when ``resumed`` and ``id_path`` holds an id."""
+def read_wandb_record(id_path: Optional[str]) -> Optional[dict]:
+    """The kept W&B run of a checkpoint folder: ``{"id", "step"}`` (the last step it logged; None when unknown, as
+    in the plain id files of earlier versions); None when there is none."""
+    if id_path is None or not os.path.isfile(id_path):
+        return None
+    with open(id_path) as f:
+        text = f.read().strip()
+    if not text:
+        return None
+    if text.startswith("{"):
+        return json.loads(text)
+    return {"id": text, "step": None}
+
+
+def wandb_continuation(kept: Optional[dict], resumed_step: int, offline: bool) -> tuple[Optional[str], Optional[dict]]:
+    """How a run resumed at ``resumed_step`` logs to W&B: (the id of the kept run it continues, or None) and (what
+    a new run records it resumed from: the kept run's id and the step, or None).
+
+    W&B keeps a run's history in increasing steps and drops any step logged again, so a run resumed from a
+    checkpoint older than the kept run's last logged step would show the abandoned attempt's values: it starts a
+    new run in the same group instead, linked to the old one. So does every resumed offline run (an offline run is
+    never continued: each attempt is its own, uploaded by ``wandb sync``)."""
+    if kept is None or resumed_step <= 0:
+        return None, None
+    last = kept.get("step")
+    if not offline and (last is None or last <= resumed_step):
+        return kept["id"], None
+    return None, {"run_id": kept["id"], "step": resumed_step}
+
+
+def start_wandb(job_config, run_dir: str, id_path: Optional[str], resumed_step: int):
+    """A W&B run for this training run: the kept run it continues, or a new one (see :func:`wandb_continuation`)."""
     import wandb
 
     m = job_config.metrics
-    run_id = None
-    if resumed and id_path is not None and os.path.isfile(id_path):
-        with open(id_path) as f:
-            run_id = f.read().strip() or None
+    offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
+    run_id, resumed_from = wandb_continuation(read_wandb_record(id_path), resumed_step, offline)
+    name = m.wandb_run_name or os.path.basename(os.path.normpath(run_dir))
+    config = job_config.to_dict()
+    if resumed_from is not None:
+        name = f"{name}-from-step{resumed_step}"
+        config["resumed_from"] = resumed_from
     run = wandb.init(
         project=m.wandb_project,
         entity=m.wandb_entity,
-        name=m.wandb_run_name or os.path.basename(os.path.normpath(run_dir)),
+        name=name,
         group=m.wandb_group,
-        config=job_config.to_dict(),
+        config=config,
         dir=run_dir,
         id=run_id,
         resume="allow" if run_id is not None else None,
+        notes=None if resumed_from is None else f"resumed at step {resumed_step} from W&B run {resumed_from['run_id']}",
     )
     if id_path is not None:
-        write_text_atomically(id_path, run.id)
-    logger.info(f"metrics: W&B run {run.id}" + (" (continued)" if run_id is not None else ""))
+        write_text_atomically(id_path, json.dumps({"id": run.id, "step": resumed_step or None}))
+    how = " (continued)" if run_id is not None else ""
+    if resumed_from is not None:
+        how = f" (a new run: resumed at step {resumed_step} from W&B run {resumed_from['run_id']})"
+    logger.info(f"metrics: W&B run {run.id}{how}")
     return run
 
 
@@ -144,11 +182,18 @@ class MetricLogger:
     """Writes scalars to TensorBoard, metrics.jsonl and W&B; a no-op without a run folder (ranks other than 0,
     unless ``metrics.rank_0_only`` is off)."""
 
-    def __init__(self, run_dir: Optional[str], enable_tensorboard: bool, wandb_run: Any = None):
+    def __init__(
+        self,
+        run_dir: Optional[str],
+        enable_tensorboard: bool,
+        wandb_run: Any = None,
+        wandb_record: Optional[str] = None,
+    ):
         self.run_dir = run_dir
         self.writer = None
         self.jsonl = None
         self.wandb_run = wandb_run
+        self.wandb_record = wandb_record  # the kept run's id file: its last logged step follows each log
         if run_dir is None:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -168,6 +213,8 @@ class MetricLogger:
         self.jsonl.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
+            if self.wandb_record is not None:
+                write_text_atomically(self.wandb_record, json.dumps({"id": self.wandb_run.id, "step": step}))
 
     def write_record(self, name: str, text: str) -> None:
         """Write a file of facts about the run (``dataset.json``, ``job_config.toml``) into its folder, whole or not
@@ -186,25 +233,34 @@ class MetricLogger:
 
 
 def build_metric_logger(
-    job_config, optimizer_name: str, rank: int, group=None, checkpoint_folder: Optional[str] = None, resumed=False
+    job_config,
+    optimizer_name: str,
+    rank: int,
+    group=None,
+    checkpoint_folder: Optional[str] = None,
+    resumed=False,
+    resumed_step: Optional[int] = None,
 ) -> MetricLogger:
     """Rank 0's logger writes a new run folder; with ``metrics.rank_0_only`` off every other rank writes ``rank_N``
     inside the folder rank 0 chose (shared over ``group``, the world: ranks never guess the name on their own).
 
     With ``metrics.enable_wandb``, rank 0 (the global one) also logs to W&B; its run id is kept beside
-    ``checkpoint_folder`` (None: checkpointing is off), and a ``resumed`` run continues the run kept there."""
+    ``checkpoint_folder`` (None: checkpointing is off), and a run ``resumed`` at ``resumed_step`` continues the run
+    kept there or starts one linked to it (:func:`wandb_continuation`)."""
     m = job_config.metrics
     chosen = _new_run_dir(job_config, optimizer_name) if rank == 0 else None
     if not m.rank_0_only:
         chosen = all_gather_objects(chosen, group)[0]  # every rank calls this: rank 0's choice, everywhere
-    wandb_run = _start_wandb_on_rank_0(job_config, rank, group, chosen, checkpoint_folder, resumed)
+    step = (resumed_step if resumed_step is not None else 1) if resumed else 0
+    wandb_run = _start_wandb_on_rank_0(job_config, rank, group, chosen, checkpoint_folder, step)
     if rank != 0:
         return MetricLogger(None if m.rank_0_only else os.path.join(chosen, f"rank_{rank}"), m.enable_tensorboard)
     logger.info(f"metrics go to {chosen}")
-    return MetricLogger(chosen, m.enable_tensorboard, wandb_run)
+    record = wandb_id_path(checkpoint_folder) if wandb_run is not None and checkpoint_folder is not None else None
+    return MetricLogger(chosen, m.enable_tensorboard, wandb_run, record)
 
 
-def _start_wandb_on_rank_0(job_config, rank: int, group, run_dir, checkpoint_folder, resumed: bool):
+def _start_wandb_on_rank_0(job_config, rank: int, group, run_dir, checkpoint_folder, resumed_step: int):
     """Rank 0's W&B run (None elsewhere, or with W&B off). Every rank learns whether it started, so that a failure
     (not logged in, say) stops all of them with rank 0's one-line error instead of leaving the others waiting."""
     if not job_config.metrics.enable_wandb:
@@ -213,7 +269,7 @@ def _start_wandb_on_rank_0(job_config, rank: int, group, run_dir, checkpoint_fol
     if rank == 0:
         id_path = wandb_id_path(checkpoint_folder) if checkpoint_folder is not None else None
         try:
-            run = start_wandb(job_config, run_dir, id_path, resumed)
+            run = start_wandb(job_config, run_dir, id_path, resumed_step)
         except Exception as e:  # noqa: BLE001 - wandb's own errors (login, network, permissions) end as one line
             problem = (
                 f"metrics.enable_wandb: W&B could not start ({type(e).__name__}: {str(e).splitlines()[0]}); run "

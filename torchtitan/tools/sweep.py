@@ -20,8 +20,12 @@ them as one Slurm job array instead, K at a time (docs/cluster.md). Each run's f
 
 * ``finished`` - exit 0 with finite losses;
 * ``diverged`` - exit 3 (train.py stopped on non-finite loss or gradients) or a non-finite logged loss;
-* ``failed``   - any other exit. The sweep goes on with the other runs and exits 1 at the end (2 for a mistake in
-  the options, which stops it at once).
+* ``failed``   - any other exit. The sweep goes on with the other runs and exits 1 at the end, naming the first
+  failed run and the first error line of its log (2 for a mistake in the options, which stops it at once).
+
+The exit code is the run's own: train.py's first rank records it in the run's folder (``exit.json``), since torchrun
+reports any worker's failure as 1; the launcher's code counts only where no record of this attempt exists. Runs
+train with the sweep's own interpreter (``PYTHON``, which run_llama_train.sh uses), whatever ``PATH`` holds.
 
 Finished and diverged runs are never run again: running the same command again resumes an interrupted sweep where
 it stopped (failed and interrupted runs start again; with checkpointing on they resume from their own checkpoint),
@@ -45,7 +49,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import exit_code
-from torchtitan.study.slurm import add_scheduler_options
+from torchtitan.study.slurm import SlurmRefused, add_scheduler_options
 from torchtitan.study.summary import DEFAULT_BASELINE
 from torchtitan.study.sweep import run_sweep
 
@@ -176,7 +180,11 @@ def sweep(argv: Sequence[str]) -> int:
     argv = list(argv)
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = _parser().parse_args(argv[: len(argv) - len(train_args) - (1 if "--" in argv else 0)])
-    return run_sweep(args, train_args)
+    try:
+        return run_sweep(args, train_args)
+    except SlurmRefused as e:  # not a mistake in the options, and not "later": exit 1
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -16,11 +16,12 @@ at once.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,28 +33,37 @@ from torchtitan.errors import Preempted
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
-def ignore_stop_signals(worker_id: int = 0) -> None:
+def ignore_stop_signals(worker_id: int = 0, owner: Optional[int] = None) -> None:
     """A data loader worker's ``worker_init_fn``: the stop signals are the training process's to handle (Slurm
     signals every process of a job step; a worker ended by one would fail the step it should finish).
 
-    SIGUSR1 is ignored. SIGTERM is ignored too unless the worker's own parent sends it: that is how the parent ends
-    its workers (``multiprocessing`` terminates its live daemonic children at exit, the data loader after a timed-out
-    join), and a worker that ignored it would leave the parent waiting forever. The sender is read with
+    SIGUSR1 is ignored. SIGTERM is ignored too unless ``owner`` (the process whose loader started the worker) or the
+    worker's own parent sends it: that is how the loader ends its workers (``multiprocessing`` terminates its live
+    daemonic children at exit, the data loader after a timed-out join), and a worker that ignored it would leave
+    the loader waiting forever. Under fork and spawn the parent is the owner; under forkserver (Python 3.14's
+    default) it is the fork server, so the owner is passed in (:func:`worker_init`). The sender is read with
     ``sigwaitinfo`` on a thread of its own, SIGTERM being blocked in every thread of the worker."""
+    senders = {os.getppid()} | ({owner} if owner is not None else set())
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _ignore)  # where a thread leaves SIGTERM unblocked, it is ignored there
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit the mask
-    threading.Thread(target=_end_on_sigterm_from, args=(os.getppid(),), name="sigterm-from-parent", daemon=True).start()
+    threading.Thread(target=_end_on_sigterm_from, args=(senders,), name="sigterm-from-owner", daemon=True).start()
+
+
+def worker_init() -> Callable[[int], None]:
+    """The ``worker_init_fn`` of a data loader built in this process: :func:`ignore_stop_signals`, with this
+    process as the owner whose SIGTERM ends a worker under any start method."""
+    return functools.partial(ignore_stop_signals, owner=os.getpid())
 
 
 def _ignore(signum, frame) -> None:
     pass
 
 
-def _end_on_sigterm_from(parent: int) -> None:
+def _end_on_sigterm_from(senders: set[int]) -> None:
     while True:
-        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
-            os._exit(128 + signal.SIGTERM)  # as the default action would (the parent only joins it)
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid in senders:
+            os._exit(128 + signal.SIGTERM)  # as the default action would (the owner only joins it)
 
 
 class Preemption:

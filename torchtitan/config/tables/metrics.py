@@ -28,6 +28,12 @@ class Metrics:
     health_max_layers: int = opt(
         16, "health per layer for models of at most this many layers; deeper models: per weight role only", ge=0
     )
+    health_snapshot_gib: float = opt(
+        1.0,
+        "host memory (GiB per rank) the health may hold for the weights before a measured step, to measure the update "
+        "(update RMS, update/weight); a rank whose weights are larger logs no update metrics (docs/telemetry.md)",
+        ge=0.0,
+    )
     loss_spike_factor: float = opt(
         2.0, "a step's loss counts as a spike when above this factor times the running median loss", gt=1.0
     )

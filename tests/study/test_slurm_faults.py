@@ -1,0 +1,341 @@
+"""The Slurm scheduler against stand-ins for Slurm's commands (tests/slurm_stand_in.py) that time out, lose their
+socket, refuse for good or for now, and hold few tasks per array: no run is ever submitted twice, every refusal says
+what it means, requeues end, and the job script holds every value quoted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import FAKE, ROOT, one_error_line
+from torchtitan.errors import write_exit_record
+from torchtitan.study import slurm
+from torchtitan.study.report import why_it_ended
+from torchtitan.study.slurm import (
+    EVENTS_FILE,
+    JOB_FILE,
+    SLURM_FOLDER,
+    SUBMISSION_SUFFIX,
+    SlurmSettings,
+    check_time_limit,
+    requeue_refusal,
+    run_state,
+    trained_seconds,
+)
+from torchtitan.tools.sweep import main
+
+
+@pytest.fixture
+def controller(tmp_path, monkeypatch):
+    """A stand-in Slurm on PATH; ``controller(sbatch=..., ...)`` sets how it answers next; ``.jobs()`` what it
+    queued; ``.sbatch_calls()`` every sbatch call."""
+    folder = tmp_path / "slurm_stand_in"
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(parents=True)
+    stand_in = ROOT / "tests" / "slurm_stand_in.py"
+    for name in ("sbatch", "squeue", "sacct", "scontrol", "sinfo", "srun", "scancel"):
+        (bin_dir / name).write_text(f'#!/bin/sh\nSTAND_IN_COMMAND={name} exec {sys.executable} {stand_in} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("STAND_IN_SLURM", str(folder))
+    monkeypatch.setattr(slurm, "SLURM_TIMEOUT_SECONDS", 3.0)
+
+    class Controller:
+        def __call__(self, **behaviour) -> None:
+            (folder / "behaviour.json").write_text(json.dumps(behaviour))
+
+        def jobs(self) -> list[dict]:
+            state = folder / "state.json"
+            return json.loads(state.read_text()).get("jobs", []) if state.exists() else []
+
+        def calls(self, command: str) -> list[list[str]]:
+            lines = (folder / "calls.jsonl").read_text().splitlines()
+            return [call for call in map(json.loads, lines) if call[0] == command]
+
+        def sbatch_calls(self) -> list[list[str]]:
+            lines = (folder / "calls.jsonl").read_text().splitlines()
+            return [call for call in map(json.loads, lines) if call[0] == "sbatch"]
+
+    return Controller()
+
+
+STUDY = ["--optimizers", "AdamW", "--lrs", "1e-3,3e-3", "--nproc", "1"]
+
+
+def sweep(dump: Path, *args: str) -> int:
+    return main(["--dump-folder", str(dump), "--scheduler", "slurm", "--launcher", FAKE, *STUDY, *args])
+
+
+def job_ids(dump: Path) -> set[str]:
+    return {json.loads(p.read_text())["job_id"] for p in (dump / "runs").glob(f"*/{JOB_FILE}")}
+
+
+def test_an_sbatch_that_times_out_after_queuing_is_found_and_never_submitted_again(tmp_path, controller, capsys):
+    controller(sbatch="timeout")
+    dump = tmp_path / "study"
+    assert sweep(dump) == 0
+    assert "sbatch did not confirm the array (did not answer in 3 s), but Slurm queued it" in capsys.readouterr().out
+    assert job_ids(dump) == {"100_0", "100_1"}
+    controller(sbatch="ok")
+    assert sweep(dump) == 0
+    assert capsys.readouterr().out.count("is still there, not submitted again") == 2
+    assert len(controller.jobs()) == 1 and len(controller.sbatch_calls()) == 1
+
+
+def test_a_socket_error_with_a_slow_controller_is_looked_up_by_the_next_call(tmp_path, controller, capsys):
+    # sbatch queues the array and loses its socket; the controller shows it to squeue only later.
+    controller(sbatch="socket", hidden=True)
+    dump = tmp_path / "study"
+    assert sweep(dump) == 0
+    out = capsys.readouterr().out
+    assert "sbatch did not confirm the array (Batch job submission failed: Socket timed out on send/recv" in out
+    assert "the next call looks for it by its name" in out and job_ids(dump) == set()
+    (record,) = (dump / SLURM_FOLDER).glob(f"*{SUBMISSION_SUFFIX}")
+    assert sweep(dump) == 0  # still hidden: its runs wait, nothing is submitted
+    assert capsys.readouterr().out.count("not submitted again: sbatch did not confirm its array") == 2
+    assert len(controller.jobs()) == 1
+    controller(sbatch="ok")  # the controller now shows it
+    assert sweep(dump) == 0
+    out = capsys.readouterr().out
+    assert "found job array 100" in out and out.count("is still there, not submitted again") == 2
+    assert job_ids(dump) == {"100_0", "100_1"} and not record.exists()
+    assert len(controller.jobs()) == 1 and len(controller.sbatch_calls()) == 1  # the one array, never again
+
+
+def test_an_array_the_controller_never_queued_is_submitted_again_once_it_surely_is_not_there(
+    tmp_path, controller, capsys, monkeypatch
+):
+    controller(sbatch="socket", queue=False)
+    dump = tmp_path / "study"
+    assert sweep(dump) == 0 and job_ids(dump) == set()
+    controller(sbatch="ok")
+    assert sweep(dump) == 0 and job_ids(dump) == set()  # too soon to tell: nothing submitted
+    monkeypatch.setattr(slurm, "UNCONFIRMED_SECONDS", 0.0)
+    assert sweep(dump) == 0
+    assert "never queued" in capsys.readouterr().out
+    assert len(controller.jobs()) == 1 and job_ids(dump) == {"100_0", "100_1"}
+
+
+QOS = (
+    "sbatch: error: QOSMaxSubmitJobPerUserLimit\nsbatch: error: Batch job submission failed: Job violates "
+    "accounting/QOS policy (job submit limit, user's size and/or time limits)"
+)
+
+
+def test_a_submit_limit_below_the_studys_size_is_an_error_with_slurms_reason(tmp_path, controller, capsys):
+    controller(sbatch="refuse", error=QOS, squeue_user_jobs=0)
+    dump = tmp_path / "study"
+    assert sweep(dump) == 1
+    line = one_error_line(capsys)
+    assert (
+        "Slurm refused the job array of 2 run(s) with none of your jobs queued: Batch job submission failed: " in line
+    )
+    assert "Job violates accounting/QOS policy" in line and "ask for a higher limit" in line
+    assert job_ids(dump) == set() and not list((dump / SLURM_FOLDER).glob(f"*{SUBMISSION_SUFFIX}"))
+
+
+@pytest.mark.parametrize(
+    "error, user_jobs",
+    [(QOS, 5), ("sbatch: error: Batch job submission failed: Resource temporarily unavailable", 0)],
+)
+def test_a_refusal_for_now_is_a_hint_and_exit_0(tmp_path, controller, capsys, error, user_jobs):
+    controller(sbatch="refuse", error=error, squeue_user_jobs=user_jobs)
+    dump = tmp_path / "study"
+    assert sweep(dump) == 0
+    out = capsys.readouterr().out
+    assert "the queue takes no more jobs now" in out and "run the same command again later" in out
+    assert job_ids(dump) == set()
+    controller(sbatch="ok")
+    assert sweep(dump) == 0 and job_ids(dump) == {"100_0", "100_1"}
+
+
+def test_arrays_split_at_the_clusters_max_array_size_one_after_another(tmp_path, controller, capsys):
+    controller(sbatch="ok", max_array_size=2)
+    dump = tmp_path / "study"
+    assert main(["--dump-folder", str(dump), "--scheduler", "slurm", "--launcher", FAKE, "--nproc", "1",
+                 "--optimizers", "AdamW", "--lrs", "1e-4,3e-4,1e-3,3e-3,1e-2", "--parallel", "2"]) == 0  # fmt: skip
+    jobs = controller.jobs()
+    assert [j["tasks"] for j in jobs] == [2, 2, 1]
+    assert [j["dependency"] for j in jobs] == [None, "afterany:100", "afterany:101"]  # --parallel over the study
+    assert len(job_ids(dump)) == 5 and {j.split("_")[0] for j in job_ids(dump)} == {"100", "101", "102"}
+
+
+def test_the_job_script_quotes_every_value_and_derives_the_rendezvous_port(tmp_path, controller):
+    controller(sbatch="ok")
+    dump = tmp_path / "my study"
+    assert sweep(dump, "--slurm-partition", "gpu", "--slurm-account", "a b") == 0
+    (script,) = (dump / SLURM_FOLDER).glob("array-*.sh")
+    text = script.read_text()
+    assert "#SBATCH --job-name='study-my study-" in text and "#SBATCH --account='a b'" in text
+    assert "#SBATCH --partition=gpu" in text
+    assert ":$((20000 + SLURM_JOB_ID % 10000))" in text and ":29500" not in text
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+@pytest.mark.parametrize("option", ["--slurm-partition", "--slurm-account", "--slurm-time"])
+def test_a_line_break_in_a_job_script_value_is_refused(tmp_path, controller, capsys, option):
+    assert sweep(tmp_path / "study", option, "gpu\n#SBATCH --qos=high") == 2
+    assert f"error: {option} 'gpu\\n#SBATCH --qos=high' holds a line break; give it on one line" == one_error_line(
+        capsys
+    )
+    assert controller.jobs() == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Requeues end
+
+
+def _events(run_dir: Path, *events: dict) -> None:
+    with open(run_dir / EVENTS_FILE, "a") as f:
+        for event in events:
+            f.write(json.dumps({"job_id": "7_0", **event}) + "\n")
+
+
+def _checkpoint(run_dir: Path, step: int) -> None:
+    folder = run_dir / "checkpoint" / "AdamW" / f"step-{step}"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_text("")
+
+
+def test_a_run_is_requeued_only_with_a_newer_checkpoint_at_most_max_times_never_after_exit_2_or_3(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    run = tmp_path / "run"
+    run.mkdir()
+    now = time.time()
+    _events(run, {"event": "started", "time": now - 10, "checkpoint": None})
+    assert "without a checkpoint newer: not requeued" in requeue_refusal(run, 1, 3)  # nothing saved at all
+    _checkpoint(run, 40)
+    assert requeue_refusal(run, 4, 3) is None  # saved step 40: requeue
+    _events(run, {"event": "preempted", "time": now - 9}, {"event": "started", "time": now - 5, "checkpoint": 40})
+    refusal = requeue_refusal(run, 1, 3)  # killed before it could save anything newer than step 40
+    assert "without a checkpoint newer than step 40, the one it started from: not requeued" in refusal
+    _checkpoint(run, 80)
+    assert requeue_refusal(run, 1, 3) is None
+    assert "the most --slurm-max-requeues 1 allows" in requeue_refusal(run, 1, 1)  # one requeue done already
+    for own in (2, 3):  # stopped on its own as the signal came: torchrun says 1, the run's record says why
+        write_exit_record(run, own, "error: ...")
+        assert requeue_refusal(run, 1, 3) == ""
+
+
+def test_a_stop_that_is_not_requeued_ends_the_run_with_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    run = tmp_path / "run"
+    run.mkdir()
+    job = {"job_id": "7_0", "array": "7", "submitted": time.time() - 100, "fields": {"optimizer": "AdamW"}}
+    (run / JOB_FILE).write_text(json.dumps(job))
+    assert slurm.main(["started", str(run)]) == 0
+    assert slurm.main(["stopped", str(run), "1", "3"]) == 1  # no checkpoint: ended, not requeued
+    status = json.loads((run / "sweep_status.json").read_text())
+    assert status["outcome"] == "failed" and "not requeued, a new start would train the same steps" in status["message"]
+    assert run_state(run, {})[1] == status["message"]
+
+
+def test_a_runs_seconds_count_its_starts_not_its_time_queued():
+    events = [
+        {"event": "started", "time": 100.0},
+        {"event": "preempted", "time": 160.0},
+        {"event": "started", "time": 1000.0},  # queued 840 s in between
+        {"event": "ended", "time": 1030.0},
+    ]
+    assert trained_seconds(events, now=5000.0) == 90.0
+
+
+def test_a_time_limit_shorter_than_a_whole_run_without_checkpoints_is_refused(tmp_path):
+    run = tmp_path / "runs" / "AdamW_lr1e-3_seed0"
+    metrics = run / "tb" / "20260101-000000_AdamW"
+    metrics.mkdir(parents=True)
+    rows = [{"step": s, "loss_metrics/global_avg_loss": 3.0, "time/forward_backward(s)": 1.0} for s in range(1, 101)]
+    (metrics / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    status = {"outcome": "finished", "seconds": 130.0, "ended": 1.0, "requeues": 1}  # 30 s of starting, 2 starts
+    (run / "sweep_status.json").write_text(json.dumps(status))
+    settings = SlurmSettings(None, None, "2:50", 0, 1, None, 60, False)
+    check_time_limit(settings, tmp_path, checkpointing=True)  # it resumes: a limit above one logging interval does
+    with pytest.raises(Exception, match="checkpointing is off") as refused:
+        check_time_limit(settings, tmp_path, checkpointing=False)
+    assert "15 s to start, 100 steps of 1 s" in str(refused.value) and "at least 0:02:55" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "state, shown, advice",
+    [
+        ("REQUEUE_HOLD", "held", "scontrol release 7_0"),
+        ("SUSPENDED", "suspended", "scontrol resume 7_0"),
+        ("STOPPED", "stopped", "scancel --signal=CONT 7_0"),
+    ],
+)
+def test_jobs_waiting_on_someone_are_shown_as_such_with_what_to_do(tmp_path, state, shown, advice):
+    (tmp_path / JOB_FILE).write_text(json.dumps({"job_id": "7_0", "array": "7", "submitted": 0.0, "fields": {}}))
+    got, detail = run_state(tmp_path, {"7_0": (state, "None")})
+    assert got == shown and advice in detail
+
+
+def test_the_page_says_why_each_run_ended():
+    assert why_it_ended({"outcome": "finished", "requeues": 2}) == "finished its steps, requeued 2 time(s)"
+    assert why_it_ended({"outcome": "finished"}) == "finished its steps"
+    stopped = {"outcome": "failed", "message": "stopped on a signal without a checkpoint newer: ...", "requeues": 1}
+    assert why_it_ended(stopped) == "stopped on a signal without a checkpoint newer: ...; requeued 1 time(s)"
+    assert why_it_ended({"outcome": "failed", "message": None, "exit_code": 1}) == "exit 1"
+
+
+def test_the_job_script_requeues_a_stopped_run_only_when_it_saved_a_newer_checkpoint(tmp_path, controller):
+    # The job script itself, run here: srun runs the run's command.sh (the fake trainer), which stops as train.py
+    # does on a signal (exit 4); Slurm's own commands are the stand-ins.
+    controller(sbatch="ok")
+    dump = tmp_path / "study"
+    assert main(["--dump-folder", str(dump), "--scheduler", "slurm", "--launcher", FAKE, "--optimizers", "AdamW",
+                 "--lrs", "1e-3", "--nproc", "1"]) == 0  # fmt: skip
+    (script,) = (dump / SLURM_FOLDER).glob("array-*.sh")
+    run = dump / "runs" / "AdamW_lr1e-3_seed0"
+    name = json.loads((run / JOB_FILE).read_text())["name"]
+    environment = {**os.environ, "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "0", "SLURM_JOB_ID": "101"}
+    environment.update(SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_JOB_NAME=name, PYTHONPATH=str(ROOT))
+    environment["FAKE_OUTCOMES"] = json.dumps({"AdamW_lr1e-3_seed0": "stop"})
+
+    def job(**more) -> None:
+        done = subprocess.run(["bash", str(script)], env={**environment, **more}, capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+    job()  # stopped without any checkpoint: not requeued, ended with why
+    assert controller.calls("scontrol") and not [c for c in controller.calls("scontrol") if c[1] == "requeue"]
+    status = json.loads((run / "sweep_status.json").read_text())
+    assert status["outcome"] == "failed" and "without a checkpoint newer: not requeued" in status["message"]
+
+    (run / "sweep_status.json").unlink()
+    job(FAKE_CHECKPOINT="1")  # saved step 2, newer than none: requeued
+    assert [c for c in controller.calls("scontrol") if c[1] == "requeue"] == [["scontrol", "requeue", "101"]]
+    assert not (run / "sweep_status.json").exists()
+    events = [json.loads(line) for line in (run / EVENTS_FILE).read_text().splitlines()]
+    assert [e["event"] for e in events] == ["started", "ended", "started", "preempted"]
+    assert events[-2]["checkpoint"] is None and {e["job_name"] for e in events} == {name}
+
+    job(FAKE_CHECKPOINT="1", SLURM_RESTART_COUNT="1")  # started from step 2 and saved step 2 again: not requeued
+    assert len([c for c in controller.calls("scontrol") if c[1] == "requeue"]) == 1
+    status = json.loads((run / "sweep_status.json").read_text())
+    assert "without a checkpoint newer than step 2, the one it started from" in status["message"]
+    assert status["requeues"] == 1
+
+
+def test_the_newest_checkpoint_is_read_as_the_checkpoint_manager_reads_them(tmp_path):
+    from torchtitan.checkpoint.folders import SUPERSEDED_FOLDER, complete_steps
+    from torchtitan.study.slurm import newest_checkpoint
+
+    folder = tmp_path / "checkpoint" / "AdamW"
+    for name, complete in (("step-4", True), ("step-12", True), ("step-20", False), (".step-30.tmp-ab", True)):
+        (folder / name).mkdir(parents=True)
+        if complete:
+            (folder / name / ".metadata").write_text("")
+    (folder / SUPERSEDED_FOLDER / "step-40").mkdir(parents=True)
+    (folder / SUPERSEDED_FOLDER / "step-40" / ".metadata").write_text("")
+    assert complete_steps(str(folder)) == [4, 12]
+    assert newest_checkpoint(tmp_path) == 12
+    assert newest_checkpoint(tmp_path / "none") is None
