@@ -17,8 +17,17 @@ from torchtitan.config_manager import JOB_CONFIG_RECORD
 from torchtitan.errors import UserError
 from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.figures import plot_budgets, plot_main, plot_sensitivity, plot_study_health, plot_sweep
-from torchtitan.study.plan import COMMAND_FILE, DIVERGED, FAILED, FINISHED, LOG_FILE, lr_label, tokens_label
-from torchtitan.study.run_folders import load_sweep_runs
+from torchtitan.study.plan import (
+    COMMAND_FILE,
+    DIVERGED,
+    FAILED,
+    FINISHED,
+    LOG_FILE,
+    RUNS_FOLDER,
+    lr_label,
+    tokens_label,
+)
+from torchtitan.study.run_folders import load_sweep_runs, read_status
 from torchtitan.study.search import descent_report, read_search
 from torchtitan.study.summary import (
     CONFIRMATION_PENDING,
@@ -216,7 +225,8 @@ def selection_note(report: dict) -> str:
 def notes(report: dict) -> list[str]:
     """The lines that say what the numbers are: ranking, baseline, intervals, seeds, data."""
     seeds, baseline = report["seeds"], report["baseline"]
-    lines = [
+    lines = [f"Study in progress: {report['in_progress']}"] if report.get("in_progress") else []
+    lines += [
         f"Ranked by the {report['ranked_by']}; best settings = lowest mean over seeds among the settings where no "
         "seed diverged or failed.",
     ]
@@ -538,10 +548,13 @@ def format_html(report: dict, figures: dict[str, Optional[bytes]], title: str) -
 # The report files
 
 
-def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Optional[dict]:
+def write_report(
+    dump: Path, last_k: int, baseline: Optional[str] = None, in_progress: Optional[str] = None
+) -> Optional[dict]:
     """sweep.png, sweep.md, sweep.json and study.html in the dump folder; None when no run has ended yet.
 
-    ``baseline`` None compares with AdamW where the sweep has it; a named baseline must be in the sweep."""
+    ``baseline`` None compares with AdamW where the sweep has it; a named baseline must be in the sweep.
+    ``in_progress``: what a study still training has pending, said first on the page."""
     runs = load_sweep_runs(dump)
     if not runs:
         return None
@@ -550,6 +563,7 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
     axes = (search or {}).get("axes")
     report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE, confirm_seeds, axes)
     report["descents"] = descent_report(search, report["runs"])
+    report["in_progress"] = in_progress
     if baseline is not None and not report["baseline_found"]:
         raise UserError(
             f"--baseline {baseline} is not an optimizer of this sweep ({', '.join(report['best'])}); name one of them"
@@ -568,20 +582,44 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
     return report
 
 
+def pending_text(dump: Path, phase: str, names: Sequence[str], then: str = "") -> str:
+    """What a study still training has to do: how many of this phase's runs (``names``) have ended, the first few
+    still to end, and what comes after (``then``)."""
+    waiting = [n for n in names if read_status(dump / RUNS_FOLDER / n) is None]
+    shown = ", ".join(waiting[:PENDING_NAMES_SHOWN]) + (", ..." if len(waiting) > PENDING_NAMES_SHOWN else "")
+    text = f"{len(names) - len(waiting)} of {len(names)} {phase} runs have ended"
+    text += f"; pending: {shown}" if waiting else ""
+    return text + (f"; then {then}" if then else "") + "."
+
+
+PENDING_NAMES_SHOWN = 6
+
+
 class InterimReport:
     """The report rewritten while a sweep trains, after a run ends and at most every ``INTERIM_REPORT_SECONDS``, so
-    that ``study.html`` shows a long study as it stands. A report that cannot be written yet (runs on other data, or
-    any other failure) is one line, and the runs go on; the final report says it again and fails."""
+    that ``study.html`` shows a long study as it stands, and what it still has pending (:meth:`expect`). A report
+    that cannot be written yet (runs on other data, or any other failure) is one line, and the runs go on; the final
+    report says it again and fails."""
 
     def __init__(self, dump: Path, last_k: int, baseline: Optional[str]):
         self.dump, self.last_k, self.baseline = dump, last_k, baseline
         self.last = time.monotonic()
+        self.pending = lambda: "runs are training."
+
+    def expect(self, phase: str, specs: Sequence, then: str = "") -> None:
+        """The runs of the phase now training (``specs``: their names are their folders) and what comes next."""
+        names = [s.name for s in specs]
+        self.pending = lambda: pending_text(self.dump, phase, names, then)
+
+    def say(self, text: str) -> None:
+        """What is pending, in words (a descent's runs are known only one step at a time)."""
+        self.pending = lambda: text
 
     def __call__(self) -> None:
         if time.monotonic() - self.last < INTERIM_REPORT_SECONDS:
             return
         try:
-            write_report(self.dump, self.last_k, self.baseline)
+            write_report(self.dump, self.last_k, self.baseline, self.pending())
             print(f"report so far: {self.dump / PAGE_NAME}", flush=True)
         except Exception as e:  # noqa: BLE001 - a report that fails must not stop the runs; the final one raises
             print(f"note: no report yet: {e}", flush=True)

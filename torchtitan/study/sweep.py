@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from torchtitan.errors import UserError
-from torchtitan.study.confirmation import confirmation_specs, parse_confirm_seeds
+from torchtitan.study.confirmation import confirmation_specs, earlier_selection_seeds, parse_confirm_seeds
 from torchtitan.study.earlier_runs import adopt_earlier_runs, current_axes
 from torchtitan.study.plan import (
     DEFAULT_LAST_K,
@@ -104,6 +104,7 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
     if last_k < 1:
         raise UserError(f"--last-k must be at least 1; got {last_k}")
     slurm = slurm_settings(args)
+    in_progress = None
     if args.report_only:
         if not (dump / RUNS_FOLDER).is_dir():
             raise UserError(f"'{dump}' holds no sweep runs ({RUNS_FOLDER}/); pass the dump folder of a sweep")
@@ -130,7 +131,8 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         axes = [parse_axis(raw, args.budgets is not None, args.vary_data_seed) for raw in args.axis]
         optimizers, lrs, seeds = items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds)
         recorded = (read_search(dump) or {}).get("confirm_seeds", [])
-        confirm_seeds = parse_confirm_seeds(args.confirm_seeds, seeds, recorded)
+        earlier = earlier_selection_seeds(dump, recorded)
+        confirm_seeds = parse_confirm_seeds(args.confirm_seeds, seeds, recorded, earlier)
         specs = plan(optimizers, lrs, seeds, budgets, axes, train_args)
         spaces = None
         if args.search == "coordinate":
@@ -157,7 +159,13 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
             write_search(
                 dump, args.search, spaces or {}, seeds, budgets, confirm_seeds, current_axes(specs, axes, train_args)
             )
+            then = (
+                f"each optimizer's best settings train on confirmation seeds {', '.join(map(str, confirm_seeds))}"
+                if confirm_seeds
+                else ""
+            )
             if spaces is None:
+                interim.expect("selection" if confirm_seeds else "planned", specs, then)
                 statuses = run_all(runner, specs)
                 failed = [s for s in statuses if s["outcome"] == FAILED]
                 failed_text = f"{len(failed)} of {len(statuses)} runs failed (see their train.log)"
@@ -166,6 +174,10 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
                 def check(spec) -> None:  # a value --extend adds, before it trains
                     preflight_jobs([spec], config_file, nproc, train_args, args.vary_data_seed)
 
+                interim.say(
+                    "the coordinate descents are training (each step's runs are known once the step before ended)"
+                    + (f"; then {then}." if then else ".")
+                )
                 found = run_descents(runner, read_search(dump), budgets, last_k, args.extend, check)
                 failed = [d for _, _, _, d in found if d.state == "blocked"]
                 failed_text = f"{len(failed)} of {len(found)} descents stopped at a run that failed (see its train.log)"
@@ -176,10 +188,15 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
             else:
                 ended = all(d.state == "converged" for *_, d in found)
             if confirm_seeds and not failed and ended:
-                statuses = run_all(runner, confirmation_specs(dump, last_k, confirm_seeds))
+                confirming = confirmation_specs(dump, last_k, confirm_seeds)
+                interim.expect("confirmation", confirming)
+                statuses = run_all(runner, confirming)
                 failed = [s for s in statuses if s["outcome"] == FAILED]
                 failed_text = f"{len(failed)} of {len(statuses)} confirmation runs failed (see their train.log)"
-    report = write_report(dump, last_k, args.baseline)
+                ended = all(is_done(s) for s in statuses)
+            # Under Slurm the sweep may leave while runs train: the page says what is still pending.
+            in_progress = None if ended or failed else interim.pending()
+    report = write_report(dump, last_k, args.baseline, in_progress)
     if report is None and not print_states(dump) and slurm is None:
         raise UserError(f"no run in '{dump}' has ended yet; run the sweep first")
     if report is not None:
