@@ -84,17 +84,39 @@ def versus_text(optimizer: str, b: dict, report: dict) -> str:
         return f"no verdict: {report['baseline']} {CONFIRMATION_TEXT[base['confirmation']]}"
     if v is None:
         return "one seed: no verdict"
-    text = f"{v['difference']:+.4f} [{v['low']:+.4f}, {v['high']:+.4f}] ({v.get('method', 'Welch')}), {v['verdict']}"
+    text = f"{v['difference']:+.4f}{difference_interval_text(v)}, {v['verdict']}"
+    if v.get("p_holm") is not None:
+        text += f" (Holm p = {_p_text(v['p_holm'])}, family of {report['family']['comparisons']})"
     return text + edge_text(b, report)
 
 
+def difference_interval_text(v: dict) -> str:
+    """The difference's interval and how it was matched; none where the seeds varied nothing."""
+    method = v.get("method", "Welch")
+    if v["low"] is None:
+        return f" (no interval: no spread, {method})"
+    level = "unadjusted 95%" if v.get("p_holm") is not None else "95%"
+    return f" [{v['low']:+.4f}, {v['high']:+.4f}] ({method}, {level})"
+
+
+def _p_text(p: float) -> str:
+    return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
+
+
 def edge_text(b: dict, report: dict) -> str:
-    """ "; at the grid's edge (...)" when a best setting, the optimizer's or the baseline's, is at an end of its
-    grid: the verdict may change with a wider grid."""
-    edges = [(report["best"][report["baseline"]].get("edges") if report["baseline_found"] else None) or [], b["edges"]]
-    if not any(edges):
+    """ "; at the grid's edge: ..." when a best setting, the optimizer's or the baseline's, is at an end of its grid
+    (the verdict may change with a wider grid), naming whose setting and which end."""
+    baseline = report["baseline"]
+    base = (report["best"][baseline].get("edges") if report["baseline_found"] else None) or []
+    parts = [f"its best {_edge_words(e)}" for e in b.get("edges") or []]
+    parts += [f"{baseline}'s (the baseline's) best {_edge_words(e)}" for e in base]
+    if not parts:
         return ""
-    return "; at the grid's edge: may change with a wider grid"
+    return f"; at the grid's edge: {'; '.join(parts)}: may change with a wider grid"
+
+
+def _edge_words(edge: dict) -> str:
+    return f"{edge['setting']} {_value_text(edge['setting'], edge['value'])} is the {edge['end']} tried"
 
 
 def edges_label(b: dict) -> str:
@@ -222,6 +244,27 @@ def selection_note(report: dict) -> str:
     )
 
 
+def family_notes(report: dict) -> list[str]:
+    """How many comparisons the verdicts are, and how their words hold the family's level."""
+    family = report.get("family") or {}
+    m, baseline = family.get("comparisons", 0), report["baseline"]
+    if m == 0:
+        return []
+    if family["correction"] == "Holm":
+        return [
+            f"The verdicts are one family of {m} comparison{'s' if m > 1 else ''} (each optimizer against {baseline} "
+            "at each budget, wherever both have an interval): a verdict reads better / worse only where its "
+            "Holm-adjusted p is below 0.05 (Holm's step-down correction), which keeps the chance of any false "
+            f"better or worse among the {m} at 5% or less; the intervals shown are each at 95%, unadjusted, so one "
+            "that excludes 0 may still read no detectable difference."
+        ]
+    return [
+        f"The {m} verdicts (each optimizer against {baseline} at each budget) are each at 95%, unadjusted: among {m} "
+        f"comparisons of equal optimizers the chance that some reads better or worse is up to "
+        f"{100 * (1 - 0.95**m):.0f}%."
+    ]
+
+
 def notes(report: dict) -> list[str]:
     """The lines that say what the numbers are: ranking, baseline, intervals, seeds, data."""
     seeds, baseline = report["seeds"], report["baseline"]
@@ -242,6 +285,7 @@ def notes(report: dict) -> list[str]:
             "differences) where both ran the same training and data seeds, else Welch's: better / worse where the "
             "whole interval is below / above 0, else no detectable difference."
         )
+        lines += family_notes(report)
     lines.append(selection_note(report))
     if not report["baseline_found"]:
         lines.append(f"The baseline {baseline} is not in this sweep: no differences or speedups.")

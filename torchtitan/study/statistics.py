@@ -53,24 +53,32 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> Optional
 
 
 PAIRED, WELCH = "paired", "Welch"
+NO_SPREAD = "no verdict: the seeds varied nothing"
 
 
 @dataclass(frozen=True)
 class Difference:
     """mean(a) - mean(b) with its confidence interval: ``method`` "paired" (the t interval of per-seed differences,
-    for runs that share their seeds) or "Welch" (unequal variances, Welch–Satterthwaite df)."""
+    for runs that share their seeds) or "Welch" (unequal variances, Welch–Satterthwaite df).
+
+    When a side's seeds (or, paired, the per-seed differences) all gave the same value there is no spread to judge a
+    difference by: ``low``, ``high``, ``df`` and ``p_value`` are None and the verdict is :data:`NO_SPREAD` (a zero
+    width interval would call 1e-7 "better")."""
 
     difference: float
-    low: float
-    high: float
-    df: Optional[float]  # None when there is no spread at all (the interval is then the point itself)
+    low: Optional[float]
+    high: Optional[float]
+    df: Optional[float]
     n_a: int
     n_b: int
     method: str = WELCH
+    p_value: Optional[float] = None  # two-sided, of "no difference", from the same t distribution as the interval
 
     @property
     def verdict(self) -> str:
         """For losses (lower is better): a is better when the whole interval is below 0, worse when above."""
+        if self.low is None or self.high is None:
+            return NO_SPREAD
         return verdict_of(self.low, self.high)
 
 
@@ -82,18 +90,33 @@ def verdict_of(low: float, high: float) -> str:
     return NO_DIFFERENCE
 
 
+def varied_nothing(values: Sequence[float], scale: Sequence[float] = ()) -> bool:
+    """Whether ``values`` are all the same up to float rounding (their spread at most 1e-12 of the largest magnitude
+    among them and ``scale``): seeds that changed nothing, so no spread to judge a difference by."""
+    largest = max((abs(v) for v in (*values, *scale)), default=0.0)
+    return max(values) - min(values) <= 1e-12 * largest
+
+
+def _t_p_value(statistic: float, df: float) -> float:
+    """Two-sided p of a t statistic with ``df`` degrees of freedom."""
+    import scipy.stats
+
+    return float(2.0 * scipy.stats.t.sf(abs(statistic), df))
+
+
 def welch_difference(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> Optional[Difference]:
     """Welch's t interval of mean(a) - mean(b); None unless both sides have at least two values."""
     if len(a) < 2 or len(b) < 2:
         return None
     difference = mean(a) - mean(b)
     va, vb = sample_variance(a) / len(a), sample_variance(b) / len(b)
+    if varied_nothing(a) or varied_nothing(b):  # a side whose seeds varied nothing: no estimate of the noise
+        return Difference(difference, None, None, None, len(a), len(b))
     se = math.sqrt(va + vb)
-    if se == 0.0:
-        return Difference(difference, difference, difference, None, len(a), len(b))
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     half = t_quantile(0.5 + confidence / 2.0, df) * se
-    return Difference(difference, difference - half, difference + half, df, len(a), len(b))
+    p = _t_p_value(difference / se, df)
+    return Difference(difference, difference - half, difference + half, df, len(a), len(b), WELCH, p)
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> Optional[Difference]:
@@ -106,10 +129,24 @@ def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float 
     differences = [x - y for x, y in zip(a, b)]
     centre, n = mean(differences), len(differences)
     se = math.sqrt(sample_variance(differences) / n)
-    if se == 0.0:
-        return Difference(centre, centre, centre, None, n, n, PAIRED)
+    if varied_nothing(a) or varied_nothing(b) or varied_nothing(differences, (*a, *b)):
+        return Difference(centre, None, None, None, n, n, PAIRED)
     half = t_quantile(0.5 + confidence / 2.0, n - 1) * se
-    return Difference(centre, centre - half, centre + half, n - 1, n, n, PAIRED)
+    return Difference(centre, centre - half, centre + half, n - 1, n, n, PAIRED, _t_p_value(centre / se, n - 1))
+
+
+def holm_adjusted(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (each compared with the family's level, e.g. 0.05): the smallest p times
+    the family's size m, the next times m - 1, ..., each at least the one before and at most 1. Rejecting where the
+    adjusted p is below the level keeps the chance of any false rejection in the family at that level, whatever the
+    dependence between the tests."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 # ----------------------------------------------------------------------------------------------------------------

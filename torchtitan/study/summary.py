@@ -308,7 +308,37 @@ def _versus(chosen: Sequence[dict], baseline: Sequence[dict]) -> Optional[dict]:
         "df": d.df,
         "method": d.method,
         "verdict": d.verdict,
+        "p_value": d.p_value,
     }
+
+
+HOLM, UNADJUSTED = "Holm", "unadjusted"
+FAMILY_CORRECTIONS = (HOLM, UNADJUSTED)
+
+
+def verdict_family(best_by_budget: dict, correction: str = HOLM) -> dict:
+    """The verdicts as one family: every difference from the baseline the report computed (each optimizer at each
+    budget) that has a p-value. With Holm's correction each verdict's words come from its Holm-adjusted p (better /
+    worse where it is below 0.05, by the sign of the difference), so that the chance of any false "better" or
+    "worse" among them stays at 5%; the unadjusted verdict and interval are kept beside it."""
+    if correction not in FAMILY_CORRECTIONS:
+        raise ValueError(f"no family correction {correction!r}; one of {', '.join(FAMILY_CORRECTIONS)}")
+    members = [
+        b["versus_baseline"]
+        for best in best_by_budget.values()
+        for b in best.values()
+        if b.get("versus_baseline") is not None and b["versus_baseline"]["p_value"] is not None
+    ]
+    if correction == HOLM:
+        for v, p in zip(members, statistics.holm_adjusted([v["p_value"] for v in members])):
+            v["unadjusted_verdict"], v["p_holm"] = v["verdict"], p
+            significant = p < 1.0 - statistics.CONFIDENCE
+            v["verdict"] = (
+                (statistics.BETTER if v["difference"] < 0 else statistics.WORSE)
+                if significant
+                else (statistics.NO_DIFFERENCE)
+            )
+    return {"comparisons": len(members), "correction": correction}
 
 
 def _ranked(run: dict) -> bool:
@@ -453,6 +483,7 @@ def summarize_sweep(
     baseline: str = DEFAULT_BASELINE,
     confirm_seeds: Sequence[int] = (),
     current_axes: Optional[dict] = None,
+    family_correction: str = HOLM,
 ) -> dict:
     """Per run; per cell (optimizer, budget, settings) over seeds; per optimizer its best settings at each budget,
     compared with the baseline's best (difference with a paired or Welch's 95% interval, speedup at matched loss);
@@ -517,6 +548,7 @@ def summarize_sweep(
             b["versus_baseline"] = _versus(chosen, base_runs) if base_runs else None
             b["speedup"] = _speedup_of(chosen, base_runs, curves) if curves else None
 
+    family = verdict_family(best_by_budget, family_correction)
     ranked_by = f"last {VALIDATION_LOSS}" if by_validation else f"mean of the last {last_k} logged training losses"
     # Seeds per cell, or per verdict when confirmation seeds outnumber the selection's.
     verdict_seeds = [len(b["seeds"]) for best in best_by_budget.values() for b in best.values()]
@@ -542,4 +574,5 @@ def summarize_sweep(
         "best_by_budget": [{"budget": budget, "best": best} for budget, best in best_by_budget.items()],
         "best": best_by_budget[budgets[-1]] if budgets else {},
         "budget_fit": budget_fit(best_by_budget, baseline, verdict_runs),
+        "family": family,
     }

@@ -1,0 +1,147 @@
+"""Every interval at its stated level and every word earned: zero spread, a family of comparisons (Holm), speedups
+at matched loss paired or not, the budget fit's bootstrap. Simulations are seeded, over made-up studies through the
+study's own functions; the long measurements print their numbers under ``pytest -s``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from torchtitan.study import statistics
+from torchtitan.study.summary import HOLM, UNADJUSTED, verdict_family
+
+# ----------------------------------------------------------------------------------------------------------------
+# Zero spread
+
+
+@pytest.mark.parametrize("paired", [True, False], ids=["paired", "Welch"])
+def test_seeds_that_varied_nothing_give_no_verdict_and_no_interval(paired):
+    compare = statistics.paired_difference if paired else statistics.welch_difference
+    for a, b in (([2.0] * 3, [2.0000001] * 3), ([2.0] * 3, [2.1, 2.2, 2.3]), ([2.1, 2.2, 2.3], [2.5] * 3)):
+        d = compare(a, b)
+        assert d.verdict == "no verdict: the seeds varied nothing" == statistics.NO_SPREAD
+        assert (d.low, d.high, d.df, d.p_value) == (None, None, None, None)
+    # A spread on both sides: an interval and a verdict again.
+    assert compare([2.0, 2.1, 2.2], [2.5, 2.55, 2.7]).verdict == statistics.BETTER
+
+
+def test_the_page_says_no_verdict_and_shows_no_interval_when_seeds_varied_nothing():
+    from tests.study.test_study import made_up_run
+    from torchtitan.study.report import format_markdown
+    from torchtitan.study.summary import summarize_sweep
+
+    runs = [made_up_run("AdamW", s, 1.0) for s in range(3)] + [made_up_run("Muon", s, 0.999999) for s in range(3)]
+    report = summarize_sweep(runs, last_k=3)
+    v = report["best"]["Muon"]["versus_baseline"]
+    assert v["verdict"] == statistics.NO_SPREAD and v["low"] is None and report["family"]["comparisons"] == 0
+    row = next(line for line in format_markdown(report).splitlines() if line.startswith("| Muon |"))
+    assert "(no interval: no spread, paired), no verdict: the seeds varied nothing" in row and "better" not in row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A family of comparisons
+
+
+def test_holm_adjusts_step_down_and_keeps_the_order():
+    # m = 4: sorted p 0.01, 0.02, 0.03, 0.5 times 4, 3, 2, 1 -> 0.04, 0.06, 0.06 (kept at least the one before), 0.5.
+    assert statistics.holm_adjusted([0.03, 0.5, 0.01, 0.02]) == pytest.approx([0.06, 0.5, 0.04, 0.06])
+    assert statistics.holm_adjusted([0.9, 0.8]) == [1.0, 1.0] and statistics.holm_adjusted([]) == []
+
+
+def family_false_verdicts(studies: int, optimizers: int, seeds: int, correction: str, rng) -> float:
+    """Share of studies of equal optimizers (each against AdamW on paired seeds: a seed effect all share, noise of
+    each run's own) where any verdict says better or worse. Each paired t (as :func:`statistics.paired_difference`
+    computes it, checked against a published example) is computed for all studies at once; the family's words are
+    the report's own (:func:`verdict_family`)."""
+    import scipy.stats
+
+    shared = rng.normal(0.0, 0.02, (studies, 1, seeds))
+    base = shared + rng.normal(0.0, 0.01, (studies, 1, seeds))
+    differences = shared + rng.normal(0.0, 0.01, (studies, optimizers, seeds)) - base
+    centre = differences.mean(axis=2)
+    se = differences.std(axis=2, ddof=1) / math.sqrt(seeds)
+    p_values = 2.0 * scipy.stats.t.sf(np.abs(centre / se), seeds - 1)
+    half = scipy.stats.t.ppf(0.975, seeds - 1) * se
+    wrong = 0
+    for study in range(studies):
+        best = {"AdamW": {"versus_baseline": None}}
+        for o in range(optimizers):
+            c, h, p = float(centre[study, o]), float(half[study, o]), float(p_values[study, o])
+            v = {"difference": c, "low": c - h, "high": c + h, "method": "paired", "p_value": p}
+            best[f"O{o}"] = {"versus_baseline": {**v, "verdict": statistics.verdict_of(c - h, c + h)}}
+        assert verdict_family({None: best}, correction)["comparisons"] == optimizers
+        verdicts = [b["versus_baseline"]["verdict"] for o, b in best.items() if o != "AdamW"]
+        wrong += any(v in (statistics.BETTER, statistics.WORSE) for v in verdicts)
+    return wrong / studies
+
+
+def test_holms_words_keep_a_family_of_five_at_five_percent():
+    # 5 equal optimizers against AdamW, 3 confirmation seeds, 4,000 studies: with Holm's correction the chance of
+    # any false "better" or "worse" is at most 5% (+ 3 binomial s.e.); unadjusted it is about 20%.
+    studies, rng = 4000, np.random.default_rng(0)
+    holm = family_false_verdicts(studies, 5, 3, HOLM, rng)
+    unadjusted = family_false_verdicts(studies, 5, 3, UNADJUSTED, rng)
+    print(f"family-wise false better/worse, 5 equal optimizers, 3 seeds: Holm {holm:.4f}, unadjusted {unadjusted:.4f}")
+    assert holm <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / studies)
+    assert unadjusted > 0.15
+
+
+def test_the_page_states_the_family_and_labels_the_unadjusted_intervals():
+    from tests.study.test_study import made_up_run
+    from torchtitan.study.report import format_markdown
+    from torchtitan.study.summary import summarize_sweep
+
+    # Muon's paired difference excludes 0 on its own (unadjusted p about 0.03) but not among three comparisons.
+    jitter, own = [-0.01, 0.0, 0.01], {"Muon": [0.001, -0.0005, -0.0005], "Lion": [0.0, 0.001, -0.001]}
+    runs = [made_up_run("AdamW", s, (0.4 + jitter[s]) / 0.4) for s in range(3)]
+    for optimizer, shift in (("Muon", -0.003), ("Lion", 0.0), ("AdamMini", -0.2)):
+        noise = own.get(optimizer, [0.0002, -0.0001, -0.0001])
+        runs += [made_up_run(optimizer, s, (0.4 + shift + jitter[s] + noise[s]) / 0.4) for s in range(3)]
+    report = summarize_sweep(runs, last_k=3)
+    muon = report["best"]["Muon"]["versus_baseline"]
+    assert muon["high"] < 0 and muon["unadjusted_verdict"] == statistics.BETTER
+    assert muon["p_value"] < 0.05 < muon["p_holm"] and muon["verdict"] == statistics.NO_DIFFERENCE
+    assert report["best"]["AdamMini"]["versus_baseline"]["verdict"] == statistics.BETTER
+    md = format_markdown(report)
+    assert "The verdicts are one family of 3 comparisons" in md and "Holm's step-down correction" in md
+    row = next(line for line in md.splitlines() if line.startswith("| Muon |"))
+    assert "(paired, unadjusted 95%), no detectable difference (Holm p = " in row and "family of 3)" in row
+    unadjusted = summarize_sweep(runs, last_k=3, family_correction=UNADJUSTED)
+    assert unadjusted["best"]["Muon"]["versus_baseline"]["verdict"] == statistics.BETTER
+    assert "are each at 95%, unadjusted" in format_markdown(unadjusted)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Whose edge
+
+
+def test_each_edge_note_names_whose_best_setting_is_at_which_end():
+    from tests.study.test_study import made_up_run
+    from torchtitan.study.report import format_markdown
+    from torchtitan.study.summary import summarize_sweep
+
+    # AdamW's best lr (1e-3) is the smallest it tried; Muon's (1e-3) lies inside its grid, Lion's (3e-3) at its top.
+    runs = []
+    for optimizer, lrs, best in (
+        ("AdamW", (1e-3, 3e-3), 1e-3),
+        ("Muon", (1e-4, 1e-3, 3e-3), 1e-3),
+        ("Lion", (1e-3, 3e-3), 3e-3),
+    ):
+        for lr in lrs:
+            runs += [
+                made_up_run(
+                    optimizer,
+                    s,
+                    (1.0 if lr == best else 1.2) * (1 + 0.01 * s + 0.001 * s * s * (optimizer != "AdamW")),
+                    lr=lr,
+                )
+                for s in range(3)
+            ]
+    md = format_markdown(summarize_sweep(runs, last_k=3))
+    rows = {o: next(line for line in md.splitlines() if line.startswith(f"| {o} |")) for o in ("Muon", "Lion")}
+    baseline_edge = "AdamW's (the baseline's) best lr 1e-3 is the smallest tried"
+    assert f"at the grid's edge: {baseline_edge}: may change with a wider grid" in rows["Muon"]
+    assert "its best" not in rows["Muon"]
+    assert f"at the grid's edge: its best lr 3e-3 is the largest tried; {baseline_edge}: may change" in rows["Lion"]
