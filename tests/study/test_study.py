@@ -250,40 +250,45 @@ def test_speedup_at_matched_loss_along_the_validation_curve():
     assert best["AdamW"]["speedup"]["value"] == 1.0 and best["AdamW"]["speedup"]["bound"] is None
     assert (best["Muon"]["speedup"]["value"], best["Muon"]["speedup"]["bound"]) == (pytest.approx(1.0), "≥")
     assert best["Slow"]["speedup"]["value"] == pytest.approx((10 + 5 * 0.2 / (0.8 - 8 / 15)) / 20)
-    assert best["Slow"]["speedup"]["matched"] == "seed by seed"
+    assert best["Slow"]["speedup"]["matched"] == "paired on (training seed, data seed)"
     md = format_markdown(summarize_sweep(runs, last_k=3))
-    assert "| ≥1.00× (every seed) |" in next(line for line in md.splitlines() if line.startswith("| Muon |"))
+    assert "| ≥1.00× (every seed, paired) |" in next(line for line in md.splitlines() if line.startswith("| Muon |"))
 
 
 def test_speedup_along_the_smoothed_training_loss_with_seeds():
-    # Without validation the curve is the trailing mean of the last k training losses, whose last point is the final
-    # loss; Slower (scale 1.25) ends at what AdamW's smoothed curve passes before its end: with seeds a CI.
+    # Without validation the final loss is the mean of the last k training losses; the baseline's raw curve is read
+    # at the same k steps' tokens scaled by the speedup (statistics.matched_ratio); with seeds a CI.
     runs = [
-        made_up_run(o, s, scale * (1 + 0.01 * s), validation=False)
-        for o, scale in (("AdamW", 1.0), ("Slower", 1.25))
+        made_up_run(o, s, scale * (1 + luck * s), validation=False)
+        for o, scale, luck in (("AdamW", 1.0, 0.01), ("Slower", 1.25, 0.02))
         for s in range(3)
     ]
     report = summarize_sweep(runs, last_k=4)
     assert not report["by_validation"] and "trailing mean of the last 4" in report["curve"]
     s = report["best"]["Slower"]["speedup"]
     per_seed = []
+    tokens = [512.0 * k for k in range(1, 21)]
     for seed in range(3):
         base = [2.0 + (1 + 0.01 * seed) * 8.0 / step for step in range(1, 21)]
-        smooth = statistics.trailing_mean(base, 4)
-        mine = statistics.trailing_mean([2.0 + 1.25 * (1 + 0.01 * seed) * 8.0 / step for step in range(1, 21)], 4)[-1]
-        reach = statistics.tokens_to_reach([512.0 * k for k in range(1, 21)], smooth, mine)
-        per_seed.append(reach.tokens / (20 * 512.0))
+        mine = statistics.mean([2.0 + 1.25 * (1 + 0.02 * seed) * 8.0 / step for step in range(17, 21)])
+        ratio, bound = statistics.matched_ratio(tokens, base, tokens[-4:], mine)
+        assert bound is None
+        per_seed.append(ratio)
     assert s["value"] == pytest.approx(math.prod(per_seed) ** (1 / 3)) and s["low"] < s["value"] < s["high"]
-    assert s["bound"] is None and s["seeds"] == 3 and 0.7 < s["value"] < 1.0
+    # 2 + 1.25 c 8 / t is 2 + c 8 / t' at t' = 0.8 t: seed 0's speedup is 0.8 (up to the interpolation of 1/t).
+    assert s["bound"] is None and s["seeds"] == 3 and per_seed[0] == pytest.approx(0.8, abs=0.002)
 
 
-def test_speedup_against_the_baseline_mean_curve_when_seeds_differ():
+def test_speedup_of_seeds_the_baseline_did_not_run_pairs_every_seed_with_every_seed():
     runs = [made_up_run("AdamW", s, 1.0 + 0.02 * s) for s in range(2)] + [made_up_run("Slow", 5, 1.5)]
     s = summarize_sweep(runs, last_k=3)["best"]["Slow"]["speedup"]
-    assert s["matched"] == "against the baseline's mean curve"
-    mean_curve = [2.0 + 1.01 * 8.0 / step for step in (5, 10, 15, 20)]
-    reach = statistics.tokens_to_reach([512.0 * k for k in (5, 10, 15, 20)], mean_curve, 2.0 + 1.5 * 8.0 / 20)
-    assert s["value"] == pytest.approx(reach.tokens / (20 * 512.0))
+    assert s["matched"] == "unpaired: each seed against each of the baseline's (Welch)"
+    steps = (5, 10, 15, 20)
+    ratios = [
+        statistics.tokens_to_reach([512.0 * k for k in steps], [2.0 + c * 8.0 / k for k in steps], 2.6).tokens / 10240
+        for c in (1.0, 1.02)
+    ]
+    assert s["value"] == pytest.approx(math.sqrt(ratios[0] * ratios[1])) and s["low"] is None  # one seed of Slow
 
 
 def test_the_budget_fit_and_speedup_per_budget():

@@ -145,3 +145,71 @@ def test_each_edge_note_names_whose_best_setting_is_at_which_end():
     assert f"at the grid's edge: {baseline_edge}: may change with a wider grid" in rows["Muon"]
     assert "its best" not in rows["Muon"]
     assert f"at the grid's edge: its best lr 3e-3 is the largest tried; {baseline_edge}: may change" in rows["Lion"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Speedup at matched loss: no bias from the trailing mean, intervals at their level
+
+
+def test_a_made_up_speedup_of_a_half_reads_a_half_at_the_default_last_k():
+    from tests.study.test_study import made_up_run
+    from torchtitan.study.plan import DEFAULT_LAST_K
+    from torchtitan.study.summary import summarize_sweep
+
+    # Slow's training loss 2 + 16 / t is AdamW's 2 + 8 / t at half the tokens: a speedup of 0.5 at every step. Its
+    # final loss averages its last 10 steps; a window of fixed width read it as 0.65.
+    runs = [
+        made_up_run(o, s, scale * (1 + 0.01 * s), validation=False)
+        for o, scale in (("AdamW", 1.0), ("Slow", 2.0))
+        for s in range(2)
+    ]
+    report = summarize_sweep(runs, last_k=DEFAULT_LAST_K)
+    assert DEFAULT_LAST_K == 10 and not report["by_validation"]
+    s = report["best"]["Slow"]["speedup"]
+    assert s["bound"] is None and s["value"] == pytest.approx(0.5, abs=0.01)
+    assert all(p["ratio"] == pytest.approx(0.5, abs=0.01) for p in s["per_seed"])
+    # The fixed window, for the record: AdamW's trailing mean of 10 against Slow's final loss.
+    tokens = [512.0 * t for t in range(1, 21)]
+    base = statistics.trailing_mean([2.0 + 8.0 / t for t in range(1, 21)], 10)
+    final = statistics.mean([2.0 + 16.0 / t for t in range(11, 21)])
+    assert statistics.tokens_to_reach(tokens, base, final).tokens / tokens[-1] == pytest.approx(0.65, abs=0.01)
+
+
+def speedup_coverage(studies: int, speedup: float, paired: bool, seeds: int, rng) -> float:
+    """How often the speedup's 95% interval holds the true ``speedup`` over made-up studies. Seed j of the baseline
+    logs 2 + 8 / (t e^b_j) at steps 1..120, seed i of the optimizer 2 + 8 / (speedup t e^a_i) at steps 1..20: its
+    loss at every step is the baseline's at ``speedup`` e^(a_i - b_j) times the tokens. Paired seeds share an
+    effect c (a_i = c_i + e_i, b_i = c_i + f_i); unpaired ones are independent with the same spread."""
+    steps = np.arange(1, 121, dtype=float)
+    tokens, k = list(512.0 * steps), 10
+    covered = 0
+    for _ in range(studies):
+        if paired:
+            shared = rng.normal(0.0, 0.1, seeds)
+            a, b = shared + rng.normal(0.0, 0.05, seeds), shared + rng.normal(0.0, 0.05, seeds)
+        else:
+            a, b = rng.normal(0.0, math.hypot(0.1, 0.05), (2, seeds))
+        curves = [(tokens, list(2.0 + 8.0 / (steps * math.exp(bj)))) for bj in b]
+        finals = [
+            (float(np.mean(2.0 + 8.0 / (speedup * steps[20 - k : 20] * math.exp(ai)))), tokens[20 - k : 20]) for ai in a
+        ]
+        if paired:
+            s = statistics.speedup_at_matched_loss(curves, finals)
+        else:
+            s, _ = statistics.unpaired_speedup(curves, finals)
+        assert s.bound is None, s
+        covered += s.low <= speedup <= s.high
+    return covered / studies
+
+
+@pytest.mark.parametrize("paired", [True, False], ids=["paired", "unpaired"])
+@pytest.mark.parametrize("speedup", [0.5, 1.0, 2.0])
+def test_speedup_intervals_hold_their_level(paired, speedup):
+    # 3 seeds a side. Always run: 500 studies within 95% +- 3 s.e.; `pytest -s` with STUDY_COVERAGE_STUDIES=4000
+    # measures the issue's 4,000 (95% +- 2.5%).
+    import os
+
+    studies = int(os.environ.get("STUDY_COVERAGE_STUDIES", "500"))
+    rate = speedup_coverage(studies, speedup, paired, 3, np.random.default_rng(int(speedup * 10) + paired))
+    print(f"speedup {speedup}, {'paired' if paired else 'unpaired'}, {studies} studies: coverage {rate:.4f}")
+    assert abs(rate - 0.95) <= max(0.025, 3 * math.sqrt(0.95 * 0.05 / studies))

@@ -126,17 +126,22 @@ def edges_label(b: dict) -> str:
     )
 
 
+SPEEDUP_MATCHING = {"paired on (training seed, data seed)": "paired", "itself": ""}
+
+
 def speedup_text(s: Optional[dict]) -> str:
     if s is None:
         return "n/a"
+    matched = SPEEDUP_MATCHING.get(s.get("matched"), "unpaired")
+    how = f" ({matched})" if matched else ""
     if s["bound"] == "mixed":
         seeds = ", ".join(f"{_reach_bound(p['bound'])}{p['ratio']:.2f}×" for p in s["per_seed"])
-        return f"n/a: seeds bound it both ways ({seeds})"
+        return f"n/a: seeds bound it both ways ({seeds}){how}"
     if s["bound"] is not None:
-        return f"{s['bound']}{s['value']:.2f}× (every seed)"
+        return f"{s['bound']}{s['value']:.2f}× (every seed{', ' + matched if matched else ''})"
     if s["low"] is None:
-        return f"{s['value']:.2f}×"
-    return f"{s['value']:.2f}× [{s['low']:.2f}, {s['high']:.2f}]"
+        return f"{s['value']:.2f}×{how}"
+    return f"{s['value']:.2f}× [{s['low']:.2f}, {s['high']:.2f}]{how}"
 
 
 def _reach_bound(bound: Optional[str]) -> str:
@@ -244,6 +249,38 @@ def selection_note(report: dict) -> str:
     )
 
 
+def speedup_note(report: dict) -> str:
+    """How the speedup at matched loss is read, matched and given an interval."""
+    baseline, seeds = report["baseline"], report["seeds"]
+    if report["by_validation"]:
+        how = (
+            f"the tokens {baseline}'s best runs need to reach the optimizer's last validation loss (linear between "
+            f"{baseline}'s logged validation losses) / the tokens the optimizer used"
+        )
+    else:
+        k = report["last_k"]
+        how = (
+            f"the factor s for which {baseline}'s logged training loss, read at the tokens of the optimizer's last {k} "
+            f"logged steps each times s (linear between {baseline}'s logged points), averages to the optimizer's "
+            f"final loss (the mean over those {k} steps): the window scales with the speedup, as a run s times as "
+            "fast has over its last steps the loss the baseline has over s times their tokens (a window of fixed "
+            "width read a made-up speedup of 0.5 as 0.65 at k = 10)"
+        )
+    text = (
+        f"Speedup at matched loss = {how}; ≥x: {baseline} never got there (a lower bound); ≤x: it was there at its "
+        "first point (an upper bound)."
+    )
+    if seeds > 1:
+        text += (
+            f" Paired where both ran the same (training seed, data seed) pairs: the geometric mean and t interval "
+            f"of the per-seed speedups; unpaired otherwise: each seed against each of {baseline}'s, the geometric "
+            f"mean with Welch's interval from the spread of the optimizer's seeds and of {baseline}'s (both vary "
+            "the figure). Where a seed's figure is a bound, the bound every seed supports (every seed). The column "
+            f"says which; {baseline}'s own row is 1.00× by definition."
+        )
+    return text
+
+
 def family_notes(report: dict) -> list[str]:
     """How many comparisons the verdicts are, and how their words hold the family's level."""
     family = report.get("family") or {}
@@ -289,18 +326,7 @@ def notes(report: dict) -> list[str]:
     lines.append(selection_note(report))
     if not report["baseline_found"]:
         lines.append(f"The baseline {baseline} is not in this sweep: no differences or speedups.")
-    lines.append(
-        f"Speedup at matched loss = tokens {baseline}'s best run needs to reach the optimizer's final loss "
-        f"(interpolated along its {report['curve']} curve) / tokens the optimizer used; >x: {baseline} never got "
-        "there (a lower bound); <x: it was there at its first point (an upper bound)"
-        + (
-            "; with seeds the geometric mean and a t interval of the log speedups, or, where a seed's figure is a "
-            "bound, the bound that every seed's figure supports (≥x (every seed)). The baseline's own row is 1.00× "
-            "by definition."
-            if seeds > 1
-            else "."
-        )
-    )
+    lines.append(speedup_note(report))
     if report.get("older_runs"):
         lines.append(
             f"Not ranked: {len(report['older_runs'])} runs of earlier axes, which fit no setting of the current ones "

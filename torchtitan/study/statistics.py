@@ -234,24 +234,97 @@ def combine_speedups(per_seed: Sequence[tuple[float, Optional[str]]], confidence
     return Speedup(math.exp(centre), None, math.exp(centre - half), math.exp(centre + half), n, kept)
 
 
+Window = Sequence[float]  # the tokens of the logged points a run's final loss averages (one for a validation loss)
+
+
+def matched_ratio(tokens: Sequence[float], losses: Sequence[float], window: Window, target: float) -> tuple:
+    """(D_eff / D, bound): the scale c at which the baseline's raw curve (tokens, losses), read at the run's own
+    window points each times c (linear between its logged points), averages to ``target``, the run's final loss
+    (the mean of its losses at ``window``). The first such c from the smallest the curve allows (its window's first
+    point at the curve's first) to the largest (its window's last point at the curve's last); bound "<" when the
+    curve is already there at the smallest (an upper bound), ">" when it never gets there (a lower bound).
+
+    Scaling the window with c is what makes a trailing mean unbiased: a run that trains s times as fast has, over
+    its last k points, the loss the baseline has over those points' tokens times s, a window s times as wide (a
+    window of fixed width reads a faster run's smoothed loss against the baseline's narrower one)."""
+    if not tokens or len(tokens) != len(losses) or not window:
+        raise ValueError("matched_ratio needs a curve of at least one point and a window of at least one point")
+    curve_t, curve_l = np.asarray(tokens, dtype=float), np.asarray(losses, dtype=float)
+    at = np.asarray(window, dtype=float)
+    low, high = curve_t[0] / at[0], curve_t[-1] / at[-1]
+    if high < low:  # the run's window is wider, relatively, than the baseline's whole curve: never matched
+        return float(high), ">"
+    # The mean is linear in c between the scales where one of the window's points meets one of the curve's.
+    scales = curve_t[None, :] / at[:, None]
+    scales = np.unique(np.concatenate([[low, high], scales[(scales > low) & (scales < high)]]))
+    means = np.interp(scales[:, None] * at[None, :], curve_t, curve_l).mean(axis=1)
+    there = np.flatnonzero(means <= target)
+    if there.size == 0:
+        return float(high), ">"
+    i = int(there[0])
+    if i == 0:
+        return float(low), "<" if means[0] < target else None
+    fraction = (means[i - 1] - target) / (means[i - 1] - means[i])
+    return float(scales[i - 1] + fraction * (scales[i] - scales[i - 1])), None
+
+
+def _window(used) -> list[float]:
+    return [float(used)] if isinstance(used, (int, float)) else [float(t) for t in used]
+
+
 def speedup_at_matched_loss(
     baseline_curves: Sequence[tuple[Sequence[float], Sequence[float]]],
-    finals: Sequence[tuple[float, float]],
+    finals: Sequence[tuple[float, object]],
     confidence: float = CONFIDENCE,
 ) -> Speedup:
-    """Speedup over seeds: ``finals[i]`` = (final loss, tokens used) of seed i, matched against the baseline curve
-    ``baseline_curves[i]`` = (tokens, losses) (the same seed of the baseline, or its mean curve for every seed).
+    """Paired speedup over seeds: ``finals[i]`` = (final loss, tokens used, or the window of tokens its final loss
+    averages) of seed i, matched against ``baseline_curves[i]`` = (tokens, raw losses) of the same seed of the
+    baseline (:func:`matched_ratio`).
 
     Exact per-seed speedups give their geometric mean and the t interval of their logarithms (a ratio's spread is
     symmetric on a log scale); bounds among them give a bound every seed supports (:func:`combine_speedups`).
     """
     if not finals or len(finals) != len(baseline_curves):
         raise ValueError("speedup_at_matched_loss needs one baseline curve per seed")
-    per_seed = []
-    for (tokens, losses), (loss, used) in zip(baseline_curves, finals):
-        reach = tokens_to_reach(tokens, losses, loss)
-        per_seed.append((reach.tokens / used, reach.bound))
+    per_seed = [
+        matched_ratio(t, losses, _window(used), loss) for (t, losses), (loss, used) in zip(baseline_curves, finals)
+    ]
+    logs = [math.log(r) for r, b in per_seed if b is None]
+    if len(logs) == len(per_seed) > 1 and varied_nothing(logs, [1.0]):
+        return Speedup(math.exp(mean(logs)), None, None, None, len(per_seed), tuple(per_seed))
     return combine_speedups(per_seed, confidence)
+
+
+def unpaired_speedup(
+    baseline_curves: Sequence[tuple[Sequence[float], Sequence[float]]],
+    finals: Sequence[tuple[float, object]],
+    confidence: float = CONFIDENCE,
+) -> tuple[Speedup, list[list[tuple[float, Optional[str]]]]]:
+    """Speedup of runs whose seeds the baseline did not run: every run i matched against every baseline seed j
+    (:func:`matched_ratio`), log r_ij = log s + a_i - b_j, a run's luck and a baseline seed's. The geometric mean of
+    all r_ij, with Welch's interval from the spread of the per-run means (the run's seed-to-seed spread) and of the
+    per-baseline-seed means (the baseline's): matching against the baseline's mean curve as if it were exact left
+    the baseline's spread out. Bounds among the r_ij give a bound every pair supports. Also returns the matrix."""
+    if not finals or not baseline_curves:
+        raise ValueError("unpaired_speedup needs runs and baseline curves")
+    matrix = [[matched_ratio(t, losses, _window(used), loss) for t, losses in baseline_curves] for loss, used in finals]
+    pairs = [rb for row in matrix for rb in row]
+    if any(b is not None for _, b in pairs):
+        bounded = combine_speedups(pairs, confidence)
+        return Speedup(bounded.value, bounded.bound, None, None, len(finals), bounded.per_seed), matrix
+    logs = np.log(np.asarray([[r for r, _ in row] for row in matrix]))
+    centre = float(logs.mean())
+    per_run = tuple((float(math.exp(m)), None) for m in logs.mean(axis=1))
+    n_a, n_b = logs.shape
+    if n_a < 2 or n_b < 2:
+        return Speedup(math.exp(centre), None, None, None, n_a, per_run), matrix
+    rows, columns = logs.mean(axis=1), logs.mean(axis=0)
+    if varied_nothing(list(rows), [1.0]) or varied_nothing(list(columns), [1.0]):
+        return Speedup(math.exp(centre), None, None, None, n_a, per_run), matrix
+    va, vb = rows.var(ddof=1) / n_a, columns.var(ddof=1) / n_b
+    df = (va + vb) ** 2 / (va**2 / (n_a - 1) + vb**2 / (n_b - 1))
+    half = t_quantile(0.5 + confidence / 2.0, df) * math.sqrt(va + vb)
+    return Speedup(math.exp(centre), None, math.exp(centre - half), math.exp(centre + half), n_a, per_run), matrix
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -138,8 +138,11 @@ def sweep_run_summary(run: SweepRun, last_k: int, by_validation: bool) -> dict:
     if status["outcome"] != FINISHED:  # e.g. stopped by the guard (exit 3) before anything non-finite was logged
         summary["final_loss"] = summary["validation_loss"] = None
     summary["rank_loss"] = summary["validation_loss"] if by_validation else summary["final_loss"]
-    curve = loss_curve(run.scalars, by_validation, last_k)
-    summary["rank_tokens"] = curve[0][-1] if curve and summary["rank_loss"] is not None else None
+    curve = raw_curve(run.scalars, by_validation)
+    ranked = curve is not None and summary["rank_loss"] is not None
+    summary["rank_tokens"] = curve[0][-1] if ranked else None
+    # The tokens of the logged points its ranked loss averages: the last validation loss, or the last k losses.
+    summary["rank_window"] = (curve[0][-1:] if by_validation else curve[0][-last_k:]) if ranked else None
     return summary
 
 
@@ -149,6 +152,14 @@ def tokens_at(scalars: dict[str, Series], steps: Sequence[int]) -> list[float]:
     seen = scalars.get(TOKENS_SEEN)
     per_step = seen.values[-1] / seen.steps[-1] if seen and seen.steps[-1] > 0 else 1.0
     return [step * per_step for step in steps]
+
+
+def raw_curve(scalars: dict[str, Series], by_validation: bool) -> Optional[tuple[list, list]]:
+    """(tokens, loss) as logged, of the loss a study ranks by (validation, or training); None without that tag."""
+    series = scalars.get(VALIDATION_LOSS if by_validation else LOSS)
+    if series is None or not series.steps:
+        return None
+    return tokens_at(scalars, series.steps), list(series.values)
 
 
 def loss_curve(scalars: dict[str, Series], by_validation: bool, last_k: int) -> Optional[tuple[list, list]]:
@@ -250,36 +261,49 @@ def seeds_varied(summaries: Sequence[dict]) -> str:
     return f"model initialisation (training.seed); data order fixed (data seed {', '.join(map(str, data_seeds))})"
 
 
-def _mean_curve(curves: Sequence[tuple[list, list]]) -> tuple[list, list]:
-    """Mean over runs at the points every run logged (matched by tokens)."""
-    common = sorted(set.intersection(*(set(tokens) for tokens, _ in curves)))
-    maps = [dict(zip(tokens, losses)) for tokens, losses in curves]
-    return common, [sum(m[t] for m in maps) / len(maps) for t in common]
+PAIRED_SPEEDUP = "paired on (training seed, data seed)"
+UNPAIRED_SPEEDUP = "unpaired: each seed against each of the baseline's (Welch)"
+
+
+def _seed_key(run: dict) -> tuple:
+    return run["seed"], run["data_seed"]
 
 
 def _speedup_of(
     chosen: Sequence[dict], baseline: Sequence[dict], curves: dict[str, tuple[list, list]]
 ) -> Optional[dict]:
-    """Speedup at matched loss of one best cell against the baseline's best cell at the same budget: seed by seed
-    when both ran the same seeds, else each seed against the baseline's mean curve."""
-    finished = [r for r in chosen if r["outcome"] == FINISHED and r["rank_loss"] is not None]
-    base = {r["seed"]: curves[r["name"]] for r in baseline if r["name"] in curves}
+    """Speedup at matched loss of one best cell against the baseline's best cell at the same budget, along the
+    baseline's raw curves (``curves`` by run name) with each run's own window (:func:`statistics.matched_ratio`):
+    paired seed by seed when both ran the same (training seed, data seed) pairs, as the loss difference pairs them;
+    else every seed against every seed of the baseline (:func:`statistics.unpaired_speedup`)."""
+    finished = [r for r in chosen if _ranked(r) and r.get("rank_window")]
+    base = {_seed_key(r): curves[r["name"]] for r in baseline if r["name"] in curves}
     if not finished or not base:
         return None
-    paired = sorted(base) == sorted(r["seed"] for r in finished)
-    mean_curve = _mean_curve(list(base.values()))
-    if not paired and not mean_curve[0]:  # the baseline's seeds logged at no common point: no mean curve
-        return None
-    matched = [base[r["seed"]] if paired else mean_curve for r in finished]
-    s = statistics.speedup_at_matched_loss(matched, [(r["rank_loss"], r["rank_tokens"]) for r in finished])
+    mine = {_seed_key(r): r for r in finished}
+    finals = {k: (r["rank_loss"], r["rank_window"]) for k, r in mine.items()}
+    if sorted(mine) == sorted(base):
+        keys = sorted(mine)
+        s = statistics.speedup_at_matched_loss([base[k] for k in keys], [finals[k] for k in keys])
+        per_seed = [{"seed": k[0], "ratio": x, "bound": b} for k, (x, b) in zip(keys, s.per_seed)]
+        matched = PAIRED_SPEEDUP
+    else:
+        keys, base_keys = sorted(mine), sorted(base)
+        s, matrix = statistics.unpaired_speedup([base[k] for k in base_keys], [finals[k] for k in keys])
+        per_seed = [
+            {"seed": k[0], "baseline_seed": j[0], "ratio": x, "bound": b}
+            for k, row in zip(keys, matrix)
+            for j, (x, b) in zip(base_keys, row)
+        ]
+        matched = UNPAIRED_SPEEDUP
     return {
         "value": s.value,
         "bound": s.bound,
         "low": s.low,
         "high": s.high,
         "seeds": s.seeds,
-        "per_seed": [{"seed": r["seed"], "ratio": x, "bound": b} for r, (x, b) in zip(finished, s.per_seed)],
-        "matched": "seed by seed" if paired else "against the baseline's mean curve",
+        "per_seed": per_seed,
+        "matched": matched,
     }
 
 
@@ -535,7 +559,7 @@ def summarize_sweep(
         curves = {}
         for r in base_runs:
             if r["outcome"] == FINISHED:
-                curve = loss_curve(by_name[r["name"]].scalars, by_validation, last_k)
+                curve = raw_curve(by_name[r["name"]].scalars, by_validation)
                 if curve is not None:
                     curves[r["name"]] = curve
         for optimizer, b in best.items():
