@@ -316,9 +316,10 @@ def test_the_budget_fit_and_speedup_per_budget():
     assert report["best"]["AdamW"]["lr"] == 1e-3 and report["best"]["AdamW"]["settings"] == {"lr": 1e-3}
     md = format_markdown(report)
     assert "L(D) = 40 · D^(−0.3000) + 2.1000" in md
-    # Seeds without spread: the bootstrap over seeds has nothing to vary, its intervals are the points.
-    assert "| Muon | 1.50× [1.50, 1.50] | 1.50× [1.50, 1.50] | 1.50× [1.50, 1.50] | 1.50× [1.50, 1.50] |" in md
-    assert fit["interval"]["beta"] == pytest.approx([0.3, 0.3], rel=1e-4) and not fit["exact"]
+    # Seeds without spread: the bootstrap over seeds has nothing to draw from, and says so instead of an interval.
+    assert fit["interval"] is None and not fit["exact"]
+    assert "no bootstrap interval: the seeds of AdamW at 10,240 tokens, AdamW at 20,480 tokens" in md
+    assert "| AdamW | 1.00× (1 by definition: the baseline against its own fit) |" in md
     # The page draws the fit and D_eff / D, and shows its table.
     png = plot_budgets(report)
     assert png.startswith(b"\x89PNG") and len(png) > 10_000

@@ -213,3 +213,70 @@ def test_speedup_intervals_hold_their_level(paired, speedup):
     rate = speedup_coverage(studies, speedup, paired, 3, np.random.default_rng(int(speedup * 10) + paired))
     print(f"speedup {speedup}, {'paired' if paired else 'unpaired'}, {studies} studies: coverage {rate:.4f}")
     assert abs(rate - 0.95) <= max(0.025, 3 * math.sqrt(0.95 * 0.05 / studies))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The budget fit's bootstrap
+
+
+def law(d: float) -> float:
+    return 50.0 * d**-0.3 + 2.0
+
+
+FIT_BUDGETS = (1e6, 4e6, 1.6e7, 6.4e7)
+
+
+def fit_coverage(
+    studies: int, rng, resamples: int = statistics.BOOTSTRAP_RESAMPLES, shared: float = 0.008, own: float = 0.005
+) -> dict:
+    """How often each 95% interval of the fit holds its true value over made-up studies: four budgets 4x apart, three
+    seeds, each run's loss the law's plus a seed effect (sd ``shared``) and noise of its own (sd ``own``); an
+    unpaired target at 1.6e7 tokens with the loss the law gives at 1.2e7 (D_eff / D 0.75), and a paired one (the
+    baseline's seeds at 1.6e7) with the loss at 2.4e7 (1.5). Also the share of failed resamples."""
+    truth = {"alpha": 50.0, "beta": 0.3, "gamma": 2.0, "unpaired": 0.75, "paired": 1.5}
+    held = dict.fromkeys(truth, 0)
+    failed = 0
+    for _ in range(studies):
+        effect = rng.normal(0.0, shared, (len(FIT_BUDGETS), 3))
+        points = [(d, list(law(d) + effect[i] + rng.normal(0.0, own, 3))) for i, d in enumerate(FIT_BUDGETS)]
+        noise = rng.normal(0.0, shared, 3) + rng.normal(0.0, own, 3)
+        unpaired = statistics.FitTarget(1.6e7, list(law(1.2e7) + noise))
+        paired = statistics.FitTarget(1.6e7, list(law(2.4e7) + effect[2] + rng.normal(0.0, own, 3)), 2)
+        i = statistics.bootstrap_power_law(points, [unpaired, paired], resamples, seed=int(rng.integers(1 << 30)))
+        failed += i.failed
+        ends = {"alpha": i.alpha, "beta": i.beta, "gamma": i.gamma, "unpaired": i.speedups[0], "paired": i.speedups[1]}
+        for name, (low, high) in ends.items():
+            held[name] += low <= truth[name] <= high
+    return {**{k: v / studies for k, v in held.items()}, "failed": failed / (studies * resamples)}
+
+
+def test_the_fit_and_each_d_eff_interval_hold_their_level():
+    # Always run: 40 studies of 1000 resamples; `pytest -s` with STUDY_FIT_STUDIES=400 measures more.
+    import os
+
+    studies = int(os.environ.get("STUDY_FIT_STUDIES", "40"))
+    coverage = fit_coverage(studies, np.random.default_rng(5))
+    print(f"budget fit coverage over {studies} studies: {coverage}")
+    for name in ("alpha", "beta", "gamma", "unpaired", "paired"):
+        assert coverage[name] >= 0.9 - 3 * math.sqrt(0.95 * 0.05 / studies), (name, coverage)
+
+
+def test_the_baselines_own_d_eff_is_one_and_a_shared_draw_moves_with_its_point():
+    # A target that is the baseline's point itself (paired, no difference) is drawn with it: with three budgets the
+    # fit passes through the drawn points, so its D_eff / D is 1 in every resample.
+    rng = np.random.default_rng(2)
+    points = [(d, list(law(d) + rng.normal(0.0, 0.005, 3))) for d in FIT_BUDGETS[:3]]
+    itself = statistics.FitTarget(1.6e7, points[2][1], 2)
+    i = statistics.bootstrap_power_law(points, [itself], resamples=200)
+    assert i.speedups[0] == pytest.approx((1.0, 1.0), abs=1e-6)  # the resamples that fit, every one at 1
+    # Drawn apart from it (as before), the same losses gave a wide interval.
+    apart = statistics.bootstrap_power_law(points, [statistics.FitTarget(1.6e7, points[2][1])], resamples=200)
+    assert apart.speedups[0][1] - apart.speedups[0][0] > 0.2
+
+
+def test_failed_resamples_are_counted_at_both_ends_not_dropped():
+    assert statistics.percentile_interval(np.arange(1.0, 101.0), 0) == (3.0, 98.0)
+    # 10 of 110 failed: the 3rd smallest of 110 is a failure (-inf), the 108th one too (+inf).
+    assert statistics.percentile_interval(np.arange(1.0, 101.0), 10) == (-math.inf, math.inf)
+    # 10 of 1010: the 26th smallest is the 16th value, the 985th the 985th.
+    assert statistics.percentile_interval(np.arange(1.0, 1001.0), 10) == (16.0, 985.0)

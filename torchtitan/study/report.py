@@ -446,22 +446,35 @@ def budget_rows(report: dict) -> Optional[tuple[list[str], list[list[str]]]]:
         row = [optimizer]
         for d in budgets:
             e = by_budget.get(round(d))
-            row.append(
-                "not run"
-                if e is None
-                else f"below {fit['baseline']}'s floor"
-                if e["below_floor"]
-                else f"{e['speedup']:.2f}×{_interval_text(e.get('interval'))}"
-            )
+            row.append("not run" if e is None else _d_eff_text(e, fit))
         rows.append(row)
     return header, rows
 
 
-def _interval_text(interval: Optional[list]) -> str:
-    if interval is None:
-        return ""
-    low, high = (f"{x:.2f}" if x is not None else "∞ (below the floor)" for x in interval)
-    return f" [{low}, {high}]"
+def _d_eff_text(e: dict, fit: dict) -> str:
+    """A D_eff / D cell: the figure, its interval (an end no number holds: ∞) and why an end or the whole interval
+    is missing."""
+    if e["below_floor"]:
+        return f"below {fit['baseline']}'s floor"
+    note = f" ({e['interval_note']})" if e.get("interval_note") else ""
+    if e.get("interval") is None:
+        return f"{e['speedup']:.2f}×{note}"
+    low, high = e["interval"]
+    low_text = "0" if low is None else f"{low:.2f}"
+    high_text = "∞" if high is None else f"{high:.2f}"
+    paired = " paired" if e.get("paired") else ""
+    return f"{e['speedup']:.2f}× [{low_text}, {high_text}]{paired}{note}"
+
+
+def _end(x: Optional[float], digits: str, infinite: str) -> str:
+    return infinite if x is None else format(x, digits)
+
+
+# Measured over made-up studies (tests/study/test_verdict_levels.py, `pytest -s` with STUDY_FIT_STUDIES=400).
+FIT_COVERAGE_NOTE = (
+    "These intervals are conservative: over 400 made-up studies (four budgets, three seeds) each held its true value "
+    "99.5-100% of the time where 95% is nominal, so read them as at least 95% and about 5 points wider than needed"
+)
 
 
 def fit_text(report: dict) -> Optional[str]:
@@ -477,10 +490,15 @@ def fit_text(report: dict) -> Optional[str]:
     if i is None:
         text += f" {fit.get('interval_note', 'no bootstrap interval')}."
     else:
+        failed = i.get("failed", i["resamples"] - i["fits"])
         text += (
-            f" 95% bootstrap intervals over seeds ({i['fits']} of {i['resamples']} resamples fit): α "
-            f"[{i['alpha'][0]:.4g}, {i['alpha'][1]:.4g}], β [{i['beta'][0]:.4f}, {i['beta'][1]:.4f}], γ "
-            f"[{i['gamma'][0]:.4f}, {i['gamma'][1]:.4f}]."
+            f" 95% bootstrap intervals over seeds, {i['resamples']} resamples ({failed} found no power law"
+            + (", counted as unknown at both ends rather than dropped" if failed else "")
+            + f"): α [{_end(i['alpha'][0], '.4g', '−∞')}, {_end(i['alpha'][1], '.4g', '∞')}], β "
+            f"[{_end(i['beta'][0], '.4f', '−∞')}, {_end(i['beta'][1], '.4f', '∞')}], γ "
+            f"[{_end(i['gamma'][0], '.4f', '−∞')}, {_end(i['gamma'][1], '.4f', '∞')}]. {FIT_COVERAGE_NOTE} "
+            f"D_eff / D: a cell whose runs ran {fit['baseline']}'s seeds at its budget is drawn with "
+            f"{fit['baseline']}'s point there (paired); {fit['baseline']}'s own is 1 by definition."
         )
     if fit.get("exact"):
         text += (

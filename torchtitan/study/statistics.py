@@ -348,16 +348,67 @@ class PowerLaw:
         return (self.alpha / (loss - self.gamma)) ** (1.0 / self.beta)
 
 
-def _linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
-    """Least squares y = a * x + c: (a, c, sum of squared residuals)."""
-    mx, my = mean(xs), mean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-    c = my - a * mx
-    return a, c, sum((a * x + c - y) ** 2 for x, y in zip(xs, ys))
-
-
 _BETA_RANGE = (1e-3, 5.0)  # the exponents a fit may take; LLM loss-vs-data exponents are about 0.1 to 0.5
+_BETA_GRID = 201  # the coarse scan of log(beta), then golden-section refinement
+_GOLDEN_STEPS = 100
+
+
+@dataclass(frozen=True)
+class PowerLaws:
+    """Many fits at once (one per row of losses): ``ok`` False where no power law to read tokens from fits (then
+    the row's parameters are NaN)."""
+
+    alpha: np.ndarray
+    beta: np.ndarray
+    gamma: np.ndarray
+    sse: np.ndarray
+    ok: np.ndarray
+
+
+def fit_power_laws(tokens: Sequence[float], losses: np.ndarray) -> PowerLaws:
+    """:func:`fit_power_law` for each row of ``losses`` (rows x budgets), vectorized over the rows: the bootstrap
+    fits a thousand resamples in one call."""
+    losses = np.atleast_2d(np.asarray(losses, dtype=float))
+    d = np.asarray(tokens, dtype=float)
+    scale = d.max()  # D / max(D) keeps D^(-beta) near 1 for every beta
+    log_d = np.log(d / scale)
+    y_centred = losses - losses.mean(axis=1, keepdims=True)
+
+    def solve(log_beta: np.ndarray):
+        """Least squares L = a x + c with x = (D / scale)^(-beta), for betas broadcast against the rows."""
+        x = np.exp(-np.exp(log_beta)[..., None] * log_d)  # (..., budgets)
+        x_centred = x - x.mean(axis=-1, keepdims=True)
+        sxx = (x_centred**2).sum(axis=-1)
+        a = np.where(sxx > 0, (x_centred * y_centred).sum(axis=-1) / np.where(sxx > 0, sxx, 1.0), 0.0)
+        c = losses.mean(axis=1) - a * x.mean(axis=-1)
+        sse = ((a[..., None] * x + c[..., None] - losses) ** 2).sum(axis=-1)
+        return a, c, sse
+
+    def cost(log_beta: np.ndarray) -> np.ndarray:
+        a, _, sse = solve(log_beta)
+        return np.where(a > 0, sse, np.inf)
+
+    rows = losses.shape[0]
+    grid = np.log(_BETA_RANGE[0]) + np.arange(_BETA_GRID) * (
+        (np.log(_BETA_RANGE[1]) - np.log(_BETA_RANGE[0])) / (_BETA_GRID - 1)
+    )
+    costs = cost(np.broadcast_to(grid[:, None], (_BETA_GRID, rows)))  # (grid, rows)
+    best = np.argmin(costs, axis=0)
+    found = np.isfinite(costs[best, np.arange(rows)])
+    low, high = grid[np.maximum(best - 1, 0)], grid[np.minimum(best + 1, _BETA_GRID - 1)]
+    ratio = (math.sqrt(5.0) - 1.0) / 2.0
+    x1, x2 = high - ratio * (high - low), low + ratio * (high - low)
+    for _ in range(_GOLDEN_STEPS):
+        left = cost(x1) < cost(x2)  # the minimum lies in [low, x2]: drop (x2, high]; else in [x1, high]
+        high, low = np.where(left, x2, high), np.where(left, low, x1)
+        x1, x2 = np.where(left, high - ratio * (high - low), x2), np.where(left, x1, low + ratio * (high - low))
+    beta = np.exp((low + high) / 2.0)
+    a, gamma, sse = solve(np.log(beta))
+    at_an_end = ~((1.01 * _BETA_RANGE[0] < beta) & (beta < _BETA_RANGE[1] / 1.01))
+    ok = found & (a > 0) & ~at_an_end & (gamma >= 0) & (len(set(tokens)) >= 3)
+    nan = np.full(rows, np.nan)
+    # alpha * (D / scale)^(-beta) = (alpha * scale^beta) * D^(-beta)
+    return PowerLaws(np.where(ok, a * scale**beta, nan), np.where(ok, beta, nan), np.where(ok, gamma, nan), sse, ok)
 
 
 def fit_power_law(tokens: Sequence[float], losses: Sequence[float]) -> Optional[PowerLaw]:
@@ -371,51 +422,34 @@ def fit_power_law(tokens: Sequence[float], losses: Sequence[float]) -> Optional[
     """
     if len(set(tokens)) < 3 or len(tokens) != len(losses):
         return None
-    scale = max(tokens)  # D / max(D) keeps D^(-beta) near 1 for every beta
-
-    def solve(beta: float) -> tuple[float, float, float]:
-        xs = [(d / scale) ** (-beta) for d in tokens]
-        return _linear_fit(xs, losses)
-
-    def cost(log_beta: float) -> float:
-        a, _, sse = solve(math.exp(log_beta))
-        return sse if a > 0 else math.inf
-
-    grid = [
-        math.log(_BETA_RANGE[0]) + i * (math.log(_BETA_RANGE[1]) - math.log(_BETA_RANGE[0])) / 200 for i in range(201)
-    ]
-    costs = [cost(g) for g in grid]
-    best = min(range(len(grid)), key=costs.__getitem__)
-    if not math.isfinite(costs[best]):
+    fits = fit_power_laws(tokens, np.asarray([losses], dtype=float))
+    if not fits.ok[0]:
         return None
-    low, high = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
-    ratio = (math.sqrt(5.0) - 1.0) / 2.0
-    x1, x2 = high - ratio * (high - low), low + ratio * (high - low)
-    for _ in range(100):
-        if cost(x1) < cost(x2):
-            high, x2 = x2, x1
-            x1 = high - ratio * (high - low)
-        else:
-            low, x1 = x1, x2
-            x2 = low + ratio * (high - low)
-    beta = math.exp((low + high) / 2.0)
-    a, gamma, sse = solve(beta)
-    at_an_end = not (1.01 * _BETA_RANGE[0] < beta < _BETA_RANGE[1] / 1.01)
-    if not a > 0 or at_an_end or gamma < 0:
-        return None
-    # alpha * (D / scale)^(-beta) = (alpha * scale^beta) * D^(-beta)
-    return PowerLaw(a * scale**beta, beta, gamma, math.sqrt(sse / len(tokens)))
+    return PowerLaw(
+        float(fits.alpha[0]), float(fits.beta[0]), float(fits.gamma[0]), math.sqrt(float(fits.sse[0]) / len(tokens))
+    )
 
 
 BOOTSTRAP_RESAMPLES = 1000
 
 
 @dataclass(frozen=True)
+class FitTarget:
+    """A loss to read D_eff from: the ``tokens`` a cell used and its per-seed ``losses``. ``paired_with``: the index
+    of a fit point whose runs ran the same seeds in the same order (the same runs, or the baseline's at that budget
+    on those seeds), whose draw it then shares (see :func:`bootstrap_power_law`)."""
+
+    tokens: float
+    losses: Sequence[float]
+    paired_with: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class FitInterval:
-    """Percentile bootstrap intervals of a power-law fit: each budget's mean drawn from its t distribution (mean,
-    standard error, n - 1 degrees of freedom), the fit redone on the drawn means. ``speedups`` has one (low, high)
-    per target (inf: some resamples put the target's loss at or below the floor, where no budget reaches it);
-    ``fits`` is how many resamples gave a fit."""
+    """Percentile bootstrap intervals of a power-law fit (see :func:`bootstrap_power_law`). An end is -inf / inf
+    where the failed resamples alone reach past it (``failed`` of ``resamples`` found no power law), and a
+    D_eff / D's upper end inf also where resamples put its loss at or below the floor (``below_floor`` counts them
+    per target)."""
 
     alpha: tuple[float, float]
     beta: tuple[float, float]
@@ -423,46 +457,81 @@ class FitInterval:
     speedups: tuple[tuple[float, float], ...]
     fits: int
     resamples: int
+    below_floor: tuple[int, ...] = ()
+
+    @property
+    def failed(self) -> int:
+        return self.resamples - self.fits
+
+
+def percentile_interval(values: np.ndarray, failed: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The percentile interval of ``values`` plus ``failed`` resamples that gave no value, counted as unknown: at
+    -inf for the lower end and at inf for the upper (so that dropping them cannot narrow the interval)."""
+    values = np.sort(np.asarray(values, dtype=float))
+    total = len(values) + failed
+    tail = (1.0 - confidence) / 2.0
+    k_low, k_high = math.ceil(tail * total), math.ceil((1.0 - tail) * total)  # 1-based, as "inverted_cdf"
+    low = -math.inf if k_low <= failed else float(values[k_low - failed - 1])
+    high = math.inf if k_high > len(values) else float(values[k_high - 1])
+    return low, high
 
 
 def bootstrap_power_law(
     points: Sequence[tuple[float, Sequence[float]]],
-    targets: Sequence[tuple[float, Sequence[float]]] = (),
+    targets: Sequence = (),
     resamples: int = BOOTSTRAP_RESAMPLES,
     confidence: float = CONFIDENCE,
     seed: int = 0,
 ) -> Optional[FitInterval]:
     """Intervals for :func:`fit_power_law` over ``points`` = (tokens, per-seed losses) and for each target's
-    D_eff / D, target = (tokens it used, its per-seed losses). Seeded, so a report rebuilt is the same. None when
-    a budget or target has fewer than two seeds (no standard error) or fewer than half the resamples fit."""
-    if any(len(losses) < 2 for _, losses in (*points, *targets)):
+    D_eff / D (a :class:`FitTarget`, or (tokens, per-seed losses) drawn on its own). Seeded, so a report rebuilt is
+    the same. None when a budget or target has fewer than two seeds (no standard error).
+
+    Each resample draws each point's mean from its t distribution (mean + s / sqrt(n) T, T ~ t(n - 1): resampling
+    two or three seeds themselves covers far less than 95%), fits, and reads each target's drawn mean off the fit.
+    A target paired with a point draws its mean as that point's draw plus a draw of their paired mean difference
+    (the same runs: exactly the point's draw), so that what they share varies together. Resamples that fit no
+    power law are counted, not dropped (:func:`percentile_interval`)."""
+    targets = [t if isinstance(t, FitTarget) else FitTarget(t[0], t[1]) for t in targets]
+    if any(len(losses) < 2 for _, losses in points) or any(len(t.losses) < 2 for t in targets):
         return None
     rng = np.random.default_rng(seed)
 
-    def resampled_mean(losses: Sequence[float]) -> float:
-        # The mean as its t interval has it: m + (s / sqrt(n)) T with T ~ t(n - 1). Resampling the seeds themselves
-        # would cover far less than 95% with the two to five seeds a study has (about 50% of the time at two).
-        values = np.asarray(losses, dtype=float)
-        return float(values.mean() + values.std(ddof=1) / math.sqrt(len(values)) * rng.standard_t(len(values) - 1))
+    def draw(values: Sequence[float]) -> np.ndarray:
+        values = np.asarray(values, dtype=float)
+        spread = values.std(ddof=1) / math.sqrt(len(values))
+        return values.mean() + spread * rng.standard_t(len(values) - 1, resamples)
 
-    params, ratios = [], []
-    for _ in range(resamples):
-        fit = fit_power_law([d for d, _ in points], [resampled_mean(losses) for _, losses in points])
-        means = [resampled_mean(losses) for _, losses in targets]
-        if fit is None:
-            continue
-        params.append((fit.alpha, fit.beta, fit.gamma))
-        ratios.append([fit.tokens_for(m) / d for m, (d, _) in zip(means, targets)])
-    if len(params) < resamples / 2:
-        return None
-    tail = (1.0 - confidence) / 2.0
+    drawn = np.stack([draw(losses) for _, losses in points], axis=1)  # (resamples, points)
+    fits = fit_power_laws([d for d, _ in points], drawn)
+    ok = fits.ok
+    ratios, below = [], []
+    for t in targets:
+        if t.paired_with is None:
+            mean_drawn = draw(t.losses)
+        else:
+            base = points[t.paired_with][1]
+            if len(base) != len(t.losses):
+                raise ValueError("a paired target needs one loss per seed of its point, in the same order")
+            mean_drawn = drawn[:, t.paired_with] + draw([x - y for x, y in zip(t.losses, base)])
+        excess = mean_drawn[ok] - fits.gamma[ok]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            d_eff = np.where(
+                excess > 0, (fits.alpha[ok] / np.where(excess > 0, excess, 1.0)) ** (1.0 / fits.beta[ok]), np.inf
+            )
+        ratios.append(d_eff / t.tokens)
+        below.append(int(np.sum(excess <= 0)))
+    failed = int(resamples - ok.sum())
 
     def interval(values) -> tuple[float, float]:
-        low, high = np.quantile(np.asarray(values, dtype=float), [tail, 1.0 - tail], method="inverted_cdf")
-        return float(low), float(high)
+        return percentile_interval(values, failed, confidence)
 
-    columns = list(zip(*params))
-    per_target = tuple(interval([r[i] for r in ratios]) for i in range(len(targets)))
     return FitInterval(
-        interval(columns[0]), interval(columns[1]), interval(columns[2]), per_target, len(params), resamples
+        interval(fits.alpha[ok]),
+        interval(fits.beta[ok]),
+        interval(fits.gamma[ok]),
+        tuple(interval(r) for r in ratios),
+        int(ok.sum()),
+        resamples,
+        tuple(below),
     )

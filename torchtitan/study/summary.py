@@ -369,25 +369,28 @@ def _ranked(run: dict) -> bool:
     return run["outcome"] == FINISHED and run["rank_loss"] is not None
 
 
+def _by_seed(b: dict) -> dict:
+    return {tuple(k): loss for k, loss in zip(b["seed_keys"], b["seed_losses"])}
+
+
 def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -> Optional[dict]:
     """L(D) = alpha * D^(-beta) + gamma over the baseline's best cell at each budget (three or more), and each
     optimizer's D_eff / D at each budget: the budget the fitted baseline needs for that optimizer's loss over its
-    own; each with a 95% bootstrap interval over seeds. None with fewer than three budgets where the baseline
-    finished."""
-    points, seed_losses = [], []
+    own (the baseline's own is 1 by definition); each with a 95% bootstrap interval over seeds, a target that ran
+    the baseline's seeds at its budget drawn with the baseline's point there. None with fewer than three budgets
+    where the baseline finished."""
+    points = []  # (tokens, loss, budget, the baseline's best cell)
     for budget, best in best_by_budget.items():
         b = best.get(baseline)
         if budget is not None and b and b["loss_mean"] is not None and b["seed_losses"]:
-            points.append((_cell_tokens(summaries, baseline, budget, b["settings"]), b["loss_mean"]))
-            seed_losses.append(b["seed_losses"])
+            points.append((_cell_tokens(summaries, baseline, budget, b["settings"]), b["loss_mean"], budget, b))
     if len(points) < 3:
         return None
-    order = sorted(range(len(points)), key=lambda i: points[i])
-    points, seed_losses = [points[i] for i in order], [seed_losses[i] for i in order]
-    fit = statistics.fit_power_law([d for d, _ in points], [loss for _, loss in points])
+    points.sort(key=lambda p: p[:2])
+    fit = statistics.fit_power_law([p[0] for p in points], [p[1] for p in points])
     result = {
         "baseline": baseline,
-        "points": [{"tokens": d, "loss": loss} for d, loss in points],
+        "points": [{"tokens": d, "loss": loss} for d, loss, _, _ in points],
         "fit": None,
         "exact": len(points) == 3,  # three parameters through three points: no residual to judge the fit by
     }
@@ -398,13 +401,15 @@ def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -
         )
         return result
     result["fit"] = {"alpha": fit.alpha, "beta": fit.beta, "gamma": fit.gamma, "rms_residual": fit.rms_residual}
+    point_at = {budget: i for i, (_, _, budget, _) in enumerate(points)}
     speedups, targets = {}, []
     for budget, best in best_by_budget.items():
         for optimizer, b in best.items():
             if budget is None or b["loss_mean"] is None or not b["seed_losses"]:
                 continue
             tokens = _cell_tokens(summaries, optimizer, budget, b["settings"])
-            d_eff = fit.tokens_for(b["loss_mean"])
+            itself = optimizer == baseline
+            d_eff = tokens if itself else fit.tokens_for(b["loss_mean"])
             entry = {
                 "budget": budget,
                 "tokens": tokens,
@@ -415,28 +420,73 @@ def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -
                 "interval": None,
             }
             speedups.setdefault(optimizer, []).append(entry)
-            targets.append((entry, (tokens, b["seed_losses"])))
-    interval = statistics.bootstrap_power_law(list(zip([d for d, _ in points], seed_losses)), [t for _, t in targets])
-    if interval is None:
-        result["interval"] = None
-        result["interval_note"] = (
-            "no bootstrap interval: it needs two or more seeds at every budget and for every optimizer compared"
-        )
-    else:
-        result["interval"] = {
-            "alpha": list(interval.alpha),
-            "beta": list(interval.beta),
-            "gamma": list(interval.gamma),
-            "fits": interval.fits,
-            "resamples": interval.resamples,
-        }
-        for (entry, _), (low, high) in zip(targets, interval.speedups):
-            # An end at infinity (resamples that put the loss below the floor) is no number: null, said why.
-            entry["interval"] = [None if math.isinf(low) else low, None if math.isinf(high) else high]
-            if math.isinf(high):
-                entry["interval_note"] = "no upper end: some resamples put this loss at or below the fit's floor"
+            if itself:
+                entry["interval_note"] = "1 by definition: the baseline against its own fit"
+                continue
+            target = _fit_target(b, tokens, points, point_at.get(budget))
+            targets.append((entry, target, optimizer))
     result["speedups"] = {o: sorted(v, key=lambda x: x["budget"]) for o, v in speedups.items()}
+    why = _no_interval_reason([(f"{baseline} at {p[0]:,.0f} tokens", p[3]["seed_losses"]) for p in points])
+    why = why or _no_interval_reason([(f"{o} at {t.tokens:,.0f} tokens", t.losses) for _, t, o in targets])
+    if why is not None:
+        result["interval"], result["interval_note"] = None, f"no bootstrap interval: {why}"
+        for entry, _, _ in targets:
+            entry["interval_note"] = result["interval_note"]
+        return result
+    interval = statistics.bootstrap_power_law([(p[0], p[3]["seed_losses"]) for p in points], [t for _, t, _ in targets])
+    failed = interval.failed
+    result["interval"] = {
+        "alpha": _ends(interval.alpha),
+        "beta": _ends(interval.beta),
+        "gamma": _ends(interval.gamma),
+        "fits": interval.fits,
+        "failed": failed,
+        "resamples": interval.resamples,
+    }
+    no_fit = f"{failed} of {interval.resamples} resamples found no power law"
+    for (entry, target, _), (low, high), below in zip(targets, interval.speedups, interval.below_floor):
+        entry["interval"] = _ends((low, high))
+        entry["paired"] = target.paired_with is not None
+        notes = []
+        if math.isinf(low):
+            notes.append(f"no lower end: {no_fit}")
+        if math.isinf(high):
+            notes.append(
+                f"no upper end: {below} of {interval.resamples} resamples put this loss at or below the fit's floor"
+                if below
+                else f"no upper end: {no_fit}"
+            )
+        if notes:
+            entry["interval_note"] = "; ".join(notes)
     return result
+
+
+def _ends(interval: tuple[float, float]) -> list:
+    """An interval for JSON: an end at infinity (no number holds it) is null; the report says why."""
+    return [None if math.isinf(x) else x for x in interval]
+
+
+def _fit_target(b: dict, tokens: float, points: Sequence[tuple], at: Optional[int]) -> statistics.FitTarget:
+    """An optimizer's cell as a target of the fit, paired with the baseline's point at its budget when both ran the
+    same (training seed, data seed) pairs."""
+    mine = _by_seed(b)
+    if at is not None:
+        theirs = _by_seed(points[at][3])
+        if sorted(mine) == sorted(theirs):  # the target's losses in the order of the point's
+            order = [tuple(k) for k in points[at][3]["seed_keys"]]
+            return statistics.FitTarget(tokens, [mine[k] for k in order], at)
+    return statistics.FitTarget(tokens, b["seed_losses"])
+
+
+def _no_interval_reason(cells: Sequence[tuple[str, Sequence[float]]]) -> Optional[str]:
+    """Why no bootstrap interval can be given, naming the cells: one seed, or seeds that varied nothing."""
+    one = [name for name, losses in cells if len(losses) < 2]
+    if one:
+        return f"{', '.join(one)} {'has' if len(one) == 1 else 'have'} one seed (two or more give an interval)"
+    flat = [name for name, losses in cells if statistics.varied_nothing(losses)]
+    if flat:
+        return f"the seeds of {', '.join(flat)} varied nothing (no spread to draw from)"
+    return None
 
 
 def cell_runs(summaries: Sequence[dict], optimizer: str, budget, settings: Optional[dict]) -> list[dict]:
@@ -565,6 +615,7 @@ def summarize_sweep(
         for optimizer, b in best.items():
             chosen = cell_runs(verdict_runs, optimizer, budget, b["settings"]) if _judged(b) else []
             b["seed_losses"] = [r["rank_loss"] for r in chosen if _ranked(r)]
+            b["seed_keys"] = [list(_seed_key(r)) for r in chosen if _ranked(r)]  # in the order of seed_losses
             if optimizer == baseline:
                 b["versus_baseline"] = None
                 b["speedup"] = _own_speedup(chosen) if b["seed_losses"] else None
