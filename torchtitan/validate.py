@@ -116,11 +116,6 @@ def check_validation(job_config: JobConfig) -> None:
     name, path, split = validation_data(job_config)
     if name == "tokens":
         open_validation_windows(path, t.seq_len, v.seq_len or t.seq_len, split.every, v.windows, v.first_window)
-    elif v.first_window:
-        raise UserError(
-            f"validation.first_window {v.first_window} applies to tokens data; {name} data scores validation.steps "
-            "batches: leave validation.first_window at 0"
-        )
 
 
 def load_validation_batches(

@@ -72,3 +72,36 @@ def test_confirmation_seeds_are_never_seeds_an_earlier_selection_run_trained_on(
 
 def run_names(dump) -> list[str]:
     return sorted(p.name for p in (dump / "runs").iterdir())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fresh validation windows for confirmation
+
+
+def test_confirmation_runs_score_validation_windows_that_selection_never_scored(tmp_path):
+    from tests.data.test_validation import SEQ_LEN, TOKENIZER, random_tokens_folder
+    from torchtitan.datasets import build_tokenizer
+
+    # 40 windows, every 4th held out: 10 validation windows; selection scores 0-2, confirmation seed 2 scores 3-5
+    # and seed 3 scores 6-8.
+    folder = random_tokens_folder(tmp_path / "tokens", build_tokenizer(str(TOKENIZER)), 40)
+    train = ["--model.tokenizer_path", str(TOKENIZER), "--training.dataset", "tokens", "--training.dataset_path"]
+    train += [folder, "--training.seq_len", str(SEQ_LEN), "--validation.enable", "--validation.held_out_every", "4"]
+    train += ["--validation.windows", "3"]
+    dump = tmp_path / "sweep"
+    grid = ("--optimizers", "AdamW,Muon", "--lrs", "1e-3", "--seeds", "0,1", "--confirm-seeds", "2,3")
+    assert fake_sweep(dump, *grid, "--", *train, validation=True) == 0
+    commands = {p.name: (p / "command.sh").read_text() for p in (dump / "runs").iterdir()}
+    for name, command in commands.items():
+        first = {"seed2": "3", "seed3": "6"}.get(name.rsplit("_", 1)[-1])
+        assert ("--validation.first_window" in command) == (first is not None), name
+        assert first is None or f"--validation.first_window {first}" in command
+    page = html.unescape((dump / study_report.PAGE_NAME).read_text())
+    assert "Each confirmation seed scored validation windows of its own, which no selection run scored" in page
+    assert "(seed 2 3 to 5, seed 3 6 to 8; selection: 0 to 2)" in page
+    # With room for no second range, confirmation scores the selection's windows and the page says why.
+    dump = tmp_path / "small"
+    assert fake_sweep(dump, *grid, "--", *train[:-1], "6", validation=True) == 0
+    assert not any("first_window" in (p / "command.sh").read_text() for p in (dump / "runs").iterdir())
+    page = html.unescape((dump / study_report.PAGE_NAME).read_text())
+    assert "scored the selection's validation windows: the held-out data holds 10 validation windows, fewer" in page

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from torchtitan.config_manager import JOB_CONFIG_RECORD
 from torchtitan.errors import UserError
 from torchtitan.files import strict_json, write_text_atomically
+from torchtitan.study.confirmation import read_confirmation_windows
 from torchtitan.study.figures import plot_budgets, plot_main, plot_sensitivity, plot_study_health, plot_sweep
 from torchtitan.study.plan import (
     COMMAND_FILE,
@@ -241,7 +242,7 @@ def selection_note(report: dict) -> str:
         confirmation = ", ".join(map(str, report["confirmation_seeds"]))
         return (
             f"Best settings chosen on selection seeds {selection}; the verdict (loss, difference, speedup) uses only "
-            f"their runs on confirmation seeds {confirmation}. Settings tried: {tried}."
+            f"their runs on confirmation seeds {confirmation}. Settings tried: {tried}.{windows_note(report)}"
         )
     return (
         f"Best settings chosen and tested on the same seeds ({selection}): the verdict favours the optimizer that "
@@ -300,6 +301,30 @@ def family_notes(report: dict) -> list[str]:
         f"comparisons of equal optimizers the chance that some reads better or worse is up to "
         f"{100 * (1 - 0.95**m):.0f}%."
     ]
+
+
+def windows_note(report: dict) -> str:
+    """Which validation windows the confirmation runs scored: fresh ones, or the selection's and why."""
+    windows = report.get("confirmation_windows")
+    if not windows or not report["by_validation"]:
+        return ""
+    count, chosen = windows.get("windows"), windows.get("selection_first_window")
+    selection = f"(selection: {chosen} to {chosen + count - 1 if count else chosen})"
+    if "per_seed" in windows:
+        ranges = ", ".join(f"seed {seed} {first} to {first + count - 1}" for seed, first in windows["per_seed"].items())
+        return (
+            f" Each confirmation seed scored validation windows of its own, which no selection run scored "
+            f"({ranges}; {selection[1:]}: a setting's luck on any one set of windows varies from seed to seed, so the "
+            "interval counts it, and does not follow it from the windows that chose it into the verdict."
+        )
+    if "first_window" in windows:
+        first = windows["first_window"]
+        return (
+            f" Confirmation runs scored validation windows {first} to {first + count - 1}, which no selection run "
+            f"scored {selection}: a setting's luck on the windows that chose it does not follow it into the verdict "
+            "(one range for every seed: room for no more)."
+        )
+    return f" Confirmation runs scored the selection's validation windows: {windows['reason']}."
 
 
 def notes(report: dict) -> list[str]:
@@ -652,6 +677,7 @@ def write_report(
     report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE, confirm_seeds, axes)
     report["descents"] = descent_report(search, report["runs"])
     report["in_progress"] = in_progress
+    report["confirmation_windows"] = read_confirmation_windows(dump) if confirm_seeds else None
     if baseline is not None and not report["baseline_found"]:
         raise UserError(
             f"--baseline {baseline} is not an optimizer of this sweep ({', '.join(report['best'])}); name one of them"

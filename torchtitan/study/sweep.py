@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Optional
 
 from torchtitan.errors import UserError
-from torchtitan.study.confirmation import confirmation_specs, earlier_selection_seeds, parse_confirm_seeds
+from torchtitan.study.confirmation import (
+    confirmation_specs,
+    confirmation_windows,
+    earlier_selection_seeds,
+    parse_confirm_seeds,
+    write_confirmation_windows,
+)
 from torchtitan.study.earlier_runs import adopt_earlier_runs, current_axes
 from torchtitan.study.plan import (
     DEFAULT_LAST_K,
@@ -138,6 +144,10 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         if args.search == "coordinate":
             spaces = _search_spaces(specs, lrs, axes, train_args, args.start)
         preflight_jobs(_to_check(specs, spaces), config_file, nproc, train_args, args.vary_data_seed)
+        # Confirmation scores validation windows that selection never scored, where the held-out data has room.
+        windows = (
+            confirmation_windows(dump, recorded, confirm_seeds, config_file, train_args) if confirm_seeds else None
+        )
         settings = {"config_file": config_file, "nproc": nproc, "train_args": train_args}
         if args.vary_data_seed:  # recorded only when set, so that sweeps started before the flag resume
             settings["vary_data_seed"] = True
@@ -188,7 +198,8 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
             else:
                 ended = all(d.state == "converged" for *_, d in found)
             if confirm_seeds and not failed and ended:
-                confirming = confirmation_specs(dump, last_k, confirm_seeds)
+                write_confirmation_windows(dump, windows)
+                confirming = confirmation_specs(dump, last_k, confirm_seeds, windows)
                 interim.expect("confirmation", confirming)
                 statuses = run_all(runner, confirming)
                 failed = [s for s in statuses if s["outcome"] == FAILED]
