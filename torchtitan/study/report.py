@@ -33,6 +33,7 @@ from torchtitan.study.search import descent_report, read_search
 from torchtitan.study.summary import (
     CONFIRMATION_PENDING,
     DEFAULT_BASELINE,
+    HOLM,
     TPS_WARMUP_LOGS,
     cell_runs,
     settings_label,
@@ -662,19 +663,24 @@ def format_html(report: dict, figures: dict[str, Optional[bytes]], title: str) -
 
 
 def write_report(
-    dump: Path, last_k: int, baseline: Optional[str] = None, in_progress: Optional[str] = None
+    dump: Path,
+    last_k: int,
+    baseline: Optional[str] = None,
+    in_progress: Optional[str] = None,
+    family_correction: str = HOLM,
 ) -> Optional[dict]:
     """sweep.png, sweep.md, sweep.json and study.html in the dump folder; None when no run has ended yet.
 
     ``baseline`` None compares with AdamW where the sweep has it; a named baseline must be in the sweep.
-    ``in_progress``: what a study still training has pending, said first on the page."""
+    ``in_progress``: what a study still training has pending, said first on the page. ``family_correction``: the
+    verdicts' words from Holm-adjusted p-values, or "unadjusted" (``summary.verdict_family``)."""
     runs = load_sweep_runs(dump)
     if not runs:
         return None
     search = read_search(dump)
     confirm_seeds = (search or {}).get("confirm_seeds", [])
     axes = (search or {}).get("axes")
-    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE, confirm_seeds, axes)
+    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE, confirm_seeds, axes, family_correction)
     report["descents"] = descent_report(search, report["runs"])
     report["in_progress"] = in_progress
     report["confirmation_windows"] = read_confirmation_windows(dump) if confirm_seeds else None
@@ -715,8 +721,9 @@ class InterimReport:
     that cannot be written yet (runs on other data, or any other failure) is one line, and the runs go on; the final
     report says it again and fails."""
 
-    def __init__(self, dump: Path, last_k: int, baseline: Optional[str]):
+    def __init__(self, dump: Path, last_k: int, baseline: Optional[str], family_correction: str = HOLM):
         self.dump, self.last_k, self.baseline = dump, last_k, baseline
+        self.family_correction = family_correction
         self.last = time.monotonic()
         self.pending = lambda: "runs are training."
 
@@ -733,7 +740,7 @@ class InterimReport:
         if time.monotonic() - self.last < INTERIM_REPORT_SECONDS:
             return
         try:
-            write_report(self.dump, self.last_k, self.baseline, self.pending())
+            write_report(self.dump, self.last_k, self.baseline, self.pending(), self.family_correction)
             print(f"report so far: {self.dump / PAGE_NAME}", flush=True)
         except Exception as e:  # noqa: BLE001 - a report that fails must not stop the runs; the final one raises
             print(f"note: no report yet: {e}", flush=True)

@@ -158,7 +158,7 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         with lock_sweep(dump):
             check_settings(dump, settings)
             launcher = shlex.split(args.launcher)
-            interim = InterimReport(dump, last_k, args.baseline)
+            interim = InterimReport(dump, last_k, args.baseline, args.family_correction)
             if slurm is None:
                 runner = Runner(dump, config_file, nproc, train_args, launcher, slots, args.vary_data_seed, interim)
             else:
@@ -207,7 +207,7 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
                 ended = all(is_done(s) for s in statuses)
             # Under Slurm the sweep may leave while runs train: the page says what is still pending.
             in_progress = None if ended or failed else interim.pending()
-    report = write_report(dump, last_k, args.baseline, in_progress)
+    report = write_report(dump, last_k, args.baseline, in_progress, args.family_correction)
     if report is None and not print_states(dump) and slurm is None:
         raise UserError(f"no run in '{dump}' has ended yet; run the sweep first")
     if report is not None:
