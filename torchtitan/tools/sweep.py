@@ -4,7 +4,8 @@
         [--seeds 0,1,2] [--vary-data-seed] [--axis [OPTIMIZER:]SECTION.KEY=V1,V2 ...] \\
         [--search grid | coordinate [--start [OPTIMIZER:]SECTION.KEY=V ...]] [--budgets 2e8,4e8 | 1x,2x] \\
         [--warmup-fraction F] [--baseline AdamW] [--nproc N] [--parallel K] [--config-file X.toml] \\
-        [--last-k 10] [--confirm-seeds 3,4,5] [--family-correction Holm|unadjusted] [--scheduler slurm [--slurm-partition P] [--slurm-time T] ... [--wait]] \\
+        [--last-k 10] [--confirm-seeds 3,4,5] [--family-correction Holm|unadjusted] \\
+        [--scheduler slurm [--slurm-partition P] [--slurm-time T] ... [--wait]] \\
         -- [train.py options]
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only [--baseline AdamW]
 
