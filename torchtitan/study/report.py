@@ -345,8 +345,13 @@ def notes(report: dict) -> list[str]:
         lines.append(
             f"± is the 95% confidence interval of the mean over seeds (Student's t); the difference from "
             f"{baseline} is mean minus {baseline}'s mean with a 95% interval, paired (the t interval of per-seed "
-            "differences) where both ran the same training and data seeds, else Welch's: better / worse where the "
-            "whole interval is below / above 0, else no detectable difference."
+            "differences) where both ran the same training and data seeds, else Welch's"
+            + (
+                "; its words follow the family's correction (next)."
+                if (report.get("family") or {}).get("correction") == "Holm" and report["family"]["comparisons"]
+                else ": better / worse where the whole interval is below / above 0, else no detectable difference."
+            )
+            + " Where a side's seeds varied nothing: no interval and no verdict."
         )
         lines += family_notes(report)
     lines.append(selection_note(report))
@@ -522,7 +527,7 @@ def fit_text(report: dict) -> Optional[str]:
             + (", counted as unknown at both ends rather than dropped" if failed else "")
             + f"): α [{_end(i['alpha'][0], '.4g', '−∞')}, {_end(i['alpha'][1], '.4g', '∞')}], β "
             f"[{_end(i['beta'][0], '.4f', '−∞')}, {_end(i['beta'][1], '.4f', '∞')}], γ "
-            f"[{_end(i['gamma'][0], '.4f', '−∞')}, {_end(i['gamma'][1], '.4f', '∞')}]. {FIT_COVERAGE_NOTE} "
+            f"[{_end(i['gamma'][0], '.4f', '−∞')}, {_end(i['gamma'][1], '.4f', '∞')}]. {FIT_COVERAGE_NOTE}. "
             f"D_eff / D: a cell whose runs ran {fit['baseline']}'s seeds at its budget is drawn with "
             f"{fit['baseline']}'s point there (paired); {fit['baseline']}'s own is 1 by definition."
         )
