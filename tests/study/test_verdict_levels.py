@@ -324,3 +324,27 @@ def test_fresh_windows_per_seed_keep_a_settings_window_luck_out_of_the_confirmed
     print(f"confirmed false better, per-setting window effect sd 0.005: {rates}")
     assert rates["per seed"] <= 0.025 + 3 * math.sqrt(0.025 * 0.975 / studies)
     assert rates["same"] > 0.05 and rates["shared"] > rates["per seed"]
+
+
+def test_each_missing_fit_interval_names_its_true_reason():
+    from tests.study.test_study import TOKENS_PER_STEP, made_up_run
+    from torchtitan.study.report import format_markdown
+    from torchtitan.study.summary import summarize_sweep
+
+    # AdamW at four budgets with three varied seeds; Muon with one seed at the largest budget: the reason names it.
+    runs = []
+    for steps in (20, 40, 80, 160):
+        tokens = steps * TOKENS_PER_STEP
+        scale = (40.0 * tokens**-0.3 + 0.1) * steps / 8.0
+        runs += [made_up_run("AdamW", s, scale * (1 + 0.01 * s), steps=steps, budget=tokens) for s in range(3)]
+        seeds = range(1) if steps == 160 else range(3)
+        runs += [made_up_run("Muon", s, 0.9 * scale * (1 + 0.013 * s), steps=steps, budget=tokens) for s in seeds]
+    fit = summarize_sweep(runs, last_k=3)["budget_fit"]
+    assert fit["interval"] is None
+    assert (
+        fit["interval_note"]
+        == "no bootstrap interval: Muon at 81,920 tokens has one seed (two or more give an interval)"
+    )
+    assert "no bootstrap interval: Muon at 81,920 tokens has one seed" in format_markdown(
+        summarize_sweep(runs, last_k=3)
+    )
