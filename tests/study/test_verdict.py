@@ -283,14 +283,19 @@ def test_a_verdict_waits_for_its_confirmation_runs(tmp_path):
     ids=["one-of-two-ended", "one-diverged", "one-failed"],
 )
 def test_a_verdict_reads_every_confirmation_seed_or_none(confirmation, state, words):
-    # Muon is better on every seed that finished; a verdict from the survivors alone would say "better".
+    # Muon is better on every seed that finished (each seed scales both losses by 1 + 0.01 seed); a verdict from the
+    # survivors alone would say "better".
     from tests.study.test_study import made_up_run
     from torchtitan.study.report import format_markdown
     from torchtitan.study.summary import summarize_sweep
 
-    runs = [made_up_run(o, seed, scale) for o, scale in (("AdamW", 1.0), ("Muon", 0.5)) for seed in (0, 1, 2, 3)]
+    runs = [
+        made_up_run(o, seed, scale * (1 + 0.01 * seed))
+        for o, scale in (("AdamW", 1.0), ("Muon", 0.5))
+        for seed in (0, 1, 2, 3)
+    ]
     runs = [r for r in runs if not (r.spec.optimizer == "Muon" and r.spec.seed in (2, 3))]
-    runs += [made_up_run(o, seed, 0.5, outcome=outcome) for o, seed, outcome in confirmation]
+    runs += [made_up_run(o, seed, 0.5 * (1 + 0.01 * seed), outcome=outcome) for o, seed, outcome in confirmation]
     report = summarize_sweep(runs, last_k=3, confirm_seeds=[2, 3])
     muon = report["best"]["Muon"]
     assert muon["confirmation"] == state and report["best"]["AdamW"]["confirmation"] == "finished"
@@ -299,7 +304,7 @@ def test_a_verdict_reads_every_confirmation_seed_or_none(confirmation, state, wo
     assert words in row and "better" not in row
     # Every seed finished: the verdict.
     runs = [r for r in runs if not (r.spec.optimizer == "Muon" and r.spec.seed in (2, 3))]
-    runs += [made_up_run("Muon", seed, 0.5) for seed in (2, 3)]
+    runs += [made_up_run("Muon", seed, 0.5 * (1 + 0.01 * seed)) for seed in (2, 3)]
     done = summarize_sweep(runs, last_k=3, confirm_seeds=[2, 3])["best"]["Muon"]
     assert done["confirmation"] == "finished" and done["versus_baseline"]["verdict"] == "better"
 

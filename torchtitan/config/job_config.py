@@ -169,6 +169,11 @@ class JobConfig:
                 f"validation.windows ({v.windows}: the same windows at any layout); remove validation.steps or set "
                 "validation.windows"
             )
+        if not reads_tokens and v.first_window:
+            raise UserError(
+                "validation.first_window numbers windows of tokens data, but validation reads "
+                f"{v.dataset or t.dataset} data, scored by validation.steps; remove validation.first_window"
+            )
         if not reads_tokens and v.windows != defaults.windows:
             raise UserError(
                 f"validation.windows counts windows of tokens data, but validation reads {v.dataset or t.dataset} "

@@ -587,19 +587,26 @@ def build_tokens_data_loader(
 
 
 def open_validation_windows(
-    path: str, train_seq_len: int, seq_len: int, every: int, count: int
+    path: str, train_seq_len: int, seq_len: int, every: int, count: int, first: int = 0
 ) -> tuple[TokenArray, WindowSplit, int]:
     """(tokens, split, validation windows per split window) of a tokens folder's validation windows (see
-    ``validation_windows``); UserError when it holds fewer than ``count``. Reads the manifest and shard headers only."""
+    ``validation_windows``); UserError when it holds fewer than ``first + count``. Reads the manifest and shard
+    headers only."""
     train_window, window = train_seq_len + 1, seq_len + 1
     _, tokens, split = open_tokens(path, train_window if every else window, every, every > 0, "validation")
     pieces = train_window // window if every else 1
     total = split.count * pieces
-    if total < count:
+    if total < first + count:
         where = f"the held-out split (1 in {every} windows of {train_window} tokens)" if every else f"'{path}'"
+        wanted = (
+            f"validation.first_window {first} + validation.windows {count}" if first else f"validation.windows {count}"
+        )
         raise UserError(
-            f"{where} holds {total:,} validation windows of {window} tokens, fewer than validation.windows {count}; "
-            "lower validation.windows" + (" or validation.held_out_every" if every else "") + ", or give more data"
+            f"{where} holds {total:,} validation windows of {window} tokens, fewer than {wanted}; lower "
+            + ("validation.first_window or " if first else "")
+            + "validation.windows"
+            + (" or validation.held_out_every" if every else "")
+            + ", or give more data"
         )
     return tokens, split, pieces
 
@@ -613,21 +620,25 @@ def validation_windows(
     dp_degree: int,
     every: int,
     count: int,
+    first_window: int = 0,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's share of validation windows ``0 .. count - 1`` of a tokens folder, in batches.
+    """This rank's share of validation windows ``first_window .. first_window + count - 1`` of a tokens folder, in
+    batches (a study's confirmation runs score windows its selection runs did not).
 
     With ``every`` > 0 the validation windows are the held-out windows of the training windows (``train_seq_len + 1``
     tokens), each cut into ``(train_seq_len + 1) // (seq_len + 1)`` validation windows, numbered in index order; with
-    0, every window of ``seq_len + 1`` tokens. Which windows are scored depends on ``count`` and the data only: rank
-    ``r`` of ``D`` takes windows ``r * count // D`` up to ``(r + 1) * count // D``. Every rank returns as many
+    0, every window of ``seq_len + 1`` tokens. Which windows are scored depends on ``first_window``, ``count`` and
+    the data only: rank ``r`` of ``D`` takes windows ``first_window`` plus ``r * count // D`` up to
+    ``(r + 1) * count // D``. Every rank returns as many
     batches (each forward of a sharded model is a collective), enough for the largest share in batches of at most
     ``batch_size``, its windows spread evenly over them; a rank with fewer windows than batches (``batch_size`` 1, or
     fewer windows than ranks) ends with padding batches of one window whose labels are all ``IGNORE_INDEX``, which
     count for nothing.
     """
     train_window, window = train_seq_len + 1, seq_len + 1
-    tokens, split, pieces = open_validation_windows(path, train_seq_len, seq_len, every, count)
-    first, end = dp_rank * count // dp_degree, (dp_rank + 1) * count // dp_degree
+    tokens, split, pieces = open_validation_windows(path, train_seq_len, seq_len, every, count, first_window)
+    first = first_window + dp_rank * count // dp_degree
+    end = first_window + (dp_rank + 1) * count // dp_degree
     most = (count + dp_degree - 1) // dp_degree  # windows of the ranks with the most
     batches_per_rank = (most + batch_size - 1) // batch_size
 
@@ -638,6 +649,6 @@ def validation_windows(
     parts = np.array_split(np.arange(first, end, dtype=np.int64), batches_per_rank)
     batches = [tokens.rows(starts(part), window) for part in parts if len(part)]
     while len(batches) < batches_per_rank:
-        inputs, labels = tokens.rows(starts(np.zeros(1, dtype=np.int64)), window)
+        inputs, labels = tokens.rows(starts(np.full(1, first_window, dtype=np.int64)), window)
         batches.append((inputs, torch.full_like(labels, IGNORE_INDEX)))
     return batches

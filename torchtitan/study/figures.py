@@ -15,7 +15,7 @@ from torchtitan.study.summary import loss_curve, run_settings, settings_label
 
 
 def _mean_curve(series: Sequence[Series]) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Mean, min and max over runs at the steps every run logged."""
+    """Mean, min and max over runs (one at least) at the steps every run logged."""
     steps = sorted(set.intersection(*(set(s.steps) for s in series)))
     columns = [[dict(zip(s.steps, s.values))[step] for s in series] for step in steps]
     return steps, [sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns]
@@ -214,7 +214,7 @@ def plot_sweep(runs: Sequence[SweepRun], report: dict, out: Path) -> None:
         seeds = f", {len(chosen)} seeds" if len(chosen) > 1 else ""
         for tag, marker, suffix in ((LOSS, "", ""), (VALIDATION_LOSS, "o", " (validation)")):
             series = [r.scalars[tag] for r in chosen if tag in r.scalars]
-            if len(series) != len(chosen):
+            if not series or len(series) != len(chosen):  # none yet: confirmation runs still to come
                 continue
             steps, mean, low, high = _mean_curve(series)
             curves.plot(

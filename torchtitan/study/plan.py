@@ -84,6 +84,9 @@ class RunSpec:
     seed: int
     budget: Optional[Budget] = None
     options: tuple[tuple[str, str], ...] = ()  # (train.py option, value as given) of every swept axis, by option
+    # (train.py option, value) this run sets that keys no cell: not in its name or status (a confirmation run's
+    # fresh validation windows)
+    extra_options: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -324,6 +327,8 @@ def spec_options(spec: RunSpec, vary_data_seed: bool = False) -> list[str]:
             "--training.warmup_steps",
             str(spec.budget.warmup_steps),
         ]
+    for key, value in spec.extra_options:
+        options += [f"--{key}", value]
     return options + ([f"--{DATA_SEED_OPTION}", str(spec.seed)] if vary_data_seed else [])
 
 

@@ -16,13 +16,24 @@ from typing import Optional, Sequence
 from torchtitan.config.job_config import JOB_CONFIG_RECORD
 from torchtitan.errors import UserError
 from torchtitan.files import strict_json, write_text_atomically
+from torchtitan.study.confirmation import read_confirmation_windows
 from torchtitan.study.figures import plot_budgets, plot_main, plot_sensitivity, plot_study_health, plot_sweep
-from torchtitan.study.plan import COMMAND_FILE, DIVERGED, FAILED, FINISHED, LOG_FILE, lr_label, tokens_label
-from torchtitan.study.run_folders import load_sweep_runs
+from torchtitan.study.plan import (
+    COMMAND_FILE,
+    DIVERGED,
+    FAILED,
+    FINISHED,
+    LOG_FILE,
+    RUNS_FOLDER,
+    lr_label,
+    tokens_label,
+)
+from torchtitan.study.run_folders import load_sweep_runs, read_status
 from torchtitan.study.search import descent_report, read_search
 from torchtitan.study.summary import (
     CONFIRMATION_PENDING,
     DEFAULT_BASELINE,
+    HOLM,
     TPS_WARMUP_LOGS,
     cell_runs,
     settings_label,
@@ -75,17 +86,39 @@ def versus_text(optimizer: str, b: dict, report: dict) -> str:
         return f"no verdict: {report['baseline']} {CONFIRMATION_TEXT[base['confirmation']]}"
     if v is None:
         return "one seed: no verdict"
-    text = f"{v['difference']:+.4f} [{v['low']:+.4f}, {v['high']:+.4f}] ({v.get('method', 'Welch')}), {v['verdict']}"
+    text = f"{v['difference']:+.4f}{difference_interval_text(v)}, {v['verdict']}"
+    if v.get("p_holm") is not None:
+        text += f" (Holm p = {_p_text(v['p_holm'])}, family of {report['family']['comparisons']})"
     return text + edge_text(b, report)
 
 
+def difference_interval_text(v: dict) -> str:
+    """The difference's interval and how it was matched; none where the seeds varied nothing."""
+    method = v.get("method", "Welch")
+    if v["low"] is None:
+        return f" (no interval: no spread, {method})"
+    level = "unadjusted 95%" if v.get("p_holm") is not None else "95%"
+    return f" [{v['low']:+.4f}, {v['high']:+.4f}] ({method}, {level})"
+
+
+def _p_text(p: float) -> str:
+    return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
+
+
 def edge_text(b: dict, report: dict) -> str:
-    """ "; at the grid's edge (...)" when a best setting, the optimizer's or the baseline's, is at an end of its
-    grid: the verdict may change with a wider grid."""
-    edges = [(report["best"][report["baseline"]].get("edges") if report["baseline_found"] else None) or [], b["edges"]]
-    if not any(edges):
+    """ "; at the grid's edge: ..." when a best setting, the optimizer's or the baseline's, is at an end of its grid
+    (the verdict may change with a wider grid), naming whose setting and which end."""
+    baseline = report["baseline"]
+    base = (report["best"][baseline].get("edges") if report["baseline_found"] else None) or []
+    parts = [f"its best {_edge_words(e)}" for e in b.get("edges") or []]
+    parts += [f"{baseline}'s (the baseline's) best {_edge_words(e)}" for e in base]
+    if not parts:
         return ""
-    return "; at the grid's edge: may change with a wider grid"
+    return f"; at the grid's edge: {'; '.join(parts)}: may change with a wider grid"
+
+
+def _edge_words(edge: dict) -> str:
+    return f"{edge['setting']} {_value_text(edge['setting'], edge['value'])} is the {edge['end']} tried"
 
 
 def edges_label(b: dict) -> str:
@@ -95,17 +128,22 @@ def edges_label(b: dict) -> str:
     )
 
 
+SPEEDUP_MATCHING = {"paired on (training seed, data seed)": "paired", "itself": ""}
+
+
 def speedup_text(s: Optional[dict]) -> str:
     if s is None:
         return "n/a"
+    matched = SPEEDUP_MATCHING.get(s.get("matched"), "unpaired")
+    how = f" ({matched})" if matched else ""
     if s["bound"] == "mixed":
         seeds = ", ".join(f"{_reach_bound(p['bound'])}{p['ratio']:.2f}×" for p in s["per_seed"])
-        return f"n/a: seeds bound it both ways ({seeds})"
+        return f"n/a: seeds bound it both ways ({seeds}){how}"
     if s["bound"] is not None:
-        return f"{s['bound']}{s['value']:.2f}× (every seed)"
+        return f"{s['bound']}{s['value']:.2f}× (every seed{', ' + matched if matched else ''})"
     if s["low"] is None:
-        return f"{s['value']:.2f}×"
-    return f"{s['value']:.2f}× [{s['low']:.2f}, {s['high']:.2f}]"
+        return f"{s['value']:.2f}×{how}"
+    return f"{s['value']:.2f}× [{s['low']:.2f}, {s['high']:.2f}]{how}"
 
 
 def _reach_bound(bound: Optional[str]) -> str:
@@ -205,7 +243,7 @@ def selection_note(report: dict) -> str:
         confirmation = ", ".join(map(str, report["confirmation_seeds"]))
         return (
             f"Best settings chosen on selection seeds {selection}; the verdict (loss, difference, speedup) uses only "
-            f"their runs on confirmation seeds {confirmation}. Settings tried: {tried}."
+            f"their runs on confirmation seeds {confirmation}. Settings tried: {tried}.{windows_note(report)}"
         )
     return (
         f"Best settings chosen and tested on the same seeds ({selection}): the verdict favours the optimizer that "
@@ -213,10 +251,88 @@ def selection_note(report: dict) -> str:
     )
 
 
+def speedup_note(report: dict) -> str:
+    """How the speedup at matched loss is read, matched and given an interval."""
+    baseline, seeds = report["baseline"], report["seeds"]
+    if report["by_validation"]:
+        how = (
+            f"the tokens {baseline}'s best runs need to reach the optimizer's last validation loss (linear between "
+            f"{baseline}'s logged validation losses) / the tokens the optimizer used"
+        )
+    else:
+        k = report["last_k"]
+        how = (
+            f"the factor s for which {baseline}'s logged training loss, read at the tokens of the optimizer's last {k} "
+            f"logged steps each times s (linear between {baseline}'s logged points), averages to the optimizer's "
+            f"final loss (the mean over those {k} steps): the window scales with the speedup, as a run s times as "
+            "fast has over its last steps the loss the baseline has over s times their tokens (a window of fixed "
+            "width read a made-up speedup of 0.5 as 0.65 at k = 10)"
+        )
+    text = (
+        f"Speedup at matched loss = {how}; ≥x: {baseline} never got there (a lower bound); ≤x: it was there at its "
+        "first point (an upper bound)."
+    )
+    if seeds > 1:
+        text += (
+            f" Paired where both ran the same (training seed, data seed) pairs: the geometric mean and t interval "
+            f"of the per-seed speedups; unpaired otherwise: each seed against each of {baseline}'s, the geometric "
+            f"mean with Welch's interval from the spread of the optimizer's seeds and of {baseline}'s (both vary "
+            "the figure). Where a seed's figure is a bound, the bound every seed supports (every seed). The column "
+            f"says which; {baseline}'s own row is 1.00× by definition."
+        )
+    return text
+
+
+def family_notes(report: dict) -> list[str]:
+    """How many comparisons the verdicts are, and how their words hold the family's level."""
+    family = report.get("family") or {}
+    m, baseline = family.get("comparisons", 0), report["baseline"]
+    if m == 0:
+        return []
+    if family["correction"] == "Holm":
+        return [
+            f"The verdicts are one family of {m} comparison{'s' if m > 1 else ''} (each optimizer against {baseline} "
+            "at each budget, wherever both have an interval): a verdict reads better / worse only where its "
+            "Holm-adjusted p is below 0.05 (Holm's step-down correction), which keeps the chance of any false "
+            f"better or worse among the {m} at 5% or less; the intervals shown are each at 95%, unadjusted, so one "
+            "that excludes 0 may still read no detectable difference."
+        ]
+    return [
+        f"The {m} verdicts (each optimizer against {baseline} at each budget) are each at 95%, unadjusted: among {m} "
+        f"comparisons of equal optimizers the chance that some reads better or worse is up to "
+        f"{100 * (1 - 0.95**m):.0f}%."
+    ]
+
+
+def windows_note(report: dict) -> str:
+    """Which validation windows the confirmation runs scored: fresh ones, or the selection's and why."""
+    windows = report.get("confirmation_windows")
+    if not windows or not report["by_validation"]:
+        return ""
+    count, chosen = windows.get("windows"), windows.get("selection_first_window")
+    selection = f"(selection: {chosen} to {chosen + count - 1 if count else chosen})"
+    if "per_seed" in windows:
+        ranges = ", ".join(f"seed {seed} {first} to {first + count - 1}" for seed, first in windows["per_seed"].items())
+        return (
+            f" Each confirmation seed scored validation windows of its own, which no selection run scored "
+            f"({ranges}; {selection[1:]}: a setting's luck on any one set of windows varies from seed to seed, so the "
+            "interval counts it, and does not follow it from the windows that chose it into the verdict."
+        )
+    if "first_window" in windows:
+        first = windows["first_window"]
+        return (
+            f" Confirmation runs scored validation windows {first} to {first + count - 1}, which no selection run "
+            f"scored {selection}: a setting's luck on the windows that chose it does not follow it into the verdict "
+            "(one range for every seed: room for no more)."
+        )
+    return f" Confirmation runs scored the selection's validation windows: {windows['reason']}."
+
+
 def notes(report: dict) -> list[str]:
     """The lines that say what the numbers are: ranking, baseline, intervals, seeds, data."""
     seeds, baseline = report["seeds"], report["baseline"]
-    lines = [
+    lines = [f"Study in progress: {report['in_progress']}"] if report.get("in_progress") else []
+    lines += [
         f"Ranked by the {report['ranked_by']}; best settings = lowest mean over seeds among the settings where no "
         "seed diverged or failed.",
     ]
@@ -229,24 +345,19 @@ def notes(report: dict) -> list[str]:
         lines.append(
             f"± is the 95% confidence interval of the mean over seeds (Student's t); the difference from "
             f"{baseline} is mean minus {baseline}'s mean with a 95% interval, paired (the t interval of per-seed "
-            "differences) where both ran the same training and data seeds, else Welch's: better / worse where the "
-            "whole interval is below / above 0, else no detectable difference."
+            "differences) where both ran the same training and data seeds, else Welch's"
+            + (
+                "; its words follow the family's correction (next)."
+                if (report.get("family") or {}).get("correction") == "Holm" and report["family"]["comparisons"]
+                else ": better / worse where the whole interval is below / above 0, else no detectable difference."
+            )
+            + " Where a side's seeds varied nothing: no interval and no verdict."
         )
+        lines += family_notes(report)
     lines.append(selection_note(report))
     if not report["baseline_found"]:
         lines.append(f"The baseline {baseline} is not in this sweep: no differences or speedups.")
-    lines.append(
-        f"Speedup at matched loss = tokens {baseline}'s best run needs to reach the optimizer's final loss "
-        f"(interpolated along its {report['curve']} curve) / tokens the optimizer used; >x: {baseline} never got "
-        "there (a lower bound); <x: it was there at its first point (an upper bound)"
-        + (
-            "; with seeds the geometric mean and a t interval of the log speedups, or, where a seed's figure is a "
-            "bound, the bound that every seed's figure supports (≥x (every seed)). The baseline's own row is 1.00× "
-            "by definition."
-            if seeds > 1
-            else "."
-        )
-    )
+    lines.append(speedup_note(report))
     if report.get("older_runs"):
         lines.append(
             f"Not ranked: {len(report['older_runs'])} runs of earlier axes, which fit no setting of the current ones "
@@ -377,22 +488,35 @@ def budget_rows(report: dict) -> Optional[tuple[list[str], list[list[str]]]]:
         row = [optimizer]
         for d in budgets:
             e = by_budget.get(round(d))
-            row.append(
-                "not run"
-                if e is None
-                else f"below {fit['baseline']}'s floor"
-                if e["below_floor"]
-                else f"{e['speedup']:.2f}×{_interval_text(e.get('interval'))}"
-            )
+            row.append("not run" if e is None else _d_eff_text(e, fit))
         rows.append(row)
     return header, rows
 
 
-def _interval_text(interval: Optional[list]) -> str:
-    if interval is None:
-        return ""
-    low, high = (f"{x:.2f}" if x is not None else "∞ (below the floor)" for x in interval)
-    return f" [{low}, {high}]"
+def _d_eff_text(e: dict, fit: dict) -> str:
+    """A D_eff / D cell: the figure, its interval (an end no number holds: ∞) and why an end or the whole interval
+    is missing."""
+    if e["below_floor"]:
+        return f"below {fit['baseline']}'s floor"
+    note = f" ({e['interval_note']})" if e.get("interval_note") else ""
+    if e.get("interval") is None:
+        return f"{e['speedup']:.2f}×{note}"
+    low, high = e["interval"]
+    low_text = "0" if low is None else f"{low:.2f}"
+    high_text = "∞" if high is None else f"{high:.2f}"
+    paired = " paired" if e.get("paired") else ""
+    return f"{e['speedup']:.2f}× [{low_text}, {high_text}]{paired}{note}"
+
+
+def _end(x: Optional[float], digits: str, infinite: str) -> str:
+    return infinite if x is None else format(x, digits)
+
+
+# Measured over made-up studies (tests/study/test_verdict_levels.py, `pytest -s` with STUDY_FIT_STUDIES=400).
+FIT_COVERAGE_NOTE = (
+    "These intervals are conservative: over 400 made-up studies (four budgets, three seeds) each held its true value "
+    "99.5-100% of the time where 95% is nominal, so read them as at least 95% and about 5 points wider than needed"
+)
 
 
 def fit_text(report: dict) -> Optional[str]:
@@ -408,10 +532,15 @@ def fit_text(report: dict) -> Optional[str]:
     if i is None:
         text += f" {fit.get('interval_note', 'no bootstrap interval')}."
     else:
+        failed = i.get("failed", i["resamples"] - i["fits"])
         text += (
-            f" 95% bootstrap intervals over seeds ({i['fits']} of {i['resamples']} resamples fit): α "
-            f"[{i['alpha'][0]:.4g}, {i['alpha'][1]:.4g}], β [{i['beta'][0]:.4f}, {i['beta'][1]:.4f}], γ "
-            f"[{i['gamma'][0]:.4f}, {i['gamma'][1]:.4f}]."
+            f" 95% bootstrap intervals over seeds, {i['resamples']} resamples ({failed} found no power law"
+            + (", counted as unknown at both ends rather than dropped" if failed else "")
+            + f"): α [{_end(i['alpha'][0], '.4g', '−∞')}, {_end(i['alpha'][1], '.4g', '∞')}], β "
+            f"[{_end(i['beta'][0], '.4f', '−∞')}, {_end(i['beta'][1], '.4f', '∞')}], γ "
+            f"[{_end(i['gamma'][0], '.4f', '−∞')}, {_end(i['gamma'][1], '.4f', '∞')}]. {FIT_COVERAGE_NOTE}. "
+            f"D_eff / D: a cell whose runs ran {fit['baseline']}'s seeds at its budget is drawn with "
+            f"{fit['baseline']}'s point there (paired); {fit['baseline']}'s own is 1 by definition."
         )
     if fit.get("exact"):
         text += (
@@ -549,18 +678,28 @@ def format_html(report: dict, figures: dict[str, Optional[bytes]], title: str) -
 # The report files
 
 
-def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Optional[dict]:
+def write_report(
+    dump: Path,
+    last_k: int,
+    baseline: Optional[str] = None,
+    in_progress: Optional[str] = None,
+    family_correction: str = HOLM,
+) -> Optional[dict]:
     """sweep.png, sweep.md, sweep.json and study.html in the dump folder; None when no run has ended yet.
 
-    ``baseline`` None compares with AdamW where the sweep has it; a named baseline must be in the sweep."""
+    ``baseline`` None compares with AdamW where the sweep has it; a named baseline must be in the sweep.
+    ``in_progress``: what a study still training has pending, said first on the page. ``family_correction``: the
+    verdicts' words from Holm-adjusted p-values, or "unadjusted" (``summary.verdict_family``)."""
     runs = load_sweep_runs(dump)
     if not runs:
         return None
     search = read_search(dump)
     confirm_seeds = (search or {}).get("confirm_seeds", [])
     axes = (search or {}).get("axes")
-    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE, confirm_seeds, axes)
+    report = summarize_sweep(runs, last_k, baseline or DEFAULT_BASELINE, confirm_seeds, axes, family_correction)
     report["descents"] = descent_report(search, report["runs"])
+    report["in_progress"] = in_progress
+    report["confirmation_windows"] = read_confirmation_windows(dump) if confirm_seeds else None
     if baseline is not None and not report["baseline_found"]:
         raise UserError(
             f"--baseline {baseline} is not an optimizer of this sweep ({', '.join(report['best'])}); name one of them"
@@ -579,20 +718,45 @@ def write_report(dump: Path, last_k: int, baseline: Optional[str] = None) -> Opt
     return report
 
 
+def pending_text(dump: Path, phase: str, names: Sequence[str], then: str = "") -> str:
+    """What a study still training has to do: how many of this phase's runs (``names``) have ended, the first few
+    still to end, and what comes after (``then``)."""
+    waiting = [n for n in names if read_status(dump / RUNS_FOLDER / n) is None]
+    shown = ", ".join(waiting[:PENDING_NAMES_SHOWN]) + (", ..." if len(waiting) > PENDING_NAMES_SHOWN else "")
+    text = f"{len(names) - len(waiting)} of {len(names)} {phase} runs have ended"
+    text += f"; pending: {shown}" if waiting else ""
+    return text + (f"; then {then}" if then else "") + "."
+
+
+PENDING_NAMES_SHOWN = 6
+
+
 class InterimReport:
     """The report rewritten while a sweep trains, after a run ends and at most every ``INTERIM_REPORT_SECONDS``, so
-    that ``study.html`` shows a long study as it stands. A report that cannot be written yet (runs on other data, or
-    any other failure) is one line, and the runs go on; the final report says it again and fails."""
+    that ``study.html`` shows a long study as it stands, and what it still has pending (:meth:`expect`). A report
+    that cannot be written yet (runs on other data, or any other failure) is one line, and the runs go on; the final
+    report says it again and fails."""
 
-    def __init__(self, dump: Path, last_k: int, baseline: Optional[str]):
+    def __init__(self, dump: Path, last_k: int, baseline: Optional[str], family_correction: str = HOLM):
         self.dump, self.last_k, self.baseline = dump, last_k, baseline
+        self.family_correction = family_correction
         self.last = time.monotonic()
+        self.pending = lambda: "runs are training."
+
+    def expect(self, phase: str, specs: Sequence, then: str = "") -> None:
+        """The runs of the phase now training (``specs``: their names are their folders) and what comes next."""
+        names = [s.name for s in specs]
+        self.pending = lambda: pending_text(self.dump, phase, names, then)
+
+    def say(self, text: str) -> None:
+        """What is pending, in words (a descent's runs are known only one step at a time)."""
+        self.pending = lambda: text
 
     def __call__(self) -> None:
         if time.monotonic() - self.last < INTERIM_REPORT_SECONDS:
             return
         try:
-            write_report(self.dump, self.last_k, self.baseline)
+            write_report(self.dump, self.last_k, self.baseline, self.pending(), self.family_correction)
             print(f"report so far: {self.dump / PAGE_NAME}", flush=True)
         except Exception as e:  # noqa: BLE001 - a report that fails must not stop the runs; the final one raises
             print(f"note: no report yet: {e}", flush=True)

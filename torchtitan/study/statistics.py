@@ -53,24 +53,32 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> Optional
 
 
 PAIRED, WELCH = "paired", "Welch"
+NO_SPREAD = "no verdict: the seeds varied nothing"
 
 
 @dataclass(frozen=True)
 class Difference:
     """mean(a) - mean(b) with its confidence interval: ``method`` "paired" (the t interval of per-seed differences,
-    for runs that share their seeds) or "Welch" (unequal variances, Welch–Satterthwaite df)."""
+    for runs that share their seeds) or "Welch" (unequal variances, Welch–Satterthwaite df).
+
+    When a side's seeds (or, paired, the per-seed differences) all gave the same value there is no spread to judge a
+    difference by: ``low``, ``high``, ``df`` and ``p_value`` are None and the verdict is :data:`NO_SPREAD` (a zero
+    width interval would call 1e-7 "better")."""
 
     difference: float
-    low: float
-    high: float
-    df: Optional[float]  # None when there is no spread at all (the interval is then the point itself)
+    low: Optional[float]
+    high: Optional[float]
+    df: Optional[float]
     n_a: int
     n_b: int
     method: str = WELCH
+    p_value: Optional[float] = None  # two-sided, of "no difference", from the same t distribution as the interval
 
     @property
     def verdict(self) -> str:
         """For losses (lower is better): a is better when the whole interval is below 0, worse when above."""
+        if self.low is None or self.high is None:
+            return NO_SPREAD
         return verdict_of(self.low, self.high)
 
 
@@ -82,18 +90,33 @@ def verdict_of(low: float, high: float) -> str:
     return NO_DIFFERENCE
 
 
+def varied_nothing(values: Sequence[float], scale: Sequence[float] = ()) -> bool:
+    """Whether ``values`` are all the same up to float rounding (their spread at most 1e-12 of the largest magnitude
+    among them and ``scale``): seeds that changed nothing, so no spread to judge a difference by."""
+    largest = max((abs(v) for v in (*values, *scale)), default=0.0)
+    return max(values) - min(values) <= 1e-12 * largest
+
+
+def _t_p_value(statistic: float, df: float) -> float:
+    """Two-sided p of a t statistic with ``df`` degrees of freedom."""
+    import scipy.stats
+
+    return float(2.0 * scipy.stats.t.sf(abs(statistic), df))
+
+
 def welch_difference(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> Optional[Difference]:
     """Welch's t interval of mean(a) - mean(b); None unless both sides have at least two values."""
     if len(a) < 2 or len(b) < 2:
         return None
     difference = mean(a) - mean(b)
     va, vb = sample_variance(a) / len(a), sample_variance(b) / len(b)
+    if varied_nothing(a) or varied_nothing(b):  # a side whose seeds varied nothing: no estimate of the noise
+        return Difference(difference, None, None, None, len(a), len(b))
     se = math.sqrt(va + vb)
-    if se == 0.0:
-        return Difference(difference, difference, difference, None, len(a), len(b))
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     half = t_quantile(0.5 + confidence / 2.0, df) * se
-    return Difference(difference, difference - half, difference + half, df, len(a), len(b))
+    p = _t_p_value(difference / se, df)
+    return Difference(difference, difference - half, difference + half, df, len(a), len(b), WELCH, p)
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> Optional[Difference]:
@@ -106,10 +129,24 @@ def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float 
     differences = [x - y for x, y in zip(a, b)]
     centre, n = mean(differences), len(differences)
     se = math.sqrt(sample_variance(differences) / n)
-    if se == 0.0:
-        return Difference(centre, centre, centre, None, n, n, PAIRED)
+    if varied_nothing(a) or varied_nothing(b) or varied_nothing(differences, (*a, *b)):
+        return Difference(centre, None, None, None, n, n, PAIRED)
     half = t_quantile(0.5 + confidence / 2.0, n - 1) * se
-    return Difference(centre, centre - half, centre + half, n - 1, n, n, PAIRED)
+    return Difference(centre, centre - half, centre + half, n - 1, n, n, PAIRED, _t_p_value(centre / se, n - 1))
+
+
+def holm_adjusted(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (each compared with the family's level, e.g. 0.05): the smallest p times
+    the family's size m, the next times m - 1, ..., each at least the one before and at most 1. Rejecting where the
+    adjusted p is below the level keeps the chance of any false rejection in the family at that level, whatever the
+    dependence between the tests."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -197,24 +234,97 @@ def combine_speedups(per_seed: Sequence[tuple[float, Optional[str]]], confidence
     return Speedup(math.exp(centre), None, math.exp(centre - half), math.exp(centre + half), n, kept)
 
 
+Window = Sequence[float]  # the tokens of the logged points a run's final loss averages (one for a validation loss)
+
+
+def matched_ratio(tokens: Sequence[float], losses: Sequence[float], window: Window, target: float) -> tuple:
+    """(D_eff / D, bound): the scale c at which the baseline's raw curve (tokens, losses), read at the run's own
+    window points each times c (linear between its logged points), averages to ``target``, the run's final loss
+    (the mean of its losses at ``window``). The first such c from the smallest the curve allows (its window's first
+    point at the curve's first) to the largest (its window's last point at the curve's last); bound "<" when the
+    curve is already there at the smallest (an upper bound), ">" when it never gets there (a lower bound).
+
+    Scaling the window with c is what makes a trailing mean unbiased: a run that trains s times as fast has, over
+    its last k points, the loss the baseline has over those points' tokens times s, a window s times as wide (a
+    window of fixed width reads a faster run's smoothed loss against the baseline's narrower one)."""
+    if not tokens or len(tokens) != len(losses) or not window:
+        raise ValueError("matched_ratio needs a curve of at least one point and a window of at least one point")
+    curve_t, curve_l = np.asarray(tokens, dtype=float), np.asarray(losses, dtype=float)
+    at = np.asarray(window, dtype=float)
+    low, high = curve_t[0] / at[0], curve_t[-1] / at[-1]
+    if high < low:  # the run's window is wider, relatively, than the baseline's whole curve: never matched
+        return float(high), ">"
+    # The mean is linear in c between the scales where one of the window's points meets one of the curve's.
+    scales = curve_t[None, :] / at[:, None]
+    scales = np.unique(np.concatenate([[low, high], scales[(scales > low) & (scales < high)]]))
+    means = np.interp(scales[:, None] * at[None, :], curve_t, curve_l).mean(axis=1)
+    there = np.flatnonzero(means <= target)
+    if there.size == 0:
+        return float(high), ">"
+    i = int(there[0])
+    if i == 0:
+        return float(low), "<" if means[0] < target else None
+    fraction = (means[i - 1] - target) / (means[i - 1] - means[i])
+    return float(scales[i - 1] + fraction * (scales[i] - scales[i - 1])), None
+
+
+def _window(used) -> list[float]:
+    return [float(used)] if isinstance(used, (int, float)) else [float(t) for t in used]
+
+
 def speedup_at_matched_loss(
     baseline_curves: Sequence[tuple[Sequence[float], Sequence[float]]],
-    finals: Sequence[tuple[float, float]],
+    finals: Sequence[tuple[float, object]],
     confidence: float = CONFIDENCE,
 ) -> Speedup:
-    """Speedup over seeds: ``finals[i]`` = (final loss, tokens used) of seed i, matched against the baseline curve
-    ``baseline_curves[i]`` = (tokens, losses) (the same seed of the baseline, or its mean curve for every seed).
+    """Paired speedup over seeds: ``finals[i]`` = (final loss, tokens used, or the window of tokens its final loss
+    averages) of seed i, matched against ``baseline_curves[i]`` = (tokens, raw losses) of the same seed of the
+    baseline (:func:`matched_ratio`).
 
     Exact per-seed speedups give their geometric mean and the t interval of their logarithms (a ratio's spread is
     symmetric on a log scale); bounds among them give a bound every seed supports (:func:`combine_speedups`).
     """
     if not finals or len(finals) != len(baseline_curves):
         raise ValueError("speedup_at_matched_loss needs one baseline curve per seed")
-    per_seed = []
-    for (tokens, losses), (loss, used) in zip(baseline_curves, finals):
-        reach = tokens_to_reach(tokens, losses, loss)
-        per_seed.append((reach.tokens / used, reach.bound))
+    per_seed = [
+        matched_ratio(t, losses, _window(used), loss) for (t, losses), (loss, used) in zip(baseline_curves, finals)
+    ]
+    logs = [math.log(r) for r, b in per_seed if b is None]
+    if len(logs) == len(per_seed) > 1 and varied_nothing(logs, [1.0]):
+        return Speedup(math.exp(mean(logs)), None, None, None, len(per_seed), tuple(per_seed))
     return combine_speedups(per_seed, confidence)
+
+
+def unpaired_speedup(
+    baseline_curves: Sequence[tuple[Sequence[float], Sequence[float]]],
+    finals: Sequence[tuple[float, object]],
+    confidence: float = CONFIDENCE,
+) -> tuple[Speedup, list[list[tuple[float, Optional[str]]]]]:
+    """Speedup of runs whose seeds the baseline did not run: every run i matched against every baseline seed j
+    (:func:`matched_ratio`), log r_ij = log s + a_i - b_j, a run's luck and a baseline seed's. The geometric mean of
+    all r_ij, with Welch's interval from the spread of the per-run means (the run's seed-to-seed spread) and of the
+    per-baseline-seed means (the baseline's): matching against the baseline's mean curve as if it were exact left
+    the baseline's spread out. Bounds among the r_ij give a bound every pair supports. Also returns the matrix."""
+    if not finals or not baseline_curves:
+        raise ValueError("unpaired_speedup needs runs and baseline curves")
+    matrix = [[matched_ratio(t, losses, _window(used), loss) for t, losses in baseline_curves] for loss, used in finals]
+    pairs = [rb for row in matrix for rb in row]
+    if any(b is not None for _, b in pairs):
+        bounded = combine_speedups(pairs, confidence)
+        return Speedup(bounded.value, bounded.bound, None, None, len(finals), bounded.per_seed), matrix
+    logs = np.log(np.asarray([[r for r, _ in row] for row in matrix]))
+    centre = float(logs.mean())
+    per_run = tuple((float(math.exp(m)), None) for m in logs.mean(axis=1))
+    n_a, n_b = logs.shape
+    if n_a < 2 or n_b < 2:
+        return Speedup(math.exp(centre), None, None, None, n_a, per_run), matrix
+    rows, columns = logs.mean(axis=1), logs.mean(axis=0)
+    if varied_nothing(list(rows), [1.0]) or varied_nothing(list(columns), [1.0]):
+        return Speedup(math.exp(centre), None, None, None, n_a, per_run), matrix
+    va, vb = rows.var(ddof=1) / n_a, columns.var(ddof=1) / n_b
+    df = (va + vb) ** 2 / (va**2 / (n_a - 1) + vb**2 / (n_b - 1))
+    half = t_quantile(0.5 + confidence / 2.0, df) * math.sqrt(va + vb)
+    return Speedup(math.exp(centre), None, math.exp(centre - half), math.exp(centre + half), n_a, per_run), matrix
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -238,16 +348,67 @@ class PowerLaw:
         return (self.alpha / (loss - self.gamma)) ** (1.0 / self.beta)
 
 
-def _linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
-    """Least squares y = a * x + c: (a, c, sum of squared residuals)."""
-    mx, my = mean(xs), mean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-    c = my - a * mx
-    return a, c, sum((a * x + c - y) ** 2 for x, y in zip(xs, ys))
-
-
 _BETA_RANGE = (1e-3, 5.0)  # the exponents a fit may take; LLM loss-vs-data exponents are about 0.1 to 0.5
+_BETA_GRID = 201  # the coarse scan of log(beta), then golden-section refinement
+_GOLDEN_STEPS = 100
+
+
+@dataclass(frozen=True)
+class PowerLaws:
+    """Many fits at once (one per row of losses): ``ok`` False where no power law to read tokens from fits (then
+    the row's parameters are NaN)."""
+
+    alpha: np.ndarray
+    beta: np.ndarray
+    gamma: np.ndarray
+    sse: np.ndarray
+    ok: np.ndarray
+
+
+def fit_power_laws(tokens: Sequence[float], losses: np.ndarray) -> PowerLaws:
+    """:func:`fit_power_law` for each row of ``losses`` (rows x budgets), vectorized over the rows: the bootstrap
+    fits a thousand resamples in one call."""
+    losses = np.atleast_2d(np.asarray(losses, dtype=float))
+    d = np.asarray(tokens, dtype=float)
+    scale = d.max()  # D / max(D) keeps D^(-beta) near 1 for every beta
+    log_d = np.log(d / scale)
+    y_centred = losses - losses.mean(axis=1, keepdims=True)
+
+    def solve(log_beta: np.ndarray):
+        """Least squares L = a x + c with x = (D / scale)^(-beta), for betas broadcast against the rows."""
+        x = np.exp(-np.exp(log_beta)[..., None] * log_d)  # (..., budgets)
+        x_centred = x - x.mean(axis=-1, keepdims=True)
+        sxx = (x_centred**2).sum(axis=-1)
+        a = np.where(sxx > 0, (x_centred * y_centred).sum(axis=-1) / np.where(sxx > 0, sxx, 1.0), 0.0)
+        c = losses.mean(axis=1) - a * x.mean(axis=-1)
+        sse = ((a[..., None] * x + c[..., None] - losses) ** 2).sum(axis=-1)
+        return a, c, sse
+
+    def cost(log_beta: np.ndarray) -> np.ndarray:
+        a, _, sse = solve(log_beta)
+        return np.where(a > 0, sse, np.inf)
+
+    rows = losses.shape[0]
+    grid = np.log(_BETA_RANGE[0]) + np.arange(_BETA_GRID) * (
+        (np.log(_BETA_RANGE[1]) - np.log(_BETA_RANGE[0])) / (_BETA_GRID - 1)
+    )
+    costs = cost(np.broadcast_to(grid[:, None], (_BETA_GRID, rows)))  # (grid, rows)
+    best = np.argmin(costs, axis=0)
+    found = np.isfinite(costs[best, np.arange(rows)])
+    low, high = grid[np.maximum(best - 1, 0)], grid[np.minimum(best + 1, _BETA_GRID - 1)]
+    ratio = (math.sqrt(5.0) - 1.0) / 2.0
+    x1, x2 = high - ratio * (high - low), low + ratio * (high - low)
+    for _ in range(_GOLDEN_STEPS):
+        left = cost(x1) < cost(x2)  # the minimum lies in [low, x2]: drop (x2, high]; else in [x1, high]
+        high, low = np.where(left, x2, high), np.where(left, low, x1)
+        x1, x2 = np.where(left, high - ratio * (high - low), x2), np.where(left, x1, low + ratio * (high - low))
+    beta = np.exp((low + high) / 2.0)
+    a, gamma, sse = solve(np.log(beta))
+    at_an_end = ~((1.01 * _BETA_RANGE[0] < beta) & (beta < _BETA_RANGE[1] / 1.01))
+    ok = found & (a > 0) & ~at_an_end & (gamma >= 0) & (len(set(tokens)) >= 3)
+    nan = np.full(rows, np.nan)
+    # alpha * (D / scale)^(-beta) = (alpha * scale^beta) * D^(-beta)
+    return PowerLaws(np.where(ok, a * scale**beta, nan), np.where(ok, beta, nan), np.where(ok, gamma, nan), sse, ok)
 
 
 def fit_power_law(tokens: Sequence[float], losses: Sequence[float]) -> Optional[PowerLaw]:
@@ -261,51 +422,34 @@ def fit_power_law(tokens: Sequence[float], losses: Sequence[float]) -> Optional[
     """
     if len(set(tokens)) < 3 or len(tokens) != len(losses):
         return None
-    scale = max(tokens)  # D / max(D) keeps D^(-beta) near 1 for every beta
-
-    def solve(beta: float) -> tuple[float, float, float]:
-        xs = [(d / scale) ** (-beta) for d in tokens]
-        return _linear_fit(xs, losses)
-
-    def cost(log_beta: float) -> float:
-        a, _, sse = solve(math.exp(log_beta))
-        return sse if a > 0 else math.inf
-
-    grid = [
-        math.log(_BETA_RANGE[0]) + i * (math.log(_BETA_RANGE[1]) - math.log(_BETA_RANGE[0])) / 200 for i in range(201)
-    ]
-    costs = [cost(g) for g in grid]
-    best = min(range(len(grid)), key=costs.__getitem__)
-    if not math.isfinite(costs[best]):
+    fits = fit_power_laws(tokens, np.asarray([losses], dtype=float))
+    if not fits.ok[0]:
         return None
-    low, high = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
-    ratio = (math.sqrt(5.0) - 1.0) / 2.0
-    x1, x2 = high - ratio * (high - low), low + ratio * (high - low)
-    for _ in range(100):
-        if cost(x1) < cost(x2):
-            high, x2 = x2, x1
-            x1 = high - ratio * (high - low)
-        else:
-            low, x1 = x1, x2
-            x2 = low + ratio * (high - low)
-    beta = math.exp((low + high) / 2.0)
-    a, gamma, sse = solve(beta)
-    at_an_end = not (1.01 * _BETA_RANGE[0] < beta < _BETA_RANGE[1] / 1.01)
-    if not a > 0 or at_an_end or gamma < 0:
-        return None
-    # alpha * (D / scale)^(-beta) = (alpha * scale^beta) * D^(-beta)
-    return PowerLaw(a * scale**beta, beta, gamma, math.sqrt(sse / len(tokens)))
+    return PowerLaw(
+        float(fits.alpha[0]), float(fits.beta[0]), float(fits.gamma[0]), math.sqrt(float(fits.sse[0]) / len(tokens))
+    )
 
 
 BOOTSTRAP_RESAMPLES = 1000
 
 
 @dataclass(frozen=True)
+class FitTarget:
+    """A loss to read D_eff from: the ``tokens`` a cell used and its per-seed ``losses``. ``paired_with``: the index
+    of a fit point whose runs ran the same seeds in the same order (the same runs, or the baseline's at that budget
+    on those seeds), whose draw it then shares (see :func:`bootstrap_power_law`)."""
+
+    tokens: float
+    losses: Sequence[float]
+    paired_with: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class FitInterval:
-    """Percentile bootstrap intervals of a power-law fit: each budget's mean drawn from its t distribution (mean,
-    standard error, n - 1 degrees of freedom), the fit redone on the drawn means. ``speedups`` has one (low, high)
-    per target (inf: some resamples put the target's loss at or below the floor, where no budget reaches it);
-    ``fits`` is how many resamples gave a fit."""
+    """Percentile bootstrap intervals of a power-law fit (see :func:`bootstrap_power_law`). An end is -inf / inf
+    where the failed resamples alone reach past it (``failed`` of ``resamples`` found no power law), and a
+    D_eff / D's upper end inf also where resamples put its loss at or below the floor (``below_floor`` counts them
+    per target)."""
 
     alpha: tuple[float, float]
     beta: tuple[float, float]
@@ -313,46 +457,81 @@ class FitInterval:
     speedups: tuple[tuple[float, float], ...]
     fits: int
     resamples: int
+    below_floor: tuple[int, ...] = ()
+
+    @property
+    def failed(self) -> int:
+        return self.resamples - self.fits
+
+
+def percentile_interval(values: np.ndarray, failed: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The percentile interval of ``values`` plus ``failed`` resamples that gave no value, counted as unknown: at
+    -inf for the lower end and at inf for the upper (so that dropping them cannot narrow the interval)."""
+    values = np.sort(np.asarray(values, dtype=float))
+    total = len(values) + failed
+    tail = (1.0 - confidence) / 2.0
+    k_low, k_high = math.ceil(tail * total), math.ceil((1.0 - tail) * total)  # 1-based, as "inverted_cdf"
+    low = -math.inf if k_low <= failed else float(values[k_low - failed - 1])
+    high = math.inf if k_high > len(values) else float(values[k_high - 1])
+    return low, high
 
 
 def bootstrap_power_law(
     points: Sequence[tuple[float, Sequence[float]]],
-    targets: Sequence[tuple[float, Sequence[float]]] = (),
+    targets: Sequence = (),
     resamples: int = BOOTSTRAP_RESAMPLES,
     confidence: float = CONFIDENCE,
     seed: int = 0,
 ) -> Optional[FitInterval]:
     """Intervals for :func:`fit_power_law` over ``points`` = (tokens, per-seed losses) and for each target's
-    D_eff / D, target = (tokens it used, its per-seed losses). Seeded, so a report rebuilt is the same. None when
-    a budget or target has fewer than two seeds (no standard error) or fewer than half the resamples fit."""
-    if any(len(losses) < 2 for _, losses in (*points, *targets)):
+    D_eff / D (a :class:`FitTarget`, or (tokens, per-seed losses) drawn on its own). Seeded, so a report rebuilt is
+    the same. None when a budget or target has fewer than two seeds (no standard error).
+
+    Each resample draws each point's mean from its t distribution (mean + s / sqrt(n) T, T ~ t(n - 1): resampling
+    two or three seeds themselves covers far less than 95%), fits, and reads each target's drawn mean off the fit.
+    A target paired with a point draws its mean as that point's draw plus a draw of their paired mean difference
+    (the same runs: exactly the point's draw), so that what they share varies together. Resamples that fit no
+    power law are counted, not dropped (:func:`percentile_interval`)."""
+    targets = [t if isinstance(t, FitTarget) else FitTarget(t[0], t[1]) for t in targets]
+    if any(len(losses) < 2 for _, losses in points) or any(len(t.losses) < 2 for t in targets):
         return None
     rng = np.random.default_rng(seed)
 
-    def resampled_mean(losses: Sequence[float]) -> float:
-        # The mean as its t interval has it: m + (s / sqrt(n)) T with T ~ t(n - 1). Resampling the seeds themselves
-        # would cover far less than 95% with the two to five seeds a study has (about 50% of the time at two).
-        values = np.asarray(losses, dtype=float)
-        return float(values.mean() + values.std(ddof=1) / math.sqrt(len(values)) * rng.standard_t(len(values) - 1))
+    def draw(values: Sequence[float]) -> np.ndarray:
+        values = np.asarray(values, dtype=float)
+        spread = values.std(ddof=1) / math.sqrt(len(values))
+        return values.mean() + spread * rng.standard_t(len(values) - 1, resamples)
 
-    params, ratios = [], []
-    for _ in range(resamples):
-        fit = fit_power_law([d for d, _ in points], [resampled_mean(losses) for _, losses in points])
-        means = [resampled_mean(losses) for _, losses in targets]
-        if fit is None:
-            continue
-        params.append((fit.alpha, fit.beta, fit.gamma))
-        ratios.append([fit.tokens_for(m) / d for m, (d, _) in zip(means, targets)])
-    if len(params) < resamples / 2:
-        return None
-    tail = (1.0 - confidence) / 2.0
+    drawn = np.stack([draw(losses) for _, losses in points], axis=1)  # (resamples, points)
+    fits = fit_power_laws([d for d, _ in points], drawn)
+    ok = fits.ok
+    ratios, below = [], []
+    for t in targets:
+        if t.paired_with is None:
+            mean_drawn = draw(t.losses)
+        else:
+            base = points[t.paired_with][1]
+            if len(base) != len(t.losses):
+                raise ValueError("a paired target needs one loss per seed of its point, in the same order")
+            mean_drawn = drawn[:, t.paired_with] + draw([x - y for x, y in zip(t.losses, base)])
+        excess = mean_drawn[ok] - fits.gamma[ok]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            d_eff = np.where(
+                excess > 0, (fits.alpha[ok] / np.where(excess > 0, excess, 1.0)) ** (1.0 / fits.beta[ok]), np.inf
+            )
+        ratios.append(d_eff / t.tokens)
+        below.append(int(np.sum(excess <= 0)))
+    failed = int(resamples - ok.sum())
 
     def interval(values) -> tuple[float, float]:
-        low, high = np.quantile(np.asarray(values, dtype=float), [tail, 1.0 - tail], method="inverted_cdf")
-        return float(low), float(high)
+        return percentile_interval(values, failed, confidence)
 
-    columns = list(zip(*params))
-    per_target = tuple(interval([r[i] for r in ratios]) for i in range(len(targets)))
     return FitInterval(
-        interval(columns[0]), interval(columns[1]), interval(columns[2]), per_target, len(params), resamples
+        interval(fits.alpha[ok]),
+        interval(fits.beta[ok]),
+        interval(fits.gamma[ok]),
+        tuple(interval(r) for r in ratios),
+        int(ok.sum()),
+        resamples,
+        tuple(below),
     )

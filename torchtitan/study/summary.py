@@ -139,8 +139,11 @@ def sweep_run_summary(run: SweepRun, last_k: int, by_validation: bool) -> dict:
     if status["outcome"] != FINISHED:  # e.g. stopped by the guard (exit 3) before anything non-finite was logged
         summary["final_loss"] = summary["validation_loss"] = None
     summary["rank_loss"] = summary["validation_loss"] if by_validation else summary["final_loss"]
-    curve = loss_curve(run.scalars, by_validation, last_k)
-    summary["rank_tokens"] = curve[0][-1] if curve and summary["rank_loss"] is not None else None
+    curve = raw_curve(run.scalars, by_validation)
+    ranked = curve is not None and summary["rank_loss"] is not None
+    summary["rank_tokens"] = curve[0][-1] if ranked else None
+    # The tokens of the logged points its ranked loss averages: the last validation loss, or the last k losses.
+    summary["rank_window"] = (curve[0][-1:] if by_validation else curve[0][-last_k:]) if ranked else None
     return summary
 
 
@@ -150,6 +153,14 @@ def tokens_at(scalars: dict[str, Series], steps: Sequence[int]) -> list[float]:
     seen = scalars.get(TOKENS_SEEN)
     per_step = seen.values[-1] / seen.steps[-1] if seen and seen.steps[-1] > 0 else 1.0
     return [step * per_step for step in steps]
+
+
+def raw_curve(scalars: dict[str, Series], by_validation: bool) -> Optional[tuple[list, list]]:
+    """(tokens, loss) as logged, of the loss a study ranks by (validation, or training); None without that tag."""
+    series = scalars.get(VALIDATION_LOSS if by_validation else LOSS)
+    if series is None or not series.steps:
+        return None
+    return tokens_at(scalars, series.steps), list(series.values)
 
 
 def loss_curve(scalars: dict[str, Series], by_validation: bool, last_k: int) -> Optional[tuple[list, list]]:
@@ -251,36 +262,49 @@ def seeds_varied(summaries: Sequence[dict]) -> str:
     return f"model initialisation (training.seed); data order fixed (data seed {', '.join(map(str, data_seeds))})"
 
 
-def _mean_curve(curves: Sequence[tuple[list, list]]) -> tuple[list, list]:
-    """Mean over runs at the points every run logged (matched by tokens)."""
-    common = sorted(set.intersection(*(set(tokens) for tokens, _ in curves)))
-    maps = [dict(zip(tokens, losses)) for tokens, losses in curves]
-    return common, [sum(m[t] for m in maps) / len(maps) for t in common]
+PAIRED_SPEEDUP = "paired on (training seed, data seed)"
+UNPAIRED_SPEEDUP = "unpaired: each seed against each of the baseline's (Welch)"
+
+
+def _seed_key(run: dict) -> tuple:
+    return run["seed"], run["data_seed"]
 
 
 def _speedup_of(
     chosen: Sequence[dict], baseline: Sequence[dict], curves: dict[str, tuple[list, list]]
 ) -> Optional[dict]:
-    """Speedup at matched loss of one best cell against the baseline's best cell at the same budget: seed by seed
-    when both ran the same seeds, else each seed against the baseline's mean curve."""
-    finished = [r for r in chosen if r["outcome"] == FINISHED and r["rank_loss"] is not None]
-    base = {r["seed"]: curves[r["name"]] for r in baseline if r["name"] in curves}
+    """Speedup at matched loss of one best cell against the baseline's best cell at the same budget, along the
+    baseline's raw curves (``curves`` by run name) with each run's own window (:func:`statistics.matched_ratio`):
+    paired seed by seed when both ran the same (training seed, data seed) pairs, as the loss difference pairs them;
+    else every seed against every seed of the baseline (:func:`statistics.unpaired_speedup`)."""
+    finished = [r for r in chosen if _ranked(r) and r.get("rank_window")]
+    base = {_seed_key(r): curves[r["name"]] for r in baseline if r["name"] in curves}
     if not finished or not base:
         return None
-    paired = sorted(base) == sorted(r["seed"] for r in finished)
-    mean_curve = _mean_curve(list(base.values()))
-    if not paired and not mean_curve[0]:  # the baseline's seeds logged at no common point: no mean curve
-        return None
-    matched = [base[r["seed"]] if paired else mean_curve for r in finished]
-    s = statistics.speedup_at_matched_loss(matched, [(r["rank_loss"], r["rank_tokens"]) for r in finished])
+    mine = {_seed_key(r): r for r in finished}
+    finals = {k: (r["rank_loss"], r["rank_window"]) for k, r in mine.items()}
+    if sorted(mine) == sorted(base):
+        keys = sorted(mine)
+        s = statistics.speedup_at_matched_loss([base[k] for k in keys], [finals[k] for k in keys])
+        per_seed = [{"seed": k[0], "ratio": x, "bound": b} for k, (x, b) in zip(keys, s.per_seed)]
+        matched = PAIRED_SPEEDUP
+    else:
+        keys, base_keys = sorted(mine), sorted(base)
+        s, matrix = statistics.unpaired_speedup([base[k] for k in base_keys], [finals[k] for k in keys])
+        per_seed = [
+            {"seed": k[0], "baseline_seed": j[0], "ratio": x, "bound": b}
+            for k, row in zip(keys, matrix)
+            for j, (x, b) in zip(base_keys, row)
+        ]
+        matched = UNPAIRED_SPEEDUP
     return {
         "value": s.value,
         "bound": s.bound,
         "low": s.low,
         "high": s.high,
         "seeds": s.seeds,
-        "per_seed": [{"seed": r["seed"], "ratio": x, "bound": b} for r, (x, b) in zip(finished, s.per_seed)],
-        "matched": "seed by seed" if paired else "against the baseline's mean curve",
+        "per_seed": per_seed,
+        "matched": matched,
     }
 
 
@@ -309,32 +333,65 @@ def _versus(chosen: Sequence[dict], baseline: Sequence[dict]) -> Optional[dict]:
         "df": d.df,
         "method": d.method,
         "verdict": d.verdict,
+        "p_value": d.p_value,
     }
+
+
+HOLM, UNADJUSTED = "Holm", "unadjusted"
+FAMILY_CORRECTIONS = (HOLM, UNADJUSTED)
+
+
+def verdict_family(best_by_budget: dict, correction: str = HOLM) -> dict:
+    """The verdicts as one family: every difference from the baseline the report computed (each optimizer at each
+    budget) that has a p-value. With Holm's correction each verdict's words come from its Holm-adjusted p (better /
+    worse where it is below 0.05, by the sign of the difference), so that the chance of any false "better" or
+    "worse" among them stays at 5%; the unadjusted verdict and interval are kept beside it."""
+    if correction not in FAMILY_CORRECTIONS:
+        raise ValueError(f"no family correction {correction!r}; one of {', '.join(FAMILY_CORRECTIONS)}")
+    members = [
+        b["versus_baseline"]
+        for best in best_by_budget.values()
+        for b in best.values()
+        if b.get("versus_baseline") is not None and b["versus_baseline"]["p_value"] is not None
+    ]
+    if correction == HOLM:
+        for v, p in zip(members, statistics.holm_adjusted([v["p_value"] for v in members])):
+            v["unadjusted_verdict"], v["p_holm"] = v["verdict"], p
+            significant = p < 1.0 - statistics.CONFIDENCE
+            v["verdict"] = (
+                (statistics.BETTER if v["difference"] < 0 else statistics.WORSE)
+                if significant
+                else (statistics.NO_DIFFERENCE)
+            )
+    return {"comparisons": len(members), "correction": correction}
 
 
 def _ranked(run: dict) -> bool:
     return run["outcome"] == FINISHED and run["rank_loss"] is not None
 
 
+def _by_seed(b: dict) -> dict:
+    return {tuple(k): loss for k, loss in zip(b["seed_keys"], b["seed_losses"])}
+
+
 def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -> Optional[dict]:
     """L(D) = alpha * D^(-beta) + gamma over the baseline's best cell at each budget (three or more), and each
     optimizer's D_eff / D at each budget: the budget the fitted baseline needs for that optimizer's loss over its
-    own; each with a 95% bootstrap interval over seeds. None with fewer than three budgets where the baseline
-    finished."""
-    points, seed_losses = [], []
+    own (the baseline's own is 1 by definition); each with a 95% bootstrap interval over seeds, a target that ran
+    the baseline's seeds at its budget drawn with the baseline's point there. None with fewer than three budgets
+    where the baseline finished."""
+    points = []  # (tokens, loss, budget, the baseline's best cell)
     for budget, best in best_by_budget.items():
         b = best.get(baseline)
         if budget is not None and b and b["loss_mean"] is not None and b["seed_losses"]:
-            points.append((_cell_tokens(summaries, baseline, budget, b["settings"]), b["loss_mean"]))
-            seed_losses.append(b["seed_losses"])
+            points.append((_cell_tokens(summaries, baseline, budget, b["settings"]), b["loss_mean"], budget, b))
     if len(points) < 3:
         return None
-    order = sorted(range(len(points)), key=lambda i: points[i])
-    points, seed_losses = [points[i] for i in order], [seed_losses[i] for i in order]
-    fit = statistics.fit_power_law([d for d, _ in points], [loss for _, loss in points])
+    points.sort(key=lambda p: p[:2])
+    fit = statistics.fit_power_law([p[0] for p in points], [p[1] for p in points])
     result = {
         "baseline": baseline,
-        "points": [{"tokens": d, "loss": loss} for d, loss in points],
+        "points": [{"tokens": d, "loss": loss} for d, loss, _, _ in points],
         "fit": None,
         "exact": len(points) == 3,  # three parameters through three points: no residual to judge the fit by
     }
@@ -345,13 +402,15 @@ def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -
         )
         return result
     result["fit"] = {"alpha": fit.alpha, "beta": fit.beta, "gamma": fit.gamma, "rms_residual": fit.rms_residual}
+    point_at = {budget: i for i, (_, _, budget, _) in enumerate(points)}
     speedups, targets = {}, []
     for budget, best in best_by_budget.items():
         for optimizer, b in best.items():
             if budget is None or b["loss_mean"] is None or not b["seed_losses"]:
                 continue
             tokens = _cell_tokens(summaries, optimizer, budget, b["settings"])
-            d_eff = fit.tokens_for(b["loss_mean"])
+            itself = optimizer == baseline
+            d_eff = tokens if itself else fit.tokens_for(b["loss_mean"])
             entry = {
                 "budget": budget,
                 "tokens": tokens,
@@ -362,28 +421,73 @@ def budget_fit(best_by_budget: dict, baseline: str, summaries: Sequence[dict]) -
                 "interval": None,
             }
             speedups.setdefault(optimizer, []).append(entry)
-            targets.append((entry, (tokens, b["seed_losses"])))
-    interval = statistics.bootstrap_power_law(list(zip([d for d, _ in points], seed_losses)), [t for _, t in targets])
-    if interval is None:
-        result["interval"] = None
-        result["interval_note"] = (
-            "no bootstrap interval: it needs two or more seeds at every budget and for every optimizer compared"
-        )
-    else:
-        result["interval"] = {
-            "alpha": list(interval.alpha),
-            "beta": list(interval.beta),
-            "gamma": list(interval.gamma),
-            "fits": interval.fits,
-            "resamples": interval.resamples,
-        }
-        for (entry, _), (low, high) in zip(targets, interval.speedups):
-            # An end at infinity (resamples that put the loss below the floor) is no number: null, said why.
-            entry["interval"] = [None if math.isinf(low) else low, None if math.isinf(high) else high]
-            if math.isinf(high):
-                entry["interval_note"] = "no upper end: some resamples put this loss at or below the fit's floor"
+            if itself:
+                entry["interval_note"] = "1 by definition: the baseline against its own fit"
+                continue
+            target = _fit_target(b, tokens, points, point_at.get(budget))
+            targets.append((entry, target, optimizer))
     result["speedups"] = {o: sorted(v, key=lambda x: x["budget"]) for o, v in speedups.items()}
+    why = _no_interval_reason([(f"{baseline} at {p[0]:,.0f} tokens", p[3]["seed_losses"]) for p in points])
+    why = why or _no_interval_reason([(f"{o} at {t.tokens:,.0f} tokens", t.losses) for _, t, o in targets])
+    if why is not None:
+        result["interval"], result["interval_note"] = None, f"no bootstrap interval: {why}"
+        for entry, _, _ in targets:
+            entry["interval_note"] = result["interval_note"]
+        return result
+    interval = statistics.bootstrap_power_law([(p[0], p[3]["seed_losses"]) for p in points], [t for _, t, _ in targets])
+    failed = interval.failed
+    result["interval"] = {
+        "alpha": _ends(interval.alpha),
+        "beta": _ends(interval.beta),
+        "gamma": _ends(interval.gamma),
+        "fits": interval.fits,
+        "failed": failed,
+        "resamples": interval.resamples,
+    }
+    no_fit = f"{failed} of {interval.resamples} resamples found no power law"
+    for (entry, target, _), (low, high), below in zip(targets, interval.speedups, interval.below_floor):
+        entry["interval"] = _ends((low, high))
+        entry["paired"] = target.paired_with is not None
+        notes = []
+        if math.isinf(low):
+            notes.append(f"no lower end: {no_fit}")
+        if math.isinf(high):
+            notes.append(
+                f"no upper end: {below} of {interval.resamples} resamples put this loss at or below the fit's floor"
+                if below
+                else f"no upper end: {no_fit}"
+            )
+        if notes:
+            entry["interval_note"] = "; ".join(notes)
     return result
+
+
+def _ends(interval: tuple[float, float]) -> list:
+    """An interval for JSON: an end at infinity (no number holds it) is null; the report says why."""
+    return [None if math.isinf(x) else x for x in interval]
+
+
+def _fit_target(b: dict, tokens: float, points: Sequence[tuple], at: Optional[int]) -> statistics.FitTarget:
+    """An optimizer's cell as a target of the fit, paired with the baseline's point at its budget when both ran the
+    same (training seed, data seed) pairs."""
+    mine = _by_seed(b)
+    if at is not None:
+        theirs = _by_seed(points[at][3])
+        if sorted(mine) == sorted(theirs):  # the target's losses in the order of the point's
+            order = [tuple(k) for k in points[at][3]["seed_keys"]]
+            return statistics.FitTarget(tokens, [mine[k] for k in order], at)
+    return statistics.FitTarget(tokens, b["seed_losses"])
+
+
+def _no_interval_reason(cells: Sequence[tuple[str, Sequence[float]]]) -> Optional[str]:
+    """Why no bootstrap interval can be given, naming the cells: one seed, or seeds that varied nothing."""
+    one = [name for name, losses in cells if len(losses) < 2]
+    if one:
+        return f"{', '.join(one)} {'has' if len(one) == 1 else 'have'} one seed (two or more give an interval)"
+    flat = [name for name, losses in cells if statistics.varied_nothing(losses)]
+    if flat:
+        return f"the seeds of {', '.join(flat)} varied nothing (no spread to draw from)"
+    return None
 
 
 def cell_runs(summaries: Sequence[dict], optimizer: str, budget, settings: Optional[dict]) -> list[dict]:
@@ -454,6 +558,7 @@ def summarize_sweep(
     baseline: str = DEFAULT_BASELINE,
     confirm_seeds: Sequence[int] = (),
     current_axes: Optional[dict] = None,
+    family_correction: str = HOLM,
 ) -> dict:
     """Per run; per cell (optimizer, budget, settings) over seeds; per optimizer its best settings at each budget,
     compared with the baseline's best (difference with a paired or Welch's 95% interval, speedup at matched loss);
@@ -505,12 +610,13 @@ def summarize_sweep(
         curves = {}
         for r in base_runs:
             if r["outcome"] == FINISHED:
-                curve = loss_curve(by_name[r["name"]].scalars, by_validation, last_k)
+                curve = raw_curve(by_name[r["name"]].scalars, by_validation)
                 if curve is not None:
                     curves[r["name"]] = curve
         for optimizer, b in best.items():
             chosen = cell_runs(verdict_runs, optimizer, budget, b["settings"]) if _judged(b) else []
             b["seed_losses"] = [r["rank_loss"] for r in chosen if _ranked(r)]
+            b["seed_keys"] = [list(_seed_key(r)) for r in chosen if _ranked(r)]  # in the order of seed_losses
             if optimizer == baseline:
                 b["versus_baseline"] = None
                 b["speedup"] = _own_speedup(chosen) if b["seed_losses"] else None
@@ -518,6 +624,7 @@ def summarize_sweep(
             b["versus_baseline"] = _versus(chosen, base_runs) if base_runs else None
             b["speedup"] = _speedup_of(chosen, base_runs, curves) if curves else None
 
+    family = verdict_family(best_by_budget, family_correction)
     ranked_by = f"last {VALIDATION_LOSS}" if by_validation else f"mean of the last {last_k} logged training losses"
     # Seeds per cell, or per verdict when confirmation seeds outnumber the selection's.
     verdict_seeds = [len(b["seeds"]) for best in best_by_budget.values() for b in best.values()]
@@ -543,4 +650,5 @@ def summarize_sweep(
         "best_by_budget": [{"budget": budget, "best": best} for budget, best in best_by_budget.items()],
         "best": best_by_budget[budgets[-1]] if budgets else {},
         "budget_fit": budget_fit(best_by_budget, baseline, verdict_runs),
+        "family": family,
     }

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Optional
 
 from torchtitan.errors import UserError
-from torchtitan.study.confirmation import confirmation_specs, parse_confirm_seeds
+from torchtitan.study.confirmation import (
+    confirmation_specs,
+    confirmation_windows,
+    earlier_selection_seeds,
+    parse_confirm_seeds,
+    write_confirmation_windows,
+)
 from torchtitan.study.earlier_runs import adopt_earlier_runs, current_axes
 from torchtitan.study.plan import (
     DEFAULT_LAST_K,
@@ -113,6 +119,7 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
     if last_k < 1:
         raise UserError(f"--last-k must be at least 1; got {last_k}")
     slurm = slurm_settings(args)
+    in_progress = None
     if args.report_only:
         if not (dump / RUNS_FOLDER).is_dir():
             raise UserError(f"'{dump}' holds no sweep runs ({RUNS_FOLDER}/); pass the dump folder of a sweep")
@@ -139,12 +146,17 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         axes = [parse_axis(raw, args.budgets is not None, args.vary_data_seed) for raw in args.axis]
         optimizers, lrs, seeds = items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds)
         recorded = (read_search(dump) or {}).get("confirm_seeds", [])
-        confirm_seeds = parse_confirm_seeds(args.confirm_seeds, seeds, recorded)
+        earlier = earlier_selection_seeds(dump, recorded)
+        confirm_seeds = parse_confirm_seeds(args.confirm_seeds, seeds, recorded, earlier)
         specs = plan(optimizers, lrs, seeds, budgets, axes, train_args)
         spaces = None
         if args.search == "coordinate":
             spaces = _search_spaces(specs, lrs, axes, train_args, args.start)
         preflight_jobs(_to_check(specs, spaces), config_file, nproc, train_args, args.vary_data_seed)
+        # Confirmation scores validation windows that selection never scored, where the held-out data has room.
+        windows = (
+            confirmation_windows(dump, recorded, confirm_seeds, config_file, train_args) if confirm_seeds else None
+        )
         settings = {"config_file": config_file, "nproc": nproc, "train_args": train_args}
         if args.vary_data_seed:  # recorded only when set, so that sweeps started before the flag resume
             settings["vary_data_seed"] = True
@@ -155,7 +167,7 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         with lock_sweep(dump):
             check_settings(dump, settings)
             launcher = shlex.split(args.launcher)
-            interim = InterimReport(dump, last_k, args.baseline)
+            interim = InterimReport(dump, last_k, args.baseline, args.family_correction)
             if slurm is None:
                 runner = Runner(dump, config_file, nproc, train_args, launcher, slots, args.vary_data_seed, interim)
             else:
@@ -166,7 +178,13 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
             write_search(
                 dump, args.search, spaces or {}, seeds, budgets, confirm_seeds, current_axes(specs, axes, train_args)
             )
+            then = (
+                f"each optimizer's best settings train on confirmation seeds {', '.join(map(str, confirm_seeds))}"
+                if confirm_seeds
+                else ""
+            )
             if spaces is None:
+                interim.expect("selection" if confirm_seeds else "planned", specs, then)
                 statuses = run_all(runner, specs)
                 failed = [s for s in statuses if s["outcome"] == FAILED]
                 failed_text = f"{len(failed)} of {len(statuses)} runs failed (see their train.log)"
@@ -175,6 +193,10 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
                 def check(spec) -> None:  # a value --extend adds, before it trains
                     preflight_jobs([spec], config_file, nproc, train_args, args.vary_data_seed)
 
+                interim.say(
+                    "the coordinate descents are training (each step's runs are known once the step before ended)"
+                    + (f"; then {then}." if then else ".")
+                )
                 found = run_descents(runner, read_search(dump), budgets, last_k, args.extend, check)
                 failed = [d for _, _, _, d in found if d.state == "blocked"]
                 failed_text = f"{len(failed)} of {len(found)} descents stopped at a run that failed (see its train.log)"
@@ -185,10 +207,16 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
             else:
                 ended = all(d.state == "converged" for *_, d in found)
             if confirm_seeds and not failed and ended:
-                statuses = run_all(runner, confirmation_specs(dump, last_k, confirm_seeds))
+                write_confirmation_windows(dump, windows)
+                confirming = confirmation_specs(dump, last_k, confirm_seeds, windows)
+                interim.expect("confirmation", confirming)
+                statuses = run_all(runner, confirming)
                 failed = [s for s in statuses if s["outcome"] == FAILED]
                 failed_text = f"{len(failed)} of {len(statuses)} confirmation runs failed (see their train.log)"
-    report = write_report(dump, last_k, args.baseline)
+                ended = all(is_done(s) for s in statuses)
+            # Under Slurm the sweep may leave while runs train: the page says what is still pending.
+            in_progress = None if ended or failed else interim.pending()
+    report = write_report(dump, last_k, args.baseline, in_progress, args.family_correction)
     if report is None and not print_states(dump) and slurm is None:
         raise UserError(f"no run in '{dump}' has ended yet; run the sweep first")
     if report is not None:

@@ -4,7 +4,8 @@
         [--seeds 0,1,2] [--vary-data-seed] [--axis [OPTIMIZER:]SECTION.KEY=V1,V2 ...] \\
         [--search grid | coordinate [--start [OPTIMIZER:]SECTION.KEY=V ...]] [--budgets 2e8,4e8 | 1x,2x] \\
         [--warmup-fraction F] [--baseline AdamW] [--nproc N] [--parallel K] [--config-file X.toml] \\
-        [--last-k 10] [--confirm-seeds 3,4,5] [--scheduler slurm [--slurm-partition P] [--slurm-time T] ... [--wait]] \\
+        [--last-k 10] [--confirm-seeds 3,4,5] [--family-correction Holm|unadjusted] \\
+        [--scheduler slurm [--slurm-partition P] [--slurm-time T] ... [--wait]] \\
         -- [train.py options]
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only [--baseline AdamW]
 
@@ -33,8 +34,9 @@ and adding optimizers, lrs or seeds extends it. The report - ``sweep.png``, ``sw
 self-contained page ``study.html`` in the dump folder - ranks each setting by the last ``validation/loss`` when
 every run logs one, else by the mean of the last k logged training losses; with several seeds it gives their mean
 ± a 95% confidence interval. Each optimizer's best setting is the one with the lowest mean among those where no seed
-diverged or failed; it is compared with the baseline's best (difference with Welch's interval and a verdict, speedup
-at matched loss; across three or more budgets a power-law fit). docs/optimizer-study.md says how each number is
+diverged or failed; it is compared with the baseline's best (difference with a paired or Welch's interval and a
+verdict, the verdicts one family under Holm's correction; speedup at matched loss; across three or more budgets a
+power-law fit). docs/optimizer-study.md says how each number is
 computed.
 
 The study itself is the package ``torchtitan.study`` (``study.sweep`` joins its modules); this module only reads the
@@ -50,7 +52,7 @@ from typing import Optional, Sequence
 
 from torchtitan.errors import exit_code
 from torchtitan.study.slurm import SlurmRefused, add_scheduler_options
-from torchtitan.study.summary import DEFAULT_BASELINE
+from torchtitan.study.summary import DEFAULT_BASELINE, FAMILY_CORRECTIONS, HOLM
 from torchtitan.study.sweep import run_sweep
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -164,7 +166,16 @@ def add_verdict_options(p: argparse.ArgumentParser) -> None:
         "--confirm-seeds",
         default=None,
         help="once the search on --seeds is done, train each optimizer's best settings again on these seeds (space- "
-        "or comma-separated, none of --seeds); the verdict then uses only these runs",
+        "or comma-separated, none of --seeds nor of any earlier selection run in the folder); the verdict then uses "
+        "only these runs, on fresh validation windows where the held-out tokens data has room",
+    )
+    p.add_argument(
+        "--family-correction",
+        choices=FAMILY_CORRECTIONS,
+        default=HOLM,
+        help="the verdicts (every optimizer against the baseline at every budget) are one family: Holm: a verdict "
+        "reads better / worse only where its Holm-adjusted p is below 0.05, holding the chance of any false one at "
+        "5%%; unadjusted: each at 95%% on its own (default Holm; the intervals shown are unadjusted either way)",
     )
     p.add_argument(
         "--extend",

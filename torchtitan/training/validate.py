@@ -115,7 +115,7 @@ def check_validation(job_config: JobConfig) -> None:
     t, v = job_config.training, job_config.validation
     name, path, split = validation_data(job_config)
     if name == "tokens":
-        open_validation_windows(path, t.seq_len, v.seq_len or t.seq_len, split.every, v.windows)
+        open_validation_windows(path, t.seq_len, v.seq_len or t.seq_len, split.every, v.windows, v.first_window)
 
 
 def load_validation_batches(
@@ -145,9 +145,12 @@ def load_validation_batches(
     if name == "tokens":
         check_tokenizer(read_manifest(path, "validation"), path, job_config.model.tokenizer_path, tokenizer.fingerprint)
         # Held out: windows of training.seq_len + 1 tokens, as training cuts them (see torchtitan.datasets.tokens).
-        batches = validation_windows(path, t.seq_len, seq_len, batch_size, dp_rank, dp_degree, split.every, v.windows)
+        batches = validation_windows(
+            path, t.seq_len, seq_len, batch_size, dp_rank, dp_degree, split.every, v.windows, v.first_window
+        )
         logger.info(
-            f"validation: windows 0 to {v.windows - 1} of {what}, {v.windows} x {seq_len} tokens, the same at any "
+            f"validation: windows {v.first_window} to {v.first_window + v.windows - 1} of {what}, {v.windows} x "
+            f"{seq_len} tokens, the same at any "
             f"layout; {len(batches)} batches of at most {batch_size} per data-parallel rank, every {v.freq} steps "
             "and at the last"
         )

@@ -24,6 +24,12 @@ class Validation:
         "divided between the data-parallel ranks: the same windows at any layout, local batch or resume",
         gt=0,
     )
+    first_window: int = opt(
+        0,
+        "tokens data: the first validation window scored (windows first_window .. first_window + windows - 1); a "
+        "study's confirmation runs score windows its selection runs did not",
+        ge=0,
+    )
     dataset: Optional[str] = opt(
         None, "validation data: sample, c4, text or tokens; unset (or the training data): its held-out split"
     )
