@@ -120,9 +120,13 @@ def _last_k(args: argparse.Namespace, folder: Path) -> int:
     return args.last_k if args.last_k is not None else recorded_settings(folder).get("last_k", DEFAULT_LAST_K)
 
 
-def size_reports(dump: Path, args: argparse.Namespace, baseline: Optional[str]) -> list[dict]:
-    """Each size's report, written again in its folder (sizes no run of which has ended are left out)."""
-    from torchtitan.study.report import write_report
+def size_reports(
+    dump: Path, args: argparse.Namespace, baseline: Optional[str], written: Sequence[str] = ()
+) -> list[dict]:
+    """Each size's report: read back for the sizes in ``written`` (their sweep of this call has just written it),
+    written again in its folder for the others (their runs may have ended since); sizes no run of which has ended
+    are left out."""
+    from torchtitan.study.report import REPORT_NAME, write_report
 
     record = read_ladder(dump)
     reports = []
@@ -130,7 +134,10 @@ def size_reports(dump: Path, args: argparse.Namespace, baseline: Optional[str]) 
         folder = size_folder(dump, flavor)
         if not (folder / RUNS_FOLDER).is_dir():
             continue
-        report = write_report(folder, _last_k(args, folder), baseline)
+        if flavor in written and (folder / f"{REPORT_NAME}.json").exists():
+            report = json.loads((folder / f"{REPORT_NAME}.json").read_text())
+        else:
+            report = write_report(folder, _last_k(args, folder), baseline)
         if report is not None:
             reports.append({"size": flavor, "params": params, "folder": f"{SIZES_FOLDER}/{flavor}", "report": report})
     return reports
@@ -211,7 +218,7 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
         write_text_atomically(dump / LADDER_FILE, strict_json(record))
         optimizers = [resolve_optimizer_name(o).name for o in items(args.optimizers)]
         lrs = parse_lrs(args.lrs)
-        code, waiting = 0, []
+        code, waiting, written = 0, [], []
         ordered = list(record["sizes"].items())
         for flavor in sorted(flavors, key=sizes.__getitem__):
             size_args = copy.copy(args)
@@ -221,7 +228,8 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
             if args.carry_lrs and index >= 2:
                 grids = record["grids"].get(flavor)
                 if grids is None:
-                    smaller = [r for r in size_reports(dump, args, args.baseline) if r["params"] < sizes[flavor]]
+                    reports = size_reports(dump, args, args.baseline, written)
+                    smaller = [r for r in reports if r["params"] < sizes[flavor]]
                     below = [f for f, _ in ordered[:index]]
                     ready = {r["size"] for r in smaller if done(r["report"])}
                     if set(below) - ready:
@@ -234,9 +242,10 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
             print(f"== size {flavor} ({sizes[flavor]:,} non-embedding parameters): {size_args.dump_folder}", flush=True)
             size_train = [*train_args, *options.get(flavor, []), f"--{FLAVOR_OPTION}", flavor]
             code = max(code, run_sweep(size_args, size_train))
+            written.append(flavor)
         for line in waiting:
             print(f"note: {line} to be done (its lr grid is carried up from them); run the same command again")
-    reports = size_reports(dump, args, args.baseline)
+    reports = size_reports(dump, args, args.baseline, [] if args.report_only else written)
     if not reports:
         raise UserError(f"no run in '{dump}' has ended yet; run the study first")
     write_scale_report(dump, reports, record, args.baseline or DEFAULT_BASELINE, target)

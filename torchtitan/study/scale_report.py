@@ -433,6 +433,15 @@ def format_scale_html(view: dict, figure: Optional[bytes], title: str) -> str:
 
 
 def plot_scale(view: dict) -> Optional[bytes]:
+    """:func:`_plot_scale`, without matplotlib's warning about a flat axis (one lr at every size) it widens itself."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Attempting to set identical low and high ylims")
+        return _plot_scale(view)
+
+
+def _plot_scale(view: dict) -> Optional[bytes]:
     """Against parameters (log): speedup at matched loss, loss difference from the baseline, best lr; per optimizer
     with 95% intervals, the fitted laws drawn over the sizes (and on to the target)."""
     from torchtitan.study.figures import _figure as new_figure
@@ -441,6 +450,9 @@ def plot_scale(view: dict) -> Optional[bytes]:
     if not view["sizes"]:
         return None
     fig, (speed, diff, lrs) = new_figure((16, 5), 1, 3)
+    for ax in (speed, diff, lrs):  # scales first: set later, they autoscale a flat line to no range
+        ax.set_xscale("log")
+    lrs.set_yscale("log")
     params = [s["params"] for s in view["sizes"]]
     target = view["target_params"]
     for i, (optimizer, entry) in enumerate(view["optimizers"].items()):
@@ -499,14 +511,15 @@ def plot_scale(view: dict) -> Optional[bytes]:
         (diff, f"loss − {view['baseline']}'s"),
         (lrs, "best lr"),
     ):
-        ax.set_xscale("log")
         ax.set_xlabel("non-embedding parameters")
         ax.set_ylabel(label)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
-    speed.axhline(1.0, color="gray", linewidth=0.8)
-    diff.axhline(0.0, color="gray", linewidth=0.8)
-    lrs.set_yscale("log")
+    for ax, level in ((speed, 1.0), (diff, 0.0)):
+        if not ax.has_data():  # the baseline alone, or no interval yet: a line alone has no range to scale to
+            ax.set_ylim(level - 0.5, level + 0.5)
+            ax.text(0.5, 0.5, "nothing to compare yet", transform=ax.transAxes, ha="center", color="gray")
+        ax.axhline(level, color="gray", linewidth=0.8)
     return _png(fig)
 
 
