@@ -197,28 +197,17 @@ def test_a_study_over_sizes_carries_the_lr_up_and_a_size_added_later_joins_the_s
     assert "ladder-300M" in (dump / "study.html").read_text()
 
 
-def test_budgets_are_multiples_of_20_tokens_per_parameter_of_each_size(tmp_path):
+def test_budgets_are_multiples_of_20_tokens_per_parameter_of_each_size_with_its_own_process_count(tmp_path):
     dump = tmp_path / "study"
-    code = fake_sweep(
-        dump,
-        "--optimizers",
-        "AdamW",
-        "--lrs",
-        "1e-3",
-        "--ladder",
-        "ladder-30M,ladder-60M",
-        "--budgets",
-        "1e-5x",
-        "--",
-        "--training.batch_size",
-        "1",
-        "--training.seq_len",
-        "64",
-    )
-    assert code == 0
-    for flavor, n in list(PARAMS.items())[:2]:
-        (status,) = [json.loads(p.read_text()) for p in (dump / "sizes" / flavor / "runs").glob("*/sweep_status.json")]
-        assert status["budget"] == round(1e-5 * 20 * n) and status["steps"] == status["budget"] // 64
+    ladder = ["--ladder", "ladder-30M,ladder-60M", "--size-nproc", "ladder-60M=2", "--budgets", "1e-5x"]
+    train = ["--", "--training.batch_size", "1", "--training.seq_len", "64"]
+    assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", *ladder, *train) == 0
+    for (flavor, n), nproc in zip(list(PARAMS.items())[:2], (1, 2)):
+        (run,) = (dump / "sizes" / flavor / "runs").iterdir()
+        status = json.loads((run / "sweep_status.json").read_text())
+        # Each size's 1e-5x is of its own parameters; two processes a run read twice the tokens a step.
+        assert status["budget"] == round(1e-5 * 20 * n) and status["steps"] == status["budget"] // (64 * nproc)
+        assert f"NGPU={nproc}" in (run / "command.sh").read_text()
 
 
 @pytest.mark.parametrize(

@@ -223,7 +223,12 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
         for flavor in sorted(flavors, key=sizes.__getitem__):
             size_args = copy.copy(args)
             size_args.dump_folder = str(size_folder(dump, flavor))
-            size_args.nproc = nprocs.get(flavor, args.nproc)
+            if flavor in nprocs:  # its own process count: as many GPUs in use at once as the others use
+                base = args.nproc or getattr(args, "slurm_gpus", None) or 1
+                size_args.nproc = nprocs[flavor]
+                size_args.parallel = max(1, args.parallel * base // nprocs[flavor])
+                if getattr(args, "scheduler", "local") == "slurm":
+                    size_args.slurm_gpus = nprocs[flavor]
             index = [f for f, _ in ordered].index(flavor)
             if args.carry_lrs and index >= 2:
                 grids = record["grids"].get(flavor)
@@ -274,7 +279,8 @@ def add_ladder_options(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="FLAVOR=N",
-        help="processes per run for one size's runs (default --nproc); repeat for more sizes",
+        help="processes per run for one size's runs (default --nproc), with --parallel scaled down to keep the GPUs "
+        "in use (under Slurm, also its --slurm-gpus); repeat for more sizes",
     )
     p.add_argument(
         "--carry-lrs",
