@@ -195,6 +195,9 @@ def test_a_study_over_sizes_carries_the_lr_up_and_a_size_added_later_joins_the_s
     last = law["predicted_vs_found"][-1]
     assert last["size"] == "ladder-300M" and last["from_sizes"] == 3 and last["interval"] is not None
     assert "ladder-300M" in (dump / "study.html").read_text()
+    # --report-only rebuilds the same view from disk.
+    assert fake_sweep(dump, "--report-only") == 0
+    assert json.loads((dump / "scale.json").read_text()) == view
 
 
 def test_budgets_are_multiples_of_20_tokens_per_parameter_of_each_size_with_its_own_process_count(tmp_path):
@@ -227,3 +230,67 @@ def test_mistakes_in_a_study_over_sizes_stop_it_in_one_line_before_any_run(tmp_p
     assert fake_sweep(dump, "--optimizers", "AdamW", "--lrs", "1e-3", *args) == 2
     assert says in one_error_line(capsys)
     assert not (dump / "sizes").exists()
+
+
+def made_up_report(n: int, lr: float, speedup: tuple, d_eff: dict) -> dict:
+    """The parts of one size's report (``summary.summarize_sweep``) the scale view reads: AdamMini against AdamW at
+    one lr, its speedup at matched loss (value, low, high over three seeds) and D_eff / D per budget multiple."""
+    budgets = [round(m * 20 * n) for m in d_eff]
+
+    def best(optimizer: str) -> dict:
+        value, low, high = speedup if optimizer == "AdamMini" else (1.0, None, None)
+        return {
+            "settings": {"lr": lr},
+            "edges": [],
+            "loss_mean": 3.0,
+            "loss_ci": 0.01,
+            "seeds": [1, 2, 3],
+            "versus_baseline": None
+            if optimizer == "AdamW"
+            else {"difference": -0.01, "low": -0.02, "high": 0.0, "verdict": "no detectable difference"},
+            "speedup": {"value": value, "bound": None, "low": low, "high": high, "seeds": 3},
+        }
+
+    best_by_budget = [{"budget": b, "best": {"AdamW": best("AdamW"), "AdamMini": best("AdamMini")}} for b in budgets]
+    speedups = {
+        "AdamMini": [
+            {"budget": b, "speedup": v, "interval": [v * 0.9, v / 0.9], "below_floor": False}
+            for b, v in zip(budgets, d_eff.values())
+        ]
+    }
+    return {
+        "best": best_by_budget[-1]["best"],
+        "best_by_budget": best_by_budget,
+        "budgets": budgets,
+        "selection_seeds": [0],
+        "confirmation_seeds": [1, 2, 3],
+        "budget_fit": {"speedups": speedups},
+    }
+
+
+def test_the_scale_view_fits_d_eff_per_budget_multiple_and_says_two_sizes_are_underdetermined(tmp_path):
+    from torchtitan.study.scale_report import summarize_scale, write_scale_report
+
+    sizes = [
+        {
+            "size": name,
+            "params": n,
+            "folder": f"sizes/{name}",
+            "report": made_up_report(n, 1e-3 * (n / REFERENCE) ** -0.5, (s, s * 0.95, s / 0.95), {1: s, 2: s * 0.9}),
+        }
+        for (name, n), s in zip(list(PARAMS.items())[:3], (1.4, 1.3, 1.2))
+    ]
+    view = summarize_scale(sizes, {}, "AdamW", TARGET)
+    trends = view["optimizers"]["AdamMini"]["d_eff_trends"]
+    assert list(trends) == ["1x", "2x"] and all(t["fit"]["sizes"] == 3 for t in trends.values())
+    exponent = math.log(1.2 / 1.4) / math.log(PARAMS["ladder-130M"] / PARAMS["ladder-30M"])
+    assert trends["1x"]["fit"]["exponent"] == pytest.approx(exponent, abs=0.02)
+    low, high = trends["1x"]["fit"]["exponent_interval"]
+    assert low < trends["1x"]["fit"]["exponent"] < high
+    (law,) = [x for x in view["optimizers"]["AdamMini"]["laws"] if x["budget"] == "1x"]
+    assert law["exponent"] == pytest.approx(-0.5) and law["predicted_vs_found"][0]["size"] == "ladder-130M"
+
+    write_scale_report(tmp_path, sizes[:2], {}, "AdamW", TARGET)  # two sizes: a line, no interval
+    md = (tmp_path / "sweep.md").read_text()
+    assert "at 8B parameters" in md and "underdetermined: two sizes fix a line but cannot bound it" in md
+    assert "D_eff / D at 2x" in md and (tmp_path / "study.html").exists()

@@ -193,6 +193,7 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
             f"--{FLAVOR_OPTION} is set by the study for each size; remove it and list the sizes in --ladder"
         )
     record = read_ladder(dump)
+    code, written = 0, []
     if args.report_only:
         if not record:
             raise UserError(f"'{dump}' holds no study over sizes ({LADDER_FILE}); pass the folder of one")
@@ -218,7 +219,7 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
         write_text_atomically(dump / LADDER_FILE, strict_json(record))
         optimizers = [resolve_optimizer_name(o).name for o in items(args.optimizers)]
         lrs = parse_lrs(args.lrs)
-        code, waiting, written = 0, [], []
+        waiting = []
         ordered = list(record["sizes"].items())
         for flavor in sorted(flavors, key=sizes.__getitem__):
             size_args = copy.copy(args)
