@@ -147,7 +147,7 @@ def ladder_sweep(dump: Path, *args: str) -> int:
     )
 
 
-def test_a_study_over_sizes_carries_the_lr_up_and_a_size_added_later_joins_the_same_page(tmp_path):
+def test_a_study_over_sizes_carries_the_lr_up_and_a_size_added_later_joins_the_same_page(tmp_path, capsys):
     dump = tmp_path / "study"
     assert (
         ladder_sweep(
@@ -195,6 +195,9 @@ def test_a_study_over_sizes_carries_the_lr_up_and_a_size_added_later_joins_the_s
     last = law["predicted_vs_found"][-1]
     assert last["size"] == "ladder-300M" and last["from_sizes"] == 3 and last["interval"] is not None
     assert "ladder-300M" in (dump / "study.html").read_text()
+    capsys.readouterr()
+    assert fake_sweep(dump, "--lrs", "1e-3") == 2  # a plain sweep into the study's folder: refused, nothing trained
+    assert "holds a study over sizes" in one_error_line(capsys)
     # --report-only rebuilds the same view from disk.
     assert fake_sweep(dump, "--report-only") == 0
     assert json.loads((dump / "scale.json").read_text()) == view

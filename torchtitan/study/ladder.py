@@ -194,10 +194,17 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
         )
     record = read_ladder(dump)
     code, written = 0, []
+    if target is None:  # the last one given: --report-only and a later call keep extrapolating to it
+        target = record.get("target_params")
     if args.report_only:
         if not record:
             raise UserError(f"'{dump}' holds no study over sizes ({LADDER_FILE}); pass the folder of one")
     else:
+        if not flavors:
+            raise UserError(
+                f"'{dump}' holds a study over sizes ({', '.join(record.get('sizes', {}))}); name the sizes to train "
+                "with --ladder, or add --report-only"
+            )
         if (dump / RUNS_FOLDER).is_dir():
             raise UserError(
                 f"'{dump}' holds a study of one size ({RUNS_FOLDER}/); give the study over sizes a new dump folder"
@@ -214,6 +221,7 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
             **record,
             "sizes": dict(sorted({**record.get("sizes", {}), **sizes}.items(), key=lambda fp: fp[1])),
             "carry_lrs": bool(args.carry_lrs or record.get("carry_lrs")),
+            "target_params": target,
         }
         record.setdefault("grids", {})
         write_text_atomically(dump / LADDER_FILE, strict_json(record))
@@ -293,7 +301,8 @@ def add_ladder_options(p: argparse.ArgumentParser) -> None:
         "--target-params",
         type=float,
         default=None,
-        help="the size the scale view extrapolates each trend and law to (non-embedding parameters, e.g. 8e9)",
+        help="the size the scale view extrapolates each trend and law to (non-embedding parameters, e.g. 8e9); kept "
+        "for later calls",
     )
 
 

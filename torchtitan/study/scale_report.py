@@ -28,6 +28,7 @@ from torchtitan.study.scale import TrendPoint, fit_log_line, fit_trend, predicte
 from torchtitan.study.summary import settings_label
 
 SCALE_NAME = "scale.json"
+NO_PREDICTION = "Predicted against found: from the third size on (the first two sizes fix the law)."
 
 
 def multiple_label(tokens: Optional[float], params: float) -> str:
@@ -396,7 +397,7 @@ def format_scale_markdown(view: dict) -> str:
             for m, trend in entry["d_eff_trends"].items():
                 lines += ["", trend_text(f"D_eff / D at {m}", trend, view["target_params"])]
         for title, header, rows in law_rows(view, optimizer):
-            lines += ["", title + ".", "", *_table(header, rows)]
+            lines += ["", title + ".", "", *(_table(header, rows) if rows else [NO_PREDICTION])]
     return "\n".join(lines) + "\n"
 
 
@@ -423,7 +424,8 @@ def format_scale_html(view: dict, figure: Optional[bytes], title: str) -> str:
             for m, trend in entry["d_eff_trends"].items():
                 parts.append(f"<p>{html.escape(trend_text(f'D_eff / D at {m}', trend, view['target_params']))}</p>")
         for law_title, header, rows in law_rows(view, optimizer):
-            parts += [f"<p>{html.escape(law_title)}.</p>", _html_table(header, rows)]
+            table = _html_table(header, rows) if rows else f"<p>{html.escape(NO_PREDICTION)}</p>"
+            parts += [f"<p>{html.escape(law_title)}.</p>", table]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
