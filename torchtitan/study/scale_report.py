@@ -25,6 +25,7 @@ from torchtitan.study.report import (
     speedup_text,
 )
 from torchtitan.study.scale import TrendPoint, fit_log_line, fit_trend, predicted_against_found, significant
+from torchtitan.study.statistics import AT_LEAST
 from torchtitan.study.summary import settings_label
 
 SCALE_NAME = "scale.json"
@@ -70,6 +71,8 @@ def _speedup_point(params: float, s: Optional[dict]) -> tuple[Optional[TrendPoin
     """A size's speedup as a point of the trend, or why it is not one."""
     if s is None or s.get("value") is None:
         return None, "no speedup"
+    if s["bound"] == AT_LEAST:
+        return None, "a lower bound (the baseline never got to its loss: --budgets 1x,2x,4x measure D_eff / D)"
     if s["bound"] is not None:
         return None, "a bound, not a value"
     if s["low"] is None:
@@ -368,7 +371,9 @@ def scale_notes(view: dict) -> list[str]:
         f"Speedup at matched loss and the difference are against {baseline}'s best at the same size. A trend is "
         "value ∝ N^exponent fitted over the sizes with a value and an interval (N: non-embedding parameters); its "
         "95% interval is a parametric bootstrap that draws each size from its own interval, widened where the sizes "
-        "scatter more than those intervals allow; with two sizes it is underdetermined.",
+        "scatter more than those intervals allow; with two sizes it is underdetermined. An optimizer better than the "
+        "baseline at one budget has a speedup at matched loss that is only a lower bound (the baseline never gets to "
+        "its loss); over three or more --budgets its D_eff / D is a value at each, and has a trend of its own.",
         "Best settings: a power law of each size's best value against N (least squares in log-log, t intervals from "
         "the scatter about it, three or more sizes); for every size after the first two, what the smaller sizes' "
         "law predicted (95% prediction interval) against what its own search found. A best value at the grid's "
