@@ -149,17 +149,9 @@ def ladder_sweep(dump: Path, *args: str) -> int:
 
 def test_a_study_over_sizes_carries_the_lr_up_and_a_size_added_later_joins_the_same_page(tmp_path, capsys):
     dump = tmp_path / "study"
-    assert (
-        ladder_sweep(
-            dump,
-            "--axis",
-            "model.flavor=ladder-30M,ladder-60M,ladder-130M",
-            "--size-option",
-            "ladder-60M:training.batch_size=4",
-        )
-        == 0
-    )
-    for flavor in ("ladder-30M", "ladder-60M", "ladder-130M"):
+    sizes = ["--axis", "model.flavor=ladder-30M,ladder-60M", "--size-option", "ladder-60M:training.batch_size=4"]
+    assert ladder_sweep(dump, *sizes) == 0
+    for flavor in ("ladder-30M", "ladder-60M"):
         folder = dump / "sizes" / flavor
         assert (folder / "study.html").exists()
         confirmed = sorted(p.name for p in (folder / "runs").glob("*_seed[12]"))
@@ -167,34 +159,31 @@ def test_a_study_over_sizes_carries_the_lr_up_and_a_size_added_later_joins_the_s
         command = (folder / "runs" / confirmed[0] / "command.sh").read_text()
         assert f"--model.flavor {flavor}" in command
         assert ("--training.batch_size 4" in command) == (flavor == "ladder-60M")
-    record = json.loads((dump / "ladder.json").read_text())
-    carried = record["grids"]["ladder-130M"]["AdamW"]
+    md = (dump / "sweep.md").read_text()
+    assert "at 8B parameters" in md and "underdetermined" in md  # two sizes: a line, no interval
+
+    # A size added in a later call: its lr grid carried up from the two below it, on the same page.
+    before = {p: p.read_text() for p in (dump / "sizes").rglob("sweep_status.json")}
+    assert ladder_sweep(dump, "--ladder", "ladder-130M") == 0
+    assert {p: p.read_text() for p in before} == before  # the smaller sizes trained nothing again
+    carried = json.loads((dump / "ladder.json").read_text())["grids"]["ladder-130M"]["AdamW"]
     true_lr = LAW["lr"] * (PARAMS["ladder-130M"] / REFERENCE) ** LAW["lr_exponent"]
     assert min(carried["lrs"]) <= true_lr <= max(carried["lrs"])
     assert math.isclose(math.exp(np.mean(np.log(carried["lrs"]))), carried["predicted"], rel_tol=0.01)
     trained = {p.name.split("_")[1] for p in (dump / "sizes" / "ladder-130M" / "runs").iterdir()}
     assert trained == {f"lr{lr_label(lr)}" for lr in carried["lrs"]}
     view = json.loads((dump / "scale.json").read_text())
+    assert [s["size"] for s in view["sizes"]] == ["ladder-30M", "ladder-60M", "ladder-130M"]
     trend = view["optimizers"]["AdamMini"]["speedup_trend"]["fit"]
-    assert (
-        trend["sizes"] == 3
-        and trend["exponent_interval"][0] <= LAW["speedup_exponent"] <= trend["exponent_interval"][1]
-    )
-    assert trend["target_interval"] is not None
-    page = (dump / "study.html").read_text()
-    assert "sizes/ladder-130M/study.html" in page and "at 8B parameters" in page
-    assert "centred on" in (dump / "sweep.md").read_text()
-
-    # A size added in a later call: its grid carried up from the three below it, on the same page.
-    before = {p: p.read_text() for p in (dump / "sizes").rglob("sweep_status.json")}
-    assert ladder_sweep(dump, "--ladder", "ladder-300M") == 0
-    assert {p: p.read_text() for p in before} == before  # the smaller sizes trained nothing again
-    view = json.loads((dump / "scale.json").read_text())
-    assert [s["size"] for s in view["sizes"]] == ["ladder-30M", "ladder-60M", "ladder-130M", "ladder-300M"]
+    low, high = trend["exponent_interval"]
+    assert trend["sizes"] == 3 and low <= LAW["speedup_exponent"] <= high and trend["target_interval"] is not None
     law = next(x for x in view["optimizers"]["AdamW"]["laws"] if x["setting"] == "lr")
-    last = law["predicted_vs_found"][-1]
-    assert last["size"] == "ladder-300M" and last["from_sizes"] == 3 and last["interval"] is not None
-    assert "ladder-300M" in (dump / "study.html").read_text()
+    assert [(p["size"], p["from_sizes"], p["found"] in carried["lrs"]) for p in law["predicted_vs_found"]] == [
+        ("ladder-130M", 2, True)
+    ]
+    page = (dump / "study.html").read_text()
+    assert "sizes/ladder-130M/study.html" in page and "centred on" in page
+
     capsys.readouterr()
     assert fake_sweep(dump, "--lrs", "1e-3") == 2  # a plain sweep into the study's folder: refused, nothing trained
     assert "holds a study over sizes" in one_error_line(capsys)

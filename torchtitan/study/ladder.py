@@ -5,7 +5,9 @@
 The sizes run smallest first. With ``--carry-lrs`` the first two sizes search ``--lrs``; each later size waits for
 every smaller one to be done (its best settings chosen and confirmed) and searches the ``--lrs`` grid moved to
 centre on the lr the smaller sizes' power law predicts for it (``scale.carried_grid``); that grid is recorded in
-``ladder.json`` and kept when the study resumes. A size named in a later call joins the same study and page.
+``ladder.json`` and kept when the study resumes (an optimizer a later call adds gets its own carried grid; a size
+that already trained on ``--lrs`` keeps them when a smaller size is added below it). A size named in a later call
+joins the same study and page.
 """
 
 from __future__ import annotations
@@ -239,20 +241,22 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
                 if getattr(args, "scheduler", "local") == "slurm":
                     size_args.slurm_gpus = nprocs[flavor]
             index = [f for f, _ in ordered].index(flavor)
-            if args.carry_lrs and index >= 2:
-                grids = record["grids"].get(flavor)
-                if grids is None:
-                    reports = size_reports(dump, args, args.baseline, written)
-                    smaller = [r for r in reports if r["params"] < sizes[flavor]]
-                    below = [f for f, _ in ordered[:index]]
-                    ready = {r["size"] for r in smaller if done(r["report"])}
-                    if set(below) - ready:
-                        waiting.append(f"{flavor} waits for {', '.join(sorted(set(below) - ready))}")
-                        continue
-                    grids = carried_lrs(flavor, sizes[flavor], smaller, lrs, optimizers)
-                    record["grids"][flavor] = grids
-                    write_text_atomically(dump / LADDER_FILE, strict_json(record))
-                size_args.carried_lrs = {o: g["lrs"] for o, g in grids.items()}
+            # Carried up: a size from the third on, unless it already trained on --lrs (a smaller size added later).
+            grids = record["grids"].get(flavor, {})
+            carried = args.carry_lrs and index >= 2 and (grids or not size_folder(dump, flavor).exists())
+            missing = [o for o in optimizers if o not in grids]  # an optimizer this call adds: its grid too
+            if carried and missing:
+                reports = size_reports(dump, args, args.baseline, written)
+                smaller = [r for r in reports if r["params"] < sizes[flavor]]
+                unready = {f for f, _ in ordered[:index]} - {r["size"] for r in smaller if done(r["report"])}
+                if unready:
+                    waiting.append(f"{flavor} waits for {', '.join(sorted(unready))}")
+                    continue
+                grids = {**grids, **carried_lrs(flavor, sizes[flavor], smaller, lrs, missing)}
+                record["grids"][flavor] = grids
+                write_text_atomically(dump / LADDER_FILE, strict_json(record))
+            if carried:
+                size_args.carried_lrs = {o: grids[o]["lrs"] for o in optimizers}
             print(f"== size {flavor} ({sizes[flavor]:,} non-embedding parameters): {size_args.dump_folder}", flush=True)
             size_train = [*train_args, *options.get(flavor, []), f"--{FLAVOR_OPTION}", flavor]
             code = max(code, run_sweep(size_args, size_train))
