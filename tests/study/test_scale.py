@@ -1,6 +1,6 @@
 """A study across model sizes: the laws fitted across sizes recover a known law in made-up studies (pure functions,
 seconds), the carried-up lr grid holds the true best lr, and a study over sizes runs end to end on the fake trainer
-(each size its own search and confirmation, a size added later joins the same page)."""
+(each size its own search and confirmation, a size added later carried up onto the same page)."""
 
 from __future__ import annotations
 
