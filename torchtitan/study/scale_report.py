@@ -462,44 +462,46 @@ def _plot_scale(view: dict) -> Optional[bytes]:
     lrs.set_yscale("log")
     params = [s["params"] for s in view["sizes"]]
     target = view["target_params"]
+    speed.set_xlim(min(params) / 1.5, max(params + ([target] if target else [])) * 1.5)
     for i, (optimizer, entry) in enumerate(view["optimizers"].items()):
         color = f"C{i % 10}"
-        xs, ys, lows, highs, dxs, dys, dlows, dhighs = [], [], [], [], [], [], [], []
+        dxs, dys, dlows, dhighs = [], [], [], []
+        series = {"at matched loss": []}  # per measure of speedup: (params, value, low, high) with an interval
         for s in view["sizes"]:
             row = entry["rows"].get(s["size"])
             if row is None or not row["confirmed"]:
                 continue
-            sp = row["speedup"]
-            if sp and sp["value"] is not None and sp["bound"] is None:
-                xs.append(s["params"])
-                ys.append(sp["value"])
-                lows.append(sp["value"] - (sp["low"] if sp["low"] is not None else sp["value"]))
-                highs.append((sp["high"] if sp["high"] is not None else sp["value"]) - sp["value"])
+            point, _ = _speedup_point(s["params"], row["speedup"])
+            if point is not None:
+                series["at matched loss"].append((point.params, point.value, point.low, point.high))
+            for m, e in row["d_eff"].items():
+                if e["value"] is not None and e["interval"] and None not in e["interval"]:
+                    series.setdefault(f"D_eff / D at {m}", []).append((s["params"], e["value"], *e["interval"]))
             d = row["difference"]
             if d:
                 dxs.append(s["params"])
                 dys.append(d["difference"])
                 dlows.append(d["difference"] - d["low"])
                 dhighs.append(d["high"] - d["difference"])
-        if xs and optimizer != view["baseline"]:  # the baseline's own is 1 by definition: the grey line
-            speed.errorbar(xs, ys, yerr=[lows, highs], fmt="o", color=color, capsize=3, label=optimizer)
-        fit = (entry.get("speedup_trend") or {}).get("fit")
-        if fit and xs:
+        fits = {"at matched loss": (entry.get("speedup_trend") or {}).get("fit")}
+        fits.update({f"D_eff / D at {m}": t.get("fit") for m, t in (entry.get("d_eff_trends") or {}).items()})
+        for k, (measure, points) in enumerate(series.items()):
+            if optimizer == view["baseline"] or not points:  # the baseline's own is 1 by definition: the grey line
+                continue
+            xs, ys, lows, highs = zip(*points)
+            marker = "os^vD"[k % 5]
+            yerr = [[y - low for y, low in zip(ys, lows)], [high - y for y, high in zip(ys, highs)]]
+            speed.errorbar(xs, ys, yerr=yerr, fmt=marker, color=color, capsize=3, label=f"{optimizer}, {measure}")
+            fit, line = fits.get(measure), fit_log_line(xs, ys)
+            if fit is None or line is None:
+                continue
             ends = [min(params), max(params + ([target] if target else []))]
-            grid = [ends[0] * (ends[1] / ends[0]) ** (k / 40) for k in range(41)]
-            line = fit_log_line(xs, ys)
-            if line:
-                speed.plot(grid, [line.at(x) for x in grid], "--", color=color, linewidth=1)
+            grid = [ends[0] * (ends[1] / ends[0]) ** (n / 40) for n in range(41)]
+            speed.plot(grid, [line.at(x) for x in grid], "--", color=color, linewidth=1)
             if target and fit["target_interval"]:
                 low, high = fit["target_interval"]
-                speed.errorbar(
-                    [target],
-                    [fit["at_target"]],
-                    yerr=[[fit["at_target"] - low], [high - fit["at_target"]]],
-                    fmt="s",
-                    color=color,
-                    capsize=4,
-                )
+                at = fit["at_target"]
+                speed.errorbar([target], [at], yerr=[[at - low], [high - at]], fmt=marker, color=color, capsize=4)
         if dxs:
             diff.errorbar(dxs, dys, yerr=[dlows, dhighs], fmt="o", color=color, capsize=3, label=optimizer)
         for law in entry["laws"]:
@@ -514,7 +516,7 @@ def _plot_scale(view: dict) -> Optional[bytes]:
                 if line:
                     lrs.plot(params, [line.at(x) for x in params], "--", color=color, linewidth=1)
     for ax, label in (
-        (speed, f"speedup over {view['baseline']} (×)"),
+        (speed, f"speedup over {view['baseline']} (×), 95% CI"),
         (diff, f"loss − {view['baseline']}'s"),
         (lrs, "best lr"),
     ):
