@@ -286,3 +286,32 @@ def test_the_scale_view_fits_d_eff_per_budget_multiple_and_says_two_sizes_are_un
     md = (tmp_path / "sweep.md").read_text()
     assert "at 8B parameters" in md and "underdetermined: two sizes fix a line but cannot bound it" in md
     assert "D_eff / D at 2x" in md and (tmp_path / "study.html").exists()
+
+
+def test_a_size_that_trained_on_lrs_keeps_them_when_a_smaller_size_joins_below_it(tmp_path):
+    # run_ladder with a stand-in for each size's sweep (it records what it was asked and makes the size's folder):
+    # the order of sizes, each one's options, and which get a carried grid, without training anything.
+    from torchtitan.errors import UserError
+    from torchtitan.study.ladder import ladder_flavors, run_ladder
+    from torchtitan.tools.sweep import _parser
+
+    asked = []
+
+    def size_sweep(args, train_args) -> int:
+        asked.append((Path(args.dump_folder).name, getattr(args, "carried_lrs", None), args.nproc, args.parallel))
+        (Path(args.dump_folder) / "runs").mkdir(parents=True, exist_ok=True)
+        return 0
+
+    def call(*argv: str) -> None:
+        args = _parser().parse_args(["--dump-folder", str(tmp_path), "--lrs", "1e-3,2e-3", "--parallel", "4", *argv])
+        with pytest.raises(UserError, match="no run .* has ended yet"):  # the stand-in trained nothing
+            run_ladder(args, [], size_sweep, ladder_flavors(args))
+
+    call("--ladder", "ladder-130M,ladder-60M,ladder-300M", "--nproc", "1", "--size-nproc", "ladder-300M=2")
+    assert asked == [("ladder-60M", None, 1, 4), ("ladder-130M", None, 1, 4), ("ladder-300M", None, 2, 2)]
+    asked.clear()
+    call("--ladder", "ladder-30M,ladder-130M", "--carry-lrs")  # 130M is now the third size, and trained on --lrs
+    assert asked == [("ladder-30M", None, None, 4), ("ladder-130M", None, None, 4)]
+    record = json.loads((tmp_path / "ladder.json").read_text())
+    assert list(record["sizes"]) == ["ladder-30M", "ladder-60M", "ladder-130M", "ladder-300M"]
+    assert record["grids"] == {} and record["carry_lrs"] is True
