@@ -5,9 +5,13 @@ Takes the options the sweep passes (``--optimizer.name``, ``--optimizer.lr``, ``
 tags. The training loss is lowest at lr 1e-3, the validation loss (logged when FAKE_VALIDATION is set) at lr 1e-2,
 each seed adds 0.01 per seed number, and a weight decay (``--optimizer.weight_decay``) its distance from 0.1 (0.3
 for Muon). FAKE_SECONDS makes each run last that long; FAKE_RECORD makes it write ``fake_run.json`` into its folder
-(the GPUs and processes the sweep gave it, when it started and ended). FAKE_OUTCOMES, a JSON object from run name
-(``{Optimizer}_lr{lr}_seed{seed}``, or the whole run folder's name) to one of the behaviours below, makes a run
-misbehave:
+(the GPUs and processes the sweep gave it, when it started and ended). FAKE_SCALE, a JSON object, gives the runs
+a known law across model sizes (``--model.flavor``): ``{"params": {flavor: N}, "reference": N0, "lr": lr0,
+"lr_exponent": a, "speedup": s0, "speedup_exponent": b, "noise": sd, "baseline": "AdamW"}`` puts the best lr at
+lr0 (N / N0)^a and makes every optimizer but the baseline learn s0 (N / N0)^b times as fast (its loss at step t is
+the baseline's at step s t), each (optimizer, seed, size) off that by a factor exp(sd Z). FAKE_OUTCOMES, a JSON
+object from run name (``{Optimizer}_lr{lr}_seed{seed}``, or the whole run folder's name) to one of the behaviours
+below, makes a run misbehave:
   "nan"   - logs a NaN loss from step 3 on and exits 0;
   "exit3" - logs two steps, prints an ``error: ... non-finite ...`` line and exits 3, as train.py's guard does;
   "exit1" - logs two steps and crashes;
@@ -22,6 +26,7 @@ torchrun does, 1 for any failure.
 import json
 import math
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -70,7 +75,16 @@ def main() -> int:
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)])
         writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
 
-    distance = abs(math.log10(lr) + 3)
+    best_lr, speed = 1e-3, 1.0
+    scale = json.loads(os.environ.get("FAKE_SCALE") or "null")
+    if scale is not None:
+        flavor = o["model.flavor"]
+        ratio = scale["params"][flavor] / scale["reference"]
+        best_lr = scale["lr"] * ratio ** scale["lr_exponent"]
+        if optimizer != scale["baseline"]:
+            noise = random.Random(f"{optimizer} {seed} {flavor}").gauss(0.0, scale["noise"])
+            speed = scale["speedup"] * ratio ** scale["speedup_exponent"] * math.exp(noise)
+    distance = abs(math.log10(lr) - math.log10(best_lr))
     weight_decay_distance = abs(float(o.get("optimizer.weight_decay", "0.1")) - (0.3 if optimizer == "Muon" else 0.1))
     log(0, "optimizer/state_bytes", {"AdamMini": 1 << 20}.get(optimizer, 2 << 20))
     for step in range(1, steps + 1):
@@ -92,7 +106,7 @@ def main() -> int:
                 write_exit_record(dump, 3, message)
                 return as_launched(3)
             raise RuntimeError("the fake trainer crashed")
-        loss = 2.0 + distance + weight_decay_distance + 0.01 * seed + 4.0 / step
+        loss = 2.0 + distance + weight_decay_distance + 0.01 * seed + 4.0 / (speed * step)
         log(step, "loss_metrics/global_avg_loss", math.nan if behaviour == "nan" and step >= 3 else loss)
         log(step, "throughput/tps", 1000.0 + 100.0 * seed + (500.0 if optimizer == "AdamMini" else 0.0))
         log(step, "memory/rss(GiB)", 0.5 + 0.01 * step)

@@ -172,6 +172,8 @@ def test_debug_flavor_is_small():
 
 
 LADDER_SIZES = {
+    "ladder-3M": 3e6,
+    "ladder-9M": 9e6,
     "ladder-30M": 30e6,
     "ladder-60M": 60e6,
     "ladder-130M": 130e6,

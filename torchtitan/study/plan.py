@@ -256,9 +256,15 @@ def fit_budgets(
     return fitted
 
 
+def lrs_of(lrs, optimizer: str) -> Sequence[float]:
+    """An optimizer's lrs: ``lrs`` itself, or its entry where ``lrs`` maps optimizers to their own (a study over sizes
+    that carries each optimizer's lr grid up to the next size)."""
+    return lrs[optimizer] if isinstance(lrs, dict) else lrs
+
+
 def plan(
     optimizers: Sequence[str],
-    lrs: Sequence[float],
+    lrs,
     seeds: Sequence[int],
     budgets: Sequence[Optional[Budget]] = (None,),
     axes: Sequence[Axis] = (),
@@ -278,7 +284,7 @@ def plan(
         for o in names
         for b in budgets
         for options in _axis_points(axes_for(o, axes))
-        for lr in lrs
+        for lr in lrs_of(lrs, o)
         for seed in seeds
     ]
     run_names = [s.name for s in specs]

@@ -31,6 +31,7 @@ from torchtitan.study.plan import (
     axis_value,
     items,
     lr_label,
+    lrs_of,
     run_folder,
 )
 from torchtitan.study.run_folders import SweepRun, load_sweep_run, read_status, status_paths, sweep_order
@@ -183,7 +184,7 @@ def _grid_order(values: Sequence[str], numeric: Callable[[str], object]) -> tupl
 
 def search_spaces(
     optimizers: Sequence[str],
-    lrs: Sequence[float],
+    lrs,
     axes: Sequence[Axis],
     starts: Sequence[tuple[Optional[str], str, str]],
 ) -> dict[str, Space]:
@@ -198,7 +199,7 @@ def search_spaces(
             raise UserError(f"--start {optimizer}:{key}: {optimizer} is not in --optimizers; add it or drop the start")
     spaces = {}
     for optimizer in optimizers:
-        coordinates = [Coordinate(LR, _grid_order([lr_label(lr) for lr in lrs], float))]
+        coordinates = [Coordinate(LR, _grid_order([lr_label(lr) for lr in lrs_of(lrs, optimizer)], float))]
         coordinates += [Coordinate(a.key, _grid_order(a.values, axis_value)) for a in axes_for(optimizer, axes)]
         start = [(len(c.values) - 1) // 2 for c in coordinates]
         keys = {("optimizer.lr" if c.key == LR else c.key): n for n, c in enumerate(coordinates)}

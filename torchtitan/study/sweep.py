@@ -145,6 +145,7 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         budgets, warmup_fraction = _budgets(args, config_file, nproc, train_args)
         axes = [parse_axis(raw, args.budgets is not None, args.vary_data_seed) for raw in args.axis]
         optimizers, lrs, seeds = items(args.optimizers), parse_lrs(args.lrs), parse_seeds(args.seeds)
+        lrs = getattr(args, "carried_lrs", None) or lrs  # a size of a study over sizes: each optimizer's own grid
         recorded = (read_search(dump) or {}).get("confirm_seeds", [])
         earlier = earlier_selection_seeds(dump, recorded)
         confirm_seeds = parse_confirm_seeds(args.confirm_seeds, seeds, recorded, earlier)

@@ -6,7 +6,8 @@
         [--warmup-fraction F] [--baseline AdamW] [--nproc N] [--parallel K] [--config-file X.toml] \\
         [--last-k 10] [--confirm-seeds 3,4,5] [--family-correction Holm|unadjusted] \\
         [--scheduler slurm [--slurm-partition P] [--slurm-time T] ... [--wait]] \\
-        -- [train.py options]
+        [--ladder ladder-30M,ladder-60M,... [--size-option FLAVOR:SECTION.KEY=V ...] [--size-nproc FLAVOR=N ...] \\
+         [--carry-lrs] [--target-params 8e9]] -- [train.py options]
     python -m torchtitan.tools.sweep --dump-folder outputs/sweep --report-only [--baseline AdamW]
 
 Every (optimizer, lr, seed) runs once through ``run_llama_train.sh`` with the same config and options, in its own
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import exit_code
+from torchtitan.study.ladder import add_ladder_options, check_no_ladder_options, is_ladder, ladder_flavors, run_ladder
 from torchtitan.study.slurm import SlurmRefused, add_scheduler_options
 from torchtitan.study.summary import DEFAULT_BASELINE, FAMILY_CORRECTIONS, HOLM
 from torchtitan.study.sweep import run_sweep
@@ -158,6 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_verdict_options(p)
     add_scheduler_options(p)
+    add_ladder_options(p)
     return p
 
 
@@ -192,6 +195,10 @@ def sweep(argv: Sequence[str]) -> int:
     train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = _parser().parse_args(argv[: len(argv) - len(train_args) - (1 if "--" in argv else 0)])
     try:
+        flavors = ladder_flavors(args)
+        if flavors or is_ladder(Path(args.dump_folder).resolve()):
+            return run_ladder(args, train_args, run_sweep, flavors)
+        check_no_ladder_options(args)
         return run_sweep(args, train_args)
     except SlurmRefused as e:  # not a mistake in the options, and not "later": exit 1
         print(f"error: {e}", file=sys.stderr)

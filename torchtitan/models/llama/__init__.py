@@ -103,6 +103,8 @@ llama3_configs.update(
 # the embedding and the output projection, so the count does not depend on the tokenizer). docs/study-runs.md lists
 # the exact counts.
 LADDER = {
+    "ladder-3M": ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2),  # the two smallest: studies on a CPU
+    "ladder-9M": ModelArgs(dim=384, n_layers=6, n_heads=6, n_kv_heads=2),
     "ladder-30M": ModelArgs(dim=512, n_layers=10, n_heads=8, n_kv_heads=2),
     "ladder-60M": ModelArgs(dim=768, n_layers=10, n_heads=12, n_kv_heads=4),
     "ladder-130M": ModelArgs(dim=768, n_layers=20, n_heads=12, n_kv_heads=4),
