@@ -1,13 +1,13 @@
 """torchtitan's 2024 TOML keys that are spelled differently here, or whose feature this project does not have.
 
 A config file from torchtitan (mid-2024) loads unchanged: each of its keys is either one of ours (same name, same
-meaning; see ``config_manager``), or listed below as
+meaning; see ``torchtitan.config.job_config``), or listed below as
 
 * a rename: the value is written to our key, converted if the sense is inverted;
 * accepted at the value that describes what this project does (a pipeline degree of 1, float8 all-gather off ...);
   any other value is refused in one line naming the feature and what to use instead.
 
-This module is torch-free, like ``config_manager``, which calls :func:`translate` for every key it does not know.
+This module is torch-free, like ``torchtitan.config.job_config``, which calls :func:`translate` for every key it does not know.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Weights & Biases logging (``metrics.enable_wandb``): a debug-model run in offline mode (no network) is read back
 from its offline run folder, then resumed from its checkpoint into a new W&B run of the same group, linked to the
-first (tests/training/test_wandb_resume.py: when a resumed run continues the kept one)."""
+first (tests/telemetry/test_wandb_resume.py: when a resumed run continues the kept one)."""
 
 from __future__ import annotations
 
