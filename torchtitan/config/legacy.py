@@ -7,7 +7,8 @@ meaning; see ``torchtitan.config.job_config``), or listed below as
 * accepted at the value that describes what this project does (a pipeline degree of 1, float8 all-gather off ...);
   any other value is refused in one line naming the feature and what to use instead.
 
-This module is torch-free, like ``torchtitan.config.job_config``, which calls :func:`translate` for every key it does not know.
+This module is torch-free, like ``torchtitan.config.job_config``, which calls :func:`translate` for every key it does
+not know.
 """
 
 from __future__ import annotations
