@@ -1,6 +1,6 @@
 """Muon in one process: torch.optim.Muon + AdamW over the same split, Newton–Schulz, the lr scale, the split of
 the weights, its options, bfloat16 momentum and its state across a load. (Across processes:
-tests/optim/test_adam_mini_distributed.py; checkpoints and names: tests/optim/test_optim_builder.py.)"""
+tests/optim/test_muon_distributed.py; checkpoints and names: tests/optim/test_optim_builder.py.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """NorMuon in one process: against a reference written from the NorMuon reference code (microsoft/dion's
 ``normuon.py``) over Muon's momentum and Newton–Schulz, the rows it evens out, its options, and its state across a
-load. (Across processes: tests/optim/test_adam_mini_distributed.py; names, state bytes and checkpoints:
+load. (Across processes: tests/optim/test_normuon_distributed.py; names, state bytes and checkpoints:
 tests/optim/test_optim_builder.py.)"""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.distributed import run_workers
 from tests.helpers import HYPER, TINY, fsdp, max_difference, tiny_model, weights
-from tests.optim.test_adam_mini_distributed import _attempt, _CollectiveSizes, _set_grads, _tensor_parallel
+from tests.optim.parallel_worlds import CollectiveSizes, attempt, set_grads, tensor_parallel
 from torchtitan.models.roles import canonical_name
 from torchtitan.optim.container import OptimizersContainer
 from torchtitan.optim.muon.optimizer import split_hidden_matrices
@@ -48,10 +48,10 @@ def _parallel_model(layout: str) -> torch.nn.Module:
     if layout == "fsdp":
         fsdp(model, init_device_mesh("cpu", (WORLD,)))
     elif layout == "tp":
-        _tensor_parallel(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("copy", "tp"))["tp"])
+        tensor_parallel(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("copy", "tp"))["tp"])
     elif layout == "fsdp_tp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        _tensor_parallel(model, mesh["tp"])
+        tensor_parallel(model, mesh["tp"])
         fsdp(model, mesh["dp"])
     elif layout == "hsdp":
         fsdp(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard")))
@@ -64,7 +64,7 @@ def _train(layout: str) -> dict[str, Any]:
     model = _parallel_model(layout)
     optimizer = soap_for(model)
     for step in range(STEPS):
-        _set_grads(model, step)
+        set_grads(model, step)
         optimizer.step()
     holds = {}
     matrices = optimizer.param_groups[0]["params"]
@@ -79,9 +79,9 @@ def _collectives(layout: str) -> dict[str, Any]:
     model = _parallel_model(layout)
     optimizer = soap_for(model)
     for step in range(2):
-        _set_grads(model, step)
+        set_grads(model, step)
         if step == 1:
-            with _CollectiveSizes() as comm:
+            with CollectiveSizes() as comm:
                 optimizer.step()
         else:
             optimizer.step()
@@ -90,7 +90,7 @@ def _collectives(layout: str) -> dict[str, Any]:
 
 def _train_steps(model: torch.nn.Module, optimizer: SOAP, steps: range) -> dict[str, torch.Tensor]:
     for step in steps:
-        _set_grads(model, step)
+        set_grads(model, step)
         optimizer.step()
     return weights(model)
 
@@ -116,11 +116,11 @@ def _resume(layout: str, path: str) -> dict[str, torch.Tensor]:
 
 
 def _runs(rank: int, world_size: int, checkpoint_dir: str) -> bytes:
-    runs = {layout: _attempt(_train, layout) for layout in ("fsdp", "tp", "fsdp_tp", "hsdp")}
-    runs["comm_fsdp"] = _attempt(_collectives, "fsdp")
-    runs["comm_fsdp_tp"] = _attempt(_collectives, "fsdp_tp")
-    runs["save"] = _attempt(_save, "fsdp", checkpoint_dir)
-    runs["resume_hsdp"] = _attempt(_resume, "hsdp", checkpoint_dir)
+    runs = {layout: attempt(_train, layout) for layout in ("fsdp", "tp", "fsdp_tp", "hsdp")}
+    runs["comm_fsdp"] = attempt(_collectives, "fsdp")
+    runs["comm_fsdp_tp"] = attempt(_collectives, "fsdp_tp")
+    runs["save"] = attempt(_save, "fsdp", checkpoint_dir)
+    runs["resume_hsdp"] = attempt(_resume, "hsdp", checkpoint_dir)
     buffer = io.BytesIO()
     torch.save(runs, buffer)
     return buffer.getvalue()
@@ -189,7 +189,7 @@ def test_a_step_is_owner_rounds_only(world, layout):
 def test_bases_are_kept_where_the_side_is_short_enough():
     model = tiny_model(ARGS)
     optimizer = soap_for(model)
-    _set_grads(model, 0)
+    set_grads(model, 0)
     optimizer.step()
     for p in optimizer.param_groups[0]["params"]:
         assert [key in optimizer.state[p] for key in BASES] == [s <= OPTIONS["max_precondition_dim"] for s in p.shape]

@@ -1,0 +1,426 @@
+"""Spawned gloo worlds (float64) shared by the distributed parity tests of Adam-mini, Muon, NorMuon and AdEMAMix.
+
+A family's test module spawns each world size it needs (2, 3, 4 or 6 ranks) once, running all of that family's layouts
+in it (``tests/optim/conftest.py``: the module's ``FAMILY``), so that the families' files run on pytest-xdist workers of
+their own, none waiting for another's world. A layout's failure is returned as its traceback, so that only that
+layout's test fails. The tests themselves live with their family: ``test_adam_mini_distributed.py``,
+``test_muon_distributed.py``, ``test_normuon_distributed.py``, ``test_ademamix_distributed.py``."""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import traceback
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from tests.distributed import run_workers
+from tests.helpers import (
+    HYPER,
+    TINY,
+    adam_mini_for,
+    ademamix_for,
+    fsdp,
+    grad_from_values,
+    muon_for,
+    normuon_for,
+    run_single_process,
+    tiny_model,
+    weights,
+)
+from torchtitan.models.llama import ModelArgs
+from torchtitan.optim import AdamMini
+from torchtitan.optim.adam_mini.optimizer import FUSED
+from torchtitan.optim.adam_mini.partition import PER_ELEMENT, PER_ROW, PER_TENSOR
+from torchtitan.optim.state.storage import BFLOAT16, INT8
+
+STEPS = 5
+# The fused back end and bfloat16 momentum, each checked like the default (foreach, float64 momentum).
+VARIANTS = {"fused": ("implementation", FUSED), "bfloat16": ("momentum_storage", BFLOAT16)}
+SAVE_AT, RESUME_STEPS = 3, 3
+MUON_STEPS = 3  # several steps, each bit for bit; kept short, Newton-Schulz in float64 being the slow part
+# For 8-bit momentum, in blocks of 128: every matrix has at least 4096 entries and rows of whole blocks, and TP 2
+# cuts the 256 columns of the row-parallel weights into parts of one block each, so every matrix's momentum is
+# quantized in the same blocks in every layout.
+INT8_OPTIONS = {"momentum_storage": INT8, "block_size": 128}
+# Every optional partition rule at once (Adam-mini's first release, norms decayed too): per-element embedding and
+# output, one block per value, attention output and MLP matrix (partial over every split of them).
+OTHER_PARTITION = {
+    "value_blocks": PER_TENSOR,
+    "embedding_blocks": PER_ELEMENT,
+    "output_blocks": PER_ELEMENT,
+    "attn_out_blocks": PER_TENSOR,
+    "mlp_blocks": PER_TENSOR,
+    "norm_weight_decay": True,
+}
+PARTITION_LAYOUTS = {2: ("fsdp", "tp"), 3: ("fsdp",), 4: ("fsdp_tp", "hsdp")}
+WIDE = ModelArgs(
+    dim=256,
+    n_layers=1,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=128,
+    multiple_of=256,
+    ffn_dim_multiplier=0.375,
+    max_seq_len=16,
+)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Worker side (module level, so spawned ranks can import it)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def tensor_parallel(model: torch.nn.Module, tp_mesh, embedding_plan=None) -> None:
+    # Column-wise Q/K/V/W1/W3 and output (Shard(0)), row-wise O/W2 (Shard(1)), vocabulary-parallel embedding
+    # (Shard(0)) unless told otherwise; norms stay plain tensors beside the DTensors.
+    parallelize_module(
+        model, tp_mesh, {"tok_embeddings": embedding_plan or RowwiseParallel(), "output": ColwiseParallel()}
+    )
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for layer in model.layers.values():
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def _parallel_model(layout: str, world_size: int, args: ModelArgs = TINY) -> torch.nn.Module:
+    model = tiny_model(args)
+    if layout == "single":
+        pass
+    elif layout == "fsdp":
+        fsdp(model, init_device_mesh("cpu", (world_size,)))
+    elif layout == "tp":
+        tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+    elif layout == "fsdp_tp":
+        # dp = world_size / 2: FSDP's strided shards of TP shards, uneven for the vocabulary (67 rows) and, with 3,
+        # for heads. The embedding is split by columns (Shard(1)): its per-row sums are partial over TP.
+        mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, mesh["tp"], embedding_plan=ColwiseParallel())
+        fsdp(model, mesh["dp"])
+    elif layout == "hsdp":
+        fsdp(model, init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard")))
+    else:
+        raise ValueError(layout)
+    return model
+
+
+def set_grads(model: torch.nn.Module, step: int) -> None:
+    # Computed from each shard's own values: DTensor's slicing of a full tensor (distribute_tensor) does not always
+    # match where FSDP2 put the rows of uneven strided shards.
+    for name, p in model.named_parameters():
+        p.grad = grad_from_values(name, p, step)
+
+
+def _batch(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of a fixed global batch of 6 sequences (all of it in one process)."""
+    tokens = torch.randint(0, TINY.vocab_size, (6, 9), generator=torch.Generator().manual_seed(5))
+    share = tokens.shape[0] // world_size
+    tokens = tokens[rank * share : (rank + 1) * share]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_on_loss(model: torch.nn.Module, rank: int, world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    """Real forward and backward (FSDP2 reduce-scatters the gradients), then AdamMini steps."""
+    optimizer = adam_mini_for(model)
+    inputs, labels = _batch(rank, world_size)
+    for _ in range(steps):
+        logits = model(inputs)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return weights(model)
+
+
+def train_muon(layout: str, world_size: int, steps: int, make: Callable = muon_for) -> dict[str, torch.Tensor]:
+    model = _parallel_model(layout, world_size)
+    optimizer = make(model)
+    for step in range(steps):
+        set_grads(model, step)
+        optimizer.step()
+    return weights(model)
+
+
+# Fewer rows than 3 ranks: FSDP2 gives the last rank an empty shard of every parameter (per_row, per_tensor and
+# per_element blocks).
+EMPTY_SHARD_ROLES = {"proj.weight": "mlp", "proj.bias": "bias", "norm.weight": "norm", "norm.bias": "bias"}
+
+
+def train_with_empty_shards(world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    """The fused step on a two-row module; FSDP2-sharded over ``world_size`` ranks when more than one."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential()
+    module.add_module("proj", torch.nn.Linear(8, 2))
+    module.add_module("norm", torch.nn.LayerNorm(2))
+    module.double()
+    if world_size > 1:
+        fully_shard(module, mesh=init_device_mesh("cpu", (world_size,)))
+    optimizer = AdamMini(
+        module.named_parameters(), **HYPER, dim=8, n_heads=1, param_roles=EMPTY_SHARD_ROLES, implementation=FUSED
+    )
+    for step in range(steps):
+        set_grads(module, step)
+        optimizer.step()
+    return weights(module)
+
+
+def train(
+    layout: str, world_size: int, steps: int, value_blocks: str = PER_ROW, args: ModelArgs = TINY, **options
+) -> dict[str, torch.Tensor]:
+    model = _parallel_model(layout, world_size, args)
+    optimizer = adam_mini_for(model, value_blocks=value_blocks, **options)
+    for step in range(steps):
+        set_grads(model, step)
+        optimizer.step()
+    return weights(model)
+
+
+class CollectiveSizes(CommDebugMode):
+    """CommDebugMode that also records how many elements each collective sends."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not isinstance(func, torch._ops.HigherOrderOperator) and not any(t is DTensor for t in types):
+            if func._overloadpacket in self.comm_registry:
+                sent = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
+                self.sizes.append((str(func._overloadpacket).rsplit(".", 1)[-1], sent))
+            elif func._overloadpacket is torch.ops.c10d.alltoall_base_:  # (output, input, group, splits...)
+                self.sizes.append(("alltoall_base_", args[1].numel()))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _collectives_of_one_step(layout: str, world_size: int, make: Callable = adam_mini_for, **options) -> dict[str, Any]:
+    model = _parallel_model(layout, world_size)
+    optimizer = make(model, **options)
+    set_grads(model, 0)
+    optimizer.step()  # builds the state
+    set_grads(model, 1)
+    with CollectiveSizes() as comm:
+        optimizer.step()
+    counts = {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items() if n}
+    return {"counts": counts, "sizes": comm.sizes, "smallest_param": min(p.numel() for p in model.parameters())}
+
+
+def _save_checkpoint(world_size: int, path: str, make: Callable = adam_mini_for) -> dict[str, torch.Tensor]:
+    model = _parallel_model("fsdp", world_size)
+    optimizer = make(model)
+    for step in range(SAVE_AT):
+        set_grads(model, step)
+        optimizer.step()
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path
+    )
+    return weights(model)
+
+
+def resume(model: torch.nn.Module, path: str, make: Callable = adam_mini_for) -> dict[str, torch.Tensor]:
+    """Load the checkpoint at ``path`` into a fresh optimizer on ``model`` and continue RESUME_STEPS steps."""
+    optimizer = make(model)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    for step in range(SAVE_AT, SAVE_AT + RESUME_STEPS):
+        set_grads(model, step)
+        optimizer.step()
+    return weights(model)
+
+
+def attempt(fn: Callable, *args) -> tuple[bool, Any]:
+    try:
+        return True, fn(*args)
+    except Exception:  # noqa: BLE001 - returned to the parent, which fails only this layout's test
+        return False, traceback.format_exc()
+
+
+def muon_path(checkpoint_dir: str) -> str:
+    return os.path.join(checkpoint_dir, "muon")
+
+
+def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
+    runs: dict[str, tuple[bool, Any]] = {}
+    if world_size in (2, 3):
+        runs["muon_fsdp"] = attempt(train_muon, "fsdp", world_size, MUON_STEPS)
+    if world_size == 2:
+        runs["muon_tp"] = attempt(train_muon, "tp", world_size, MUON_STEPS)
+        runs["muon_comm_fsdp"] = attempt(_collectives_of_one_step, "fsdp", world_size, muon_for)
+        runs["muon_save"] = attempt(_save_checkpoint, world_size, muon_path(checkpoint_dir), muon_for)
+    if world_size == 3:
+        runs["muon_resume"] = attempt(
+            lambda: resume(_parallel_model("fsdp", world_size), muon_path(resume_dir), muon_for)
+        )
+    if world_size in (4, 6):  # 6: 3 x 2, the TP shards of key/value weights cut unevenly by FSDP
+        runs["muon_fsdp_tp"] = attempt(train_muon, "fsdp_tp", world_size, MUON_STEPS)
+    if world_size == 4:
+        runs["muon_hsdp"] = attempt(train_muon, "hsdp", world_size, MUON_STEPS)
+        runs["muon_comm_fsdp_tp"] = attempt(_collectives_of_one_step, "fsdp_tp", world_size, muon_for)
+    return runs
+
+
+def _ademamix_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
+    """AdEMAMix (element-wise: each shard steps on its own) in Muon's layouts, and its collectives under FSDP."""
+    layouts = {2: ("fsdp", "tp"), 3: ("fsdp",), 4: ("fsdp_tp", "hsdp")}.get(world_size, ())
+    runs = {f"ademamix_{layout}": attempt(train_muon, layout, world_size, STEPS, ademamix_for) for layout in layouts}
+    if world_size == 2:
+        runs["ademamix_comm_fsdp"] = attempt(_collectives_of_one_step, "fsdp", world_size, ademamix_for)
+    return runs
+
+
+def _normuon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
+    """NorMuon in the layouts Muon runs in, and its collectives under FSDP and FSDP x TP."""
+    layouts = {2: ("fsdp", "tp"), 3: ("fsdp",), 4: ("fsdp_tp", "hsdp"), 6: ("fsdp_tp",)}.get(world_size, ())
+    runs = {f"normuon_{layout}": attempt(train_muon, layout, world_size, MUON_STEPS, normuon_for) for layout in layouts}
+    if world_size in (2, 4):
+        layout = "fsdp" if world_size == 2 else "fsdp_tp"
+        runs[f"normuon_comm_{layout}"] = attempt(_collectives_of_one_step, layout, world_size, normuon_for)
+    for layout in {2: ("fsdp", "tp"), 4: ("fsdp_tp",)}.get(world_size, ()):
+        runs[f"normuon_rms_{layout}"] = attempt(train_muon, layout, world_size, MUON_STEPS, normuon_rms_for)
+    return runs
+
+
+def normuon_rms_for(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """NorMuon with the paper's step size (the global shape's sqrt(rows cols), whatever the shard)."""
+    return normuon_for(model, "--optimizer.normuon_step_size", "rms")
+
+
+def _adam_mini_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
+    first = "fsdp" if world_size < 6 else "fsdp_tp"  # 6 ranks: 3 x 2, the heads of the TP shards cut unevenly by FSDP
+    runs: dict[str, tuple[bool, Any]] = {first: attempt(train, first, world_size, STEPS)}
+    if world_size == 2:
+        runs["tp"] = attempt(train, "tp", world_size, STEPS)
+        runs["fsdp_loss"] = attempt(lambda: train_on_loss(_parallel_model("fsdp", world_size), rank, world_size, 3))
+        runs["save"] = attempt(_save_checkpoint, world_size, checkpoint_dir)
+        runs["comm_fsdp"] = attempt(_collectives_of_one_step, "fsdp", world_size)
+        runs["comm_tp"] = attempt(_collectives_of_one_step, "tp", world_size)
+        for option, value in VARIANTS.values():
+            runs[f"fsdp_{value}"] = attempt(functools.partial(train, "fsdp", world_size, STEPS, **{option: value}))
+            runs[f"tp_{value}"] = attempt(functools.partial(train, "tp", world_size, STEPS, **{option: value}))
+        runs["comm_fsdp_fused"] = attempt(lambda: _collectives_of_one_step("fsdp", world_size, implementation=FUSED))
+    if world_size == 3:
+        runs["fsdp_per_tensor_values"] = attempt(train, "fsdp", world_size, STEPS, PER_TENSOR)
+        runs["comm_fsdp"] = attempt(_collectives_of_one_step, "fsdp", world_size)
+        runs["resume"] = attempt(lambda: resume(_parallel_model("fsdp", world_size), resume_dir))
+        runs["empty_shards"] = attempt(train_with_empty_shards, world_size, STEPS)
+        for option, value in VARIANTS.values():
+            runs[f"fsdp_{value}"] = attempt(functools.partial(train, "fsdp", world_size, STEPS, **{option: value}))
+    if world_size == 4:
+        runs["fsdp_tp"] = attempt(train, "fsdp_tp", world_size, STEPS)
+        runs["hsdp"] = attempt(train, "hsdp", world_size, STEPS)
+        runs["comm_fsdp_tp"] = attempt(_collectives_of_one_step, "fsdp_tp", world_size)
+        runs["fsdp_tp_fused"] = attempt(lambda: train("fsdp_tp", world_size, STEPS, implementation=FUSED))
+        for layout in ("hsdp", "fsdp_tp"):
+            runs[f"{layout}_{BFLOAT16}"] = attempt(
+                functools.partial(train, layout, world_size, STEPS, momentum_storage=BFLOAT16)
+            )
+            runs[f"{layout}_{INT8}"] = attempt(
+                functools.partial(train, layout, world_size, STEPS, args=WIDE, **INT8_OPTIONS)
+            )
+    for layout in PARTITION_LAYOUTS.get(world_size, ()):
+        runs[f"{layout}_other_partition"] = attempt(
+            functools.partial(train, layout, world_size, STEPS, **OTHER_PARTITION)
+        )
+    return runs
+
+
+FAMILIES = {"adam_mini": _adam_mini_runs, "muon": _muon_runs, "normuon": _normuon_runs, "ademamix": _ademamix_runs}
+
+
+def _world_runs(rank: int, world_size: int, family: str, checkpoint_dir: str, resume_dir: str | None) -> bytes:
+    runs = FAMILIES[family](rank, world_size, checkpoint_dir, resume_dir)
+    # Rank 0's results stand for all: every rank gathered the same full tensors.
+    if rank != 0:
+        runs = {name: (ok, None if ok else value) for name, (ok, value) in runs.items()}
+    # As bytes: tensors sent through the queue would share memory with a process that has exited.
+    buffer = io.BytesIO()
+    torch.save(runs, buffer)
+    return buffer.getvalue()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Parent side
+# ------------------------------------------------------------------------------------------------------------
+
+
+def spawn(world_size: int, family: str, checkpoint_dir: str | None, resume_dir: str | None) -> list[dict[str, Any]]:
+    """One world of ``world_size`` ranks running ``family``'s layouts (a key of ``FAMILIES``)."""
+    packed = run_workers(_world_runs, world_size, (family, checkpoint_dir, resume_dir))
+    return [torch.load(io.BytesIO(data), weights_only=False) for data in packed]
+
+
+def result(world: list[dict[str, Any]], name: str) -> Any:
+    for rank, runs in enumerate(world):
+        ok, value = runs[name]
+        if not ok:
+            pytest.fail(f"{name} failed on rank {rank}:\n{value}")
+    return world[0][name][1]
+
+
+def block_sums_per_step() -> int:
+    """Entries of the per-head and per-tensor sums of squares of the tiny model (what an FSDP step sums)."""
+    heads = TINY.n_layers * (TINY.n_heads + TINY.kv_heads)
+    norms = 2 * TINY.n_layers + 1
+    return heads + norms
+
+
+def hidden_matrices() -> list[torch.Tensor]:
+    from torchtitan.optim.muon.optimizer import split_hidden_matrices
+
+    model = tiny_model()
+    return [p for _, p in split_hidden_matrices(model.named_parameters(), model.named_param_roles())[0]]
+
+
+def one_process_runs(family: str) -> dict[str, Any]:
+    """The one-process references ``family``'s parallel runs are compared with."""
+    if family == "adam_mini":
+        return {
+            PER_ROW: run_single_process(STEPS, PER_ROW, grads_from_values=True),
+            PER_TENSOR: run_single_process(STEPS, PER_TENSOR, grads_from_values=True),
+            "uninterrupted": run_single_process(SAVE_AT + RESUME_STEPS, grads_from_values=True),
+            **{
+                value: run_single_process(STEPS, grads_from_values=True, **{option: value})
+                for option, value in VARIANTS.values()
+            },
+            "wide": train("single", 1, STEPS, args=WIDE),
+            f"wide_{INT8}": train("single", 1, STEPS, args=WIDE, **INT8_OPTIONS),
+            "other_partition": train("single", 1, STEPS, **OTHER_PARTITION),
+        }
+    if family == "muon":
+        return {
+            "muon": train_muon("single", 1, MUON_STEPS),
+            "muon_uninterrupted": train_muon("single", 1, SAVE_AT + RESUME_STEPS),
+        }
+    if family == "normuon":
+        return {
+            "muon": train_muon("single", 1, MUON_STEPS),
+            "normuon": train_muon("single", 1, MUON_STEPS, normuon_for),
+            "normuon_rms": train_muon("single", 1, MUON_STEPS, normuon_rms_for),
+        }
+    return {"ademamix": train_muon("single", 1, STEPS, ademamix_for)}

@@ -1,0 +1,26 @@
+"""AdEMAMix across processes (gloo, float64): on 2 and 3 ranks (FSDP2), TP, FSDP x TP and HSDP it equals one
+process, and its step communicates nothing (the worlds: ``parallel_worlds.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import max_difference, tiny_model, weights
+from tests.optim.parallel_worlds import result
+
+pytestmark = pytest.mark.timeout(600)
+FAMILY = "ademamix"  # the worlds this module spawns (tests/optim/conftest.py)
+
+
+@pytest.mark.parametrize(
+    "world_name, layout",
+    [("world2", "fsdp"), ("world3", "fsdp"), ("world2", "tp"), ("world4", "fsdp_tp"), ("world4", "hsdp")],
+)
+def test_ademamix_parallel_run_equals_single_process(request, one_process, world_name, layout):
+    params = result(request.getfixturevalue(world_name), f"ademamix_{layout}")
+    assert max_difference(params, one_process["ademamix"]) < 1e-12
+    assert max_difference(one_process["ademamix"], weights(tiny_model())) > 1e-3  # it trained
+
+
+def test_ademamix_step_communicates_nothing(world2):
+    assert result(world2, "ademamix_comm_fsdp")["counts"] == {}
