@@ -2,6 +2,8 @@
 
 import logging
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 logger = logging.getLogger("torchtitan")
 
@@ -16,3 +18,15 @@ def init_logger() -> None:
     handler.setFormatter(logging.Formatter("[titan] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
     logger.propagate = False
+
+
+@contextmanager
+def quiet(level: int = logging.WARNING) -> Iterator[None]:
+    """Only warnings and errors from the project's logger inside the block (a check that builds what a run builds,
+    such as preflight's layout check, says nothing of what it built)."""
+    previous = logger.level
+    logger.setLevel(max(level, previous))
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)

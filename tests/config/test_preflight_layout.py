@@ -95,3 +95,23 @@ def test_run_llama_train_trains_ademamix_at_tp2(tmp_path):
     proc = _run_llama_train(tmp_path, "--training.tensor_parallel_degree", "2", "--optimizer.name", "AdEMAMix", *steps)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "training done" in proc.stdout + proc.stderr
+
+
+def test_the_layout_check_logs_nothing_of_what_it_builds(monkeypatch):
+    """The run logs its Adam-mini partition; preflight's fake build of the same optimizer says nothing of it."""
+    import logging
+
+    from torchtitan.logging import logger
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    try:
+        assert _preflight("--optimizer.name", "AdamMini") == 0
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.levelno < logging.WARNING] == []
+    assert logger.level == logging.INFO
