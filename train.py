@@ -139,9 +139,10 @@ def main(job_config: JobConfig) -> None:
         f"training {t.steps} steps from step {train_state.step}: global batch {t.batch_size * dp_degree} x "
         f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"
     )
-    if validator is not None and 0 < train_state.step < t.steps and validator.due(train_state.step):
+    if validator is not None and 0 < train_state.step < t.steps and train_state.validation_pending:
         # Resumed at a step whose validation was due: a run stopped on a signal saved it without validating.
         validate(validator, model, train_state.step, metric_logger)
+        train_state.validation_pending = False
     window_start, window_steps = time.perf_counter(), 0
     first_step = train_state.step + 1
     # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/training/preemption.py)
@@ -198,7 +199,9 @@ def main(job_config: JobConfig) -> None:
 
             # Asked before a due validation: a stop saves this step at once (the resumed run validates it first).
             stop_now = train_state.step < t.steps and preemption.requested()
-            if validator is not None and validator.due(train_state.step) and not stop_now:
+            due = validator is not None and validator.due(train_state.step)
+            train_state.validation_pending = due and stop_now  # saved with the step: its resumed run validates it
+            if due and not stop_now:
                 started = time.perf_counter()
                 validate(validator, model, train_state.step, metric_logger)
                 window_start += time.perf_counter() - started  # evaluation time is not training throughput

@@ -38,11 +38,14 @@ class TrainState:
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0  # steps whose update the divergence guard skipped
+        # A validation due at this step that has not run: a run stopped on a signal saves before validating.
+        self.validation_pending = False
         self.spikes = spikes
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"step": self.step, "tokens_seen": self.tokens_seen}
         state["skipped_steps"] = self.skipped_steps
+        state["validation_pending"] = self.validation_pending
         if self.spikes is not None:
             state["loss_spikes"] = self.spikes.state_dict()
         return state
@@ -51,6 +54,7 @@ class TrainState:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))  # absent from checkpoints of older versions
+        self.validation_pending = bool(state.get("validation_pending", False))  # older ones validated before saving
         if self.spikes is not None and "loss_spikes" in state:  # absent from older ones, or from runs without health
             self.spikes.load_state_dict(state["loss_spikes"])
 
