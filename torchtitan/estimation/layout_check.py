@@ -40,12 +40,15 @@ def check_optimizer_layout(job_config, parallel_dims, model_args) -> None:
     from torchtitan.estimation.fake import fake_world, precompute_quantization_maps
     from torchtitan.logging import quiet
     from torchtitan.optim import build_optimizers
+    from torchtitan.optim.builder import resolve_optimizer_name
+    from torchtitan.optim.settings import BLOCK_SIZE
     from torchtitan.training.step import build_model
 
     job = copy.deepcopy(job_config)
     job.training.compile = False  # compiling changes no layout; the check stays quick
     job.float8.enable_float8_linear = False  # float8 needs its GPU, checked on its own; the weights' layout is the same
-    precompute_quantization_maps()
+    if BLOCK_SIZE in resolve_optimizer_name(job_config.optimizer.name).options:  # quantized state: torchao's maps
+        precompute_quantization_maps()
     with fake_world(parallel_dims.world_size), quiet():  # the run itself logs what it builds
         mesh = parallel_dims.build_mesh("cpu")
         model = build_model(job, model_args, parallel_dims, mesh, compute_device_type="cpu")
