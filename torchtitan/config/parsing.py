@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import sys
 import types
@@ -49,8 +50,14 @@ def parse(cls: type, argv: list[str], prog: str) -> Any:
     return config
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    """``cls``'s resolved field types (read only; resolving them is the slow part of parsing a job)."""
+    return typing.get_type_hints(cls)
+
+
 def _sections(cls: type) -> dict[str, type]:
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
@@ -64,7 +71,7 @@ def _keys(cls: type) -> dict[str, dataclasses.Field]:
 
 def _field_type(cls: type, key: str) -> Any:
     section, name = key.split(".", 1)
-    return typing.get_type_hints(_sections(cls)[section])[name]
+    return _hints(_sections(cls)[section])[name]
 
 
 def _unknown(kind: str, name: str, valid: list[str]) -> UserError:
@@ -240,7 +247,7 @@ def help_text(cls: type, prog: str = "train.py") -> str:
     ]
     for section, section_cls in _sections(cls).items():
         lines.append(f"\n[{section}]")
-        hints = typing.get_type_hints(section_cls)
+        hints = _hints(section_cls)
         for f in dataclasses.fields(section_cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             choices = f.metadata.get("choices")
