@@ -267,19 +267,13 @@ def muon_path(checkpoint_dir: str) -> str:
 
 def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
     runs: dict[str, tuple[bool, Any]] = {}
-    if world_size in (2, 3):
-        runs["muon_fsdp"] = attempt(train_muon, "fsdp", world_size, MUON_STEPS)
     if world_size == 2:
+        runs["muon_fsdp"] = attempt(train_muon, "fsdp", world_size, MUON_STEPS)
         runs["muon_tp"] = attempt(train_muon, "tp", world_size, MUON_STEPS)
         runs["muon_comm_fsdp"] = attempt(_collectives_of_one_step, "fsdp", world_size, muon_for)
         runs["muon_save"] = attempt(_save_checkpoint, world_size, muon_path(checkpoint_dir), muon_for)
-    if world_size == 3:
-        runs["muon_resume"] = attempt(
-            lambda: resume(_parallel_model("fsdp", world_size), muon_path(resume_dir), muon_for)
-        )
-    if world_size in (4, 6):  # 6: 3 x 2, the TP shards of key/value weights cut unevenly by FSDP
-        runs["muon_fsdp_tp"] = attempt(train_muon, "fsdp_tp", world_size, MUON_STEPS)
     if world_size == 4:
+        runs["muon_fsdp_tp"] = attempt(train_muon, "fsdp_tp", world_size, MUON_STEPS)
         runs["muon_hsdp"] = attempt(train_muon, "hsdp", world_size, MUON_STEPS)
         runs["muon_comm_fsdp_tp"] = attempt(_collectives_of_one_step, "fsdp_tp", world_size, muon_for)
     return runs
@@ -287,7 +281,7 @@ def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str 
 
 def _ademamix_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
     """AdEMAMix (element-wise: each shard steps on its own) in Muon's layouts, and its collectives under FSDP."""
-    layouts = {2: ("fsdp", "tp"), 3: ("fsdp",), 4: ("fsdp_tp", "hsdp")}.get(world_size, ())
+    layouts = {2: ("fsdp", "tp")}.get(world_size, ())
     runs = {f"ademamix_{layout}": attempt(train_muon, layout, world_size, STEPS, ademamix_for) for layout in layouts}
     if world_size == 2:
         runs["ademamix_comm_fsdp"] = attempt(_collectives_of_one_step, "fsdp", world_size, ademamix_for)
@@ -296,7 +290,7 @@ def _ademamix_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: 
 
 def _normuon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
     """NorMuon in the layouts Muon runs in, and its collectives under FSDP and FSDP x TP."""
-    layouts = {2: ("fsdp", "tp"), 3: ("fsdp",), 4: ("fsdp_tp", "hsdp"), 6: ("fsdp_tp",)}.get(world_size, ())
+    layouts = {2: ("fsdp", "tp"), 4: ("fsdp_tp", "hsdp")}.get(world_size, ())
     runs = {f"normuon_{layout}": attempt(train_muon, layout, world_size, MUON_STEPS, normuon_for) for layout in layouts}
     if world_size in (2, 4):
         layout = "fsdp" if world_size == 2 else "fsdp_tp"

@@ -1,6 +1,7 @@
-"""Muon across processes (gloo, float64 Newton–Schulz): FSDP2 on 2 and 3 ranks, TP, FSDP x TP (2 x 2, 3 x 2) and HSDP
-equal one process; a step's collectives are the owner rounds of ``muon.distributed`` (counted, with the entries
-sent); a checkpoint saved on 2 ranks resumes exactly on 1 and 3 (the worlds: ``parallel_worlds.py``)."""
+"""Muon across processes (gloo, float64 Newton–Schulz): FSDP2, TP, FSDP x TP and HSDP equal one process; a step's
+collectives are the owner rounds of ``muon.distributed`` (counted, with the entries sent); a checkpoint saved on 2
+ranks resumes exactly in one process (the worlds: ``parallel_worlds.py``). Uneven shards (FSDP 3), resumes into
+other layouts and Muon built the way train.py builds it are the layout matrix's (tests/optim/test_layout_matrix.py)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,9 @@ FAMILY = "muon"  # the worlds this module spawns (tests/optim/conftest.py)
     "world_name, layout",
     [
         ("world2", "fsdp"),
-        ("world3", "fsdp"),
         ("world2", "tp"),
         ("world4", "fsdp_tp"),
         ("world4", "hsdp"),
-        ("world6", "fsdp_tp"),
     ],
 )
 def test_muon_parallel_run_equals_single_process(request, one_process, world_name, layout):
@@ -49,8 +48,7 @@ def test_muon_step_sends_each_matrix_to_one_owner_and_back(request, world_name, 
     assert sum(size for _, size in comm["sizes"]) == total // ranks + owned  # even shards of the tiny matrices
 
 
-def test_muon_checkpoint_from_2_ranks_resumes_exactly_on_1_and_3_ranks(world2, world3, checkpoint_dir, one_process):
+def test_muon_checkpoint_from_2_ranks_resumes_exactly_on_1_rank(world2, checkpoint_dir, one_process):
     result(world2, "muon_save")
     resumed = resume(tiny_model(seed=7), muon_path(checkpoint_dir), muon_for)
     assert max_difference(resumed, one_process["muon_uninterrupted"]) < 1e-9
-    assert max_difference(result(world3, "muon_resume"), one_process["muon_uninterrupted"]) < 1e-9
