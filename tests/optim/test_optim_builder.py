@@ -714,7 +714,11 @@ LOW_BIT_RESUME_NAMES = ("AdamW8bit",)  # AdamMini's quantized momentum: tests/ch
 
 @pytest.fixture(scope="module")
 def fsdp_low_bit_runs(tmp_path_factory) -> tuple[str, list[dict[str, dict]]]:
-    return _fsdp_runs(tmp_path_factory, LOW_BIT_RESUME_NAMES, LOW_BIT, torch.float32)
+    # torchao's step run eagerly (torch's own switch): the same functions, without a cold compile in each rank; its
+    # compiled step under FSDP2 is tests/optim/test_layout_matrix_compiled.py's.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHDYNAMO_DISABLE", "1")
+        return _fsdp_runs(tmp_path_factory, LOW_BIT_RESUME_NAMES, LOW_BIT, torch.float32)
 
 
 @needs_torchao
