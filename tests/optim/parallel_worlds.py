@@ -280,11 +280,14 @@ def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str 
 
 
 def _ademamix_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
-    """AdEMAMix (element-wise: each shard steps on its own) in Muon's layouts, and its collectives under FSDP."""
-    layouts = {2: ("fsdp", "tp")}.get(world_size, ())
-    runs = {f"ademamix_{layout}": attempt(train_muon, layout, world_size, STEPS, ademamix_for) for layout in layouts}
-    if world_size == 2:
-        runs["ademamix_comm_fsdp"] = attempt(_collectives_of_one_step, "fsdp", world_size, ademamix_for)
+    """AdEMAMix (element-wise: each shard steps on its own) under FSDP2 and TP on 2 ranks, and its collectives under
+    FSDP."""
+    if world_size != 2:
+        return {}
+    runs = {
+        f"ademamix_{layout}": attempt(train_muon, layout, world_size, STEPS, ademamix_for) for layout in ("fsdp", "tp")
+    }
+    runs["ademamix_comm_fsdp"] = attempt(_collectives_of_one_step, "fsdp", world_size, ademamix_for)
     return runs
 
 
