@@ -339,7 +339,7 @@ def line_text(line: dict) -> str:
     chosen = _value(key, line["chosen"])
     if line["method"] == FIT:
         how = (
-            f"{key} {chosen}: nearest the optimum ({_value(key, line['optimum'])}) of a quadratic in "
+            f"{key} {chosen}: nearest the optimum ({line['optimum']:.3g}) of a quadratic in "
             f"{'log ' if line['scale'] == LOG else ''}{key} over {len(line['fitted'])} values"
         )
         if line["lowest"] != line["chosen"]:
