@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.helpers import fake_sweep
+from tests.helpers import fake_sweep, one_error_line
 from torchtitan.study import statistics
 from torchtitan.study.selection import (
     BEST_CELL,
@@ -235,26 +235,48 @@ def test_the_verdict_still_covers_the_truth_and_the_winners_curse_shrinks():
 # Through the sweep
 
 
-def test_a_sweep_confirms_the_fitted_lr_not_the_lucky_run_and_shows_the_tuning(tmp_path):
-    # The fake trainer's bowl is centred on 1.5e-3; AdamW's run at 7.5e-4 on the selection seed is lucky by 0.03,
-    # so the lowest cell is 7.5e-4. The fit chooses 1.5e-3, which the confirmation seeds train.
-    world = {"centre": 1.5e-3, "step_cost": STEP_COST, "offsets": {"AdamW_lr7.5e-4_seed0": -0.03}}
+def test_a_sweep_confirms_the_fitted_lr_not_the_lucky_run_and_a_close_call_gets_more_selection_seeds(tmp_path, capsys):
+    # The fake trainer's bowl is centred on 1.5e-3; AdamW's run at 7.5e-4 on the selection seed is lucky by 0.04, so
+    # the lowest cell is 7.5e-4. The fit chooses 1.5e-3, which the confirmation seeds train, but within the noise of
+    # one seed: the row says it is a close call.
+    world = {"centre": 1.5e-3, "step_cost": STEP_COST, "offsets": {"AdamW_lr7.5e-4_seed0": -0.04}}
     dump = tmp_path / "sweep"
-    lrs = ",".join(map(str, LRS))
-    args = ("--optimizers", "AdamW", "--lrs", lrs, "--seeds", "0", "--confirm-seeds", "1,2")
+    args = ("--optimizers", "AdamW", "--lrs", ",".join(map(str, LRS)), "--seeds", "0", "--confirm-seeds", "3,4")
     assert fake_sweep(dump, *args, FAKE_BOWL=json.dumps(world)) == 0
-    confirmed = sorted(p.name for p in (dump / "runs").iterdir() if p.name.endswith(("seed1", "seed2")))
-    assert confirmed == ["AdamW_lr1.5e-3_seed1", "AdamW_lr1.5e-3_seed2"]
+    confirmed = sorted(p.name for p in (dump / "runs").iterdir() if p.name.endswith(("seed3", "seed4")))
+    assert confirmed == ["AdamW_lr1.5e-3_seed3", "AdamW_lr1.5e-3_seed4"]
     report = json.loads((dump / "sweep.json").read_text())
     b = report["best"]["AdamW"]
     assert b["settings"] == {"lr": 1.5e-3} and b["choice"]["lowest"] == {"lr": 7.5e-4}
     (line,) = b["choice"]["lines"]
-    assert line["method"] == "fit" and line["chosen"] == 1.5e-3 and line["runner_up"] == 7.5e-4
+    assert line["method"] == "fit" and line["chosen"] == 1.5e-3 and line["runner_up"] == 7.5e-4 and line["close"]
     assert b["winners_curse"] == pytest.approx(b["selection"]["loss_mean"] - b["loss_mean"])
     md = (dump / "sweep.md").read_text()
     row = next(x for x in md.splitlines() if x.startswith("| AdamW | lr 1.5e-3 |"))
-    assert "nearest the optimum (" in row and "(the lowest cell was 7.5e-4)" in row and "beats 7.5e-4 by" in row
+    assert "nearest the optimum (" in row and "(the lowest cell was 7.5e-4)" in row
+    assert "beats 7.5e-4 by" in row and "a close call, 7.5e-4 may be as good" in row
     assert "Winner's curse (the chosen setting's mean on the selection seeds minus on the confirmation seeds" in md
     page = html.unescape((dump / "study.html").read_text())
     assert "<h2>Tuning</h2>" in page and "the quadratic in log lr fitted near the lowest" in page
     assert "no optimizer tried more than one lr" not in page
+    capsys.readouterr()
+
+    # With --selection-seeds-max 3 the two contenders train on seeds 1 and 2 as well (3 and 4 confirm, never
+    # choose), and the choice is then clear.
+    assert fake_sweep(dump, *args, "--selection-seeds-max", "3", FAKE_BOWL=json.dumps(world)) == 0
+    names = sorted(p.name for p in (dump / "runs").iterdir())
+    added = [n for n in names if n.endswith(("seed1", "seed2"))]
+    assert added == [f"AdamW_lr{lr}_seed{s}" for lr in ("1.5e-3", "7.5e-4") for s in (1, 2)]
+    assert [n for n in names if n.endswith(("seed3", "seed4"))] == confirmed
+    report = json.loads((dump / "sweep.json").read_text())
+    (line,) = report["best"]["AdamW"]["choice"]["lines"]
+    assert line["chosen"] == 1.5e-3 and line["close"] is False
+    assert report["selection_seeds"] == [0, 1, 2] and report["best"]["AdamW"]["selection"]["seeds"] == [0, 1, 2]
+    # Asking for no more seeds than --seeds has, or with a descent, or with --report-only: one line, nothing trained.
+    assert fake_sweep(tmp_path / "s", *args, "--selection-seeds-max", "1") == 2
+    assert "--selection-seeds-max 1 adds no seed to the 1 of --seeds" in one_error_line(capsys)
+    assert fake_sweep(tmp_path / "s", *args, "--selection-seeds-max", "3", "--search", "coordinate") == 2
+    assert "drop it with --search coordinate" in one_error_line(capsys)
+    assert not (tmp_path / "s" / "runs").exists()
+    assert fake_sweep(dump, "--report-only", "--selection-seeds-max", "3") == 2
+    assert "drop it with --report-only" in one_error_line(capsys)
