@@ -67,6 +67,10 @@ def test_it_falls_back_to_the_lowest_cell_and_says_why():
     # A hill, not a bowl: the lowest cell (an end), never the fitted maximum.
     hill = choose_along(LRS, [{0: 3.0 - STEP_COST * math.log2(lr / 1.5e-3) ** 2} for lr in LRS])
     assert (hill.method, hill.fallback, LRS[hill.index]) == (BEST_CELL, NOT_CONVEX, LRS[0])
+    # A bowl so flat that its optimum lies past any float: the lowest end is chosen, no optimum is given.
+    flat = choose_along(LRS, [{0: 3.0 - 1e-3 * math.log(lr) + 1e-11 * math.log(lr) ** 2} for lr in LRS])
+    assert flat.method == FIT and flat.optimum is None and LRS[flat.index] == LRS[-1]
+    assert "nearest the optimum (far past the grid)" in choice_text({"lines": [flat.to_json("lr")]})
     # Nothing finished: no choice.
     assert choose_along(LRS, [None] * 5).index is None
     # A diverged value is never chosen, even where the fitted optimum is nearest it.

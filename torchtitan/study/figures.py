@@ -202,7 +202,7 @@ def plot_selection(report: dict) -> Optional[bytes]:
             u0 = curve["centre"]
             fitted = [curve["a"] + curve["b"] * (u - u0) + curve["c"] * (u - u0) ** 2 for u in us]
             ax.plot([math.exp(u) for u in us], fitted, "-", color="gray", label="quadratic in log lr")
-            if min(line["values"]) / 4 <= line["optimum"] <= max(line["values"]) * 4:  # not far past the grid
+            if line["optimum"] is not None and min(line["values"]) / 4 <= line["optimum"] <= max(line["values"]) * 4:
                 optimum = line["optimum"]
                 ax.axvline(optimum, color="gray", linestyle=":", label=f"fitted optimum {optimum:.3g}")
         chosen_mean = line["means"][line["values"].index(line["chosen"])]

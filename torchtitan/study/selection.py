@@ -34,6 +34,7 @@ FIT, BEST_CELL = "fit", "best cell"
 TOO_FEW = "fewer than three finished values near the lowest cell"
 NOT_CONVEX = "the fitted curve is not a bowl (a hill or a line)"
 LOG, LINEAR = "log", "linear"
+FAR = 50.0  # a fitted optimum further than this (in log for the lr) from the lowest cell is shown as none
 
 Losses = Optional[Mapping[int, float]]  # a cell's loss per selection seed; None where it did not finish
 
@@ -65,7 +66,7 @@ class LineChoice:
     fallback: Optional[str] = None
     scale: str = LOG
     curve: Optional[tuple[float, float, float, float]] = None  # (a, b, c, centre)
-    optimum: Optional[float] = None
+    optimum: Optional[float] = None  # None also where it lies far past the grid (:data:`FAR`)
     fitted: tuple[int, ...] = ()  # the indices the curve was fitted over
     runner_up: Optional[int] = None
     margin: Optional[float] = None
@@ -203,7 +204,10 @@ def choose_along(
         contrast[0], contrast[1] = du[0] - du[1], du[0] ** 2 - du[1] ** 2
         noise = math.sqrt(max(0.0, variance * float(contrast @ covariance @ contrast)))
     optimum_x = centre - b / (2.0 * c)
-    optimum = math.exp(optimum_x) if scale == LOG else optimum_x
+    if scale == LOG:  # a nearly flat bowl can put its optimum past any float: none then, the page says far past
+        optimum = math.exp(optimum_x) if abs(optimum_x - centre) < FAR else None
+    else:
+        optimum = optimum_x if abs(optimum_x - centre) < FAR * max(1.0, abs(centre)) else None
     return LineChoice(
         values,
         means,
@@ -338,8 +342,9 @@ def line_text(line: dict) -> str:
         return f"{key}: no value finished"
     chosen = _value(key, line["chosen"])
     if line["method"] == FIT:
+        optimum = "far past the grid" if line["optimum"] is None else f"{line['optimum']:.3g}"
         how = (
-            f"{key} {chosen}: nearest the optimum ({line['optimum']:.3g}) of a quadratic in "
+            f"{key} {chosen}: nearest the optimum ({optimum}) of a quadratic in "
             f"{'log ' if line['scale'] == LOG else ''}{key} over {len(line['fitted'])} values"
         )
         if line["lowest"] != line["chosen"]:
