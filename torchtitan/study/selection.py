@@ -7,7 +7,7 @@ The losses near the lowest cell say more together: along each numeric setting (t
 are fitted by a quadratic in the log of the lr (other settings: in the value itself, :func:`scale_of`) over the
 lowest cell and up to :data:`NEIGHBOURS` finished values on each side, pooled over the selection seeds (each seed
 an offset of its own, shared by all its runs), and the value chosen is the grid value nearest the fitted optimum,
-i.e. the one the fitted curve puts lowest. The assumption: the loss is smooth in log(value) near its optimum.
+i.e. the one the fitted curve puts lowest. The assumption: the loss is smooth in log lr near its optimum.
 
 It falls back to the lowest cell, and says so, where fewer than three finished values lie near it or the fit is not
 a bowl (a hill or a line). Settings that are words (categorical) keep the lowest cell's value. How sure the choice
