@@ -2,9 +2,12 @@
 
 Takes the options the sweep passes (``--optimizer.name``, ``--optimizer.lr``, ``--training.seed``,
 ``--job.dump_folder``, ``--training.steps``) and writes TensorBoard events where train.py would, with the trainer's
-tags. The training loss is lowest at lr 1e-3, the validation loss (logged when FAKE_VALIDATION is set) at lr 1e-2,
-each seed adds 0.01 per seed number, and a weight decay (``--optimizer.weight_decay``) its distance from 0.1 (0.3
-for Muon). FAKE_SECONDS makes each run last that long; FAKE_RECORD makes it write ``fake_run.json`` into its folder
+tags. The training loss is a smooth bowl lowest at lr 1e-3 (the square of the distance in log10 lr), the validation
+loss (logged when FAKE_VALIDATION is set) one lowest at lr 1e-2, each seed adds 0.01 per seed number, and a weight
+decay (``--optimizer.weight_decay``) 10 times the square of its distance from 0.1 (0.3 for Muon). FAKE_BOWL, a JSON
+object ``{"centre": lr, "step_cost": c, "offsets": {run name: loss}}``, makes the training loss instead rise by c
+per squared doubling of the lr away from the centre, and adds a run's offset (a lucky or unlucky run).
+FAKE_SECONDS makes each run last that long; FAKE_RECORD makes it write ``fake_run.json`` into its folder
 (the GPUs and processes the sweep gave it, when it started and ended). FAKE_SCALE, a JSON object, gives the runs
 a known law across model sizes (``--model.flavor``): ``{"params": {flavor: N}, "reference": N0, "lr": lr0,
 "lr_exponent": a, "speedup": s0, "speedup_exponent": b, "noise": sd, "baseline": "AdamW"}`` puts the best lr at
@@ -84,8 +87,13 @@ def main() -> int:
         if optimizer != scale["baseline"]:
             noise = random.Random(f"{optimizer} {seed} {flavor}").gauss(0.0, scale["noise"])
             speed = scale["speedup"] * ratio ** scale["speedup_exponent"] * math.exp(noise)
-    distance = abs(math.log10(lr) - math.log10(best_lr))
-    weight_decay_distance = abs(float(o.get("optimizer.weight_decay", "0.1")) - (0.3 if optimizer == "Muon" else 0.1))
+    distance = (math.log10(lr) - math.log10(best_lr)) ** 2
+    bowl = json.loads(os.environ.get("FAKE_BOWL") or "null")
+    if bowl is not None:
+        distance = bowl["step_cost"] * math.log2(lr / bowl["centre"]) ** 2
+        distance += bowl.get("offsets", {}).get(dump.name, bowl.get("offsets", {}).get(name, 0.0))
+    weight_decay = float(o.get("optimizer.weight_decay", "0.1"))
+    weight_decay_distance = 10.0 * (weight_decay - (0.3 if optimizer == "Muon" else 0.1)) ** 2
     log(0, "optimizer/state_bytes", {"AdamMini": 1 << 20}.get(optimizer, 2 << 20))
     for step in range(1, steps + 1):
         if behaviour == "stop" and step == 3:
@@ -111,7 +119,7 @@ def main() -> int:
         log(step, "throughput/tps", 1000.0 + 100.0 * seed + (500.0 if optimizer == "AdamMini" else 0.0))
         log(step, "memory/rss(GiB)", 0.5 + 0.01 * step)
         if os.environ.get("FAKE_VALIDATION") and step % 2 == 0:
-            log(step, "validation/loss", 3.0 + abs(math.log10(lr) + 2) + 0.01 * seed + 2.0 / step)
+            log(step, "validation/loss", 3.0 + (math.log10(lr) + 2) ** 2 + 0.01 * seed + 2.0 / step)
     writer.close()
     time.sleep(float(os.environ.get("FAKE_SECONDS") or 0))
     if os.environ.get("FAKE_RECORD"):

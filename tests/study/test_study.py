@@ -476,7 +476,7 @@ def test_study_page_is_self_contained_and_rebuilt_by_report_only(tmp_path, capsy
     assert f"at the grid's edge: {edges}: may change with a wider grid" in out
     page = (dump / "study.html").read_text()
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert len(images) == 3  # main picture, sensitivity, overview (no budgets: said instead)
+    assert len(images) == 4  # main picture, tuning, sensitivity, overview (no budgets: said instead)
     assert all(base64.b64decode(i).startswith(b"\x89PNG") for i in images)
     assert "http" not in page.replace("<!DOCTYPE html>", "") and "<script" not in page  # nothing fetched
     assert "No budget fit: the sweep holds fewer than three token budgets." in page

@@ -109,9 +109,12 @@ def test_tiny_sweep_end_to_end_ranks_and_shows_divergence(tmp_path, capsys):
     assert report["best"]["AdamMini"]["lr"] == 1e-3
     assert f"**{good['final_loss']:.4f} (1 seed)**" in markdown_row(md, "AdamMini", 1)
     edge = "(at the grid's edge: 1e-3 is the smallest lr tried)"
-    assert f"| AdamMini | lr 1e-3 {edge} | {good['final_loss']:.4f} (1 seed) |" in markdown_row(md, "AdamMini", 0)
-    # The main picture, sensitivity to the lr (1e6 marked diverged) and the overview, embedded.
-    assert (dump / "study.html").read_text().count("data:image/png;base64,") == 3
+    choice = "lr 1e-3: the lowest cell (fewer than three finished values near the lowest cell)"  # 1e6 diverged
+    assert f"| AdamMini | lr 1e-3 {edge} | {choice} | {good['final_loss']:.4f} (1 seed) |" in markdown_row(
+        md, "AdamMini", 0
+    )
+    # The main picture, the tuning, sensitivity to the lr (1e6 marked diverged) and the overview, embedded.
+    assert (dump / "study.html").read_text().count("data:image/png;base64,") == 4
     # lr 1e6 without clipping: the logged loss or gradient norm becomes NaN (a saturated model can keep a finite
     # loss while the guard skips its NaN-gradient steps); the run is diverged, not a crash of the tool.
     first_nan = min(

@@ -190,6 +190,49 @@ def windows_options(windows: Optional[dict], seed: int) -> tuple[tuple[str, str]
     return () if first is None else (("validation.first_window", str(first)),)
 
 
+def selection_seed_order(seeds: Sequence[int], confirm_seeds: Sequence[int]) -> list[int]:
+    """The selection seeds a close call may add, in the order it adds them: the sweep's ``--seeds``, then the
+    smallest whole numbers that are neither those nor confirmation seeds (the same for every contender, so that
+    their runs pair seed by seed; no confirmation seed ever chooses)."""
+    taken = set(seeds) | set(confirm_seeds)
+    return [*sorted(seeds), *(n for n in range(len(taken) + 10_000) if n not in taken)]
+
+
+def close_call_specs(
+    dump: Path, last_k: int, seeds: Sequence[int], confirm_seeds: Sequence[int], seeds_max: int
+) -> list[RunSpec]:
+    """The runs that firm up each close call among the best settings in ``dump`` (``selection.LineChoice.close``):
+    the chosen value and its runner-up along that setting, each on the first ``seeds_max`` seeds of
+    :func:`selection_seed_order` it has not run yet. Empty when no choice is a close call, or its contenders have
+    ``seeds_max`` seeds already."""
+    runs = load_sweep_runs(dump)
+    if not runs:
+        return []
+    by_name = {r.spec.name: r for r in runs}
+    axes = (read_search(dump) or {}).get("axes")
+    report = summarize_sweep(runs, last_k, DEFAULT_BASELINE, confirm_seeds, axes)
+    selection = [r for r in report["runs"] if r["seed"] not in set(confirm_seeds)]
+    wanted = selection_seed_order(seeds, confirm_seeds)[:seeds_max]
+    specs: list[RunSpec] = []
+    for entry in report["best_by_budget"]:
+        for optimizer, b in entry["best"].items():
+            choice = b.get("choice") or {"lines": []}
+            for line in (line for line in choice["lines"] if line["close"]):
+                for value in (line["chosen"], line["runner_up"]):
+                    settings = {**choice["settings"], line["setting"]: value}
+                    cell = cell_runs(selection, optimizer, entry["budget"], settings)
+                    if not cell:  # a line of an earlier pass, through other settings than the chosen ones
+                        continue
+                    spec = by_name[cell[0]["name"]].spec
+                    have = {r["seed"] for r in cell}
+                    specs += [
+                        dataclasses.replace(spec, seed=seed)
+                        for seed in wanted
+                        if seed not in have and dataclasses.replace(spec, seed=seed) not in specs
+                    ]
+    return specs
+
+
 def confirmation_specs(
     dump: Path, last_k: int, confirm_seeds: Sequence[int], windows: Optional[dict] = None
 ) -> list[RunSpec]:

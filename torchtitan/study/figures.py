@@ -5,6 +5,7 @@ hyperparameter, and the fit over budgets."""
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -158,6 +159,63 @@ def plot_sensitivity(report: dict) -> Optional[bytes]:
             if numeric and key == "lr":
                 ax.set_xscale("log")
         ax.set(title=f"sensitivity to {key} (x: diverged, ■: failed)", xlabel=key, ylabel="final loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return _png(fig)
+
+
+def _lr_line(b: dict) -> Optional[dict]:
+    """The choice along the lr of an optimizer's best settings (``selection.LineChoice.to_json``), if it had one."""
+    return next((line for line in (b.get("choice") or {}).get("lines", []) if line["setting"] == "lr"), None)
+
+
+def plot_selection(report: dict) -> Optional[bytes]:
+    """One panel per optimizer at the verdict's budget: its selection losses against the lr (each seed's run, and
+    the cell's mean), the other settings at its best; the quadratic in log lr fitted over them and its optimum; the
+    chosen lr and the lowest cell. None where no optimizer tried two lrs."""
+    shown = [(o, b, line) for o, b in report["best"].items() if (line := _lr_line(b)) is not None]
+    if not shown:
+        return None
+    fig, axes = _figure((5.5 * len(shown), 4.5), 1, len(shown))
+    axes = [axes] if len(shown) == 1 else list(axes)
+    budget = report["budgets"][-1] if report["budgets"] else None
+    selection_seeds = set(report["selection_seeds"])
+    for i, (ax, (optimizer, b, line)) in enumerate(zip(axes, shown)):
+        color = f"C{i % 10}"
+        others = {k: v for k, v in b["choice"]["settings"].items() if k != "lr"}
+        runs = [
+            r
+            for r in report["runs"]
+            if r["optimizer"] == optimizer
+            and r["budget"] == budget
+            and r["seed"] in selection_seeds
+            and r["rank_loss"] is not None
+            and {k: v for k, v in r["settings"].items() if k != "lr"} == others
+        ]
+        ax.plot([r["lr"] for r in runs], [r["rank_loss"] for r in runs], ".", color=color, alpha=0.5, label="a run")
+        finished = [(v, m) for v, m in zip(line["values"], line["means"]) if m is not None]
+        ax.plot(*zip(*finished), "o", color=color, label="mean over seeds")
+        curve = line["curve"]
+        if curve is not None:
+            low, high = math.log(min(line["fitted"])), math.log(max(line["fitted"]))
+            us = [low + (high - low) * k / 100 for k in range(101)]
+            u0 = curve["centre"]
+            fitted = [curve["a"] + curve["b"] * (u - u0) + curve["c"] * (u - u0) ** 2 for u in us]
+            ax.plot([math.exp(u) for u in us], fitted, "-", color="gray", label="quadratic in log lr")
+            if line["optimum"] is not None and min(line["values"]) / 4 <= line["optimum"] <= max(line["values"]) * 4:
+                optimum = line["optimum"]
+                ax.axvline(optimum, color="gray", linestyle=":", label=f"fitted optimum {optimum:.3g}")
+        chosen_mean = line["means"][line["values"].index(line["chosen"])]
+        ax.plot([line["chosen"]], [chosen_mean], "*", color="black", markersize=14, label="chosen")
+        if line["lowest"] != line["chosen"]:
+            lowest_mean = line["means"][line["values"].index(line["lowest"])]
+            ax.plot([line["lowest"]], [lowest_mean], "o", mfc="none", mec="red", markersize=13, label="lowest cell")
+        how = "fitted" if line["method"] == "fit" else f"lowest cell: {line['fallback'] or 'no fit'}"
+        close = " (a close call)" if line["close"] else ""
+        ax.set(xscale="log", title=f"{optimizer}: lr {lr_label(line['chosen'])}, {how}{close}", xlabel="lr")
+        ax.set(ylabel="selection loss")
+        ax.set_xticks(line["values"], [lr_label(v) for v in line["values"]], fontsize="small")
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     return _png(fig)

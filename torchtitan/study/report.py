@@ -17,7 +17,14 @@ from torchtitan.config.job_config import JOB_CONFIG_RECORD
 from torchtitan.errors import UserError
 from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.confirmation import read_confirmation_windows
-from torchtitan.study.figures import plot_budgets, plot_main, plot_sensitivity, plot_study_health, plot_sweep
+from torchtitan.study.figures import (
+    plot_budgets,
+    plot_main,
+    plot_selection,
+    plot_sensitivity,
+    plot_study_health,
+    plot_sweep,
+)
 from torchtitan.study.plan import (
     COMMAND_FILE,
     DIVERGED,
@@ -30,6 +37,7 @@ from torchtitan.study.plan import (
 )
 from torchtitan.study.run_folders import load_sweep_runs, read_status
 from torchtitan.study.search import descent_report, read_search
+from torchtitan.study.selection import CLOSE_CALL, NEIGHBOURS, choice_text
 from torchtitan.study.summary import (
     CONFIRMATION_PENDING,
     DEFAULT_BASELINE,
@@ -48,6 +56,7 @@ INTERIM_REPORT_SECONDS = 600.0  # while training, the report is rewritten at mos
 VERDICT_COLUMNS = (
     "optimizer",
     "best settings",
+    "how sure the choice is",
     "loss (mean ± 95% CI)",
     "vs baseline: difference [95% CI], verdict",
     "speedup at matched loss [95% CI]",
@@ -165,6 +174,7 @@ def verdict_rows(report: dict) -> list[list[str]]:
             [
                 optimizer,
                 settings,
+                choice_text(b.get("choice")),
                 loss_text(b["loss_mean"], b["loss_ci"], len(b["seeds"])),
                 versus_text(optimizer, b, report),
                 speedup_text(b.get("speedup")),
@@ -244,10 +254,22 @@ def selection_note(report: dict) -> str:
         return (
             f"Best settings chosen on selection seeds {selection}; the verdict (loss, difference, speedup) uses only "
             f"their runs on confirmation seeds {confirmation}. Settings tried: {tried}.{windows_note(report)}"
+            f"{curse_note(report)}"
         )
     return (
         f"Best settings chosen and tested on the same seeds ({selection}): the verdict favours the optimizer that "
         f"tried more settings (settings tried: {tried}); confirm on other seeds with --confirm-seeds."
+    )
+
+
+def curse_note(report: dict) -> str:
+    """The winner's curse of each confirmed choice: its selection mean minus its confirmation mean."""
+    curses = [(o, b["winners_curse"]) for o, b in report["best"].items() if b.get("winners_curse") is not None]
+    if not curses:
+        return ""
+    return (
+        " Winner's curse (the chosen setting's mean on the selection seeds minus on the confirmation seeds; below 0: "
+        f"it looked better where it was chosen): {', '.join(f'{o} {c:+.4f}' for o, c in curses)}."
     )
 
 
@@ -333,8 +355,13 @@ def notes(report: dict) -> list[str]:
     seeds, baseline = report["seeds"], report["baseline"]
     lines = [f"Study in progress: {report['in_progress']}"] if report.get("in_progress") else []
     lines += [
-        f"Ranked by the {report['ranked_by']}; best settings = lowest mean over seeds among the settings where no "
-        "seed diverged or failed.",
+        f"Ranked by the {report['ranked_by']}, among the settings where no seed diverged or failed; best settings: "
+        f"along the lr, the value nearest the optimum of a quadratic in log lr fitted over the lowest cell and up to "
+        f"{NEIGHBOURS} values each side (the nearest weighted most), pooled over the selection seeds (each seed an "
+        "offset of its own); other numbers likewise in their value, words the lowest cell's. It falls back to the "
+        "lowest cell, and says so, with fewer than three finished values near it or a fit that is not a bowl. How "
+        "sure: the margin to the runner-up against its standard error (the fit's residuals, or the seeds' spread); "
+        f"under {CLOSE_CALL:g} standard errors is a close call.",
     ]
     if seeds < 2:
         lines.append(
@@ -613,8 +640,9 @@ STYLE = (
 
 
 def format_html(report: dict, figures: dict[str, Optional[bytes]], title: str) -> str:
-    """The page: notes, verdict table, main picture, grid, sensitivity, budget fit, the sweep's overview figure.
-    ``figures`` maps "main", "sensitivity", "budgets", "health", "overview" to PNG bytes (None: not drawn, said why)."""
+    """The page: notes, verdict table, main picture, grid, tuning, sensitivity, budget fit, the sweep's overview
+    figure. ``figures`` maps "main", "selection", "sensitivity", "budgets", "health", "overview" to PNG bytes (None:
+    not drawn, said why)."""
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>{STYLE}</style></head><body>",
@@ -631,6 +659,14 @@ def format_html(report: dict, figures: dict[str, Optional[bytes]], title: str) -
                 [[(f"seed {seed}", f"{folder}/") for seed, folder in cell] for cell in row]
                 for row in grid_folders(report)
             ],
+        ),
+        "<h2>Tuning</h2>",
+        _figure(
+            figures.get("selection"),
+            "each optimizer's selection losses against the lr (its other settings at their best), the quadratic in "
+            "log lr fitted near the lowest, its optimum, the lr chosen (★) and the lowest cell where that differs (○)"
+            if figures.get("selection")
+            else "no optimizer tried more than one lr: no tuning curve to show",
         ),
         "<h2>Sensitivity</h2>",
         _figure(
@@ -710,6 +746,7 @@ def write_report(
     figures = {
         "main": plot_main(runs, report),
         "sensitivity": plot_sensitivity(report),
+        "selection": plot_selection(report),
         "budgets": plot_budgets(report),
         "health": plot_study_health(runs, report),
         "overview": (dump / f"{REPORT_NAME}.png").read_bytes(),

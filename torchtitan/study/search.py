@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from torchtitan.errors import UserError
 from torchtitan.files import strict_json, write_text_atomically
+from torchtitan.study import selection
 from torchtitan.study.plan import (
     FAILED,
     FINISHED,
@@ -113,8 +114,11 @@ class Descent:
 
 def descend(space: Space, score: Callable[[tuple[int, ...]], Score]) -> Descent:
     """Coordinate descent from ``space.start``: along each coordinate in turn, score the neighbours of the current
-    point (the next value on each side); move to the better one when it beats the current point and keep going that
-    way while each next value beats it; stop when every coordinate has been tried since the last move."""
+    point (the next value on each side) and move to the value the study's rule chooses among the values scored
+    along that coordinate in this pass (:func:`selection.choose_along`: for numbers the grid value nearest the
+    optimum of a quadratic fitted near the lowest, for words the lowest); keep going while the value moved to has a
+    neighbour not scored yet; stop when every coordinate has been tried since the last move (or the descent comes
+    back to a point and coordinate it passed from before)."""
     current = space.start
     current_score = score(current)
     path = [{"step": "start", "point": current, "score": current_score}]
@@ -123,13 +127,15 @@ def descend(space: Space, score: Callable[[tuple[int, ...]], Score]) -> Descent:
     if current_score is BLOCKED:
         return Descent(path, [], "blocked", current, current_score)
     count, coordinate, unchanged = len(space.coordinates), 0, 0
-    while unchanged < count:
-        direction = 0  # 0: both sides; then -1 or +1, the side the descent is moving to
+    passed: set[tuple] = set()
+    while unchanged < count and (current, coordinate) not in passed:
+        passed.add((current, coordinate))
+        size = len(space.coordinates[coordinate].values)
+        line = {current[coordinate]: current_score}  # index along the coordinate: score, scored in this pass
         moved = False
         while True:
-            sides = [d for d in (-1, 1) if direction in (0, d)]
-            tried = [_along(current, coordinate, d) for d in sides]
-            tried = [p for p in tried if 0 <= p[coordinate] < len(space.coordinates[coordinate].values)]
+            tried = [_along(current, coordinate, d) for d in (-1, 1)]
+            tried = [p for p in tried if 0 <= p[coordinate] < size and p[coordinate] not in line]
             if not tried:
                 break
             scores = [score(p) for p in tried]
@@ -140,16 +146,33 @@ def descend(space: Space, score: Callable[[tuple[int, ...]], Score]) -> Descent:
             path.append(step)
             if any(s is BLOCKED for s in scores):
                 return Descent(path, [], "blocked", current, current_score)
-            best, best_score = min(zip(tried, scores), key=lambda ps: ps[1])
-            if not best_score < current_score:
+            line.update({p[coordinate]: s for p, s in zip(tried, scores)})
+            to = _line_choice(space.coordinates[coordinate], line, current[coordinate])
+            if to == current[coordinate]:
                 step["moved"] = False
                 break
-            step["moved"], step["to"] = True, best
-            direction = best[coordinate] - current[coordinate]
-            current, current_score, moved = best, best_score, True
+            current = _at(current, coordinate, to)
+            step["moved"], step["to"] = True, current
+            current_score, moved = line[to], True
         unchanged = 1 if moved else unchanged + 1
         coordinate = (coordinate + 1) % count
     return Descent(path, [], "converged", current, current_score)
+
+
+def _line_choice(c: Coordinate, line: dict[int, Score], here: int) -> int:
+    """The index along ``c`` that :func:`selection.choose_along` picks among the scored ones in ``line`` (a mean
+    over the descent's seeds each: every point has the same seeds, so its fit is that of the pooled runs);
+    ``here`` where none finished."""
+    indices = sorted(line)
+    values = [c.value(i) for i in indices]
+    losses = [{0: line[i]} if isinstance(line[i], float) and math.isfinite(line[i]) else None for i in indices]
+    numeric = all(selection.is_number(c.value(i)) for i in range(len(c.values)))
+    choice = selection.choose_along(values, losses, numeric, indices.index(here), selection.scale_of(c.key))
+    return here if choice.index is None else indices[choice.index]
+
+
+def _at(point: tuple[int, ...], coordinate: int, index: int) -> tuple[int, ...]:
+    return tuple(index if c == coordinate else i for c, i in enumerate(point))
 
 
 def _along(point: tuple[int, ...], coordinate: int, direction: int) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ import math
 from typing import Optional, Sequence
 
 from torchtitan.errors import UserError
-from torchtitan.study import statistics
+from torchtitan.study import selection, statistics
 from torchtitan.study.plan import DIVERGED, FAILED, FINISHED, RUNS_FOLDER, lr_label
 from torchtitan.study.run_folders import (
     GRAD_NORM,
@@ -196,10 +196,10 @@ def _cell(optimizer: str, budget, settings: dict, group: Sequence[dict]) -> dict
 
 
 def _best(mine: Sequence[dict], cells: Sequence[dict]) -> dict:
-    """An optimizer's best settings at one budget (lowest mean among cells where no seed diverged or failed), its
-    speed and memory."""
-    candidates = [c for c in cells if c["outcome"] == FINISHED and c["loss_mean"] is not None]
-    winner = min(candidates, key=lambda c: c["loss_mean"], default=None)
+    """An optimizer's best settings at one budget (among cells where no seed diverged or failed, as
+    :func:`selection.choose_settings` chooses them: fitted along each numeric setting), its speed and memory."""
+    choice = selection.choose_settings([(c["settings"], _seed_losses(mine, c)) for c in cells])
+    winner = next(c for c in cells if _key(c["settings"]) == _key(choice.settings)) if choice else None
     completed = [r for r in mine if r["outcome"] == FINISHED]
     tps = [r["mean_tps"] for r in completed if r["mean_tps"] is not None]
     memory = [r["peak_memory_gib"] for r in completed if r["peak_memory_gib"] is not None]
@@ -218,7 +218,15 @@ def _best(mine: Sequence[dict], cells: Sequence[dict]) -> dict:
         "peak_memory_gib": max(memory, default=None),
         "peak_memory_tag": next((r["peak_memory_tag"] for r in mine if r["peak_memory_tag"]), None),
         "optimizer_state_bytes": max(state, default=None),
+        "choice": choice.to_json() if choice else None,
     }
+
+
+def _seed_losses(mine: Sequence[dict], cell: dict) -> Optional[dict]:
+    """A finished cell's ranked loss per seed, for the choice of settings; None for one that did not finish."""
+    if cell["outcome"] != FINISHED or cell["loss_mean"] is None:
+        return None
+    return {r["seed"]: r["rank_loss"] for r in cell_runs(mine, cell["optimizer"], cell["budget"], cell["settings"])}
 
 
 def check_same_data(runs: Sequence[SweepRun]) -> dict:
@@ -539,6 +547,8 @@ def _confirm(b: dict, optimizer: str, budget, runs: Sequence[dict], confirm_seed
     b["loss_mean"], b["loss_std"], b["loss_ci"] = (
         cell[k] if done else None for k in ("loss_mean", "loss_std", "loss_ci")
     )
+    # The winner's curse: how much lower the chosen cell looked on the seeds that chose it than on fresh ones.
+    b["winners_curse"] = b["selection"]["loss_mean"] - b["loss_mean"] if done else None
     b["seeds"] = cell["seeds"]
 
 

@@ -19,6 +19,7 @@ from typing import Optional
 
 from torchtitan.errors import UserError
 from torchtitan.study.confirmation import (
+    close_call_specs,
     confirmation_specs,
     confirmation_windows,
     earlier_selection_seeds,
@@ -123,6 +124,8 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
     if args.report_only:
         if not (dump / RUNS_FOLDER).is_dir():
             raise UserError(f"'{dump}' holds no sweep runs ({RUNS_FOLDER}/); pass the dump folder of a sweep")
+        if getattr(args, "selection_seeds_max", None) is not None:
+            raise UserError("--selection-seeds-max trains more selection runs; drop it with --report-only")
     else:
         if args.nproc is not None and args.nproc < 1:
             raise UserError(f"--nproc must be at least 1; got {args.nproc}")
@@ -140,6 +143,16 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
             raise UserError("--extend steps a coordinate descent past its grid; add --search coordinate or drop it")
         if args.extend < 0:
             raise UserError(f"--extend must be 0 or more; got {args.extend}")
+        seeds_max = getattr(args, "selection_seeds_max", None)
+        if seeds_max is not None and args.search == "coordinate":
+            raise UserError(
+                "--selection-seeds-max adds seeds to a grid's close calls; drop it with --search coordinate"
+            )
+        if seeds_max is not None and seeds_max <= len(items(args.seeds)):
+            raise UserError(
+                f"--selection-seeds-max {seeds_max} adds no seed to the {len(items(args.seeds))} of --seeds; give "
+                "more than that, or leave it out"
+            )
         if args.start and args.search != "coordinate":
             raise UserError("--start sets where a coordinate descent starts; add --search coordinate or drop --start")
         budgets, warmup_fraction = _budgets(args, config_file, nproc, train_args)
@@ -207,6 +220,16 @@ def run_sweep(args: argparse.Namespace, train_args: list[str]) -> int:
                 ended = all(is_done(s) for s in statuses)
             else:
                 ended = all(d.state == "converged" for *_, d in found)
+            # A close call first gets more selection seeds for its two contenders, up to --selection-seeds-max.
+            while seeds_max is not None and not failed and ended:
+                more = close_call_specs(dump, last_k, seeds, confirm_seeds, seeds_max)
+                if not more:
+                    break
+                interim.expect("close-call selection", more, then)
+                statuses = run_all(runner, more)
+                failed = [s for s in statuses if s["outcome"] == FAILED]
+                failed_text = f"{len(failed)} of {len(statuses)} close-call selection runs failed (see their train.log)"
+                ended = all(is_done(s) for s in statuses)
             if confirm_seeds and not failed and ended:
                 write_confirmation_windows(dump, windows)
                 confirming = confirmation_specs(dump, last_k, confirm_seeds, windows)

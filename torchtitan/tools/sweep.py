@@ -181,6 +181,15 @@ def add_verdict_options(p: argparse.ArgumentParser) -> None:
         "5%%; unadjusted: each at 95%% on its own (default Holm; the intervals shown are unadjusted either way)",
     )
     p.add_argument(
+        "--selection-seeds-max",
+        type=int,
+        default=None,
+        metavar="K",
+        help="where an optimizer's choice of settings is a close call (its margin to the runner-up within two "
+        "standard errors), train the two contenders on more selection seeds, up to K each, before confirming "
+        "(never on confirmation seeds); K above the number of --seeds; a grid only",
+    )
+    p.add_argument(
         "--extend",
         type=int,
         default=0,
