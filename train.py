@@ -56,6 +56,12 @@ def main(job_config: JobConfig) -> None:
     init_logger()
     if job_config.comm.trace_buf_size is not None:
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(job_config.comm.trace_buf_size))
+    # The job checked before any process group, compile or run folder. Every rank checks it; the first alone runs the
+    # layout check (the others wait for it at the rendezvous, and torchrun ends them when it refuses the job).
+    first_rank = int(os.environ.get("RANK", "0")) == 0
+    parallel_dims, model_args, tokenizer = preflight(
+        job_config, int(os.environ.get("WORLD_SIZE", "1")), check_layout=first_rank
+    )
     device, rank, world_size = init_distributed(job_config.comm.init_timeout_seconds)
     t = job_config.training
     logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")
@@ -65,7 +71,6 @@ def main(job_config: JobConfig) -> None:
         logger.info(f"config: {job_config.to_dict()}")
     set_determinism(t.seed, t.deterministic)
 
-    parallel_dims, model_args, tokenizer = preflight(job_config, world_size)
     world_mesh = parallel_dims.build_mesh(device.type)
     dp_rank, dp_degree = parallel_dims.dp_rank_and_degree(world_mesh)
     dp_group = parallel_dims.dp_mesh(world_mesh).get_group() if parallel_dims.dp_enabled else None
