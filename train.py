@@ -48,7 +48,7 @@ from torchtitan.training.garbage_collection import GarbageCollection
 from torchtitan.training.guard import DivergenceGuard
 from torchtitan.training.lr_scheduling import build_lr_schedulers
 from torchtitan.training.preemption import Preemption
-from torchtitan.training.step import TrainState, build_model, init_model, train_step
+from torchtitan.training.step import TrainState, build_model, first_compile_notice, init_model, train_step
 from torchtitan.training.validate import build_validator, training_split
 
 
@@ -85,6 +85,8 @@ def main(job_config: JobConfig) -> None:
     model_parts = [model]
 
     optimizers = build_optimizers(model_parts, job_config)
+    if (notice := first_compile_notice(job_config, device.type)) is not None:
+        logger.info(notice)  # its state is created (compiling its step) by the first load or save, or below
     lr_schedulers = build_lr_schedulers(optimizers, job_config)
     data_record = dataset_record(job_config, tokenizer)
     logger.info(f"data: {data_record['source']}, fingerprint {data_record['fingerprint']}")
