@@ -48,7 +48,7 @@ from torchtitan.training.garbage_collection import GarbageCollection
 from torchtitan.training.guard import DivergenceGuard
 from torchtitan.training.lr_scheduling import build_lr_schedulers
 from torchtitan.training.preemption import Preemption
-from torchtitan.training.step import TrainState, build_model, init_model, train_step
+from torchtitan.training.step import TrainState, build_model, first_compile_notice, init_model, train_step
 from torchtitan.training.validate import build_validator, training_split
 
 
@@ -56,6 +56,12 @@ def main(job_config: JobConfig) -> None:
     init_logger()
     if job_config.comm.trace_buf_size is not None:
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(job_config.comm.trace_buf_size))
+    # The job checked before any process group, compile or run folder. Every rank checks it; the first alone runs the
+    # layout check (the others wait for it at the rendezvous, and torchrun ends them when it refuses the job).
+    first_rank = int(os.environ.get("RANK", "0")) == 0
+    parallel_dims, model_args, tokenizer = preflight(
+        job_config, int(os.environ.get("WORLD_SIZE", "1")), check_layout=first_rank
+    )
     device, rank, world_size = init_distributed(job_config.comm.init_timeout_seconds)
     t = job_config.training
     logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")
@@ -65,7 +71,6 @@ def main(job_config: JobConfig) -> None:
         logger.info(f"config: {job_config.to_dict()}")
     set_determinism(t.seed, t.deterministic)
 
-    parallel_dims, model_args, tokenizer = preflight(job_config, world_size)
     world_mesh = parallel_dims.build_mesh(device.type)
     dp_rank, dp_degree = parallel_dims.dp_rank_and_degree(world_mesh)
     dp_group = parallel_dims.dp_mesh(world_mesh).get_group() if parallel_dims.dp_enabled else None
@@ -80,6 +85,8 @@ def main(job_config: JobConfig) -> None:
     model_parts = [model]
 
     optimizers = build_optimizers(model_parts, job_config)
+    if (notice := first_compile_notice(job_config, device.type)) is not None:
+        logger.info(notice)  # its state is created (compiling its step) by the first load or save, or below
     lr_schedulers = build_lr_schedulers(optimizers, job_config)
     data_record = dataset_record(job_config, tokenizer)
     logger.info(f"data: {data_record['source']}, fingerprint {data_record['fingerprint']}")

@@ -21,3 +21,15 @@ def test_ci_runs_the_readme_test_command():
     test_command = readme_commands()[1]
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_command in ci.splitlines()
+
+
+def test_the_set_up_line_installs_what_the_readme_commands_use():
+    """An optimizer with quantized state needs torchao (the ``lowbit`` extra): a README command that names one is
+    covered by the train command's install."""
+    from torchtitan.optim.builder import OPTIMIZERS
+    from torchtitan.optim.settings import BLOCK_SIZE
+
+    quantized = {name for name, kind in OPTIMIZERS.items() if BLOCK_SIZE in kind.options}
+    commands = readme_commands()
+    named = {name for command in commands for name in quantized if re.search(rf"\b{name}\b", command)}
+    assert not named or "-e '.[lowbit]'" in commands[0], named

@@ -1,6 +1,7 @@
 """Preflight finds what a layout rules out for an optimizer before any worker starts: every registered optimizer at
 tensor parallel degree 2 on the debug model either passes preflight or is refused in one line naming the option and
-the fix (exit 2); through run_llama_train.sh a refused one starts no worker, and one that passes trains.
+the fix (exit 2); through run_llama_train.sh a refused one starts no worker, and one that passes trains; launched
+with torchrun directly, train.py's first rank refuses it before any process group, compile or run folder.
 
 Which optimizers train at TP 2 once preflight passes them is the layout matrix's TP 2 column
 (tests/optim/test_layout_matrix.py).
@@ -14,7 +15,7 @@ import pytest
 
 from tests import processes
 from tests.distributed import launch_env
-from tests.helpers import DEBUG_CONFIG, ROOT, one_error_line
+from tests.helpers import DEBUG_CONFIG, ROOT, one_error_line, train_command
 from torchtitan.errors import exit_code
 from torchtitan.optim.builder import OPTIMIZERS
 
@@ -78,6 +79,24 @@ def test_run_llama_train_refuses_a_quantized_optimizer_at_tp2_before_torchrun(tm
     assert "torchrun" not in proc.stderr and "Traceback" not in proc.stderr
     assert "job: " not in proc.stdout + proc.stderr  # no worker logged its start
     assert not os.listdir(tmp_path)
+
+
+def test_train_py_under_torchrun_refuses_a_quantized_optimizer_at_tp2_before_it_builds_anything(tmp_path):
+    """As a user launches it without run_llama_train.sh: the first rank prints preflight's one line and exits 2,
+    before its process group, its compile or its TensorBoard folder; torchrun ends the other rank."""
+    argv = [*TP2, "--optimizer.name", "AdamW8bit", "--job.dump_folder", str(tmp_path)]
+    env = launch_env(2, cpu=True, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = processes.run(train_command(argv, nproc=2), timeout=300, env=env, cwd=ROOT)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, output
+    assert "optimizer.name AdamW8bit cannot run at training.tensor_parallel_degree 2" in lines[0]
+    assert "exitcode  : 2" in output  # the first rank's own code, as torchrun reports it
+    # No frame of a worker's traceback (torchrun's own report of the failed rank is torchrun's).
+    assert f'File "{ROOT / "train.py"}"' not in output and f'File "{ROOT / "torchtitan"}' not in output
+    assert "job: " not in output  # no rank logged its start: no process group, model or compile
+    assert os.listdir(tmp_path) == ["exit.json"]  # the run's ending, for a sweep; no TensorBoard folder
 
 
 def test_run_llama_train_trains_ademamix_at_tp2(tmp_path):

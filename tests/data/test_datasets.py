@@ -569,8 +569,9 @@ def test_readers_that_cannot_divide_the_files_say_so_and_deal_documents(tokenize
     counting = CountingTokenizer(tokenizer)
     with caplog.at_level("INFO", logger="torchtitan"):
         loader = build_hf_data_loader("text", str(folder), counting, 2, 12, 1, 3, infinite=False)
-    lines = [r.getMessage() for r in caplog.records if "cannot divide evenly" in r.getMessage()]
-    assert len(lines) == 1 and "4 file(s)/shard(s), which 3 readers" in lines[0]
+    lines = [r.getMessage() for r in caplog.records if "readers share the documents" in r.getMessage()]
+    assert len(lines) == 1 and "data: 3 readers share" in lines[0]
+    assert "(4 file(s)/shard(s)), each tokenizing one document in 3" in lines[0]
     take(loader, 100)
     in_order = [text for file_texts in texts for text in file_texts]
     assert counting.texts == in_order[1::3][: len(counting.texts)] and counting.texts

@@ -122,6 +122,14 @@ COLUMNS: dict[str, tuple[int, tuple[str, ...]]] = {
 }
 # Resumed cells: (saved in, resumed in); each resumes every row's step-2 checkpoint for step 3.
 RESUMES = (("one_process", "tp2"), ("tp2", "fsdp3"), ("fsdp2", "fsdp2_x_tp2"))
+# Cells a layout rules out, with words of their refusal; each runs until it is refused (before any step). Quantized
+# blocks of 64 values are the model's whole rows, which TP 2 halves in the row-wise split weights (attention output,
+# feed-forward down projection): torchao's 8-bit AdamW and Adam-mini's 8-bit momentum refuse alike.
+REFUSED: dict[tuple[Row, str], str] = {
+    (Row(name, ((BLOCK_SIZE, "64"),)), "tp2"): "in blocks of 64 along its last dimension, which the layout splits "
+    "into parts of up to 32"
+    for name in ("AdamW8bit", "AdamMini8bit")
+}
 
 
 def job_argv(row: Row, column: str, folder: str, extra: tuple[str, ...] = ()) -> list[str]:
@@ -271,4 +279,7 @@ def run_world(rank: int, world_size: int, base: str, labels: Optional[list[str]]
                 results[(row.label, f"{resumed}<-{saved}")] = {"refused": f"nothing saved in {saved}"}
                 continue
             results[(row.label, f"{resumed}<-{saved}")] = run_cell(row, resumed, base, resume_from=saved)
+    for row, column in REFUSED:
+        if COLUMNS[column][0] == world_size and (labels is None or row.label in labels):
+            results[(row.label, column)] = run_cell(row, column, base)
     return results

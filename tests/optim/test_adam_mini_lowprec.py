@@ -155,8 +155,12 @@ def _unique_graphs() -> int:
 
 @pytest.mark.parametrize(
     "argv",
-    [("--optimizer.name", "AdamMini"), ("--optimizer.name", "Adam", "--optimizer.state_dtype", "bfloat16")],
-    ids=["AdamMini", "Adam bf16"],
+    [
+        ("--optimizer.name", "AdamMini"),
+        ("--optimizer.name", "Adam", "--optimizer.state_dtype", "bfloat16"),
+        ("--optimizer.name", "AdamW8bit"),
+    ],
+    ids=["AdamMini", "Adam bf16", "AdamW8bit"],
 )
 def test_compiled_step_compiles_once_through_state_creation_steps_and_a_load(argv):
     """State creation (weight decay on at lr 0), steps and a load all run the first graphs (state_bytes() runs none)."""

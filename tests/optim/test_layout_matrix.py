@@ -6,7 +6,8 @@ process, FSDP 2, FSDP 3 (uneven shards), TP 2, FSDP x TP 2x2, HSDP 2x2, DDP 2; a
 ``COLUMNS``. Each cell trains 3 steps in float64 through the trainer's own code, with optimizer health measured at
 every step, and saves a checkpoint at step 2; three resumed cells per row load a step-2 checkpoint saved in another
 column (one process -> TP 2, TP 2 -> FSDP 3, FSDP 2 -> FSDP x TP) and train step 3. Every cell must equal the one
-process column: losses, every weight, every health metric.
+process column: losses, every weight, every health metric. Cells a layout rules out (``REFUSED``) must be refused, as
+preflight refuses them, and no other cell may be.
 
 Tolerances, and why:
 
@@ -139,9 +140,7 @@ def test_cell_equals_one_process(label, column):
     reference = _reference(label)
     assert "refused" not in reference, reference
     result = _results(_world_of(column))[(label, column)]
-    if "refused" in result:
-        _assert_preflight_refuses(row, column.split("<-")[0], result["refused"])
-        return
+    assert "refused" not in result, result["refused"]  # only the cells of layout_matrix.REFUSED may be refused
     tolerance = _tolerance(row)
     for step, loss in result["losses"].items():
         assert math.isfinite(loss)
@@ -193,6 +192,15 @@ def _assert_preflight_refuses(row: Row, column: str, message: str) -> None:
     with pytest.raises(UserError) as refused:
         check_optimizer_layout(job, dims, layout_matrix.MATRIX_MODEL)
     assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("row, column", list(layout_matrix.REFUSED), ids=lambda x: getattr(x, "label", x))
+def test_a_cell_the_layout_rules_out_is_refused_as_preflight_refuses_it(row, column):
+    """The refusal branch: train.py's build refuses the cell in one line, and preflight refuses it first, alike."""
+    result = _results(_world_of(column))[(row.label, column)]
+    assert "refused" in result, f"{row.label} trained at {column}"
+    assert layout_matrix.REFUSED[(row, column)] in result["refused"]
+    _assert_preflight_refuses(row, column, result["refused"])
 
 
 @functools.lru_cache(maxsize=None)

@@ -81,3 +81,14 @@ def test_settings_read_the_weights_dtype_for_the_checks_that_need_it():
     job.training.param_dtype = "bfloat16"
     with pytest.raises(UserError, match="optimizer.implementation chooses torch's kernels"):
         optimizer_settings(job)
+
+
+@pytest.mark.parametrize(
+    "written, meant", [("adamini", "AdamMini"), ("Adamw8bits", "AdamW8bit"), ("muom", "Muon"), ("lion", None)]
+)
+def test_a_near_miss_optimizer_name_gets_did_you_mean(written, meant):
+    with pytest.raises(UserError) as error:
+        optimizer_settings(job_config("--optimizer.name", written))
+    message = str(error.value)
+    assert message.startswith(f"unknown optimizer.name '{written}'; ") and "valid names: AdamW, Adam," in message
+    assert (f"did you mean {meant}? " in message) if meant else ("did you mean" not in message)

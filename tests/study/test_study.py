@@ -233,12 +233,27 @@ def test_significance_and_mean_ci_per_cell():
 
 
 def test_one_seed_says_so_instead_of_a_verdict():
+    """sweep.md starts with the answer; one seed and one lr leave out what they cannot judge (the verdict, which
+    seeds chose the settings)."""
     report = summarize_sweep([made_up_run("AdamW", 0, 1.0), made_up_run("Muon", 0, 0.5)], last_k=3)
     assert report["best"]["Muon"]["versus_baseline"] is None
     md = format_markdown(report)
+    first = md.splitlines()[0]
+    assert first.startswith("Lowest loss first: Muon 2.2000 (lr 1e-3), AdamW ") and "cannot be judged" in first
     assert "One seed per cell: no confidence intervals and no verdict" in md
-    assert "one seed: no verdict" in next(line for line in md.splitlines() if line.startswith("| Muon |"))
+    assert "| Muon | lr 1e-3 | 2.2000 (1 seed) | ≥1.00× (every seed, paired) |" in md  # no difference column
+    assert "vs baseline" not in md and "favours" not in md and "chosen and tested" not in md
     assert "better" not in md and "worse" not in md
+
+
+def test_with_seeds_the_answer_gives_each_difference_from_the_baseline():
+    runs = [
+        made_up_run(o, seed, scale * (1 + 0.01 * seed))
+        for o, scale in (("AdamW", 1.0), ("Muon", 0.5))
+        for seed in (0, 1, 2)
+    ]
+    first = format_markdown(summarize_sweep(runs, last_k=3)).splitlines()[0]
+    assert first.startswith("Lowest loss first: Muon ") and "Against AdamW: Muon: " in first and "better" in first
 
 
 def test_speedup_at_matched_loss_along_the_validation_curve():

@@ -21,6 +21,10 @@ def test_one_process_trains_and_logs(debug_run):
     assert len(values) == 6
     assert values[-1] < values[0]
     assert "step:     6  loss:" in proc.stderr
+    # Before the first compile, one line says what compiles, when and roughly how long (see test_train_step.py).
+    notice = proc.stderr.index("compiling the model's norms and the optimizer's step if it has a compiled one")
+    assert notice < proc.stderr.index("optimizer: AdamW, state") < proc.stderr.index("step:     1  loss:")
+    assert proc.stderr.count("compiling the model") == 1
     directory = run_dir(path)
     assert directory.name.endswith("_AdamW")
     assert TAGS | {memory_tag()} <= event_tags(directory)

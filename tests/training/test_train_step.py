@@ -27,7 +27,7 @@ from tests.distributed import run_workers
 from tests.helpers import TINY, grads, job_config, materialize, meta_model, to_numpy, weights
 from torchtitan.optim import OptimizersContainer, build_optimizers
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
-from torchtitan.training.step import build_model, train_step
+from torchtitan.training.step import build_model, first_compile_notice, train_step
 
 CPU = torch.device("cpu")
 LR = 1e-2
@@ -267,3 +267,14 @@ def test_a_gpu_job_computes_in_bf16_with_tp_or_fsdp(two_ranks):
     (_, _, tp), _, _ = LAYOUTS[layout]
     if tp > 1:  # both ranks compute the loss of the same batch (with FSDP each rank's loss is of its own share)
         assert ranks[0][GPU_PRECISION]["cuda"]["loss"] == ranks[1][GPU_PRECISION]["cuda"]["loss"], layout
+
+
+def test_the_first_compile_is_announced_with_what_compiles_and_how_long(monkeypatch):
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    cpu = first_compile_notice(job_config("--training.compile"), "cpu")
+    assert "the model's blocks (training.compile)" in cpu and "first step only" in cpu
+    assert "about 2 minutes (a compiled optimizer step) on a 2-core CPU" in cpu
+    gpu = first_compile_notice(job_config(), "cuda")
+    assert "the model's norms" in gpu and "not yet timed on a GPU" in gpu
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert first_compile_notice(job_config("--training.compile"), "cpu") is None  # nothing compiles

@@ -62,14 +62,13 @@ def _model_overrides(job_config: JobConfig, flavor_args) -> dict:
     return overrides
 
 
-def preflight(job_config: JobConfig, world_size: int):
+def preflight(job_config: JobConfig, world_size: int, check_layout: bool = True):
     """Raise UserError for anything that would fail after the workers start.
 
-    Returns (parallel dims, model args, tokenizer) for the trainer to go on with.
+    ``check_layout`` False leaves out what the layout rules out for the optimizer (a build on fake tensors, seconds):
+    train.py's ranks but the first. Returns (parallel dims, model args, tokenizer) for the trainer to go on with.
     """
     # Imported here so that `--help` and config errors answer without importing torch.
-    import torch.distributed as dist
-
     from torchtitan.datasets import build_tokenizer, check_hub_reachable, resolve_dataset
     from torchtitan.optim.settings import optimizer_settings
     from torchtitan.parallelisms import ParallelDims, validate_model_for_parallelism
@@ -92,8 +91,8 @@ def preflight(job_config: JobConfig, world_size: int):
         )
     model_args = model_args_for(job_config, tokenizer.n_words)
     validate_model_for_parallelism(model_args, parallel_dims)
-    if not dist.is_initialized():
-        # Before the workers start (train.py's workers meet the same refusal when they build the optimizer).
+    if check_layout:
+        # Before the workers start, or before train.py's first rank joins its process group.
         from torchtitan.estimation.layout_check import check_optimizer_layout
 
         check_optimizer_layout(job_config, parallel_dims, model_args)

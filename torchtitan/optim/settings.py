@@ -14,6 +14,7 @@ torch, so that the job config is checked (and ``--help`` answers) without it.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
@@ -176,8 +177,10 @@ def canonical_name(name: str) -> str:
     by_key = {_lookup_key(canonical): canonical for canonical in OPTIMIZER_NAMES}
     canonical = by_key.get(_lookup_key(name))
     if canonical is None:
+        close = difflib.get_close_matches(_lookup_key(name), list(by_key), n=1, cutoff=0.75)
+        hint = f"did you mean {by_key[close[0]]}? " if close else ""
         raise UserError(
-            f"unknown optimizer.name '{name}'; valid names: {', '.join(OPTIMIZER_NAMES)} (case-insensitive)"
+            f"unknown optimizer.name '{name}'; {hint}valid names: {', '.join(OPTIMIZER_NAMES)} (case-insensitive)"
         )
     return canonical
 

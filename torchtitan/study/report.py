@@ -381,7 +381,9 @@ def notes(report: dict) -> list[str]:
             + " Where a side's seeds varied nothing: no interval and no verdict."
         )
         lines += family_notes(report)
-    lines.append(selection_note(report))
+    # One seed has no verdict to favour anyone; one setting each chose nothing.
+    if seeds >= 2 and any(b.get("settings_tried", 1) > 1 for b in report["best"].values()):
+        lines.append(selection_note(report))
     if not report["baseline_found"]:
         lines.append(f"The baseline {baseline} is not in this sweep: no differences or speedups.")
     lines.append(speedup_note(report))
@@ -577,9 +579,34 @@ def fit_text(report: dict) -> Optional[str]:
     return text
 
 
+def answer_line(report: dict) -> str:
+    """sweep.md's first line: the optimizers by loss, and what the sweep can say of their differences."""
+    best, baseline = report["best"], report["baseline"]
+    ranked = sorted((b["loss_mean"], o) for o, b in best.items() if b["loss_mean"] is not None)
+    if not ranked:
+        return "No optimizer has a finished run yet: nothing to rank (every run is listed below)."
+    order = ", ".join(f"{o} {loss:.4f} ({settings_label(best[o]['settings'])})" for loss, o in ranked)
+    if report["seeds"] < 2:
+        return (
+            f"Lowest loss first: {order}. With one seed, whether they differ beyond seed-to-seed noise cannot be "
+            "judged: run --seeds 0,1,2."
+        )
+    against = "; ".join(f"{o}: {versus_text(o, b, report)}" for o, b in best.items() if o != baseline)
+    return f"Lowest loss first: {order}. Against {baseline}: {against}."
+
+
+def _judged(report: dict) -> tuple[list[str], list[list[str]]]:
+    """The verdict table; with one seed, without the difference from the baseline, which one seed cannot judge."""
+    columns, rows = list(VERDICT_COLUMNS), verdict_rows(report)
+    if report["seeds"] >= 2:
+        return columns, rows
+    keep = [i for i, c in enumerate(columns) if not c.startswith("vs baseline")]
+    return [columns[i] for i in keep], [[row[i] for i in keep] for row in rows]
+
+
 def format_markdown(report: dict) -> str:
     header, rows = grid_rows(report)
-    lines = notes(report) + ["", *_table(VERDICT_COLUMNS, verdict_rows(report)), "", *_table(header, rows)]
+    lines = [answer_line(report), "", *_table(*_judged(report)), "", *_table(header, rows), "", *notes(report)]
     budget = budget_rows(report)
     if budget is not None:
         lines += ["", fit_text(report), "", *_table(*budget)]

@@ -63,9 +63,18 @@ def _decoupled_weight_decay(optimizer: torch.optim.Optimizer, group: dict[str, A
     """Whether weight decay scales with lr (AdamW-style), so that lr 0 already stops it.
 
     Such decay may stay on during the zero step, so that the step compiles the graphs the training steps use (torchao's
-    and ours: AdamMini and LowPrecisionAdam set ``decoupled_weight_decay``), not a variant for a changed constant.
+    and ours), not a variant for a changed constant: torchao's low-bit AdamW compiles its step for the weight decay's
+    value. Ours (AdamMini, LowPrecisionAdam) set ``decoupled_weight_decay``, torch's AdamW sets it in each group, and
+    torchao's AdamW variants set ``is_adamw``.
     """
-    return group.get("decoupled_weight_decay") is True or getattr(optimizer, "decoupled_weight_decay", False) is True
+    return any(
+        flag is True
+        for flag in (
+            group.get("decoupled_weight_decay"),
+            getattr(optimizer, "decoupled_weight_decay", False),
+            getattr(optimizer, "is_adamw", False),
+        )
+    )
 
 
 def _reset_step(state: dict[str, Any]) -> None:
