@@ -243,6 +243,7 @@ def test_one_seed_says_so_instead_of_a_verdict():
     assert "One seed per cell: no confidence intervals and no verdict" in md
     assert "| Muon | lr 1e-3 | 2.2000 (1 seed) | ≥1.00× (every seed, paired) |" in md  # no difference column
     assert "vs baseline" not in md and "favours" not in md and "chosen and tested" not in md
+    assert "how sure" not in md and "quadratic" not in md and "one setting per optimizer: nothing was chosen" in md
     assert "better" not in md and "worse" not in md
 
 

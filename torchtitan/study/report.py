@@ -354,15 +354,18 @@ def notes(report: dict) -> list[str]:
     """The lines that say what the numbers are: ranking, baseline, intervals, seeds, data."""
     seeds, baseline = report["seeds"], report["baseline"]
     lines = [f"Study in progress: {report['in_progress']}"] if report.get("in_progress") else []
-    lines += [
-        f"Ranked by the {report['ranked_by']}, among the settings where no seed diverged or failed; best settings: "
-        f"along the lr, the value nearest the optimum of a quadratic in log lr fitted over the lowest cell and up to "
-        f"{NEIGHBOURS} values each side (the nearest weighted most), pooled over the selection seeds (each seed an "
-        "offset of its own); other numbers likewise in their value, words the lowest cell's. It falls back to the "
-        "lowest cell, and says so, with fewer than three finished values near it or a fit that is not a bowl. How "
-        "sure: the margin to the runner-up against its standard error (the fit's residuals, or the seeds' spread); "
-        f"under {CLOSE_CALL:g} standard errors is a close call.",
-    ]
+    ranked = f"Ranked by the {report['ranked_by']}, among the settings where no seed diverged or failed"
+    if not _settings_chosen(report):
+        lines.append(ranked + "; one setting per optimizer: nothing was chosen.")
+    else:
+        lines.append(
+            ranked + "; best settings: along the lr, the value nearest the optimum of a quadratic in log lr fitted "
+            f"over the lowest cell and up to {NEIGHBOURS} values each side (the nearest weighted most), pooled over "
+            "the selection seeds (each seed an offset of its own); other numbers likewise in their value, words the "
+            "lowest cell's. It falls back to the lowest cell, and says so, with fewer than three finished values near "
+            "it or a fit that is not a bowl. How sure: the margin to the runner-up against its standard error (the "
+            f"fit's residuals, or the seeds' spread); under {CLOSE_CALL:g} standard errors is a close call."
+        )
     if seeds < 2:
         lines.append(
             "One seed per cell: no confidence intervals and no verdict (differences this small need seeds: run "
@@ -381,8 +384,8 @@ def notes(report: dict) -> list[str]:
             + " Where a side's seeds varied nothing: no interval and no verdict."
         )
         lines += family_notes(report)
-    # One seed has no verdict to favour anyone; one setting each chose nothing.
-    if seeds >= 2 and any(b.get("settings_tried", 1) > 1 for b in report["best"].values()):
+    # Which seeds chose and which tested: nothing to say with one seed, or with one setting each and no confirmation.
+    if seeds >= 2 and (_settings_chosen(report) or report["confirmation_seeds"]):
         lines.append(selection_note(report))
     if not report["baseline_found"]:
         lines.append(f"The baseline {baseline} is not in this sweep: no differences or speedups.")
@@ -595,12 +598,23 @@ def answer_line(report: dict) -> str:
     return f"Lowest loss first: {order}. Against {baseline}: {against}."
 
 
+def _settings_chosen(report: dict) -> bool:
+    """Whether any optimizer's best settings were chosen among several (one setting each chose nothing)."""
+    return any(b.get("settings_tried", 1) > 1 for b in report["best"].values())
+
+
 def _judged(report: dict) -> tuple[list[str], list[list[str]]]:
-    """The verdict table; with one seed, without the difference from the baseline, which one seed cannot judge."""
+    """The verdict table, without what the study cannot judge: the difference from the baseline with one seed, how
+    sure a choice is with one setting per optimizer."""
     columns, rows = list(VERDICT_COLUMNS), verdict_rows(report)
-    if report["seeds"] >= 2:
+    unjudged = set()
+    if report["seeds"] < 2:
+        unjudged.add("vs baseline: difference [95% CI], verdict")
+    if not _settings_chosen(report):
+        unjudged.add("how sure the choice is")
+    if not unjudged:
         return columns, rows
-    keep = [i for i, c in enumerate(columns) if not c.startswith("vs baseline")]
+    keep = [i for i, c in enumerate(columns) if c not in unjudged]
     return [columns[i] for i in keep], [[row[i] for i in keep] for row in rows]
 
 
