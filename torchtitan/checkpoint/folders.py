@@ -42,6 +42,7 @@ STEP_FOLDER = re.compile(r"^step-(\d+)$")
 TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights|-hf)?\.tmp-")
 REPLACED_FOLDER = re.compile(r"^\.(step-\d+(?:-weights|-hf)?)\.old-[0-9a-f]+$")  # an old copy set aside while replacing
 SUPERSEDED_FOLDER = "superseded"  # checkpoints of a branch that a resume from an older step abandoned
+DAMAGED_FOLDER = "damaged"  # checkpoints a resume found damaged or incomplete: moved here, never deleted
 BRANCH_MARKER = ".branch.json"  # the moves of an abandoned branch, written before they start
 DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optimizer state
 
@@ -153,6 +154,33 @@ def publish(temporary: str, final: str) -> None:
     os.rename(temporary, final)
     fsync_folder(parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def incomplete_steps(folder: str) -> list[int]:
+    """Steps whose ``step-N`` folder has no metadata file: a published checkpoint always has one, so these were
+    damaged after publishing (a file deleted, a copy cut short)."""
+    if not os.path.isdir(folder):
+        return []
+    steps = []
+    for name in os.listdir(folder):
+        match = STEP_FOLDER.match(name)
+        path = os.path.join(folder, name)
+        if match and os.path.isdir(path) and not os.path.isfile(os.path.join(path, METADATA_FILE)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def set_aside_damaged(folder: str, step: int) -> str:
+    """Move the checkpoint of ``step`` into ``damaged/`` (never delete it: its owner may want to look, or recover
+    it); the path it now has."""
+    target = os.path.join(
+        folder, DAMAGED_FOLDER, f"step-{step}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    )
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.rename(step_folder(folder, step), target)
+    fsync_folder(os.path.dirname(target))
+    fsync_folder(folder)
+    return target
 
 
 def set_aside_newer(folder: str, kept_step: int) -> Optional[str]:

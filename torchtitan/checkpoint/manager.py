@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
@@ -29,26 +29,32 @@ from torch.distributed.checkpoint.state_dict import (
 import torchtitan.checkpoint.hf as hf
 from torchtitan.checkpoint.codec import decode_plain, encode_plain
 from torchtitan.checkpoint.folders import (
+    DAMAGED_FOLDER,
     DEFAULT_FOLDER,
     STEP_FOLDER,
     complete_steps,
     hf_folder,
+    incomplete_steps,
     publish,
     recover,
     remove_folder,
     resolve_folder,
+    set_aside_damaged,
     set_aside_newer,
     step_folder,
     temporary_name,
     try_lock_folder,
     weights_folder,
 )
+from torchtitan.checkpoint.integrity import ChecksummingWriter, read_record, verify_files
 from torchtitan.checkpoint.safe_reading import (
     METADATA_FILE,
     SafeFileSystemReader,
     SafeLoadPlanner,
+    UnreadableCheckpoint,
+    read_metadata_file,
 )
-from torchtitan.distributed.collectives import all_reduce_scalar, any_rank
+from torchtitan.distributed.collectives import all_gather_objects, all_reduce_scalar, any_rank
 from torchtitan.distributed.utils import DTYPES
 from torchtitan.errors import UserError
 from torchtitan.logging import logger
@@ -300,6 +306,9 @@ class CheckpointManager:
                 logger.warning("checkpoint: load_step is ignored because checkpoint.enable_checkpoint is off")
             return self._initial_load()
         requested = step if step >= 0 else self.load_step
+        if requested < 0:
+            for incomplete in self._rank_0s(incomplete_steps(self.folder)):
+                self._set_aside_damaged(incomplete, f"'{step_folder(self.folder, incomplete)}' has no {METADATA_FILE}")
         steps = complete_steps(self.folder)
         if requested >= 0 and requested not in steps:
             available = ", ".join(map(str, steps)) or "none"
@@ -313,14 +322,47 @@ class CheckpointManager:
             self._warn_about_earlier_folders()
             logger.info(f"checkpoint: nothing to resume in {self.folder}; starting from scratch")
             return False
-        chosen = requested if requested >= 0 else steps[-1]
         begin = time.perf_counter()
-        self._load_from(step_folder(self.folder, chosen))
+        if requested >= 0:
+            try:
+                self._load_verified(step_folder(self.folder, requested))
+            except UnreadableCheckpoint as e:
+                others = ", ".join(str(s) for s in steps if s != requested) or "none"
+                raise UserError(
+                    f"checkpoint.load_step {requested} is not loaded: {e}; pick another step (available: {others}) "
+                    "or -1 for the newest that verifies"
+                ) from None
+            chosen = requested
+        else:
+            chosen = self._load_newest_verified(steps)
         self._last_saved_step = self._last_published_step = chosen
         logger.info(f"checkpoint: resumed from step {chosen} in {time.perf_counter() - begin:.2f} s")
         if chosen < steps[-1]:
             self._start_branch(chosen, [s for s in steps if s > chosen])
         return True
+
+    def _load_newest_verified(self, steps: list[int]) -> int:
+        """Load the newest of ``steps`` that verifies; each newer one is moved to ``damaged/``, said in one line."""
+        for candidate in reversed(steps):
+            try:
+                self._load_verified(step_folder(self.folder, candidate))
+                return candidate
+            except UnreadableCheckpoint as e:
+                self._set_aside_damaged(candidate, str(e))
+        raise UserError(
+            f"no checkpoint in '{self.folder}' verifies: each was moved to {DAMAGED_FOLDER}/ with its reason logged; "
+            "run again to start from scratch, or move a checkpoint you trust back"
+        )
+
+    def _set_aside_damaged(self, step: int, problem: str) -> None:
+        if self.rank == 0:
+            target = set_aside_damaged(self.folder, step)
+            logger.warning(f"checkpoint: step-{step} is damaged and passed over: {problem}; moved to {target}")
+        self._barrier()
+
+    def _rank_0s(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (what it saw of the shared folder decides for all)."""
+        return all_gather_objects(value, self._group)[0]
 
     def _start_branch(self, chosen: int, newer: list[int]) -> None:
         """Resumed from an older step: the newer checkpoints belong to the abandoned branch. Moved aside (never
@@ -404,7 +446,7 @@ class CheckpointManager:
         temporary = temporary_name(final, self._shared_token())
         os.makedirs(temporary, exist_ok=True)
         with _single_process_quiet():
-            dcp.save(weights, storage_writer=FileSystemWriter(temporary), process_group=self._group)
+            dcp.save(weights, storage_writer=ChecksummingWriter(temporary), process_group=self._group)
         self._publish_everywhere(temporary, final)
         logger.info(f"checkpoint: exported weights to {final} in {time.perf_counter() - begin:.2f} s")
         return final
@@ -449,7 +491,7 @@ class CheckpointManager:
         self._refuse_non_finite({MODEL: state[MODEL], OPTIMIZER: optimizer_tensors}, step)
         temporary = temporary_name(final, self._shared_token())
         os.makedirs(temporary, exist_ok=True)
-        writer = FileSystemWriter(temporary)
+        writer = ChecksummingWriter(temporary)
         self._last_saved_step = step
         if self.async_enabled:
             # Quantized optimizer states are copied to host memory here, one at a time; DCP stages the rest.
@@ -569,15 +611,16 @@ class CheckpointManager:
                 )
             path = step_folder(path, steps[-1])
         begin = time.perf_counter()
+        metadata = self._verified_metadata(path)
         if self.initial_load_model_only:
-            saved = self._load_model_from(path)
+            saved = self._load_model_from(path, metadata)
             written_by = f" (written by {_describe_optimizer(saved)})" if saved else ""
             logger.info(
                 f"checkpoint: started from the model weights of {path}{written_by} in "
                 f"{time.perf_counter() - begin:.2f} s; optimizer state, lr schedule, data position and step are fresh"
             )
         else:
-            self._load_from(path)
+            self._load_from(path, metadata)
             logger.info(f"checkpoint: started from {path} (everything) in {time.perf_counter() - begin:.2f} s")
         return True
 
@@ -622,35 +665,74 @@ class CheckpointManager:
                 f"--checkpoint.folder {os.path.join(DEFAULT_FOLDER, bare_name)}"
             )
 
-    def _load_model_from(self, path: str) -> Optional[dict[str, Any]]:
-        """Load the model weights of the checkpoint at ``path`` only; its job facts (None for older checkpoints)."""
+    def _load_model_from(self, path: str, metadata: Any) -> Optional[dict[str, Any]]:
+        """Load the model weights of the verified checkpoint at ``path`` only; its job facts (None for older
+        checkpoints)."""
         part_states = [model_state_of(part) for part in self.model_parts]
         state: dict[str, Any] = {MODEL: {k: v for part_state in part_states for k, v in part_state.items()}}
-        reader = SafeFileSystemReader(path)
-        metadata = reader.read_metadata()
         saved = self._check_matches(path, metadata, state, [], model_only=True)
-        with _single_process_quiet():
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
+        self._read_part(path, metadata, state)
+        self._refuse_non_finite_load(path, state[MODEL])
         for part, part_state in zip(self.model_parts, part_states):
             load_model_state(part, {k: state[MODEL][k] for k in part_state})
         return saved
 
-    def _load_from(self, path: str) -> None:
+    def _load_verified(self, path: str) -> None:
+        """Verify the checkpoint at ``path`` (its checksums, its metadata) and load it; UnreadableCheckpoint, on
+        every rank, when it is damaged."""
+        self._load_from(path, self._verified_metadata(path))
+
+    def _verified_metadata(self, path: str) -> Any:
+        """The metadata of the checkpoint at ``path`` once its files match their checksums; raises
+        UnreadableCheckpoint on every rank, with the first problem any rank found, when they do not."""
+        problem, metadata = None, None
+        try:
+            files = read_record(path)
+            if files is None:
+                if self.rank == 0:
+                    logger.warning(
+                        f"checkpoint: '{path}' has no checksums (written by an earlier version); it is loaded "
+                        "unverified"
+                    )
+            else:
+                rank = dist.get_rank(self._group) if self._group is not None else 0
+                world = dist.get_world_size(self._group) if self._group is not None else 1
+                share = sorted(set(sorted(files)[rank::world]) | {METADATA_FILE})
+                problem = verify_files(path, files, share)
+            if problem is None:
+                metadata = read_metadata_file(os.path.join(path, METADATA_FILE))
+                unlisted = sorted({info.relative_path for info in metadata.storage_data.values()} - set(files or {}))
+                if files is not None and unlisted:
+                    problem = f"'{path}' has data files without checksums ({', '.join(unlisted[:3])})"
+        except (ValueError, UnreadableCheckpoint) as e:
+            problem = str(e)
+        problems = [p for p in all_gather_objects(problem, self._group) if p is not None]
+        if problems:
+            raise UnreadableCheckpoint(problems[0])
+        return metadata
+
+    def _refuse_non_finite_load(self, path: str, *states: Any) -> None:
+        """Raise UnreadableCheckpoint on every rank if what was read holds a NaN or an infinity: every save here is
+        finite, so such values are damage."""
+        if self._any_rank(not tensors_are_finite(state_tensors(list(states)))):
+            raise UnreadableCheckpoint(f"'{path}' holds non-finite model or optimizer values (damaged)")
+
+    def _load_from(self, path: str, metadata: Any) -> None:
         part_states = [model_state_of(part) for part in self.model_parts]
         optimizer_state = self.optimizers.state_dict()
         state: dict[str, Any] = {
             MODEL: {k: v for part_state in part_states for k, v in part_state.items()},
             OPTIMIZER: optimizer_state,
         }
-        reader = SafeFileSystemReader(path)
-        metadata = reader.read_metadata()
         self._without_unsaved_scales(path, metadata, optimizer_state)
         plain_names = list(self._plain_objects())
         self._check_matches(path, metadata, state, plain_names)
         for name in plain_names:
             state[name] = torch.empty(metadata.state_dict_metadata[name].size, dtype=torch.uint8)
         # Quantized optimizer states are read after the rest, a group at a time (never all as float32 at once).
-        read_in_groups(state, lambda part: self._read_part(path, part), agree_on_count=self._max_over_ranks)
+        read_in_groups(state, lambda part: self._read_part(path, metadata, part), agree_on_count=self._max_over_ranks)
+        # Nothing is handed to the model, the optimizer or the plain states before the values are known finite.
+        self._refuse_non_finite_load(path, state[MODEL], entry_sources(optimizer_state))
 
         for part, part_state in zip(self.model_parts, part_states):
             load_model_state(part, {k: state[MODEL][k] for k in part_state})
@@ -672,12 +754,20 @@ class CheckpointManager:
             "earlier version); they are quantized again from their values, within one quantization step"
         )
 
-    def _read_part(self, path: str, state: dict[str, Any]) -> None:
-        """Fill ``state`` in place from the checkpoint at ``path`` (DCP reads only the keys given)."""
-        with _single_process_quiet():
-            dcp.load(
-                state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=self._group
-            )
+    def _read_part(self, path: str, metadata: Any, state: dict[str, Any]) -> None:
+        """Fill ``state`` in place from the checkpoint at ``path`` whose ``metadata`` was verified (DCP reads only the
+        keys given); UnreadableCheckpoint when its data cannot be read."""
+        try:
+            with _single_process_quiet():
+                dcp.load(
+                    state,
+                    storage_reader=SafeFileSystemReader(path, metadata),
+                    planner=SafeLoadPlanner(),
+                    process_group=self._group,
+                )
+        except CheckpointException as e:
+            causes = "; ".join(sorted({f"{type(err).__name__}: {err}" for err in e.failures.values()}))
+            raise UnreadableCheckpoint(f"'{path}' cannot be read ({causes or e})") from None
 
     def _check_matches(
         self, path: str, metadata: Any, state: dict[str, Any], plain_names: list[str], model_only: bool = False
@@ -688,7 +778,7 @@ class CheckpointManager:
         them are judged by their keys, summarised in one line.
         """
         entries = metadata.state_dict_metadata
-        saved = self._read_facts(path, entries)
+        saved = self._read_facts(path, metadata)
         if saved is not None:
             mismatch = facts_mismatch(saved, job_facts(self.job_config, state[MODEL]), model_only)
             if mismatch is not None:
@@ -724,16 +814,13 @@ class CheckpointManager:
             f"weights with a fresh optimizer: --checkpoint.initial_load_path {path} and an empty checkpoint.folder"
         )
 
-    def _read_facts(self, path: str, entries: dict[str, Any]) -> Optional[dict[str, Any]]:
+    def _read_facts(self, path: str, metadata: Any) -> Optional[dict[str, Any]]:
         """The job facts saved in the checkpoint at ``path`` (None for checkpoints written before they existed)."""
-        entry = entries.get(JOB_FACTS)
+        entry = metadata.state_dict_metadata.get(JOB_FACTS)
         if getattr(entry, "properties", None) is None or entry.properties.dtype != torch.uint8:
             return None
         blob = {JOB_FACTS: torch.empty(entry.size, dtype=torch.uint8)}
-        with _single_process_quiet():
-            dcp.load(
-                blob, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=self._group
-            )
+        self._read_part(path, metadata, blob)
         facts = decode_plain(blob[JOB_FACTS].numpy().tobytes())
         needed = {"optimizer", "model_flavor", "parameters", "model_digest"}
         return facts if isinstance(facts, dict) and needed <= set(facts) else None
