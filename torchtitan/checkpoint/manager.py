@@ -6,6 +6,7 @@ See the package docstring (``torchtitan/checkpoint/__init__.py``) for the folder
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -32,12 +33,14 @@ from torchtitan.checkpoint.folders import (
     DAMAGED_FOLDER,
     DEFAULT_FOLDER,
     STEP_FOLDER,
+    FolderInUse,
     complete_steps,
     hf_folder,
     incomplete_steps,
     publish,
     recover,
     remove_folder,
+    remove_tree,
     resolve_folder,
     set_aside_damaged,
     set_aside_newer,
@@ -56,7 +59,7 @@ from torchtitan.checkpoint.safe_reading import (
 )
 from torchtitan.distributed.collectives import all_gather_objects, all_reduce_scalar, any_rank
 from torchtitan.distributed.utils import DTYPES
-from torchtitan.errors import UserError
+from torchtitan.errors import SaveFailed, UserError
 from torchtitan.logging import logger
 from torchtitan.optim.settings import OPTION_RULES, canonical_name, state_signature
 from torchtitan.optim.state.quantized_checkpoint import (
@@ -222,7 +225,7 @@ class CheckpointManager:
         self.last_step = job_config.training.steps
         self.folder = resolve_folder(job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self._pending: Optional[tuple[Any, str, str]] = None  # (future, temporary folder, final folder)
+        self._pending: Optional[tuple[Any, str, str, int]] = None  # (future, temporary folder, final folder, step)
         self._last_saved_step = -1  # the newest step saved or being saved (a save in flight included)
         self._last_published_step = -1  # the newest step known to be visible as a complete checkpoint
         self._release_folder = None  # lets go of rank 0's hold on the folder (see _lock_folder)
@@ -240,8 +243,9 @@ class CheckpointManager:
             self._group = dist.new_group(backend="gloo", timeout=timeout)
             if self.async_enabled:
                 self._save_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.check_writable()
+        # Locked first: a run refused by the lock touches nothing of the live run's folder (not even a write probe).
         self._lock_folder()
+        self.check_writable()
         if self.rank == 0:
             for note in recover(self.folder):
                 logger.info(f"checkpoint: in {self.folder}: {note}")
@@ -281,6 +285,7 @@ class CheckpointManager:
         holder = None
         if self.rank == 0:
             try:
+                os.makedirs(os.path.dirname(os.path.abspath(self.folder)), exist_ok=True)
                 lock, holder = try_lock_folder(self.folder)
                 if lock is not None:
                     # Released once: by close(), or when a manager dropped without it (a tool's, a test's) is freed.
@@ -291,7 +296,7 @@ class CheckpointManager:
                     "would not be refused"
                 )
         if self._any_rank(holder is not None):
-            raise UserError(
+            raise FolderInUse(
                 f"checkpoint folder '{self.folder}' is in use by another run ({holder or 'as rank 0 found'}); wait "
                 "for it to end, or give this run another checkpoint.folder"
             )
@@ -490,6 +495,10 @@ class CheckpointManager:
         optimizer_tensors = entry_sources(state[OPTIMIZER])
         self._refuse_non_finite({MODEL: state[MODEL], OPTIMIZER: optimizer_tensors}, step)
         temporary = temporary_name(final, self._shared_token())
+        with self._naming_save_failures(step, temporary):
+            self._write_full(step, state, temporary, final, begin)
+
+    def _write_full(self, step: int, state: dict[str, Any], temporary: str, final: str, begin: float) -> None:
         os.makedirs(temporary, exist_ok=True)
         writer = ChecksummingWriter(temporary)
         self._last_saved_step = step
@@ -507,13 +516,36 @@ class CheckpointManager:
                 )
             # Newer torch may return a response whose upload_completion is the future to wait on.
             future = getattr(result, "upload_completion", result)
-            self._pending = (future, temporary, final)
+            self._pending = (future, temporary, final, step)
             logger.info(f"checkpoint: step {step} staged in {time.perf_counter() - begin:.2f} s, writing in background")
             return
         with _single_process_quiet():
             dcp.save(state, storage_writer=writer, planner=QuantizedStateSavePlanner(), process_group=self._group)
         self._publish_everywhere(temporary, final)
         logger.info(f"checkpoint: saved step {step} in {time.perf_counter() - begin:.2f} s")
+
+    @contextlib.contextmanager
+    def _naming_save_failures(self, step: int, temporary: str):
+        """Turn a save that the system refused (disk full, permission denied, quota, ...) into one SaveFailed line
+        naming the cause and the folder; its partial files are removed, the previous checkpoint is untouched."""
+        try:
+            yield
+        except (OSError, RuntimeError, CheckpointException) as e:
+            cause = save_failure_cause(e, self.folder)
+            if cause is None:
+                raise
+            if self.rank == 0:
+                remove_tree(temporary)
+            previous = (
+                f"step-{self._last_published_step} is intact"
+                if self._last_published_step >= 0
+                else "no earlier checkpoint of this run"
+            )
+            raise SaveFailed(
+                f"checkpoint of step {step} could not be written to '{self.folder}': {cause}; {previous}. Free space "
+                "or fix the folder's permissions (or point checkpoint.folder elsewhere), then run the same command "
+                "to resume"
+            ) from None
 
     def _refuse_non_finite(self, state: dict[str, Any], step: int) -> None:
         """Raise DivergenceError on every rank if any rank's share of ``state`` holds a NaN or an infinity.
@@ -529,11 +561,12 @@ class CheckpointManager:
     def _publish_pending(self, wait: bool) -> None:
         if self._pending is None:
             return
-        future, temporary, final = self._pending
+        future, temporary, final, step = self._pending
         if not wait and not future.done():
             return
-        future.result()  # re-raises a failed background save
         self._pending = None
+        with self._naming_save_failures(step, temporary):
+            future.result()  # re-raises a failed background save
         # DCP writes the metadata file on rank 0 after every rank's data is written, so a finished save on rank 0
         # is a complete checkpoint: rank 0 can publish it without another collective.
         if self.rank == 0:
@@ -766,7 +799,7 @@ class CheckpointManager:
                     process_group=self._group,
                 )
         except CheckpointException as e:
-            causes = "; ".join(sorted({f"{type(err).__name__}: {err}" for err in e.failures.values()}))
+            causes = "; ".join(sorted({f"{type(err).__name__}: {err}" for err, _ in e.failures.values()}))
             raise UnreadableCheckpoint(f"'{path}' cannot be read ({causes or e})") from None
 
     def _check_matches(
@@ -846,6 +879,58 @@ class CheckpointManager:
         if self._group is not None:
             dist.broadcast(value, src=dist.get_global_rank(self._group, 0), group=self._group)
         return f"{int(value.item()):012x}"
+
+
+# What a failed write's errno means, in words.
+_SAVE_ERRORS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EROFS: "the file system is read-only",
+    errno.EIO: "an input/output error",
+    errno.EFBIG: "a file is larger than the file system allows",
+}
+_NEARLY_FULL_BYTES = 64 << 20
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error``, what it wraps (DCP's failures on each rank) and the exceptions it was raised from, depth first."""
+    seen: list[BaseException] = []
+    todo = [error]
+    while todo and len(seen) < 100:
+        current = todo.pop()
+        if any(current is s for s in seen):
+            continue
+        seen.append(current)
+        if isinstance(current, CheckpointException):
+            todo.extend(failure for failure, _ in current.failures.values())
+        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return seen
+
+
+def save_failure_cause(error: BaseException, folder: str) -> Optional[str]:
+    """Why the system refused a save, in words; None when ``error`` is not the system refusing (a bug, kept whole).
+
+    An errno says it directly; torch's archive writer says only "unexpected pos" when a write came up short, so a
+    disk found (nearly) full says it then.
+    """
+    causes = _causes(error)
+    for cause in causes:
+        if isinstance(cause, OSError) and cause.errno in _SAVE_ERRORS:
+            where = f" at {cause.filename}" if cause.filename else ""
+            return f"{_SAVE_ERRORS[cause.errno]} ({cause.strerror}{where})"
+    try:
+        stats = os.statvfs(folder)
+        free, total = stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
+    except OSError:
+        free, total = None, None
+    if free is not None and free < min(_NEARLY_FULL_BYTES, total // 100 + 1):
+        return f"the disk is full ({free / 2**20:.1f} MiB free of {total / 2**20:.0f} MiB)"
+    system = [c for c in causes if isinstance(c, OSError)]
+    if system:
+        return f"{type(system[0]).__name__}: {system[0]}"
+    return None
 
 
 def _pinned_stager():
