@@ -764,7 +764,8 @@ class CheckpointManager:
             state[name] = torch.empty(metadata.state_dict_metadata[name].size, dtype=torch.uint8)
         # Quantized optimizer states are read after the rest, a group at a time (never all as float32 at once).
         read_in_groups(state, lambda part: self._read_part(path, metadata, part), agree_on_count=self._max_over_ranks)
-        # Nothing is handed to the model, the optimizer or the plain states before the values are known finite.
+        # Nothing is handed to the optimizer or the plain states before the values are known finite (the model's
+        # tensors, read in place, are read again by the next load tried, or the run stops).
         self._refuse_non_finite_load(path, state[MODEL], entry_sources(optimizer_state))
 
         for part, part_state in zip(self.model_parts, part_states):
