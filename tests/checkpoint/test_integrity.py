@@ -193,3 +193,15 @@ def test_an_initial_load_of_non_finite_values_is_refused_and_leaves_the_folder_a
         trainer.checkpoint.load()
     assert sorted(os.listdir(tmp_path / "other")) == ["step-1", "step-2"]
     trainer.checkpoint.close()
+
+
+def test_an_incomplete_checkpoint_in_initial_load_path_is_passed_over_in_one_line(tmp_path, saved, caplog):
+    shutil.copytree(saved[0], tmp_path / "other")
+    _missing_metadata(tmp_path / "other" / "step-2")
+    trainer = Trainer(job(str(tmp_path), steps=2, interval=1, initial_load_path=str(tmp_path / "other")))
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        assert trainer.checkpoint.load()
+    lines = [r.getMessage() for r in caplog.records if "passed over the incomplete step-2" in r.getMessage()]
+    assert len(lines) == 1 and str(tmp_path / "other" / "step-1") in lines[0]
+    assert sorted(os.listdir(tmp_path / "other")) == ["step-1", "step-2"]  # someone else's folder: untouched
+    trainer.checkpoint.close()

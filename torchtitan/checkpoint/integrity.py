@@ -1,8 +1,9 @@
 """Checksums of a checkpoint's files: recorded at save, verified before a load.
 
-Every rank hashes the data files it has just written (:class:`ChecksummingWriter`, at the end of DCP's
-``write_data``, on whichever thread writes them, so an async save hashes in the background) and leaves its part of the
-record beside them; the coordinator, once DCP has written ``.metadata``, hashes that too and merges the parts into
+Every rank hashes the data files it writes as it writes them (:class:`ChecksummingWriter`: DCP writes each file front
+to back through the stream its file system opens, so the bytes are hashed on their way out, never read back; on
+whichever thread writes them, so an async save hashes in the background) and leaves its part of the record beside
+them; the coordinator, once DCP has written ``.metadata``, hashes that too and merges the parts into
 one :data:`CHECKSUMS_FILE`::
 
     {"algorithm": "xxh3_128", "files": {"__0_0.distcp": {"size": 1153508, "xxh3_128": "9f0c..."}, ...}}
@@ -15,12 +16,15 @@ listed file once; the ranks of a job split the files between them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any, Optional
+import threading
+from typing import Any, Iterator, Optional
 
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torchtitan.checkpoint.safe_reading import METADATA_FILE
 
@@ -48,15 +52,69 @@ def describe(folder: str, names: list[str]) -> dict[str, dict[str, Any]]:
     return entries
 
 
-def _write_json(path: str, value: Any) -> None:
+def _write_json(path: str, value: Any, durable: bool) -> None:
     with open(path, "w") as f:
         json.dump(value, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class _HashingStream:
+    """A file being written, hashed on the way out; ``in_order`` turns False if anything but appending happened
+    (then the file is read back instead)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.digest, self.size, self.in_order = raw, xxhash.xxh3_128(), 0, True
+
+    def write(self, data: Any) -> int:
+        written = self.raw.write(data)
+        view = memoryview(data).cast("B")
+        if written is None or written != len(view):
+            self.in_order = False
+        else:
+            self.digest.update(view)
+            self.size += written
+        return written
+
+    def seek(self, *args: Any) -> int:
+        self.in_order = False
+        return self.raw.seek(*args)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, ...: the file's own
+        return getattr(self.raw, name)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, whose files opened for writing are hashed as they are written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()  # DCP may write several files at once, one per thread
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if mode != "wb":
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        if hashing.in_order:
+            with self._lock:
+                self.written[os.path.basename(os.fspath(path))] = {
+                    "size": hashing.size,
+                    ALGORITHM: hashing.digest.hexdigest(),
+                }
 
 
 class ChecksummingWriter(FileSystemWriter):
     """DCP's FileSystemWriter that records the checksums of what it writes (see the module docstring)."""
+
+    def __init__(self, path: Any, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem()
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
@@ -64,7 +122,14 @@ class ChecksummingWriter(FileSystemWriter):
         names = sorted({result.storage_data.relative_path for result in results})
         if names:
             folder = os.fspath(self.path)
-            _write_json(os.path.join(folder, f"{_PART_PREFIX}{names[0]}.json"), describe(folder, names))
+            entries = {}
+            for name in names:
+                entry = self.fs.written.get(name)
+                if entry is None or entry["size"] != os.path.getsize(os.path.join(folder, name)):
+                    entry = describe(folder, [name])[name]  # not hashed on its way out: read back
+                entries[name] = entry
+            # Read by the coordinator and removed before the checkpoint is published: no need to reach the disk.
+            _write_json(os.path.join(folder, f"{_PART_PREFIX}{names[0]}.json"), entries, durable=False)
         return future
 
     def finish(self, metadata: Any, results: Any) -> None:
@@ -76,7 +141,7 @@ class ChecksummingWriter(FileSystemWriter):
                 with open(os.path.join(folder, name)) as f:
                     files.update(json.load(f))
                 os.remove(os.path.join(folder, name))
-        _write_json(os.path.join(folder, CHECKSUMS_FILE), {"algorithm": ALGORITHM, "files": files})
+        _write_json(os.path.join(folder, CHECKSUMS_FILE), {"algorithm": ALGORITHM, "files": files}, durable=True)
 
 
 def read_record(folder: str) -> Optional[dict[str, dict[str, Any]]]:

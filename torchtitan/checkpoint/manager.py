@@ -643,6 +643,12 @@ class CheckpointManager:
                     "(or a folder of them) written by a finished save"
                 )
             path = step_folder(path, steps[-1])
+            passed_over = [step for step in incomplete_steps(self.initial_load_path) if step > steps[-1]]
+            if passed_over and self.rank == 0:
+                logger.warning(
+                    f"checkpoint: initial_load_path '{self.initial_load_path}': passed over the incomplete "
+                    f"{', '.join(f'step-{s}' for s in passed_over)} (no {METADATA_FILE}); starting from {path}"
+                )
         begin = time.perf_counter()
         metadata = self._verified_metadata(path)
         if self.initial_load_model_only:
