@@ -61,20 +61,16 @@ def _write_json(path: str, value: Any, durable: bool) -> None:
 
 
 class _HashingStream:
-    """A file being written, hashed on the way out; ``in_order`` turns False if anything but appending happened
-    (then the file is read back instead)."""
+    """A file being written, hashed on the way out (a buffered file takes each write whole); ``in_order`` turns False
+    if anything but appending happened (then the file is read back instead)."""
 
     def __init__(self, raw: Any) -> None:
         self.raw, self.digest, self.size, self.in_order = raw, xxhash.xxh3_128(), 0, True
 
     def write(self, data: Any) -> int:
         written = self.raw.write(data)
-        view = memoryview(data).cast("B")
-        if written is None or written != len(view):
-            self.in_order = False
-        else:
-            self.digest.update(view)
-            self.size += written
+        self.digest.update(data)
+        self.size += written
         return written
 
     def seek(self, *args: Any) -> int:
