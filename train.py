@@ -23,6 +23,7 @@ os.environ.update(allocator_environ(os.environ))
 import torch.distributed as dist
 
 from torchtitan.checkpoint import CheckpointManager
+from torchtitan.checkpoint.folders import FolderInUse
 from torchtitan.config.job_config import JOB_CONFIG_RECORD, JobConfig
 from torchtitan.config.preflight import preflight
 from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset_record
@@ -245,7 +246,11 @@ def run() -> int:
     def body() -> None:
         job_config = JobConfig.parse_args()
         folders.append(job_config.job.dump_folder)
-        main(job_config)
+        try:
+            main(job_config)
+        except FolderInUse:
+            folders.clear()  # that folder is the live run's: this run writes nothing into it, its record included
+            raise
 
     def record(code: int, message: str) -> None:
         # torchrun reports any worker's failure as 1: the run's own ending is kept where a sweep reads it.

@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan.checkpoint import manager as checkpoint  # noqa: E402  (where saves look up FileSystemWriter)
+from torchtitan.checkpoint import manager as checkpoint  # noqa: E402  (where saves look up ChecksummingWriter)
 
 
-class StallingWriter(checkpoint.FileSystemWriter):
+class StallingWriter(checkpoint.ChecksummingWriter):
     saves = 0
 
     def write_data(self, plan, planner):
@@ -31,7 +31,7 @@ class StallingWriter(checkpoint.FileSystemWriter):
         return future
 
 
-checkpoint.FileSystemWriter = StallingWriter
+checkpoint.ChecksummingWriter = StallingWriter
 if sys.argv[1] == "-c":
     exec(compile(sys.argv[2], "<stall_in_save -c>", "exec"), {"__name__": "__main__"})
 else:

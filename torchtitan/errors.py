@@ -1,7 +1,8 @@
 """The project's exceptions for a user, and the one place that turns them into exit codes.
 
 ``UserError`` is a mistake a user can fix (bad config, missing file, bad option); ``DivergenceError`` says training
-stopped because its numbers became non-finite; ``Preempted`` that it stopped on a scheduler's signal, saved.
+stopped because its numbers became non-finite; ``Preempted`` that it stopped on a scheduler's signal, saved;
+``SaveFailed`` that a checkpoint could not be written (disk full, permission denied, quota), the previous one intact.
 Every entry point (``train.py``, ``estimation.py``, ``torchtitan.config.preflight`` and the tools) runs its body through
 :func:`exit_code`, which prints either as a single ``error:`` line (``preempted:`` for the last) and returns its
 exit code; everything else is an internal bug and keeps its traceback. This module
@@ -9,7 +10,8 @@ imports nothing heavy, so tools that only need the codes start fast.
 
 A launcher may not pass the code on: torchrun reports any worker's failure as 1. So ``train.py``'s first rank also
 writes how the run ended into its dump folder (:data:`EXIT_RECORD`, :func:`write_exit_record`); the study reads
-that record, not the launcher's code, to tell a diverged run (3), a mistake (2) or a saved stop (4) from a crash.
+that record, not the launcher's code, to tell a diverged run (3), a mistake (2), a saved stop (4) or a failed save (5)
+from a crash.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Callable, Optional, Union
 USER_ERROR_EXIT_CODE = 2  # "your input is wrong"
 DIVERGENCE_EXIT_CODE = 3  # "training diverged": the loss, the gradients or the state became non-finite
 PREEMPTED_EXIT_CODE = 4  # "stopped on a scheduler's signal, checkpoint saved": run the same command to resume
+SAVE_FAILED_EXIT_CODE = 5  # "a checkpoint could not be written" (disk full, permission, quota); the previous one stays
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for a run ended by Ctrl-C
 EXIT_RECORD = "exit.json"  # in a run's dump folder: {"exit_code", "message", "time"} of its latest ending
 
@@ -38,6 +41,11 @@ class DivergenceError(Exception):
 
 class Preempted(Exception):
     """Training stopped on a scheduler's signal (SIGTERM, SIGUSR1), saved (``torchtitan.training.preemption``)."""
+
+
+class SaveFailed(Exception):
+    """A checkpoint could not be written (disk full, permission denied, quota): the message names the cause and the
+    folder; the previous checkpoint stays complete and visible."""
 
 
 def exit_code(
@@ -62,6 +70,8 @@ def exit_code(
         code, message = _report(e, DIVERGENCE_EXIT_CODE, print_errors)
     except Preempted as e:
         code, message = _report(e, PREEMPTED_EXIT_CODE, print_errors, "preempted")
+    except SaveFailed as e:
+        code, message = _report(e, SAVE_FAILED_EXIT_CODE, print_errors)
     except KeyboardInterrupt:
         if interrupted is None:
             raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchtitan.errors import DivergenceError, UserError, exit_code
+from torchtitan.errors import DivergenceError, SaveFailed, UserError, exit_code
 
 
 def raising(error: BaseException):
@@ -26,6 +26,11 @@ def raising(error: BaseException):
             "error: training.steps must be greater than 0",
         ),
         (raising(DivergenceError("training diverged at step 3")), 3, "error: training diverged at step 3"),
+        (
+            raising(SaveFailed("checkpoint of step 2 could not be written")),
+            5,
+            "error: checkpoint of step 2 could not be written",
+        ),
     ],
 )
 def test_errors_become_one_line_and_their_exit_code(capsys, body, code, line):

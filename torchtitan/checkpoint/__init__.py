@@ -8,12 +8,14 @@ share checkpoints. An explicit folder is used as given.
 
 Layout of the checkpoint folder::
 
-    step-10/               a complete checkpoint (torch.distributed.checkpoint format: .metadata + *.distcp)
+    step-10/               a complete checkpoint (torch.distributed.checkpoint format: .metadata + *.distcp, and
+                           checksums.json: each file's size and XXH3-128 digest)
     step-20/
     step-20-weights/       the final weights-only export (model_weights_only), in export_dtype
     step-20-hf/            the final Hugging Face export (last_save_in_hf): config.json + safetensors
     .step-30.tmp-1a2b3c/   a save in progress (or one killed mid-way): never loaded, removed at the next start
     superseded/after-step-10-<time>/step-20/   checkpoints of a branch abandoned by a resume from step 10
+    damaged/step-30-<time>/   a checkpoint a resume found damaged or incomplete: moved here, never deleted
 
 and beside it ``.<folder name>.lock``, held by rank 0 of the live run using the folder: a second run is refused.
 
@@ -36,11 +38,23 @@ loads on M. Everything else (schedulers, data-loader position, train state) is p
 the data loader's holds every rank's reader positions, and how it resumes on another world size is its own rule
 (``torchtitan/datasets/hf_datasets.py``).
 
-No pickle of arbitrary objects on load:
+Nothing a checkpoint's author chose is run on load:
 - plain-data state (schedulers, data loader, ``states``) is stored as JSON text in a uint8 tensor;
 - DCP's own non-tensor leaves (optimizer hyperparameters) are read with ``torch.load(weights_only=True)``;
-- DCP's ``.metadata`` file is read with an unpickler that only accepts DCP's metadata classes and a few torch and
-  builtin types.
+- DCP's ``.metadata`` file is never unpickled: ``safe_reading`` walks its opcodes and builds DCP's metadata records
+  itself, from an exact allow-list, and refuses anything else in one line naming the file.
+
+Integrity (``integrity``): each file's checksum is recorded at save (hashed on its way to the disk) and verified
+before a load, and the loaded model and optimizer values must be finite. A resume of the newest checkpoint passes
+over one that is damaged, truncated, unreadable or incomplete: one line says which and what is wrong, the folder is
+moved to ``damaged/``, and the run resumes from the newest checkpoint that verifies. An explicit
+``checkpoint.load_step`` of a damaged step is refused instead (``UserError``), and so is a damaged
+``initial_load_path`` (someone else's folder: nothing there is moved). Checkpoints of earlier versions, without
+checksums, are loaded unverified, said in one line.
+
+A save the system refuses (disk full, permission denied, quota) raises ``SaveFailed``: one line naming the cause and
+the folder, exit code 5; its partial files are removed, the previous checkpoint is untouched. An async save's failure
+is raised at the next step's ``save`` or at ``close()``.
 
 When: every ``checkpoint.interval`` steps, or with ``interval_type = "seconds"`` once that many seconds passed since
 the last save on rank 0's clock (broadcast on the checkpoint's gloo group, so every rank saves at the same step),
@@ -76,8 +90,8 @@ Hugging Face: ``hf`` reads a Hugging Face Llama folder as the initial weights (`
 one at the last step (``last_save_in_hf``); see its docstring.
 
 Modules: ``codec`` (plain data as JSON bytes), ``hf`` (Hugging Face folders), ``safe_reading`` (the restricted
-readers every load goes through), ``folders`` (step folders, temporary names, publish and clean) and ``manager``
-(``CheckpointManager`` and the job facts).
+readers every load goes through), ``integrity`` (checksums), ``folders`` (step folders, temporary names, publish
+and clean) and ``manager`` (``CheckpointManager`` and the job facts).
 """
 
 from torchtitan.checkpoint.codec import decode_plain, encode_plain

@@ -35,6 +35,7 @@ import time
 from typing import Any, Optional
 
 from torchtitan.checkpoint.safe_reading import METADATA_FILE
+from torchtitan.errors import UserError
 from torchtitan.logging import logger
 from torchtitan.optim.settings import state_label
 
@@ -42,6 +43,7 @@ STEP_FOLDER = re.compile(r"^step-(\d+)$")
 TEMPORARY_FOLDER = re.compile(r"^\.step-\d+(-weights|-hf)?\.tmp-")
 REPLACED_FOLDER = re.compile(r"^\.(step-\d+(?:-weights|-hf)?)\.old-[0-9a-f]+$")  # an old copy set aside while replacing
 SUPERSEDED_FOLDER = "superseded"  # checkpoints of a branch that a resume from an older step abandoned
+DAMAGED_FOLDER = "damaged"  # checkpoints a resume found damaged or incomplete: moved here, never deleted
 BRANCH_MARKER = ".branch.json"  # the moves of an abandoned branch, written before they start
 DEFAULT_FOLDER = "checkpoint"  # inside job.dump_folder, one subfolder per optimizer state
 
@@ -114,7 +116,23 @@ def remove_folder(path: str) -> None:
     doomed = temporary_name(path, "deleting-" + secrets.token_hex(4))
     os.rename(path, doomed)
     fsync_folder(os.path.dirname(path))
-    shutil.rmtree(doomed, ignore_errors=True)
+    remove_tree(doomed)
+
+
+def remove_tree(path: str) -> bool:
+    """Delete ``path`` and everything under it; True when it is gone. A folder that cannot be deleted is said in one
+    line (its space is still taken), never left without a word."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        logger.warning(
+            f"checkpoint: could not delete {path} ({e.strerror or e}: {e.filename}); delete it by hand to free its "
+            "space"
+        )
+        return False
+    return True
 
 
 def _exchange(first: str, second: str) -> bool:
@@ -145,14 +163,41 @@ def publish(temporary: str, final: str) -> None:
     logger.warning(f"checkpoint: replacing existing {final}")
     if _exchange(temporary, final):
         fsync_folder(parent)
-        shutil.rmtree(temporary, ignore_errors=True)  # it now holds the old copy
+        remove_tree(temporary)  # it now holds the old copy
         return
     old = os.path.join(parent, f".{os.path.basename(final)}.old-{secrets.token_hex(4)}")
     os.rename(final, old)  # a crash from here until the next rename: the next start restores the old copy
     fsync_folder(parent)
     os.rename(temporary, final)
     fsync_folder(parent)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_tree(old)
+
+
+def incomplete_steps(folder: str) -> list[int]:
+    """Steps whose ``step-N`` folder has no metadata file: a published checkpoint always has one, so these were
+    damaged after publishing (a file deleted, a copy cut short)."""
+    if not os.path.isdir(folder):
+        return []
+    steps = []
+    for name in os.listdir(folder):
+        match = STEP_FOLDER.match(name)
+        path = os.path.join(folder, name)
+        if match and os.path.isdir(path) and not os.path.isfile(os.path.join(path, METADATA_FILE)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def set_aside_damaged(folder: str, step: int) -> str:
+    """Move the checkpoint of ``step`` into ``damaged/`` (never delete it: its owner may want to look, or recover
+    it); the path it now has."""
+    target = os.path.join(
+        folder, DAMAGED_FOLDER, f"step-{step}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    )
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.rename(step_folder(folder, step), target)
+    fsync_folder(os.path.dirname(target))
+    fsync_folder(folder)
+    return target
 
 
 def set_aside_newer(folder: str, kept_step: int) -> Optional[str]:
@@ -205,7 +250,7 @@ def restore_replaced(folder: str) -> list[str]:
             continue
         old, final = os.path.join(folder, name), os.path.join(folder, match.group(1))
         if os.path.exists(final):
-            shutil.rmtree(old, ignore_errors=True)
+            remove_tree(old)
         else:
             os.rename(old, final)
             restored.append(match.group(1))
@@ -233,10 +278,8 @@ def clean_temporary(folder: str) -> list[str]:
     """Remove leftovers of interrupted saves and deletes; returns their names."""
     if not os.path.isdir(folder):
         return []
-    removed = sorted(name for name in os.listdir(folder) if TEMPORARY_FOLDER.match(name))
-    for name in removed:
-        shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-    return removed
+    leftovers = sorted(name for name in os.listdir(folder) if TEMPORARY_FOLDER.match(name))
+    return [name for name in leftovers if remove_tree(os.path.join(folder, name))]
 
 
 # -- one run per folder -------------------------------------------------------------------------------------------
@@ -250,6 +293,10 @@ def lock_path(folder: str) -> str:
     """
     head, name = os.path.split(os.path.realpath(folder))
     return os.path.join(head, f".{name}.lock")
+
+
+class FolderInUse(UserError):
+    """A second run on a checkpoint folder that a live run holds: refused before it touches anything of that run's."""
 
 
 class FolderLock:

@@ -6,6 +6,7 @@ See the package docstring (``torchtitan/checkpoint/__init__.py``) for the folder
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
@@ -29,28 +30,36 @@ from torch.distributed.checkpoint.state_dict import (
 import torchtitan.checkpoint.hf as hf
 from torchtitan.checkpoint.codec import decode_plain, encode_plain
 from torchtitan.checkpoint.folders import (
+    DAMAGED_FOLDER,
     DEFAULT_FOLDER,
     STEP_FOLDER,
+    FolderInUse,
     complete_steps,
     hf_folder,
+    incomplete_steps,
     publish,
     recover,
     remove_folder,
+    remove_tree,
     resolve_folder,
+    set_aside_damaged,
     set_aside_newer,
     step_folder,
     temporary_name,
     try_lock_folder,
     weights_folder,
 )
+from torchtitan.checkpoint.integrity import ChecksummingWriter, read_record, verify_files
 from torchtitan.checkpoint.safe_reading import (
     METADATA_FILE,
     SafeFileSystemReader,
     SafeLoadPlanner,
+    UnreadableCheckpoint,
+    read_metadata_file,
 )
-from torchtitan.distributed.collectives import all_reduce_scalar, any_rank
+from torchtitan.distributed.collectives import all_gather_objects, all_reduce_scalar, any_rank
 from torchtitan.distributed.utils import DTYPES
-from torchtitan.errors import UserError
+from torchtitan.errors import SaveFailed, UserError
 from torchtitan.logging import logger
 from torchtitan.optim.settings import OPTION_RULES, canonical_name, state_signature
 from torchtitan.optim.state.quantized_checkpoint import (
@@ -216,7 +225,7 @@ class CheckpointManager:
         self.last_step = job_config.training.steps
         self.folder = resolve_folder(job_config)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self._pending: Optional[tuple[Any, str, str]] = None  # (future, temporary folder, final folder)
+        self._pending: Optional[tuple[Any, str, str, int]] = None  # (future, temporary folder, final folder, step)
         self._last_saved_step = -1  # the newest step saved or being saved (a save in flight included)
         self._last_published_step = -1  # the newest step known to be visible as a complete checkpoint
         self._release_folder = None  # lets go of rank 0's hold on the folder (see _lock_folder)
@@ -234,8 +243,9 @@ class CheckpointManager:
             self._group = dist.new_group(backend="gloo", timeout=timeout)
             if self.async_enabled:
                 self._save_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.check_writable()
+        # Locked first: a run refused by the lock touches nothing of the live run's folder (not even a write probe).
         self._lock_folder()
+        self.check_writable()
         if self.rank == 0:
             for note in recover(self.folder):
                 logger.info(f"checkpoint: in {self.folder}: {note}")
@@ -275,6 +285,7 @@ class CheckpointManager:
         holder = None
         if self.rank == 0:
             try:
+                os.makedirs(os.path.dirname(os.path.abspath(self.folder)), exist_ok=True)
                 lock, holder = try_lock_folder(self.folder)
                 if lock is not None:
                     # Released once: by close(), or when a manager dropped without it (a tool's, a test's) is freed.
@@ -285,7 +296,7 @@ class CheckpointManager:
                     "would not be refused"
                 )
         if self._any_rank(holder is not None):
-            raise UserError(
+            raise FolderInUse(
                 f"checkpoint folder '{self.folder}' is in use by another run ({holder or 'as rank 0 found'}); wait "
                 "for it to end, or give this run another checkpoint.folder"
             )
@@ -300,6 +311,9 @@ class CheckpointManager:
                 logger.warning("checkpoint: load_step is ignored because checkpoint.enable_checkpoint is off")
             return self._initial_load()
         requested = step if step >= 0 else self.load_step
+        if requested < 0:
+            for incomplete in self._rank_0s(incomplete_steps(self.folder)):
+                self._set_aside_damaged(incomplete, f"'{step_folder(self.folder, incomplete)}' has no {METADATA_FILE}")
         steps = complete_steps(self.folder)
         if requested >= 0 and requested not in steps:
             available = ", ".join(map(str, steps)) or "none"
@@ -313,14 +327,47 @@ class CheckpointManager:
             self._warn_about_earlier_folders()
             logger.info(f"checkpoint: nothing to resume in {self.folder}; starting from scratch")
             return False
-        chosen = requested if requested >= 0 else steps[-1]
         begin = time.perf_counter()
-        self._load_from(step_folder(self.folder, chosen))
+        if requested >= 0:
+            try:
+                self._load_verified(step_folder(self.folder, requested))
+            except UnreadableCheckpoint as e:
+                others = ", ".join(str(s) for s in steps if s != requested) or "none"
+                raise UserError(
+                    f"checkpoint.load_step {requested} is not loaded: {e}; pick another step (available: {others}) "
+                    "or -1 for the newest that verifies"
+                ) from None
+            chosen = requested
+        else:
+            chosen = self._load_newest_verified(steps)
         self._last_saved_step = self._last_published_step = chosen
         logger.info(f"checkpoint: resumed from step {chosen} in {time.perf_counter() - begin:.2f} s")
         if chosen < steps[-1]:
             self._start_branch(chosen, [s for s in steps if s > chosen])
         return True
+
+    def _load_newest_verified(self, steps: list[int]) -> int:
+        """Load the newest of ``steps`` that verifies; each newer one is moved to ``damaged/``, said in one line."""
+        for candidate in reversed(steps):
+            try:
+                self._load_verified(step_folder(self.folder, candidate))
+                return candidate
+            except UnreadableCheckpoint as e:
+                self._set_aside_damaged(candidate, str(e))
+        raise UserError(
+            f"no checkpoint in '{self.folder}' verifies: each was moved to {DAMAGED_FOLDER}/ with its reason logged; "
+            "run again to start from scratch, or move a checkpoint you trust back"
+        )
+
+    def _set_aside_damaged(self, step: int, problem: str) -> None:
+        if self.rank == 0:
+            target = set_aside_damaged(self.folder, step)
+            logger.warning(f"checkpoint: step-{step} is damaged and passed over: {problem}; moved to {target}")
+        self._barrier()
+
+    def _rank_0s(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (what it saw of the shared folder decides for all)."""
+        return all_gather_objects(value, self._group)[0]
 
     def _start_branch(self, chosen: int, newer: list[int]) -> None:
         """Resumed from an older step: the newer checkpoints belong to the abandoned branch. Moved aside (never
@@ -404,7 +451,7 @@ class CheckpointManager:
         temporary = temporary_name(final, self._shared_token())
         os.makedirs(temporary, exist_ok=True)
         with _single_process_quiet():
-            dcp.save(weights, storage_writer=FileSystemWriter(temporary), process_group=self._group)
+            dcp.save(weights, storage_writer=ChecksummingWriter(temporary), process_group=self._group)
         self._publish_everywhere(temporary, final)
         logger.info(f"checkpoint: exported weights to {final} in {time.perf_counter() - begin:.2f} s")
         return final
@@ -448,8 +495,12 @@ class CheckpointManager:
         optimizer_tensors = entry_sources(state[OPTIMIZER])
         self._refuse_non_finite({MODEL: state[MODEL], OPTIMIZER: optimizer_tensors}, step)
         temporary = temporary_name(final, self._shared_token())
+        with self._naming_save_failures(step, temporary):
+            self._write_full(step, state, temporary, final, begin)
+
+    def _write_full(self, step: int, state: dict[str, Any], temporary: str, final: str, begin: float) -> None:
         os.makedirs(temporary, exist_ok=True)
-        writer = FileSystemWriter(temporary)
+        writer = ChecksummingWriter(temporary)
         self._last_saved_step = step
         if self.async_enabled:
             # Quantized optimizer states are copied to host memory here, one at a time; DCP stages the rest.
@@ -465,13 +516,36 @@ class CheckpointManager:
                 )
             # Newer torch may return a response whose upload_completion is the future to wait on.
             future = getattr(result, "upload_completion", result)
-            self._pending = (future, temporary, final)
+            self._pending = (future, temporary, final, step)
             logger.info(f"checkpoint: step {step} staged in {time.perf_counter() - begin:.2f} s, writing in background")
             return
         with _single_process_quiet():
             dcp.save(state, storage_writer=writer, planner=QuantizedStateSavePlanner(), process_group=self._group)
         self._publish_everywhere(temporary, final)
         logger.info(f"checkpoint: saved step {step} in {time.perf_counter() - begin:.2f} s")
+
+    @contextlib.contextmanager
+    def _naming_save_failures(self, step: int, temporary: str):
+        """Turn a save that the system refused (disk full, permission denied, quota, ...) into one SaveFailed line
+        naming the cause and the folder; its partial files are removed, the previous checkpoint is untouched."""
+        try:
+            yield
+        except (OSError, RuntimeError, CheckpointException) as e:
+            cause = save_failure_cause(e, self.folder)
+            if cause is None:
+                raise
+            if self.rank == 0:
+                remove_tree(temporary)
+            previous = (
+                f"step-{self._last_published_step} is intact"
+                if self._last_published_step >= 0
+                else "no earlier checkpoint of this run"
+            )
+            raise SaveFailed(
+                f"checkpoint of step {step} could not be written to '{self.folder}': {cause}; {previous}. Free space "
+                "or fix the folder's permissions (or point checkpoint.folder elsewhere), then run the same command "
+                "to resume"
+            ) from None
 
     def _refuse_non_finite(self, state: dict[str, Any], step: int) -> None:
         """Raise DivergenceError on every rank if any rank's share of ``state`` holds a NaN or an infinity.
@@ -487,11 +561,12 @@ class CheckpointManager:
     def _publish_pending(self, wait: bool) -> None:
         if self._pending is None:
             return
-        future, temporary, final = self._pending
+        future, temporary, final, step = self._pending
         if not wait and not future.done():
             return
-        future.result()  # re-raises a failed background save
         self._pending = None
+        with self._naming_save_failures(step, temporary):
+            future.result()  # re-raises a failed background save
         # DCP writes the metadata file on rank 0 after every rank's data is written, so a finished save on rank 0
         # is a complete checkpoint: rank 0 can publish it without another collective.
         if self.rank == 0:
@@ -568,16 +643,23 @@ class CheckpointManager:
                     "(or a folder of them) written by a finished save"
                 )
             path = step_folder(path, steps[-1])
+            passed_over = [step for step in incomplete_steps(self.initial_load_path) if step > steps[-1]]
+            if passed_over and self.rank == 0:
+                logger.warning(
+                    f"checkpoint: initial_load_path '{self.initial_load_path}': passed over the incomplete "
+                    f"{', '.join(f'step-{s}' for s in passed_over)} (no {METADATA_FILE}); starting from {path}"
+                )
         begin = time.perf_counter()
+        metadata = self._verified_metadata(path)
         if self.initial_load_model_only:
-            saved = self._load_model_from(path)
+            saved = self._load_model_from(path, metadata)
             written_by = f" (written by {_describe_optimizer(saved)})" if saved else ""
             logger.info(
                 f"checkpoint: started from the model weights of {path}{written_by} in "
                 f"{time.perf_counter() - begin:.2f} s; optimizer state, lr schedule, data position and step are fresh"
             )
         else:
-            self._load_from(path)
+            self._load_from(path, metadata)
             logger.info(f"checkpoint: started from {path} (everything) in {time.perf_counter() - begin:.2f} s")
         return True
 
@@ -622,35 +704,75 @@ class CheckpointManager:
                 f"--checkpoint.folder {os.path.join(DEFAULT_FOLDER, bare_name)}"
             )
 
-    def _load_model_from(self, path: str) -> Optional[dict[str, Any]]:
-        """Load the model weights of the checkpoint at ``path`` only; its job facts (None for older checkpoints)."""
+    def _load_model_from(self, path: str, metadata: Any) -> Optional[dict[str, Any]]:
+        """Load the model weights of the verified checkpoint at ``path`` only; its job facts (None for older
+        checkpoints)."""
         part_states = [model_state_of(part) for part in self.model_parts]
         state: dict[str, Any] = {MODEL: {k: v for part_state in part_states for k, v in part_state.items()}}
-        reader = SafeFileSystemReader(path)
-        metadata = reader.read_metadata()
         saved = self._check_matches(path, metadata, state, [], model_only=True)
-        with _single_process_quiet():
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
+        self._read_part(path, metadata, state)
+        self._refuse_non_finite_load(path, state[MODEL])
         for part, part_state in zip(self.model_parts, part_states):
             load_model_state(part, {k: state[MODEL][k] for k in part_state})
         return saved
 
-    def _load_from(self, path: str) -> None:
+    def _load_verified(self, path: str) -> None:
+        """Verify the checkpoint at ``path`` (its checksums, its metadata) and load it; UnreadableCheckpoint, on
+        every rank, when it is damaged."""
+        self._load_from(path, self._verified_metadata(path))
+
+    def _verified_metadata(self, path: str) -> Any:
+        """The metadata of the checkpoint at ``path`` once its files match their checksums; raises
+        UnreadableCheckpoint on every rank, with the first problem any rank found, when they do not."""
+        problem, metadata = None, None
+        try:
+            files = read_record(path)
+            if files is None:
+                if self.rank == 0:
+                    logger.warning(
+                        f"checkpoint: '{path}' has no checksums (written by an earlier version); it is loaded "
+                        "unverified"
+                    )
+            else:
+                rank = dist.get_rank(self._group) if self._group is not None else 0
+                world = dist.get_world_size(self._group) if self._group is not None else 1
+                share = sorted(set(sorted(files)[rank::world]) | {METADATA_FILE})
+                problem = verify_files(path, files, share)
+            if problem is None:
+                metadata = read_metadata_file(os.path.join(path, METADATA_FILE))
+                unlisted = sorted({info.relative_path for info in metadata.storage_data.values()} - set(files or {}))
+                if files is not None and unlisted:
+                    problem = f"'{path}' has data files without checksums ({', '.join(unlisted[:3])})"
+        except (ValueError, UnreadableCheckpoint) as e:
+            problem = str(e)
+        problems = [p for p in all_gather_objects(problem, self._group) if p is not None]
+        if problems:
+            raise UnreadableCheckpoint(problems[0])
+        return metadata
+
+    def _refuse_non_finite_load(self, path: str, *states: Any) -> None:
+        """Raise UnreadableCheckpoint on every rank if what was read holds a NaN or an infinity: every save here is
+        finite, so such values are damage."""
+        if self._any_rank(not tensors_are_finite(state_tensors(list(states)))):
+            raise UnreadableCheckpoint(f"'{path}' holds non-finite model or optimizer values (damaged)")
+
+    def _load_from(self, path: str, metadata: Any) -> None:
         part_states = [model_state_of(part) for part in self.model_parts]
         optimizer_state = self.optimizers.state_dict()
         state: dict[str, Any] = {
             MODEL: {k: v for part_state in part_states for k, v in part_state.items()},
             OPTIMIZER: optimizer_state,
         }
-        reader = SafeFileSystemReader(path)
-        metadata = reader.read_metadata()
         self._without_unsaved_scales(path, metadata, optimizer_state)
         plain_names = list(self._plain_objects())
         self._check_matches(path, metadata, state, plain_names)
         for name in plain_names:
             state[name] = torch.empty(metadata.state_dict_metadata[name].size, dtype=torch.uint8)
         # Quantized optimizer states are read after the rest, a group at a time (never all as float32 at once).
-        read_in_groups(state, lambda part: self._read_part(path, part), agree_on_count=self._max_over_ranks)
+        read_in_groups(state, lambda part: self._read_part(path, metadata, part), agree_on_count=self._max_over_ranks)
+        # Nothing is handed to the optimizer or the plain states before the values are known finite (the model's
+        # tensors, read in place, are read again by the next load tried, or the run stops).
+        self._refuse_non_finite_load(path, state[MODEL], entry_sources(optimizer_state))
 
         for part, part_state in zip(self.model_parts, part_states):
             load_model_state(part, {k: state[MODEL][k] for k in part_state})
@@ -672,12 +794,20 @@ class CheckpointManager:
             "earlier version); they are quantized again from their values, within one quantization step"
         )
 
-    def _read_part(self, path: str, state: dict[str, Any]) -> None:
-        """Fill ``state`` in place from the checkpoint at ``path`` (DCP reads only the keys given)."""
-        with _single_process_quiet():
-            dcp.load(
-                state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=self._group
-            )
+    def _read_part(self, path: str, metadata: Any, state: dict[str, Any]) -> None:
+        """Fill ``state`` in place from the checkpoint at ``path`` whose ``metadata`` was verified (DCP reads only the
+        keys given); UnreadableCheckpoint when its data cannot be read."""
+        try:
+            with _single_process_quiet():
+                dcp.load(
+                    state,
+                    storage_reader=SafeFileSystemReader(path, metadata),
+                    planner=SafeLoadPlanner(),
+                    process_group=self._group,
+                )
+        except CheckpointException as e:
+            causes = "; ".join(sorted({f"{type(err).__name__}: {err}" for err, _ in e.failures.values()}))
+            raise UnreadableCheckpoint(f"'{path}' cannot be read ({causes or e})") from None
 
     def _check_matches(
         self, path: str, metadata: Any, state: dict[str, Any], plain_names: list[str], model_only: bool = False
@@ -688,7 +818,7 @@ class CheckpointManager:
         them are judged by their keys, summarised in one line.
         """
         entries = metadata.state_dict_metadata
-        saved = self._read_facts(path, entries)
+        saved = self._read_facts(path, metadata)
         if saved is not None:
             mismatch = facts_mismatch(saved, job_facts(self.job_config, state[MODEL]), model_only)
             if mismatch is not None:
@@ -724,16 +854,13 @@ class CheckpointManager:
             f"weights with a fresh optimizer: --checkpoint.initial_load_path {path} and an empty checkpoint.folder"
         )
 
-    def _read_facts(self, path: str, entries: dict[str, Any]) -> Optional[dict[str, Any]]:
+    def _read_facts(self, path: str, metadata: Any) -> Optional[dict[str, Any]]:
         """The job facts saved in the checkpoint at ``path`` (None for checkpoints written before they existed)."""
-        entry = entries.get(JOB_FACTS)
+        entry = metadata.state_dict_metadata.get(JOB_FACTS)
         if getattr(entry, "properties", None) is None or entry.properties.dtype != torch.uint8:
             return None
         blob = {JOB_FACTS: torch.empty(entry.size, dtype=torch.uint8)}
-        with _single_process_quiet():
-            dcp.load(
-                blob, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=self._group
-            )
+        self._read_part(path, metadata, blob)
         facts = decode_plain(blob[JOB_FACTS].numpy().tobytes())
         needed = {"optimizer", "model_flavor", "parameters", "model_digest"}
         return facts if isinstance(facts, dict) and needed <= set(facts) else None
@@ -759,6 +886,58 @@ class CheckpointManager:
         if self._group is not None:
             dist.broadcast(value, src=dist.get_global_rank(self._group, 0), group=self._group)
         return f"{int(value.item()):012x}"
+
+
+# What a failed write's errno means, in words.
+_SAVE_ERRORS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EROFS: "the file system is read-only",
+    errno.EIO: "an input/output error",
+    errno.EFBIG: "a file is larger than the file system allows",
+}
+_NEARLY_FULL_BYTES = 64 << 20
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error``, what it wraps (DCP's failures on each rank) and the exceptions it was raised from, depth first."""
+    seen: list[BaseException] = []
+    todo = [error]
+    while todo and len(seen) < 100:
+        current = todo.pop()
+        if any(current is s for s in seen):
+            continue
+        seen.append(current)
+        if isinstance(current, CheckpointException):
+            todo.extend(failure for failure, _ in current.failures.values())
+        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return seen
+
+
+def save_failure_cause(error: BaseException, folder: str) -> Optional[str]:
+    """Why the system refused a save, in words; None when ``error`` is not the system refusing (a bug, kept whole).
+
+    An errno says it directly; torch's archive writer says only "unexpected pos" when a write came up short, so a
+    disk found (nearly) full says it then.
+    """
+    causes = _causes(error)
+    for cause in causes:
+        if isinstance(cause, OSError) and cause.errno in _SAVE_ERRORS:
+            where = f" at {cause.filename}" if cause.filename else ""
+            return f"{_SAVE_ERRORS[cause.errno]} ({cause.strerror}{where})"
+    try:
+        stats = os.statvfs(folder)
+        free, total = stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
+    except OSError:
+        free, total = None, None
+    if free is not None and free < min(_NEARLY_FULL_BYTES, total // 100 + 1):
+        return f"the disk is full ({free / 2**20:.1f} MiB free of {total / 2**20:.0f} MiB)"
+    system = [c for c in causes if isinstance(c, OSError)]
+    if system:
+        return f"{type(system[0]).__name__}: {system[0]}"
+    return None
 
 
 def _pinned_stager():
