@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -168,14 +169,24 @@ def test_arrays_split_at_the_clusters_max_array_size_one_after_another(tmp_path,
 
 def test_the_job_script_quotes_every_value_and_derives_the_rendezvous_port(tmp_path, controller):
     controller(sbatch="ok")
-    dump = tmp_path / "my study"
+    dump = tmp_path / "my study, 50%"  # squeue -n splits a name at its commas; sbatch expands a % in --output
     assert sweep(dump, "--slurm-partition", "gpu", "--slurm-account", "a b") == 0
     (script,) = (dump / SLURM_FOLDER).glob("array-*.sh")
     text = script.read_text()
-    assert "#SBATCH --job-name='study-my study-" in text and "#SBATCH --account='a b'" in text
-    assert "#SBATCH --partition=gpu" in text
+    (name,) = re.findall(r"^#SBATCH --job-name=(.*)$", text, re.MULTILINE)
+    assert re.fullmatch(r"study-[0-9a-f]{8}-[0-9]{8}-[0-9]{6}-[0-9]+-[0-9a-f]{6}", name), name
+    assert f"#SBATCH --output='{dump}%/slurm'/%A_%a.out" in text  # the folder's % doubled, Slurm's own kept
+    assert "#SBATCH --account='a b'" in text and "#SBATCH --partition=gpu" in text
     assert ":$((20000 + SLURM_JOB_ID % 10000))" in text and ":29500" not in text
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_a_dump_folder_with_a_backslash_is_refused_up_front(tmp_path, controller, capsys):
+    # In sbatch --output a backslash turns off %A and %a: every task would write one file, named literally.
+    assert sweep(tmp_path / "a\\b") == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: --dump-folder ") and "holds a backslash" in line, line
+    assert controller.jobs() == []
 
 
 @pytest.mark.parametrize("option", ["--slurm-partition", "--slurm-account", "--slurm-time"])
@@ -312,7 +323,7 @@ def test_the_job_script_requeues_a_stopped_run_only_when_it_saved_a_newer_checkp
 
     (run / "sweep_status.json").unlink()
     job(FAKE_CHECKPOINT="1")  # saved step 2, newer than none: requeued
-    assert [c for c in controller.calls("scontrol") if c[1] == "requeue"] == [["scontrol", "requeue", "101"]]
+    assert [c for c in controller.calls("scontrol") if c[1] == "requeue"] == [["scontrol", "requeue", "100_0"]]
     assert not (run / "sweep_status.json").exists()
     events = [json.loads(line) for line in (run / EVENTS_FILE).read_text().splitlines()]
     assert [e["event"] for e in events] == ["started", "ended", "started", "preempted"]
@@ -322,7 +333,7 @@ def test_the_job_script_requeues_a_stopped_run_only_when_it_saved_a_newer_checkp
     assert len([c for c in controller.calls("scontrol") if c[1] == "requeue"]) == 1
     status = json.loads((run / "sweep_status.json").read_text())
     assert "without a checkpoint newer than step 2, the one it started from" in status["message"]
-    assert status["requeues"] == 1
+    assert status["requeues"] == 2  # every start of its job after the first: this one's job started 3 times
 
 
 def test_the_newest_checkpoint_is_read_as_the_checkpoint_manager_reads_them(tmp_path):
