@@ -391,9 +391,7 @@ def check_cluster(settings: SlurmSettings, parallel: int, nproc: int) -> None:
     if parallel < 1:
         raise UserError(f"--parallel must be at least 1; got {parallel}")
     command = ["sinfo", "-h", "-o", "%P|%l|%D|%c|%G"] + (["-p", settings.partition] if settings.partition else [])
-    result = _slurm(command)
-    if result.returncode != 0:
-        raise UserError(f"Slurm did not answer (sinfo: {one_line(result.stderr)}); is the cluster up?")
+    result = _ask(command)
     rows = [line.split("|") for line in result.stdout.splitlines() if line.strip()]
     if settings.partition is None:
         rows = [r for r in rows if r[0].endswith("*")] or rows
