@@ -17,6 +17,24 @@ from pathlib import Path
 
 from torchtitan.errors import PREEMPTED_EXIT_CODE, write_exit_record
 
+TRAINER = f"{sys.executable} {Path(__file__).resolve()}"  # a --launcher
+
+
+def ledger_problems(ledger: Path, steps: int) -> list[str]:
+    """What the trainer's ledger says went wrong with one run: a step trained twice or never, an end missing or
+    repeated, a launch after the end."""
+    if not ledger.exists():
+        return [f"{ledger.stem}: never launched"]
+    entries = [json.loads(line) for line in ledger.read_text().splitlines()]
+    trained = [e["step"] for e in entries if "step" in e]
+    ends = [i for i, e in enumerate(entries) if "finished" in e]
+    problems = []
+    if trained != list(range(1, steps + 1)):
+        problems.append(f"{ledger.stem}: trained steps {trained}")
+    if len(ends) != 1 or ends[0] != len(entries) - 1:
+        problems.append(f"{ledger.stem}: ended {len(ends)} time(s), then {entries[ends[0] + 1 :] if ends else []}")
+    return problems
+
 
 def append(path: Path, record: dict) -> None:
     with open(path, "a") as f:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from tests.chaos_trainer import TRAINER, ledger_problems
 from tests.helpers import ROOT
 from tests.slurm_controller import Controller, install
 from torchtitan.study import report, slurm
@@ -29,7 +28,6 @@ RUNS = 50
 STEPS = 4
 SCHEDULES = 20
 MAX_CALLS = 12
-TRAINER = f"{sys.executable} {ROOT / 'tests' / 'chaos_trainer.py'}"
 
 
 def fault_schedule(seed: int) -> tuple[dict, int, bool]:
@@ -56,22 +54,6 @@ def fault_schedule(seed: int) -> tuple[dict, int, bool]:
         "min_job_age": draw.choice([0.3, 5.0]),
     }
     return faults, draw.choice([4, 8, 12]), draw.random() < 0.3
-
-
-def ledger_problems(ledger: Path) -> list[str]:
-    """What the trainer's ledger says went wrong with one run: a step trained twice or never, an end missing or
-    repeated, a launch after the end."""
-    if not ledger.exists():
-        return [f"{ledger.stem}: never launched"]
-    entries = [json.loads(line) for line in ledger.read_text().splitlines()]
-    steps = [e["step"] for e in entries if "step" in e]
-    ends = [i for i, e in enumerate(entries) if "finished" in e]
-    problems = []
-    if steps != list(range(1, STEPS + 1)):
-        problems.append(f"{ledger.stem}: trained steps {steps}")
-    if len(ends) != 1 or ends[0] != len(entries) - 1:
-        problems.append(f"{ledger.stem}: ended {len(ends)} time(s), then {entries[ends[0] + 1 :] if ends else []}")
-    return problems
 
 
 @pytest.mark.parametrize("seed", range(SCHEDULES))
@@ -122,7 +104,9 @@ def test_every_run_of_a_study_trains_exactly_once_whatever_the_controller_does(s
                 break
             time.sleep(0.3)  # what a user waits between calls, here long enough for the sweep's bounds to pass
     assert f"slurm: {RUNS} finished" in last, "\n".join(outputs)
-    problems = [p for n in range(RUNS) for p in ledger_problems(tmp_path / "ledger" / f"AdamW_lr1e-3_seed{n}.jsonl")]
+    problems = [
+        p for n in range(RUNS) for p in ledger_problems(tmp_path / "ledger" / f"AdamW_lr1e-3_seed{n}.jsonl", STEPS)
+    ]
     assert not problems, "\n".join(problems + outputs)
     statuses = [json.loads(p.read_text()) for p in (dump / "runs").glob("*/sweep_status.json")]
     assert len(statuses) == RUNS and {s["outcome"] for s in statuses} == {"finished"}

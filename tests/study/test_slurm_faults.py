@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.chaos_trainer import TRAINER
 from tests.helpers import FAKE, ROOT, one_error_line
 from torchtitan.errors import write_exit_record
 from torchtitan.study import scheduling, slurm
@@ -427,12 +428,9 @@ def test_the_trap_passes_the_warning_on_without_waiting_for_scancel(tmp_path, co
     assert json.loads((run / "sweep_status.json").read_text())["outcome"] == "finished"
 
 
-CHAOS_TRAINER = f"{sys.executable} {ROOT / 'tests' / 'chaos_trainer.py'}"
-
-
 def test_a_users_cancel_is_not_undone_by_a_requeue(tmp_path, controller, monkeypatch):
     controller(sbatch="ok")
-    script, run = _one_run(tmp_path / "study", launcher=CHAOS_TRAINER)
+    script, run = _one_run(tmp_path / "study", launcher=TRAINER)
     ledger = tmp_path / "ledger"
     ledger.mkdir()
     environment = _task_environment(tmp_path, run, CHAOS_LEDGER=str(ledger), CHAOS_STEP_SECONDS="1")
