@@ -422,7 +422,10 @@ def test_the_trap_passes_the_warning_on_without_waiting_for_scancel(tmp_path, co
         job.wait(timeout=45)
         assert time.monotonic() - began < 30  # the run's own 3 s, not scancel's 60
     finally:
-        os.killpg(job.pid, signal.SIGKILL)  # the retrying scancel, still asleep
+        try:
+            os.killpg(job.pid, signal.SIGKILL)  # whatever of the job is left
+        except ProcessLookupError:
+            pass
         job.wait()
     assert _events_of(run) == ["started", "ended"]
     assert json.loads((run / "sweep_status.json").read_text())["outcome"] == "finished"
@@ -552,3 +555,18 @@ def test_every_start_past_the_requeues_allowed_ends_the_run_slurms_own_requeues_
     assert slurm.main(["started", str(tmp_path), "", "2"]) == 1  # a fourth: not trained
     status = json.loads((tmp_path / "sweep_status.json").read_text())
     assert status["outcome"] == "failed" and "after 3 requeue(s), Slurm's own included" in status["message"]
+
+
+def test_a_run_that_ended_in_a_start_its_job_could_not_record_is_recorded_at_the_next_start(tmp_path, monkeypatch):
+    # The run finished its last step; its job was preempted before it wrote the status, and Slurm requeued it.
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    job = {"job_id": "7_0", "array": "7", "submitted": time.time() - 100, "fields": {"optimizer": "AdamW"}}
+    (tmp_path / JOB_FILE).write_text(json.dumps(job))
+    _events(tmp_path, {"event": "started", "time": time.time() - 50})
+    (tmp_path / "tb" / "1").mkdir(parents=True)
+    (tmp_path / "tb" / "1" / "metrics.jsonl").write_text('{"step": 1, "loss_metrics/global_avg_loss": 2.5}\n')
+    write_exit_record(tmp_path, 0, "")
+    assert slurm.main(["started", str(tmp_path)]) == 1  # not trained again
+    assert json.loads((tmp_path / "sweep_status.json").read_text())["outcome"] == "finished"
+    assert [e["event"] for e in slurm.read_events(tmp_path)] == ["started", "ended"]

@@ -32,7 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from torchtitan.errors import DIVERGENCE_EXIT_CODE, PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
+from torchtitan.errors import (
+    DIVERGENCE_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    UserError,
+    read_exit_record,
+)
 from torchtitan.files import write_text_atomically
 from torchtitan.study.plan import (
     COMMAND_FILE,
@@ -593,8 +599,9 @@ JOB_SCRIPT = """#!/bin/bash
 run_dir=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {runs})
 # This task, as scancel and scontrol name it (the first task's own job id is the whole array's).
 task=${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}
-record() {{ PYTHONPATH={root} {python} -m torchtitan.study.slurm "$1" "$run_dir" "${{@:2}}"; }}
+record() {{ PYTHONPATH={root} {python} -m torchtitan.study.slurm "$1" "$run_dir" "${{@:2}}" 9>&-; }}
 # One trainer per run folder: a local sweep or another job training this run holds the lock; then this task ends.
+# Only this shell holds it (fd 9, closed for what it starts): it is free again the moment this task ends.
 exec 9>>"$run_dir/{lock}"
 if ! flock -n 9; then
     record busy
@@ -602,12 +609,15 @@ if ! flock -n 9; then
 fi
 stop=""
 step=""
-# SIGTERM to the run's processes through Slurm (not to srun, which would end the step at once), in the background
-# and retried while the step lives: a controller may answer "Job can not be altered now" for a while.
-pass_on() {{
-    while kill -0 "$step" 2>/dev/null && ! scancel --signal=TERM "$task" 2>/dev/null; do sleep 2; done
+# The warning is passed on to the run's processes as SIGTERM through Slurm (not to srun, which would end the step
+# at once) by the loop below, never in the trap: scancel is retried every 2 s while the controller answers "Job can
+# not be altered now", and nothing outlives this shell (a stray scancel would reach the task's next start). A TERM
+# from Slurm reaches the run's processes itself.
+pass=""
+forward() {{
+    if [ -z "$stop" ] || [ "$1" = TERM ]; then stop=$1; fi
+    if [ "$1" = USR1 ]; then pass=1; fi
 }}
-forward() {{ [ -z "$stop" ] || [ "$1" = TERM ] && stop=$1; [ -n "$step" ] && pass_on 9>&- & }}
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 record started "" {max_requeues} || exit 0  # the run has ended already, or its requeues are spent (recorded)
@@ -619,15 +629,19 @@ RDZV_ENDPOINT=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):$(({p
 export RDZV_ENDPOINT
 echo "$ (Slurm job $SLURM_JOB_ID, start $((${{SLURM_RESTART_COUNT:-0}} + 1))) $(tail -n 1 "$run_dir/{command}")" \\
     >>"$run_dir/{log}"
-srun --kill-on-bad-exit=1 bash "$run_dir/{command}" >>"$run_dir/{log}" 2>&1 &
+srun --kill-on-bad-exit=1 bash "$run_dir/{command}" >>"$run_dir/{log}" 2>&1 9>&- &
 step=$!
-[ -n "$stop" ] && pass_on 9>&- &  # a signal that came before the step started
+while kill -0 "$step" 2>/dev/null; do
+    if [ -n "$pass" ] && timeout 5 scancel --signal=TERM "$task" 9>&-; then pass=""; fi
+    if [ -n "$pass" ]; then
+        sleep 2 9>&- &
+        wait $!
+    else
+        wait "$step"  # a signal ends the wait at once: its trap runs, then this loop
+    fi
+done
 wait "$step"
 code=$?
-while kill -0 "$step" 2>/dev/null; do
-    wait "$step"
-    code=$?
-done
 # A run that ended anyway (its last step done as the signal came) has ended. Stopped by a TERM: recorded, not
 # requeued. Stopped by the warning (or by the run itself, exit {preempted}): requeued when the run's own record and its
 # checkpoints say a new start would go further (record stopped exits 0), else ended with why.
@@ -1087,6 +1101,14 @@ def requeue_refusal(run_dir: Path, code: int, max_requeues: int) -> Optional[str
     return None
 
 
+def _ended_unrecorded(run_dir: Path) -> bool:
+    """Whether the run's last start ended it (its own exit record, written after that start, says it finished or
+    diverged) without a status: its job was preempted or killed between the run's end and its record."""
+    starts = [e["time"] for e in read_events(run_dir) if e["event"] == "started"]
+    record = read_exit_record(run_dir, since=starts[-1]) if starts else None
+    return record is not None and record.get("exit_code") in (0, DIVERGENCE_EXIT_CODE)
+
+
 def _write_ended(run_dir: Path, code: Optional[int], why: Optional[str] = None) -> None:
     job = read_job(run_dir) or {}  # none only when neither the sweep nor the task could learn the job (see main)
     submitted = float(job.get("submitted", time.time()))
@@ -1117,6 +1139,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if is_done(read_status(run_dir)):
             _event(run_dir, "skipped", None, reason="the run has ended already")
             print(f"{run_dir.name} has ended already (its sweep_status.json): not trained again", file=sys.stderr)
+            return 1
+        if _ended_unrecorded(run_dir):  # its last start trained it to its end; the job ended before it said so
+            _event(run_dir, "ended", 0, reason="recorded at the next start")
+            _write_ended(run_dir, 0)
+            print(f"{run_dir.name} ended in its last start: recorded now, not trained again", file=sys.stderr)
             return 1
         requeues = sum(e["event"] == "started" for e in read_events(run_dir) if e.get("job_id") == _job_id())
         if requeues > max_requeues:
