@@ -10,7 +10,8 @@ queued so far; ``$STAND_IN_SLURM/behaviour.json`` says how the next ``sbatch`` a
   {"sbatch": "refuse", "error": E}  - queues nothing and fails with E;
   "squeue_user_jobs": N             - the user has N other jobs queued (what ``squeue -u`` counts);
   "max_array_size": N               - ``scontrol show config``'s MaxArraySize (default 1001);
-  "hidden": true                    - squeue shows none of the jobs queued (a controller slow to list them).
+  "hidden": true                    - squeue shows none of the jobs queued (a controller slow to list them);
+  "squeue_failures": N              - the next N ``squeue -j`` calls fail as a busy controller's do.
 ``srun`` runs its command here (a job script can run on this machine), ``scontrol show hostnames`` says localhost,
 ``scontrol requeue`` and ``scancel`` do nothing but be recorded.
 
@@ -85,6 +86,11 @@ def squeue(argv: list[str], state: dict, behaviour: dict) -> int:
         return 0
     if behaviour.get("hidden"):
         return 0
+    if option(argv, "-j", "--jobs") and state.get("squeue_failed", 0) < behaviour.get("squeue_failures", 0):
+        state["squeue_failed"] = state.get("squeue_failed", 0) + 1
+        (FOLDER / "state.json").write_text(json.dumps(state))
+        print("squeue: error: slurm_load_jobs error: Socket timed out on send/recv operation", file=sys.stderr)
+        return 1
     name, ids = option(argv, "-n", "--name"), option(argv, "-j", "--jobs")
     wanted = set(ids.split(",")) if ids else None
     for job in state.get("jobs", []):

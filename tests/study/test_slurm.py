@@ -26,9 +26,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.chaos_trainer import TRAINER, ledger_problems
 from tests.helpers import DEBUG_RUN, FAKE, ROOT, by_step, metric_rows, one_error_line, read_checkpoint, train
 from torchtitan.errors import UserError
-from torchtitan.study.slurm import EVENTS_FILE, JOB_FILE, SLURM_FOLDER, SlurmSettings, check_time_limit, run_state
+from torchtitan.study.slurm import (
+    EVENTS_FILE,
+    JOB_FILE,
+    SLURM_FOLDER,
+    SlurmSettings,
+    check_time_limit,
+    job_name,
+    run_state,
+)
 from torchtitan.tools.sweep import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
@@ -69,8 +78,10 @@ def dump(slurm, tmp_path):
     """The sweep's folder; every job of it is cancelled at the end, whatever happens."""
     folder = tmp_path / "study"
     yield folder
-    names = [f"study-{folder.name}"]  # a test's own jobs; each array's: study-{folder}-{stamp}
-    names += [f"study-{folder.name}-{script.stem[len('array-') :]}" for script in (folder / SLURM_FOLDER).glob("*.sh")]
+    names = [f"study-{folder.name}"]  # a test's own jobs; each array's: job_name(folder, its stamp)
+    names += [
+        job_name(folder.resolve(), script.stem[len("array-") :]) for script in (folder / SLURM_FOLDER).glob("*.sh")
+    ]
     for name in names:
         subprocess.run(["scancel", "--name", name], capture_output=True)
 
@@ -363,3 +374,35 @@ def test_any_other_sbatch_refusal_is_one_line_naming_the_option(tmp_path, monkey
     line = one_error_line(capsys)
     assert "Slurm refused the job array: Batch job submission failed: Invalid account" in line
     assert line.endswith("check --slurm-account")
+
+
+def test_a_preempted_run_resumes_and_a_cancelled_one_waits_for_the_next_call(dump, tmp_path, capsys, monkeypatch):
+    # Three runs of a made-up trainer that saves every step; Slurm requeues one as a preemption does (scontrol
+    # requeue), and a user cancels another (scancel): every run is accounted for, each step trained once.
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    monkeypatch.setenv("CHAOS_LEDGER", str(ledger))
+    monkeypatch.setenv("CHAOS_STEP_SECONDS", "1")
+    study = ["--optimizers", "AdamW", "--lrs", "1e-3", "--seeds", "0,1,2", "--nproc", "1", "--parallel", "2"]
+    steps = ["--training.steps", "8"]
+    assert sweep(dump, *study, train_args=steps, launcher=TRAINER) == 0
+    runs = {seed: dump / "runs" / f"AdamW_lr1e-3_seed{seed}" for seed in range(3)}
+    jobs = {seed: json.loads((run / JOB_FILE).read_text())["job_id"] for seed, run in runs.items()}
+    wait_until(lambda: all((ledger / f"{runs[s].name}.jsonl").exists() for s in (0, 1)), "runs 0 and 1 training")
+    subprocess.run(["scontrol", "requeue", jobs[0]], check=True)  # a preemption: Slurm requeues the job itself
+    subprocess.run(["scancel", jobs[1]], check=True)  # a user's cancel
+    wait_until(lambda: {statuses(dump).get(runs[s].name) for s in (0, 2)} == {"finished"}, "runs 0 and 2 ending")
+    wait_until(lambda: _state(jobs[1]) in ("", "CANCELLED"), "the cancelled job ending")
+    assert main(["--dump-folder", str(dump), "--report-only", "--last-k", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"AdamW_lr1e-3_seed1: failed (job {jobs[1]} cancelled without a status" in out, out
+    cancelled = [e for e in map(json.loads, (runs[1] / EVENTS_FILE).read_text().splitlines())]
+    assert [e["event"] for e in cancelled if e["job_id"] == jobs[1]] == ["started", "interrupted"]  # not requeued
+    restarts = [e["start"] for e in map(json.loads, (runs[0] / EVENTS_FILE).read_text().splitlines())]
+    assert restarts[-1] == 2  # the preempted run's second start, by Slurm's requeue
+
+    assert sweep(dump, *study, train_args=steps, launcher=TRAINER) == 0  # the cancelled run goes again
+    assert "submitted 1 run(s)" in capsys.readouterr().out
+    wait_until(lambda: len(statuses(dump)) == 3 and set(statuses(dump).values()) == {"finished"}, "every run ending")
+    problems = [p for run in runs.values() for p in ledger_problems(ledger / f"{run.name}.jsonl", 8)]
+    assert not problems, problems

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -13,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.chaos_trainer import TRAINER
 from tests.helpers import FAKE, ROOT, one_error_line
 from torchtitan.errors import write_exit_record
-from torchtitan.study import slurm
+from torchtitan.study import scheduling, slurm
 from torchtitan.study.report import why_it_ended
 from torchtitan.study.slurm import (
     EVENTS_FILE,
@@ -168,14 +171,24 @@ def test_arrays_split_at_the_clusters_max_array_size_one_after_another(tmp_path,
 
 def test_the_job_script_quotes_every_value_and_derives_the_rendezvous_port(tmp_path, controller):
     controller(sbatch="ok")
-    dump = tmp_path / "my study"
+    dump = tmp_path / "my study, 50%"  # squeue -n splits a name at its commas; sbatch expands a % in --output
     assert sweep(dump, "--slurm-partition", "gpu", "--slurm-account", "a b") == 0
     (script,) = (dump / SLURM_FOLDER).glob("array-*.sh")
     text = script.read_text()
-    assert "#SBATCH --job-name='study-my study-" in text and "#SBATCH --account='a b'" in text
-    assert "#SBATCH --partition=gpu" in text
+    (name,) = re.findall(r"^#SBATCH --job-name=(.*)$", text, re.MULTILINE)
+    assert re.fullmatch(r"study-[0-9a-f]{8}-[0-9]{8}-[0-9]{6}-[0-9]+-[0-9a-f]{6}", name), name
+    assert f"#SBATCH --output='{dump}%/slurm'/%A_%a.out" in text  # the folder's % doubled, Slurm's own kept
+    assert "#SBATCH --account='a b'" in text and "#SBATCH --partition=gpu" in text
     assert ":$((20000 + SLURM_JOB_ID % 10000))" in text and ":29500" not in text
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_a_dump_folder_with_a_backslash_is_refused_up_front(tmp_path, controller, capsys):
+    # In sbatch --output a backslash turns off %A and %a: every task would write one file, named literally.
+    assert sweep(tmp_path / "a\\b") == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: --dump-folder ") and "holds a backslash" in line, line
+    assert controller.jobs() == []
 
 
 @pytest.mark.parametrize("option", ["--slurm-partition", "--slurm-account", "--slurm-time"])
@@ -312,7 +325,7 @@ def test_the_job_script_requeues_a_stopped_run_only_when_it_saved_a_newer_checkp
 
     (run / "sweep_status.json").unlink()
     job(FAKE_CHECKPOINT="1")  # saved step 2, newer than none: requeued
-    assert [c for c in controller.calls("scontrol") if c[1] == "requeue"] == [["scontrol", "requeue", "101"]]
+    assert [c for c in controller.calls("scontrol") if c[1] == "requeue"] == [["scontrol", "requeue", "100_0"]]
     assert not (run / "sweep_status.json").exists()
     events = [json.loads(line) for line in (run / EVENTS_FILE).read_text().splitlines()]
     assert [e["event"] for e in events] == ["started", "ended", "started", "preempted"]
@@ -322,7 +335,7 @@ def test_the_job_script_requeues_a_stopped_run_only_when_it_saved_a_newer_checkp
     assert len([c for c in controller.calls("scontrol") if c[1] == "requeue"]) == 1
     status = json.loads((run / "sweep_status.json").read_text())
     assert "without a checkpoint newer than step 2, the one it started from" in status["message"]
-    assert status["requeues"] == 1
+    assert status["requeues"] == 2  # every start of its job after the first: this one's job started 3 times
 
 
 def test_the_newest_checkpoint_is_read_as_the_checkpoint_manager_reads_them(tmp_path):
@@ -339,3 +352,221 @@ def test_the_newest_checkpoint_is_read_as_the_checkpoint_manager_reads_them(tmp_
     assert complete_steps(str(folder)) == [4, 12]
     assert newest_checkpoint(tmp_path) == 12
     assert newest_checkpoint(tmp_path / "none") is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A flaky cluster: what it did to a study, each once
+
+
+def _task_environment(dump: Path, run: Path, array: str = "100", **more) -> dict:
+    """What Slurm gives task 0 of array ``array`` whose job name the run's submission recorded."""
+    name = json.loads((run / JOB_FILE).read_text())["name"] if (run / JOB_FILE).exists() else more.pop("name")
+    environment = {**os.environ, "SLURM_ARRAY_JOB_ID": array, "SLURM_ARRAY_TASK_ID": "0", "SLURM_JOB_ID": array}
+    environment.update(SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_JOB_NAME=name, PYTHONPATH=str(ROOT))
+    return {**environment, **more}
+
+
+def _one_run_study(dump: Path, launcher: str = FAKE) -> int:
+    return main(["--dump-folder", str(dump), "--scheduler", "slurm", "--launcher", launcher, "--optimizers",
+                 "AdamW", "--lrs", "1e-3", "--nproc", "1"])  # fmt: skip
+
+
+def _one_run(dump: Path, launcher: str = FAKE) -> tuple[Path, Path]:
+    """A one-run study submitted to the stand-in: its job script and its run folder."""
+    assert _one_run_study(dump, launcher) == 0
+    (script,) = (dump / SLURM_FOLDER).glob("array-*.sh")
+    return script, dump / "runs" / "AdamW_lr1e-3_seed0"
+
+
+def _events_of(run: Path) -> list[str]:
+    return [json.loads(line)["event"] for line in (run / EVENTS_FILE).read_text().splitlines()]
+
+
+def test_a_task_whose_submission_was_never_confirmed_adopts_it_and_records_its_end(tmp_path, controller, capsys):
+    # sbatch queued the array and lost its answer; the lookup by name missed: no run knows its job when it ends.
+    controller(sbatch="socket", hidden=True)
+    script, run = _one_run(tmp_path / "study")
+    assert not (run / JOB_FILE).exists()
+    (record,) = (tmp_path / "study" / SLURM_FOLDER).glob(f"*{SUBMISSION_SUFFIX}")
+    name = json.loads(record.read_text())["name"]
+    done = subprocess.run(["bash", str(script)], env=_task_environment(tmp_path, run, name=name), timeout=120)
+    assert done.returncode == 0
+    assert json.loads((run / JOB_FILE).read_text())["job_id"] == "100_0" and not record.exists()
+    status = json.loads((run / "sweep_status.json").read_text())
+    assert status["outcome"] == "finished" and status["optimizer"] == "AdamW"
+    controller(sbatch="ok")  # the controller lists it now: nothing is submitted again
+    assert _one_run_study(tmp_path / "study") == 0 and len(controller.jobs()) == 1
+    assert "AdamW_lr1e-3_seed0: finished earlier, skipped" in capsys.readouterr().out
+
+
+def test_the_trap_passes_the_warning_on_without_waiting_for_scancel(tmp_path, controller):
+    # Slurm 22.05 keeps answering "Job can not be altered now"; here scancel does not answer at all.
+    controller(sbatch="ok")
+    script, run = _one_run(tmp_path / "study")
+    stuck = tmp_path / "stuck"
+    stuck.mkdir()
+    (stuck / "scancel").write_text("#!/bin/sh\nsleep 60\n")
+    (stuck / "scancel").chmod(0o755)
+    environment = _task_environment(tmp_path, run, FAKE_SECONDS="3")
+    environment["PATH"] = f"{stuck}:{environment['PATH']}"
+    with open(tmp_path / "job.out", "w") as out:
+        job = subprocess.Popen(["bash", str(script)], env=environment, stdout=out, stderr=out, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "started" not in ((run / EVENTS_FILE).read_text() if (run / EVENTS_FILE).exists() else ""):
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.1)
+        time.sleep(0.5)
+        job.send_signal(signal.SIGUSR1)  # --signal=B:USR1: to the batch shell
+        began = time.monotonic()
+        job.wait(timeout=45)
+        assert time.monotonic() - began < 30  # the run's own 3 s, not scancel's 60
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)  # whatever of the job is left
+        except ProcessLookupError:
+            pass
+        job.wait()
+    assert _events_of(run) == ["started", "ended"]
+    assert json.loads((run / "sweep_status.json").read_text())["outcome"] == "finished"
+
+
+def test_a_users_cancel_is_not_undone_by_a_requeue(tmp_path, controller, monkeypatch):
+    controller(sbatch="ok")
+    script, run = _one_run(tmp_path / "study", launcher=TRAINER)
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    environment = _task_environment(tmp_path, run, CHAOS_LEDGER=str(ledger), CHAOS_STEP_SECONDS="1")
+    job = subprocess.Popen(["bash", str(script)], env=environment, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ledger / f"{run.name}.jsonl").exists():
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.1)
+        os.killpg(job.pid, signal.SIGTERM)  # scancel: SIGTERM to every process of the job
+        assert job.wait(timeout=60) == 0
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert "stopped" in (ledger / f"{run.name}.jsonl").read_text()  # the run saved its step
+    assert not [c for c in controller.calls("scontrol") if c[1] == "requeue"]  # and was not requeued
+    assert _events_of(run) == ["started", "interrupted"] and not (run / "sweep_status.json").exists()
+
+
+def test_one_trainer_per_run_folder(tmp_path, controller):
+    controller(sbatch="ok")
+    script, run = _one_run(tmp_path / "study")
+    lock = scheduling.lock_trainer(run)  # another trainer (a local sweep) holds the run
+    try:
+        done = subprocess.run(["bash", str(script)], env=_task_environment(tmp_path, run), timeout=120)
+        assert done.returncode == 0 and _events_of(run) == ["busy"] and not (run / "train.log").exists()
+        # ... and a local sweep does not train a run a job holds
+        assert main(["--dump-folder", str(tmp_path / "study"), "--launcher", FAKE, "--optimizers", "AdamW",
+                     "--lrs", "1e-3", "--nproc", "1"]) == 0  # fmt: skip
+        assert not (run / "sweep_status.json").exists() and not (run / "train.log").exists()
+    finally:
+        os.close(lock)
+    # A run that has ended: its job exits at once, without training it again.
+    status = {"outcome": "finished", "ended": time.time(), "optimizer": "AdamW", "lr": 1e-3, "seed": 0}
+    (run / "sweep_status.json").write_text(json.dumps(status))
+    done = subprocess.run(["bash", str(script)], env=_task_environment(tmp_path, run), timeout=120)
+    assert done.returncode == 0 and _events_of(run) == ["busy", "skipped"] and not (run / "train.log").exists()
+
+
+def test_wait_asks_squeue_again_when_it_fails_and_backs_off(tmp_path, controller, monkeypatch, capsys):
+    controller(sbatch="ok", squeue_failures=6)  # more than one query's tries
+    monkeypatch.setattr(slurm, "QUERY_RETRY_SECONDS", 0.01)
+    slept = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 12:  # the runs end meanwhile, without a status: the sweep records them failed
+            state = json.loads((tmp_path / "slurm_stand_in" / "state.json").read_text())
+            state["states"] = {"100_0": "COMPLETED", "100_1": "COMPLETED"}
+            (tmp_path / "slurm_stand_in" / "state.json").write_text(json.dumps(state))
+
+    class Clock:  # the time module, as the scheduler sees it, with a sleep that records and returns at once
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+    clock = Clock()
+    clock.sleep = sleep
+    monkeypatch.setattr(slurm, "time", clock)
+    assert sweep(tmp_path / "study", "--wait") == 1
+    out = capsys.readouterr().out
+    assert "Slurm did not answer (squeue: slurm_load_jobs error: Socket timed out" in out and "asking again" in out
+    assert (
+        "AdamW_lr1e-3_seed0: failed (Slurm job 100_0)" in out and "AdamW_lr3e-3_seed0: failed (Slurm job 100_1)" in out
+    )
+    polls = [s for s in slept if s >= slurm.POLL_SECONDS]
+    assert polls[:6] == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0] and max(slept) == slurm.POLL_MAX_SECONDS
+
+
+def test_a_runaway_job_is_reported_then_taken_for_lost(tmp_path, monkeypatch):
+    # squeue no longer knows job 7_0; accounting keeps it RUNNING.
+    def answer(command, timeout=None):
+        out = "7_0|RUNNING\n" if command[0] == "sacct" else ""
+        return subprocess.CompletedProcess(command, 0, out, "")
+
+    monkeypatch.setattr(slurm, "_slurm", answer)
+    states = slurm.job_states(["7_0"])
+    assert states == {"7_0": (slurm.RUNAWAY, "accounting: RUNNING")}
+    job = {"job_id": "7_0", "array": "7", "submitted": time.time() - 1000, "fields": {}}
+    (tmp_path / JOB_FILE).write_text(json.dumps(job))
+    _events(tmp_path, {"event": "started", "time": time.time() - 10})
+    state, detail = run_state(tmp_path, states)
+    assert state == "runaway" and "sacctmgr show runawayjobs" in detail
+    monkeypatch.setattr(slurm, "RUNAWAY_SECONDS", 5.0)  # its last sign of life is 10 s old
+    state, detail = run_state(tmp_path, states)
+    assert state == "failed" and "was lost (a runaway" in detail and "the next call submits it again" in detail
+
+
+def test_a_torn_line_in_the_events_is_skipped_with_a_warning(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    job = {"job_id": "7_0", "array": "7", "submitted": time.time() - 100, "fields": {"optimizer": "AdamW"}}
+    (tmp_path / JOB_FILE).write_text(json.dumps(job))
+    _events(tmp_path, {"event": "started", "time": time.time() - 50})
+    with open(tmp_path / EVENTS_FILE, "a") as f:
+        f.write('{"event": "preem\n')  # a job killed as it wrote
+    assert slurm.main(["started", str(tmp_path)]) == 0
+    assert [e["event"] for e in slurm.read_events(tmp_path)] == ["started", "started"]
+    assert f"{tmp_path / EVENTS_FILE}: line 2 is not a whole JSON object (torn); left out" in capsys.readouterr().err
+
+
+def test_an_array_of_a_later_call_waits_for_the_studys_arrays_still_alive(tmp_path, controller):
+    controller(sbatch="ok", max_array_size=2)
+    dump = tmp_path / "study"
+    assert sweep(dump) == 0  # two runs: array 100, alive (pending)
+    assert main(["--dump-folder", str(dump), "--scheduler", "slurm", "--launcher", FAKE, "--nproc", "1",
+                 "--optimizers", "AdamW", "--lrs", "1e-3,3e-3,1e-2,3e-2,1e-1", "--parallel", "2"]) == 0  # fmt: skip
+    assert [j["dependency"] for j in controller.jobs()] == [None, "afterany:100", "afterany:101"]
+
+
+def test_every_start_past_the_requeues_allowed_ends_the_run_slurms_own_requeues_included(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    job = {"job_id": "7_0", "array": "7", "submitted": time.time() - 100, "fields": {"optimizer": "AdamW"}}
+    (tmp_path / JOB_FILE).write_text(json.dumps(job))
+    # Two starts, each ended by Slurm itself (a node lost, a preemption): no "preempted" event of the job script.
+    _events(tmp_path, {"event": "started", "time": time.time() - 50}, {"event": "started", "time": time.time() - 20})
+    assert slurm.main(["started", str(tmp_path), "", "2"]) == 0  # its third start: two requeues, two allowed
+    assert slurm.main(["started", str(tmp_path), "", "2"]) == 1  # a fourth: not trained
+    status = json.loads((tmp_path / "sweep_status.json").read_text())
+    assert status["outcome"] == "failed" and "after 3 requeue(s), Slurm's own included" in status["message"]
+
+
+def test_a_run_that_ended_in_a_start_its_job_could_not_record_is_recorded_at_the_next_start(tmp_path, monkeypatch):
+    # The run finished its last step; its job was preempted before it wrote the status, and Slurm requeued it.
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    job = {"job_id": "7_0", "array": "7", "submitted": time.time() - 100, "fields": {"optimizer": "AdamW"}}
+    (tmp_path / JOB_FILE).write_text(json.dumps(job))
+    _events(tmp_path, {"event": "started", "time": time.time() - 50})
+    (tmp_path / "tb" / "1").mkdir(parents=True)
+    (tmp_path / "tb" / "1" / "metrics.jsonl").write_text('{"step": 1, "loss_metrics/global_avg_loss": 2.5}\n')
+    write_exit_record(tmp_path, 0, "")
+    assert slurm.main(["started", str(tmp_path)]) == 1  # not trained again
+    assert json.loads((tmp_path / "sweep_status.json").read_text())["outcome"] == "finished"
+    assert [e["event"] for e in slurm.read_events(tmp_path)] == ["started", "ended"]

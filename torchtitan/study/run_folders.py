@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from torchtitan.config.job_config import JOB_CONFIG_RECORD  # the resolved config a run trained with
 from torchtitan.errors import UserError
 from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.plan import RUNS_FOLDER, STATUS_FILE, Budget, RunSpec
@@ -94,18 +93,33 @@ def read_scalars(run_dir: Path) -> dict[str, Series]:
     return scalars
 
 
-def read_metrics_jsonl(path: Path) -> dict[str, Series]:
-    """Every scalar of a ``metrics.jsonl`` (one ``{"step": N, tag: value, ...}`` object a line); a later line wins
-    for a step, and a last line cut short by a crash is left out."""
-    by_tag: dict[str, dict[int, float]] = {}
-    lines = path.read_text().splitlines()
+def read_jsonl(path: Path) -> list[dict]:
+    """The objects of a file of one JSON object a line, written by appending (a crash or a full disk can tear a
+    line, and a later writer goes on after it): a line cut short, or not an object, is left out with a warning on
+    stderr (none for a last line cut short, the trace of a writer that stopped)."""
+    lines = path.read_text(errors="replace").splitlines()
+    records = []
     for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            if number == len(lines):
-                break
-            raise
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif number < len(lines):
+            print(f"warning: {path}: line {number} is not a whole JSON object (torn); left out", file=sys.stderr)
+    return records
+
+
+def read_metrics_jsonl(path: Path) -> dict[str, Series]:
+    """Every scalar of a ``metrics.jsonl`` (one ``{"step": N, tag: value, ...}`` object a line); a later line wins
+    for a step, and a torn line is left out (:func:`read_jsonl`)."""
+    by_tag: dict[str, dict[int, float]] = {}
+    for record in read_jsonl(path):
+        if not isinstance(record.get("step"), int):
+            continue
         step = int(record.pop("step"))
         for tag, value in record.items():
             if isinstance(value, (int, float)):
@@ -244,6 +258,8 @@ def load_sweep_run(status_path: Path) -> SweepRun:
     status = json.loads(status_path.read_text())
     options = tuple(sorted(status.get("option_values", {}).items()))
     spec = RunSpec(status["optimizer"], float(status["lr"]), int(status["seed"]), status_budget(status), options)
+    from torchtitan.config.job_config import JOB_CONFIG_RECORD  # here: a job script's record needs no config
+
     run_dir = status_path.parent
     config = latest_record(run_dir, JOB_CONFIG_RECORD)
     return SweepRun(

@@ -3,6 +3,8 @@ each run's log, command and outcome, and the end of every run still going when t
 
 from __future__ import annotations
 
+import fcntl
+import math
 import os
 import re
 import shlex
@@ -28,13 +30,27 @@ from torchtitan.study.plan import (
     wandb_group,
 )
 from torchtitan.study.run_folders import LOSS, Series, merged_scalars, read_status, status_paths, write_status
-from torchtitan.study.summary import diverged_at_step
 
 # How often the runner looks for runs that ended (a run takes seconds at the very least).
 POLL_SECONDS = 0.1
 # The environment a run gets from the sweep, recorded in its status and command.sh (the rest is the sweep's own).
 # PYTHON: the sweep's own interpreter, which run_llama_train.sh trains with whatever PATH holds.
 RUN_ENVIRONMENT = ("NGPU", "CONFIG_FILE", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHON")
+# In a run's folder: held (flock) by whoever trains the run, a local sweep's launcher or a Slurm job script, so that
+# two never train one run at once.
+TRAINER_LOCK = "trainer.lock"
+ELSEWHERE = "training elsewhere"  # what the sweep says of a run another trainer holds (written nowhere)
+
+
+def lock_trainer(run_dir: Path) -> Optional[int]:
+    """An open descriptor holding the run's trainer lock, or None when another process holds it."""
+    fd = os.open(run_dir / TRAINER_LOCK, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def outcome(exit_code: int, scalars: dict[str, Series]) -> str:
@@ -43,9 +59,19 @@ def outcome(exit_code: int, scalars: dict[str, Series]) -> str:
         return DIVERGED
     if exit_code != 0:
         return FAILED
-    if diverged_at_step(scalars) is not None:
+    if _diverged_at_step(scalars) is not None:
         return DIVERGED
     return FINISHED if LOSS in scalars else FAILED
+
+
+def _diverged_at_step(scalars: dict[str, Series]) -> Optional[int]:
+    """``summary.diverged_at_step``, asked only of a run that logged a non-finite value (the rule looks at nothing
+    else): a job script records its run's end without importing the statistics' numpy."""
+    if all(math.isfinite(v) for series in scalars.values() for v in series.values):
+        return None
+    from torchtitan.study.summary import diverged_at_step
+
+    return diverged_at_step(scalars)
 
 
 def run_exit_code(run_dir: Path, launcher_code: int, started: float) -> tuple[int, Optional[str]]:
@@ -158,12 +184,19 @@ def command_script(command: Sequence[str], environment: dict[str, str], cwd: str
 class _Running:
     spec: RunSpec
     slot: Slot
-    process: subprocess.Popen
+    process: Optional[subprocess.Popen]  # None: another trainer holds the run (its folder's lock)
     log: object
     command: list[str]
     environment: dict[str, str]
     started: float
     label: str
+    lock: Optional[int]  # the run's trainer lock, which the launcher holds too
+
+    def close(self) -> None:
+        if self.log is not None and not self.log.closed:
+            self.log.close()
+        if self.lock is not None:
+            os.close(self.lock)
 
 
 class Runner:
@@ -202,9 +235,9 @@ class Runner:
     def __exit__(self, *exc) -> None:
         try:
             if self.running:  # left by an exception: no run outlives the sweep
-                _stop([r.process for r in self.running])
+                _stop([r.process for r in self.running if r.process is not None])
                 for r in self.running:
-                    r.log.close()
+                    r.close()
                 self.running.clear()
         finally:
             signal.signal(signal.SIGTERM, self._previous)
@@ -217,6 +250,11 @@ class Runner:
         slot = next(s for s in self.slots if s not in busy)
         run_dir = run_folder(self.dump, spec)
         run_dir.mkdir(parents=True, exist_ok=True)
+        lock = lock_trainer(run_dir)
+        if lock is None:  # a Slurm job of the study trains it now: its job records how it ends
+            print(f"{label} {spec.name}: {ELSEWHERE} (another process holds {run_dir / TRAINER_LOCK})", flush=True)
+            self.running.append(_Running(spec, slot, None, None, [], {}, time.time(), label, None))
+            return
         command = run_command(spec, run_dir, self.train_args, self.launcher, self.vary_data_seed, self.wandb_group)
         environment = {**os.environ, **self.base_environment, **slot.environment()}
         recorded = {k: environment[k] for k in RUN_ENVIRONMENT if k in environment}
@@ -227,21 +265,24 @@ class Runner:
         where = f" on GPU {','.join(slot.gpus)}" if slot.gpus else ""
         print(f"{label} {spec.name}: training{where} (log: {run_dir / LOG_FILE})", flush=True)
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+            command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True, pass_fds=(lock,)
         )
-        self.running.append(_Running(spec, slot, process, log, command, recorded, time.time(), label))
+        self.running.append(_Running(spec, slot, process, log, command, recorded, time.time(), label, lock))
 
     def wait(self) -> tuple[RunSpec, dict]:
         """The next run to end and its status (written to its folder); a run stopped by a mistake in its options
         ends the sweep with that mistake."""
         while True:
-            ended = next((r for r in self.running if r.process.poll() is not None), None)
+            ended = next((r for r in self.running if r.process is None or r.process.poll() is not None), None)
             if ended is not None:
                 break
             time.sleep(POLL_SECONDS)
         self.running.remove(ended)
+        if ended.process is None:
+            return ended.spec, {"outcome": ELSEWHERE}
         ended.log.close()
-        status = self._record(ended)
+        status = self._record(ended)  # under the lock: no job starts the run between its end and its status
+        ended.close()
         message = f" ({status['message']})" if "message" in status else ""
         print(
             f"{ended.label} {ended.spec.name}: {status['outcome']}, exit {status['exit_code']}, "
@@ -291,7 +332,7 @@ def ended_status(fields: dict, exit_code: int, run_dir: Path, started: float) ->
         "ended": time.time(),
     }
     if status["outcome"] == DIVERGED and code == 0:
-        status["message"] = f"non-finite loss logged at step {diverged_at_step(scalars)}"
+        status["message"] = f"non-finite loss logged at step {_diverged_at_step(scalars)}"
     elif status["outcome"] != FINISHED:
         status["message"] = message or attempt_error_line(run_dir / LOG_FILE)
     return status

@@ -18,6 +18,7 @@ The job script calls back into this module: ``python -m torchtitan.study.slurm s
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -31,7 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from torchtitan.errors import DIVERGENCE_EXIT_CODE, PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
+from torchtitan.errors import (
+    DIVERGENCE_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    UserError,
+    read_exit_record,
+)
 from torchtitan.files import write_text_atomically
 from torchtitan.study.plan import (
     COMMAND_FILE,
@@ -43,13 +50,29 @@ from torchtitan.study.plan import (
     run_folder,
     wandb_group,
 )
-from torchtitan.study.run_folders import LOSS, merged_scalars, read_status, status_paths, write_status
-from torchtitan.study.scheduling import RUN_ENVIRONMENT, command_script, ended_status, run_exit_code, spec_fields
+from torchtitan.study.run_folders import LOSS, merged_scalars, read_jsonl, read_status, status_paths, write_status
+from torchtitan.study.scheduling import (
+    RUN_ENVIRONMENT,
+    TRAINER_LOCK,
+    command_script,
+    ended_status,
+    is_done,
+    run_exit_code,
+    spec_fields,
+)
 
 SLURM_FOLDER = "slurm"  # in the dump folder: each submission's job script, its list of run folders, Slurm's output
 JOB_FILE = "slurm_job.json"  # in a run folder: its last submission's job id, and the run's cell
 EVENTS_FILE = "slurm_events.jsonl"  # in a run folder: each start, preemption and end of its jobs
+# --wait asks squeue this often at first, then half as often after each answer in which no run ended, down to once
+# every POLL_MAX_SECONDS: a 200-run study is one squeue a minute, whatever its size (docs/cluster.md).
 POLL_SECONDS = 2.0
+POLL_MAX_SECONDS = 60.0
+# A query Slurm does not answer (a busy or restarting controller) is asked again after 1, 2, 4 ... s, this many times
+# in one call; --wait goes on asking, at its polling interval, for as long as UNANSWERED_SECONDS.
+QUERY_TRIES = 4
+QUERY_RETRY_SECONDS = 1.0
+UNANSWERED_SECONDS = 900.0
 DEFAULT_MAX_REQUEUES = 10
 SLURM_TIMEOUT_SECONDS = (
     60.0  # how long a Slurm command may take to answer (sbatch retries while the controller is busy)
@@ -75,7 +98,12 @@ ALIVE = {
     "SIGNALING",
     "STAGE_OUT",
     "SPECIAL_EXIT",
+    "RUNAWAY",  # see job_state
 }
+RUNAWAY = "RUNAWAY"  # a job accounting keeps RUNNING after the controller forgot it (not one of Slurm's states)
+# A runaway job is taken for lost (its run submitted again) this long after its run's last sign of life.
+RUNAWAY_SECONDS = 600.0
+NOT_LISTED = "not listed by Slurm yet"  # the reason of a job just submitted that squeue does not show yet
 PENDING, RUNNING, PREEMPTED = "pending", "running", "preempted"
 # Alive states in which a job waits for someone, as the sweep shows them, and what to do.
 WAITING_ON_SOMEONE = {
@@ -93,6 +121,12 @@ WAITING_ON_SOMEONE = {
         "stopped",
         "its processes were stopped (SIGSTOP) and hold their nodes; continue them (scancel --signal=CONT {job}) "
         "or cancel it (scancel {job}) and the next call submits the run again",
+    ),
+    RUNAWAY: (
+        "runaway",
+        "Slurm's accounting keeps it running but the controller no longer lists it (a runaway job; an administrator "
+        "clears it with sacctmgr show runawayjobs); taken for lost, and the run submitted again, "
+        f"{RUNAWAY_SECONDS:.0f} s after the run's last sign of life",
     ),
 }
 SUBMITTED = "submitted"  # what the sweep says of a run it leaves to Slurm (written nowhere)
@@ -205,6 +239,12 @@ def slurm_settings(args: argparse.Namespace) -> Optional[SlurmSettings]:
             raise UserError(f"--{name.replace('_', '-')} must be at least {least}")
     for name in ("slurm_partition", "slurm_account", "slurm_time", "dump_folder"):
         one_line_value(f"--{name.replace('_', '-')}", getattr(args, name, None))
+    dump = getattr(args, "dump_folder", None)
+    if dump is not None and "\\" in str(Path(dump).resolve()):
+        raise UserError(
+            f"--dump-folder {dump} holds a backslash, which turns off the names Slurm fills in its jobs' output "
+            "paths (sbatch --output); give a folder without one"
+        )
     if args.slurm_options and not Path(args.slurm_options).is_file():
         raise UserError(f"--slurm-options {args.slurm_options}: no such file; give a file of sbatch options")
     settings = SlurmSettings(
@@ -357,9 +397,7 @@ def check_cluster(settings: SlurmSettings, parallel: int, nproc: int) -> None:
     if parallel < 1:
         raise UserError(f"--parallel must be at least 1; got {parallel}")
     command = ["sinfo", "-h", "-o", "%P|%l|%D|%c|%G"] + (["-p", settings.partition] if settings.partition else [])
-    result = _slurm(command)
-    if result.returncode != 0:
-        raise UserError(f"Slurm did not answer (sinfo: {one_line(result.stderr)}); is the cluster up?")
+    result = _ask(command)
     rows = [line.split("|") for line in result.stdout.splitlines() if line.strip()]
     if settings.partition is None:
         rows = [r for r in rows if r[0].endswith("*")] or rows
@@ -416,15 +454,35 @@ def refusal(stderr: str) -> Exception:
     return UserError(f"Slurm refused the job array: {message}; check {option}")
 
 
+class SlurmUnanswered(UserError):
+    """A query Slurm did not answer, asked QUERY_TRIES times (a busy or restarting controller)."""
+
+
+def _ask(command: Sequence[str]) -> subprocess.CompletedProcess:
+    """A query of what Slurm holds, asked again after 1, 2, 4 ... s while it fails (a busy controller answers
+    later); raises :class:`SlurmUnanswered` after QUERY_TRIES failures."""
+    delay = QUERY_RETRY_SECONDS
+    for attempt in range(QUERY_TRIES):
+        result = _slurm(command)
+        if result.returncode == 0 or "invalid job id" in result.stderr.lower():  # jobs it no longer knows
+            return result
+        if attempt + 1 < QUERY_TRIES:
+            time.sleep(delay)
+            delay *= 2
+    raise SlurmUnanswered(
+        f"Slurm did not answer ({command[0]}: {one_line(result.stderr)}; asked {QUERY_TRIES} times); is the "
+        "cluster up? run the same command again later"
+    )
+
+
 def job_states(job_ids: Sequence[str]) -> dict[str, tuple[str, str]]:
-    """(state, reason) of each job Slurm still knows among ``job_ids`` (array tasks as ``123_4``)."""
+    """(state, reason) of each job Slurm still knows among ``job_ids`` (array tasks as ``123_4``); a job only
+    accounting knows, and as alive, is a runaway (:data:`RUNAWAY`)."""
     if not job_ids:
         return {}
     arrays = sorted({j.split("_")[0] for j in job_ids})
-    result = _slurm(["squeue", "-h", "-r", "--states=all", "-j", ",".join(arrays), "-o", "%i|%T|%r"])
+    result = _ask(["squeue", "-h", "-r", "--states=all", "-j", ",".join(arrays), "-o", "%i|%T|%r"])
     states: dict[str, tuple[str, str]] = {}
-    if result.returncode != 0 and "invalid job id" not in result.stderr.lower():
-        raise UserError(f"Slurm did not answer (squeue: {one_line(result.stderr)}); is the cluster up?")
     for line in result.stdout.splitlines():
         parts = line.strip().split("|")
         if len(parts) == 3:
@@ -436,8 +494,28 @@ def job_states(job_ids: Sequence[str]) -> dict[str, tuple[str, str]]:
             for line in sacct.stdout.splitlines():
                 parts = line.strip().split("|")
                 if len(parts) == 2 and parts[0] in missing:
-                    states[parts[0]] = (parts[1].split()[0], "")
+                    state = parts[1].split()[0]
+                    states[parts[0]] = (RUNAWAY, f"accounting: {state}") if state in ALIVE else (state, "")
     return states
+
+
+def job_state(run_dir: Path, job: dict, states: dict[str, tuple[str, str]]) -> tuple[str, str]:
+    """(state, reason) of the job ``job`` of the run in ``run_dir`` as the sweep takes it: Slurm's, except that a
+    job Slurm does not list within UNCONFIRMED_SECONDS of its submission is pending (a busy controller may list an
+    array late), and a runaway is taken for lost ("LOST") RUNAWAY_SECONDS after the run's last sign of life."""
+    state = states.get(job["job_id"])
+    if state is None:
+        submitted = float(job.get("submitted", 0.0))
+        status = read_status(run_dir)
+        ended = status is not None and status.get("ended", 0.0) >= submitted  # the job wrote how the run ended
+        young = time.time() - submitted < UNCONFIRMED_SECONDS
+        return ("PENDING", NOT_LISTED) if young and not ended else ("ENDED", "")
+    if state[0] == RUNAWAY:
+        events = [e.get("time", 0.0) for e in read_events(run_dir) if e.get("job_id") == job["job_id"]]
+        last = max([float(job.get("submitted", 0.0)), *events])
+        if time.time() - last > RUNAWAY_SECONDS:
+            return "LOST", state[1]
+    return state
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -450,18 +528,19 @@ def read_job(run_dir: Path) -> Optional[dict]:
 
 
 def read_events(run_dir: Path) -> list[dict]:
+    """The run's Slurm events; a torn line (a job killed as it wrote) is left out with a warning."""
     path = run_dir / EVENTS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [e for e in read_jsonl(path) if "event" in e] if path.exists() else []
 
 
 def run_state(run_dir: Path, states: dict[str, tuple[str, str]]) -> tuple[str, str]:
     """(state, detail) of a run: its job's while the job lives, else its status' outcome ("" when it never ran)."""
     job = read_job(run_dir)
-    alive = job is not None and states.get(job["job_id"], ("", ""))[0] in ALIVE
-    if alive:
-        state, reason = states[job["job_id"]]
+    state, reason = job_state(run_dir, job, states) if job is not None else ("", "")
+    status = read_status(run_dir)
+    if state in ALIVE and not is_done(status):
         events = [e for e in read_events(run_dir) if e.get("job_id") == job["job_id"]]
-        requeued = bool(events) and events[-1]["event"] == PREEMPTED
+        requeued = bool(events) and events[-1]["event"] in (PREEMPTED, "interrupted")
         if state == "PENDING":
             why = f", {reason}" if reason and reason != "None" else ""
             return (PREEMPTED if requeued else PENDING), f"job {job['job_id']}{why}"
@@ -469,12 +548,10 @@ def run_state(run_dir: Path, states: dict[str, tuple[str, str]]) -> tuple[str, s
             shown, what_to_do = WAITING_ON_SOMEONE[state]
             return shown, f"job {job['job_id']}: {what_to_do.format(job=job['job_id'])}"
         return RUNNING, f"job {job['job_id']}, {state.lower()}"
-    status = read_status(run_dir)
     if status is not None:
         return status["outcome"], status.get("message", "")
     if job is not None:
-        ended = states.get(job["job_id"], ("ended", ""))[0].lower()
-        return "failed", f"job {job['job_id']} {_without_status(ended)}; the next call submits it again"
+        return "failed", f"job {job['job_id']} {_without_status(state.lower())}; the next call submits it again"
     return "", ""
 
 
@@ -485,10 +562,18 @@ def print_states(dump: Path) -> dict[str, int]:
     submitted = [d for d in run_dirs if jobs[d] is not None]
     if not submitted:
         return {}
-    states = job_states([jobs[d]["job_id"] for d in submitted])
+    try:
+        states = job_states([jobs[d]["job_id"] for d in submitted])
+    except SlurmUnanswered as unanswered:  # the runs' folders still say what ended
+        print(f"slurm: {unanswered}; the states below are the run folders' alone", flush=True)
+        states = None
     counts: dict[str, int] = {}
     for d in submitted:
-        state, detail = run_state(d, states)
+        status = read_status(d)
+        if states is None and not is_done(status):
+            state, detail = "unknown", "Slurm did not answer"
+        else:
+            state, detail = run_state(d, states or {})
         counts[state] = counts.get(state, 0) + 1
         print(f"  {d.name}: {state}{f' ({detail})' if detail else ''}", flush=True)
     print("slurm: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())), flush=True)
@@ -506,18 +591,36 @@ JOB_SCRIPT = """#!/bin/bash
 #SBATCH --signal=B:USR1@{signal_seconds}
 {sbatch}
 # One run of the study per array task: its folder is line SLURM_ARRAY_TASK_ID + 1 of {runs}.
-# USR1 (ahead of the time limit) or TERM (preemption): the run is asked to save its step and stop, and the task is
-# requeued when it saved a checkpoint newer than the one it started from (at most {max_requeues} times); it resumes
-# from that checkpoint.
+# USR1 (Slurm's warning ahead of the time limit): the run is asked to save its step and stop, and the task is
+# requeued when it saved a checkpoint newer than the one it started from; it resumes from that checkpoint.
+# TERM (a preemption, or a user's scancel): the run saves and stops, and the task is not requeued here: Slurm
+# requeues a preempted job itself, and a cancelled one stays cancelled. Every start past {max_requeues} requeues,
+# Slurm's own included, ends the run instead of training it.
 run_dir=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {runs})
-record() {{ PYTHONPATH={root} {python} -m torchtitan.study.slurm "$1" "$run_dir" "${{@:2}}"; }}
+# This task, as scancel and scontrol name it (the first task's own job id is the whole array's).
+task=${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}
+record() {{ PYTHONPATH={root} {python} -m torchtitan.study.slurm "$1" "$run_dir" "${{@:2}}" 9>&-; }}
+# One trainer per run folder: a local sweep or another job training this run holds the lock; then this task ends.
+# Only this shell holds it (fd 9, closed for what it starts): it is free again the moment this task ends.
+exec 9>>"$run_dir/{lock}"
+if ! flock -n 9; then
+    record busy
+    exit 0
+fi
 stop=""
 step=""
-# SIGTERM to the run's processes through Slurm (not to srun, which would end the step at once)
-forward() {{ stop=$1; [ -n "$step" ] && scancel --signal=TERM "$SLURM_JOB_ID"; }}
+# The warning is passed on to the run's processes as SIGTERM through Slurm (not to srun, which would end the step
+# at once) by the loop below, never in the trap: scancel is retried every 2 s while the controller answers "Job can
+# not be altered now", and nothing outlives this shell (a stray scancel would reach the task's next start). A TERM
+# from Slurm reaches the run's processes itself.
+pass=""
+forward() {{
+    if [ -z "$stop" ] || [ "$1" = TERM ]; then stop=$1; fi
+    if [ "$1" = USR1 ]; then pass=1; fi
+}}
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
-record started
+record started "" {max_requeues} || exit 0  # the run has ended already, or its requeues are spent (recorded)
 export NNODES=$SLURM_NNODES RDZV_ID=$SLURM_JOB_ID
 # torchrun, signalled too, gives its workers this long to save before it kills them (its default is 30 s).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{shutdown_seconds}}}
@@ -526,20 +629,29 @@ RDZV_ENDPOINT=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):$(({p
 export RDZV_ENDPOINT
 echo "$ (Slurm job $SLURM_JOB_ID, start $((${{SLURM_RESTART_COUNT:-0}} + 1))) $(tail -n 1 "$run_dir/{command}")" \\
     >>"$run_dir/{log}"
-srun --kill-on-bad-exit=1 bash "$run_dir/{command}" >>"$run_dir/{log}" 2>&1 &
+srun --kill-on-bad-exit=1 bash "$run_dir/{command}" >>"$run_dir/{log}" 2>&1 9>&- &
 step=$!
+while kill -0 "$step" 2>/dev/null; do
+    if [ -n "$pass" ] && timeout 5 scancel --signal=TERM "$task" 9>&-; then pass=""; fi
+    if [ -n "$pass" ]; then
+        sleep 2 9>&- &
+        wait $!
+    else
+        wait "$step"  # a signal ends the wait at once: its trap runs, then this loop
+    fi
+done
 wait "$step"
 code=$?
-while kill -0 "$step" 2>/dev/null; do
-    wait "$step"
-    code=$?
-done
-# Stopped by the run (it saved its step), or by the signal: requeued when the run's own record and its checkpoints
-# say a new start would go further (record stopped exits 0), else ended with why. A run that ended anyway (its last
-# step done as the signal came) has ended.
+# A run that ended anyway (its last step done as the signal came) has ended. Stopped by a TERM: recorded, not
+# requeued. Stopped by the warning (or by the run itself, exit {preempted}): requeued when the run's own record and its
+# checkpoints say a new start would go further (record stopped exits 0), else ended with why.
+if [ "$code" -ne 0 ] && [ "$stop" = TERM ]; then
+    record interrupted "$code"
+    exit 0
+fi
 if [ "$code" -eq {preempted} ] || {{ [ -n "$stop" ] && [ "$code" -ne 0 ]; }}; then
     if record stopped "$code" {max_requeues}; then
-        scontrol requeue "$SLURM_JOB_ID"
+        scontrol requeue "$task"
     fi
     exit 0
 fi
@@ -571,11 +683,16 @@ def user_jobs() -> int:
     return len(result.stdout.split()) if result.returncode == 0 else -1
 
 
+def job_name(dump: Path, stamp: str) -> str:
+    """An array's job name: ``study-`` and a short hash of the dump folder, then the submission's stamp. Only
+    letters, digits and dashes, whatever the folder is called: ``squeue -n`` and ``sacct --name`` split their
+    argument at commas, and sbatch drops backslashes from a name."""
+    return f"study-{hashlib.sha256(str(dump).encode()).hexdigest()[:8]}-{stamp}"
+
+
 def arrays_named(name: str) -> list[str]:
     """The ids of the arrays Slurm knows by the job name ``name`` (squeue, then sacct where accounting is kept)."""
-    result = _slurm(["squeue", "-h", "-r", "--states=all", "-n", name, "-o", "%i"])
-    if result.returncode != 0:
-        raise UserError(f"Slurm did not answer (squeue: {one_line(result.stderr)}); is the cluster up?")
+    result = _ask(["squeue", "-h", "-r", "--states=all", "-n", name, "-o", "%i"])
     found = {line.strip().split("_")[0] for line in result.stdout.splitlines() if line.strip()}
     if not found:
         sacct = _slurm(["sacct", "-n", "-P", "-X", "--name", name, "-S", "now-7days", "-o", "JobID"])
@@ -618,6 +735,7 @@ class SlurmRunner:
         self.running: list[_Job] = []
         self._states: Optional[dict[str, tuple[str, str]]] = None  # see _known_states
         self._unconfirmed: Optional[set[str]] = None  # run folders of arrays sbatch did not confirm; see _in_doubt
+        self._poll_seconds = POLL_SECONDS  # --wait's interval between two squeue calls, backing off; see wait
 
     def __enter__(self) -> "SlurmRunner":
         return self
@@ -645,11 +763,13 @@ class SlurmRunner:
         self.running.append(_Job(spec, None))  # submitted with the others at the next wait()
 
     def _known_states(self) -> dict[str, tuple[str, str]]:
-        """The states of every job this dump folder's runs recorded, asked of Slurm once per submission (not once
-        per run: a study of a hundred runs is one squeue, not a hundred)."""
+        """The states of every job this dump folder's runs recorded (as :func:`job_state` takes them), asked of
+        Slurm once per submission (not once per run: a study of a hundred runs is one squeue, not a hundred)."""
         if self._states is None:
-            jobs = [read_job(d) for d in (self.dump / RUNS_FOLDER).glob("*") if d.is_dir()]
-            self._states = job_states([job["job_id"] for job in jobs if job is not None])
+            jobs = {d: read_job(d) for d in (self.dump / RUNS_FOLDER).glob("*") if d.is_dir()}
+            jobs = {d: job for d, job in jobs.items() if job is not None}
+            states = job_states([job["job_id"] for job in jobs.values()])
+            self._states = {job["job_id"]: job_state(d, job, states) for d, job in jobs.items()}
         return self._states
 
     def _in_doubt(self) -> set[str]:
@@ -658,7 +778,10 @@ class SlurmRunner:
         if self._unconfirmed is None:
             self._unconfirmed = set()
             for path in sorted((self.dump / SLURM_FOLDER).glob(f"*{SUBMISSION_SUFFIX}")):
-                submission = json.loads(path.read_text())
+                try:
+                    submission = json.loads(path.read_text())
+                except FileNotFoundError:  # a task of it adopted it meanwhile (see main)
+                    continue
                 array = _array_of(submission)
                 if array is not None:
                     _adopt(path, submission, array)
@@ -673,7 +796,11 @@ class SlurmRunner:
     def _submit(self) -> None:
         queued = [job for job in self.running if job.job_id is None]
         size = max_array_size() if len(queued) > 1 else 1
-        after = None
+        # After every array of the study still alive (an earlier call's, or the rest of a split one): --parallel
+        # holds for the whole study, across calls.
+        states = self._known_states().items()
+        alive = {j.split("_")[0] for j, (state, why) in states if state in ALIVE - {RUNAWAY} and why != NOT_LISTED}
+        after = ":".join(sorted(alive, key=lambda a: (len(a), a))) or None
         for first in range(0, len(queued), size):
             chunk = queued[first : first + size]
             after = self._submit_array(chunk, after)
@@ -689,7 +816,7 @@ class SlurmRunner:
         folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}-{secrets.token_hex(3)}"
         runs, script = folder / f"array-{stamp}.runs", folder / f"array-{stamp}.sh"
-        name = f"study-{self.dump.name}-{stamp}"
+        name = job_name(self.dump, stamp)
         environment = {"NGPU": str(self.nproc), "CONFIG_FILE": self.config_file, "PYTHON": sys.executable}
         recorded = {**{k: os.environ[k] for k in RUN_ENVIRONMENT if k in os.environ}, **environment}
         recorded.pop("CUDA_VISIBLE_DEVICES", None)  # Slurm gives each job its GPUs
@@ -709,7 +836,7 @@ class SlurmRunner:
         script.write_text(
             JOB_SCRIPT.format(
                 name=shlex.quote(name),
-                output=shlex.quote(str(folder)),
+                output=shlex.quote(str(folder).replace("%", "%%")),  # sbatch expands %A, %a ...: %% is a %
                 signal_seconds=self.settings.signal_seconds,
                 shutdown_seconds=max(10, self.settings.signal_seconds - 10),  # the warning, less time to pass it on
                 sbatch=sbatch,
@@ -718,6 +845,7 @@ class SlurmRunner:
                 python=shlex.quote(sys.executable),
                 command=COMMAND_FILE,
                 log=LOG_FILE,
+                lock=TRAINER_LOCK,
                 preempted=PREEMPTED_EXIT_CODE,
                 max_requeues=self.settings.max_requeues,
                 port_base=RENDEZVOUS_PORTS[0],
@@ -796,16 +924,34 @@ class SlurmRunner:
         if not self.settings.wait:
             return self.running.pop(0).spec, {"outcome": SUBMITTED}
         while True:
-            states = job_states([j.job_id for j in self.running])
+            states = self._poll()
             for job in self.running:
-                if states.get(job.job_id, ("ENDED",))[0] not in ALIVE:
+                run_dir = run_folder(self.dump, job.spec)
+                state = job_state(run_dir, read_job(run_dir), states)
+                if state[0] not in ALIVE:
                     self.running.remove(job)
-                    status = _ended_status(run_folder(self.dump, job.spec), job.job_id, states)
+                    status = _ended_status(run_dir, job.job_id, state)
                     print(f"{job.spec.name}: {status['outcome']} (Slurm job {job.job_id})", flush=True)
                     if self.after_each is not None:
                         self.after_each()
+                    self._poll_seconds = POLL_SECONDS  # the next rounds' runs may end soon after
                     return job.spec, status
-            time.sleep(POLL_SECONDS)
+            time.sleep(self._poll_seconds)
+            self._poll_seconds = min(POLL_MAX_SECONDS, 2 * self._poll_seconds)
+
+    def _poll(self) -> dict[str, tuple[str, str]]:
+        """The states of the running jobs; while Slurm does not answer, asked again at the polling interval, for
+        as long as UNANSWERED_SECONDS (then the sweep stops with that line; the jobs go on)."""
+        since = time.monotonic()
+        while True:
+            try:
+                return job_states([j.job_id for j in self.running])
+            except SlurmUnanswered as unanswered:
+                if time.monotonic() - since > UNANSWERED_SECONDS:
+                    raise
+                print(f"slurm: {unanswered}; asking again in {self._poll_seconds:.0f} s", flush=True)
+            time.sleep(self._poll_seconds)
+            self._poll_seconds = min(POLL_MAX_SECONDS, 2 * self._poll_seconds)
 
 
 class SlurmRefused(Exception):
@@ -831,7 +977,24 @@ def _adopt(record: Path, submission: dict, array: str) -> None:
         job = {"job_id": f"{array}_{index}", "array": array, "submitted": submission["time"]}
         job.update(name=submission["name"], fields=entry["fields"])
         write_text_atomically(Path(entry["run_dir"]) / JOB_FILE, json.dumps(job, indent=1) + "\n")
-    record.unlink()
+    record.unlink(missing_ok=True)  # a task of the array and the sweep may adopt it at once
+
+
+def _adopt_own_submission(run_dir: Path) -> None:
+    """A task whose run does not know its job yet (sbatch's answer was lost and the lookup missed): its array is
+    the one whose submission record bears this job's name; every run of it learns its job now."""
+    job, array = read_job(run_dir), os.environ.get("SLURM_ARRAY_JOB_ID", "")
+    if not array or (job is not None and job.get("array") == array):
+        return
+    name = os.environ.get("SLURM_JOB_NAME", "")
+    for path in (run_dir.parent.parent / SLURM_FOLDER).glob(f"*{SUBMISSION_SUFFIX}"):
+        try:
+            submission = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+        if submission.get("name") == name:
+            _adopt(path, submission, array)
+            return
 
 
 def _without_status(state: str) -> str:
@@ -841,17 +1004,19 @@ def _without_status(state: str) -> str:
             "reached its time limit before the run could save and stop; raise --slurm-time, or "
             "--slurm-signal-seconds if a step and its save take longer than the warning"
         )
+    if state == "lost":
+        return "was lost (a runaway: accounting kept it running after the controller forgot it)"
     return f"{state} without a status"
 
 
-def _ended_status(run_dir: Path, job_id: str, states: dict) -> dict:
-    """The status the job wrote; one recorded here (failed) when the job ended without writing it (cancelled,
-    killed at its time limit, its node lost)."""
+def _ended_status(run_dir: Path, job_id: str, state: tuple[str, str]) -> dict:
+    """The status the job wrote (or a run that has ended anyway: trained by another trainer); one recorded here
+    (failed) when the job ended without writing it (cancelled, killed at its time limit, its node lost)."""
     status = read_status(run_dir)
     job = read_job(run_dir)
-    if status is not None and status.get("ended", 0) >= job["submitted"]:
+    if status is not None and (is_done(status) or status.get("ended", 0) >= job["submitted"]):
         return status
-    state = states.get(job_id, ("ended",))[0].lower()
+    state = state[0].lower()
     status = ended_status(job["fields"], -1, run_dir, job["submitted"])
     status["message"] = f"Slurm job {job_id} {_without_status(state)}"
     write_status(run_dir, status)
@@ -919,7 +1084,7 @@ def requeue_refusal(run_dir: Path, code: int, max_requeues: int) -> Optional[str
     own, _ = run_exit_code(run_dir, code, starts[-1]["time"] if starts else 0.0)
     if own in (USER_ERROR_EXIT_CODE, DIVERGENCE_EXIT_CODE):
         return ""  # its status says why: its own error line
-    requeues = sum(e["event"] == PREEMPTED for e in events)
+    requeues = max(0, len(starts) - 1)  # every start after the first, whoever requeued it (Slurm's own too)
     if requeues >= max_requeues:
         return (
             f"stopped on a signal after {requeues} requeue(s), the most --slurm-max-requeues {max_requeues} allows: "
@@ -936,14 +1101,25 @@ def requeue_refusal(run_dir: Path, code: int, max_requeues: int) -> Optional[str
     return None
 
 
+def _ended_unrecorded(run_dir: Path) -> bool:
+    """Whether the run's last start ended it (its own exit record, written after that start, says it finished or
+    diverged) without a status: its job was preempted or killed between the run's end and its record."""
+    starts = [e["time"] for e in read_events(run_dir) if e["event"] == "started"]
+    record = read_exit_record(run_dir, since=starts[-1]) if starts else None
+    return record is not None and record.get("exit_code") in (0, DIVERGENCE_EXIT_CODE)
+
+
 def _write_ended(run_dir: Path, code: Optional[int], why: Optional[str] = None) -> None:
-    job = read_job(run_dir)
+    job = read_job(run_dir) or {}  # none only when neither the sweep nor the task could learn the job (see main)
+    submitted = float(job.get("submitted", time.time()))
     events = [e for e in read_events(run_dir) if e.get("job_id") == _job_id()]
     starts = [e["time"] for e in events if e["event"] == "started"]
-    status = ended_status(job["fields"], code, run_dir, starts[-1] if starts else job["submitted"])
-    status["started"] = starts[0] if starts else job["submitted"]
+    status = ended_status(
+        job.get("fields", {}), -1 if code is None else code, run_dir, starts[-1] if starts else submitted
+    )
+    status["started"] = starts[0] if starts else submitted
     status["seconds"] = round(trained_seconds(events, time.time()), 1)  # starting and training, not queueing
-    requeues = sum(e["event"] == PREEMPTED for e in events)
+    requeues = max(0, len(starts) - 1)
     if requeues:
         status["requeues"] = requeues
     if why:
@@ -957,10 +1133,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     event, run_dir = argv[0], Path(argv[1])
     code = int(argv[2]) if len(argv) > 2 and argv[2] else None
-    if event == "started":
+    max_requeues = int(argv[3]) if len(argv) > 3 else DEFAULT_MAX_REQUEUES
+    if event == "started":  # exits 1 when the task is not to train: its run ended, or its requeues are spent
+        _adopt_own_submission(run_dir)
+        if is_done(read_status(run_dir)):
+            _event(run_dir, "skipped", None, reason="the run has ended already")
+            print(f"{run_dir.name} has ended already (its sweep_status.json): not trained again", file=sys.stderr)
+            return 1
+        if _ended_unrecorded(run_dir):  # its last start trained it to its end; the job ended before it said so
+            _event(run_dir, "ended", 0, reason="recorded at the next start")
+            _write_ended(run_dir, 0)
+            print(f"{run_dir.name} ended in its last start: recorded now, not trained again", file=sys.stderr)
+            return 1
+        requeues = sum(e["event"] == "started" for e in read_events(run_dir) if e.get("job_id") == _job_id())
+        if requeues > max_requeues:
+            why = (
+                f"started again after {requeues} requeue(s), Slurm's own included, more than --slurm-max-requeues "
+                f"{max_requeues} allows: not trained again; raise --slurm-time or --slurm-max-requeues"
+            )
+            _event(run_dir, "ended", None, reason=why)
+            _write_ended(run_dir, None, why)
+            return 1
         _event(run_dir, event, code, checkpoint=newest_checkpoint(run_dir))
+    elif event == "busy":  # another trainer (a local sweep, another job) holds the run's folder
+        _event(run_dir, event, None)
+        print(
+            f"{run_dir.name} is being trained by another process (its folder is locked): not trained here",
+            file=sys.stderr,
+        )
+    elif event == "interrupted":  # stopped by a TERM: Slurm requeues a preempted job itself, not a cancelled one
+        _event(run_dir, event, code)
     elif event == "stopped":
-        max_requeues = int(argv[3]) if len(argv) > 3 else DEFAULT_MAX_REQUEUES
         why = requeue_refusal(run_dir, code, max_requeues)
         if why is None:
             _event(run_dir, PREEMPTED, code)
