@@ -237,7 +237,8 @@ def test_one_seed_says_so_instead_of_a_verdict():
     assert report["best"]["Muon"]["versus_baseline"] is None
     md = format_markdown(report)
     assert "One seed per cell: no confidence intervals and no verdict" in md
-    assert "one seed: no verdict" in next(line for line in md.splitlines() if line.startswith("| Muon |"))
+    row = next(line for line in md.splitlines() if line.startswith("| Muon |"))
+    assert "no verdict: Muon and AdamW have one ranked seed (a verdict needs two or more)" in row
     assert "better" not in md and "worse" not in md
 
 

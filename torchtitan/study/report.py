@@ -81,11 +81,13 @@ def versus_text(optimizer: str, b: dict, report: dict) -> str:
         return CONFIRMATION_TEXT[b["confirmation"]]
     if b["loss_mean"] is None or not report["baseline_found"]:
         return "n/a"
-    base = report["best"][report["baseline"]]
+    base = report["best"].get(report["baseline"])
+    if base is None:
+        return f"no verdict: {report['baseline']} has no run at this budget"
     if base.get("confirmation", FINISHED) != FINISHED:
         return f"no verdict: {report['baseline']} {CONFIRMATION_TEXT[base['confirmation']]}"
     if v is None:
-        return "one seed: no verdict"
+        return b.get("no_verdict") or "no verdict"
     text = f"{v['difference']:+.4f}{difference_interval_text(v)}, {v['verdict']}"
     if v.get("p_holm") is not None:
         text += f" (Holm p = {_p_text(v['p_holm'])}, family of {report['family']['comparisons']})"
@@ -98,6 +100,9 @@ def difference_interval_text(v: dict) -> str:
     if v["low"] is None:
         return f" (no interval: no spread, {method})"
     level = "unadjusted 95%" if v.get("p_holm") is not None else "95%"
+    left_out = v.get("seeds_left_out")
+    if left_out:
+        method += f" on the seeds both ran; seed {', '.join(map(str, left_out))} on one side only, left out"
     return f" [{v['low']:+.4f}, {v['high']:+.4f}] ({method}, {level})"
 
 
@@ -109,7 +114,7 @@ def edge_text(b: dict, report: dict) -> str:
     """ "; at the grid's edge: ..." when a best setting, the optimizer's or the baseline's, is at an end of its grid
     (the verdict may change with a wider grid), naming whose setting and which end."""
     baseline = report["baseline"]
-    base = (report["best"][baseline].get("edges") if report["baseline_found"] else None) or []
+    base = (report["best"].get(baseline, {}).get("edges") if report["baseline_found"] else None) or []
     parts = [f"its best {_edge_words(e)}" for e in b.get("edges") or []]
     parts += [f"{baseline}'s (the baseline's) best {_edge_words(e)}" for e in base]
     if not parts:

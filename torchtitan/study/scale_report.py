@@ -18,9 +18,11 @@ from torchtitan.study.report import (
     PAGE_NAME,
     REPORT_NAME,
     STYLE,
+    _d_eff_text,
     _figure,
     _html_table,
     _table,
+    difference_interval_text,
     loss_text,
     speedup_text,
 )
@@ -52,6 +54,7 @@ def _size_row(optimizer: str, b: dict, report: dict, params: float) -> dict:
             "value": e["speedup"],
             "interval": e.get("interval"),
             "below_floor": e["below_floor"],
+            "note": e.get("interval_note"),
         }
     return {
         "settings": b.get("settings"),
@@ -177,7 +180,7 @@ def summarize_scale(sizes: Sequence[dict], record: dict, baseline: str, target: 
                     e = (rows.get(s["size"]) or {}).get("d_eff", {}).get(m)
                     interval = (e or {}).get("interval")
                     if e is None or e["value"] is None or not interval or None in interval:
-                        why = "not run" if e is None else "no value or interval"
+                        why = "not run" if e is None else e.get("note") or "no value or interval"
                         d_points.append((s["size"], None, why))
                     else:
                         d_points.append((s["size"], TrendPoint(s["params"], e["value"], *interval, None), None))
@@ -233,7 +236,7 @@ def trend_text(what: str, trend: dict, target: Optional[float]) -> str:
 def _difference_text(d: Optional[dict]) -> str:
     if d is None:
         return "n/a"
-    return f"{d['difference']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}], {d['verdict']}"
+    return f"{d['difference']:+.4f}{difference_interval_text(d)}, {d['verdict']}"
 
 
 def size_rows(view: dict) -> tuple[list[str], list[list[str]]]:
@@ -290,16 +293,9 @@ def optimizer_rows(view: dict, optimizer: str) -> tuple[list[str], list[list[str
             e = row["d_eff"].get(m)
             if e is None:
                 d_eff.append("not run")
-            elif e["value"] is None:
-                d_eff.append(f"below {view['baseline']}'s floor")
             else:
-                interval = e["interval"]
-                ends = (
-                    ""
-                    if not interval
-                    else f" [{interval[0]:.2f}, " + (f"{interval[1]:.2f}]" if interval[1] is not None else "∞]")
-                )
-                d_eff.append(f"{e['value']:.2f}×{ends}")
+                cell = {"speedup": e["value"], "interval": e["interval"], "below_floor": e["below_floor"]}
+                d_eff.append(_d_eff_text({**cell, "interval_note": e.get("note")}, view))
         rows.append(
             [
                 s["size"],
@@ -478,7 +474,7 @@ def _plot_scale(view: dict) -> Optional[bytes]:
                 if e["value"] is not None and e["interval"] and None not in e["interval"]:
                     series.setdefault(f"D_eff / D at {m}", []).append((s["params"], e["value"], *e["interval"]))
             d = row["difference"]
-            if d:
+            if d and d["low"] is not None:  # no spread, no interval: the table says so, the figure draws none
                 dxs.append(s["params"])
                 dys.append(d["difference"])
                 dlows.append(d["difference"] - d["low"])

@@ -35,6 +35,13 @@ def t_quantile(p: float, df: float) -> float:
 # Means over seeds and differences between them
 
 
+def require_finite(what: str, values: Sequence[float]) -> None:
+    """A NaN or infinite number reaching a statistic is a bug of its caller (the report leaves such values out and
+    says so): refused, rather than turned into a NaN interval or a reversed order."""
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{what} needs finite numbers; got {list(values)}")
+
+
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
@@ -90,11 +97,17 @@ def verdict_of(low: float, high: float) -> str:
     return NO_DIFFERENCE
 
 
+# The resolution of a stored loss: the trainer logs float32 losses (and event files keep float32), whose values a
+# few units of the last place apart are the same loss rounded differently, not seeds that varied.
+STORED_RESOLUTION = 4 * 2.0**-23
+
+
 def varied_nothing(values: Sequence[float], scale: Sequence[float] = ()) -> bool:
-    """Whether ``values`` are all the same up to float rounding (their spread at most 1e-12 of the largest magnitude
-    among them and ``scale``): seeds that changed nothing, so no spread to judge a difference by."""
+    """Whether ``values`` are all the same at the resolution of a stored (float32) loss: their spread at most
+    :data:`STORED_RESOLUTION` of the largest magnitude among them and ``scale``. Seeds that changed nothing, so no
+    spread to judge a difference by."""
     largest = max((abs(v) for v in (*values, *scale)), default=0.0)
-    return max(values) - min(values) <= 1e-12 * largest
+    return max(values) - min(values) <= STORED_RESOLUTION * largest
 
 
 def _t_p_value(statistic: float, df: float) -> float:
@@ -106,6 +119,7 @@ def _t_p_value(statistic: float, df: float) -> float:
 
 def welch_difference(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> Optional[Difference]:
     """Welch's t interval of mean(a) - mean(b); None unless both sides have at least two values."""
+    require_finite("welch_difference", [*a, *b])
     if len(a) < 2 or len(b) < 2:
         return None
     difference = mean(a) - mean(b)
@@ -124,6 +138,7 @@ def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float 
     weights and data order); None for fewer than two pairs."""
     if len(a) != len(b):
         raise ValueError("paired_difference needs as many values on each side, one pair per seed")
+    require_finite("paired_difference", [*a, *b])
     if len(a) < 2:
         return None
     differences = [x - y for x, y in zip(a, b)]
@@ -140,6 +155,7 @@ def holm_adjusted(p_values: Sequence[float]) -> list[float]:
     the family's size m, the next times m - 1, ..., each at least the one before and at most 1. Rejecting where the
     adjusted p is below the level keeps the chance of any false rejection in the family at that level, whatever the
     dependence between the tests."""
+    require_finite("holm_adjusted", p_values)
     m = len(p_values)
     order = sorted(range(m), key=lambda i: p_values[i])
     adjusted, running = [0.0] * m, 0.0
@@ -217,6 +233,7 @@ def combine_speedups(per_seed: Sequence[tuple[float, Optional[str]]], confidence
     "<": at most it, None: exact). See :class:`Speedup` for what each case gives."""
     if not per_seed:
         raise ValueError("combine_speedups needs at least one seed")
+    require_finite("combine_speedups", [r for r, _ in per_seed])
     ratios = [r for r, _ in per_seed]
     bounds = {b for _, b in per_seed}
     n, kept = len(per_seed), tuple(per_seed)
