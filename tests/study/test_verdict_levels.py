@@ -27,6 +27,35 @@ def test_seeds_that_varied_nothing_give_no_verdict_and_no_interval(paired):
     assert compare([2.0, 2.1, 2.2], [2.5, 2.55, 2.7]).verdict == statistics.BETTER
 
 
+def test_seeds_that_differ_only_in_the_last_bits_of_a_stored_float32_loss_varied_nothing():
+    # Three seeds whose float32 losses are 2.5 and the next one or two representable values above it: the same loss
+    # rounded differently. Their differences from a flat baseline are no "better" or "worse", paired or not.
+    up = [float(np.float32(2.5) + np.float32(k) * np.spacing(np.float32(2.5))) for k in (0, 1, 2)]
+    for compare in (statistics.paired_difference, statistics.welch_difference):
+        assert compare(up, [2.6, 2.6 + 2e-7, 2.6]).verdict == statistics.NO_SPREAD
+    # A spread of a thousandth of the loss, as seeds give, is judged.
+    assert statistics.paired_difference([2.5, 2.503, 2.501], [2.6, 2.601, 2.6]).verdict == statistics.BETTER
+
+
+def test_a_seed_missing_on_one_side_leaves_the_others_paired_and_says_so():
+    from tests.study.test_study import made_up_run
+    from torchtitan.study.report import format_markdown
+    from torchtitan.study.summary import summarize_sweep
+
+    jitter = [0.0, 0.01, 0.03, 0.02]
+    runs = [made_up_run("AdamW", s, 1.0 + jitter[s]) for s in range(4)]
+    runs += [made_up_run("Muon", s, 0.95 + jitter[s] + 0.001 * s * s) for s in range(3)]  # no seed 3
+    v = summarize_sweep(runs, last_k=3)["best"]["Muon"]["versus_baseline"]
+    losses = {(r.spec.optimizer, r.spec.seed): r.scalars["validation/loss"].values[-1] for r in runs}
+    expected = statistics.paired_difference(
+        [losses["Muon", s] for s in range(3)], [losses["AdamW", s] for s in range(3)]
+    )
+    assert v["method"] == statistics.PAIRED and v["seeds_left_out"] == [3]
+    assert (v["low"], v["high"]) == pytest.approx((expected.low, expected.high))
+    row = next(line for line in format_markdown(summarize_sweep(runs, last_k=3)).splitlines() if "| Muon |" in line)
+    assert "(paired on the seeds both ran; seed 3 on one side only, left out, unadjusted 95%)" in row
+
+
 def test_the_page_says_no_verdict_and_shows_no_interval_when_seeds_varied_nothing():
     from tests.study.test_study import made_up_run
     from torchtitan.study.report import format_markdown
