@@ -296,24 +296,39 @@ def _seed_key(run: dict) -> tuple:
 def _speedup_of(
     chosen: Sequence[dict], baseline: Sequence[dict], curves: dict[str, tuple[list, list]]
 ) -> Optional[dict]:
-    """Speedup at matched loss of one best cell against the baseline's best cell at the same budget, along the
-    baseline's raw curves (``curves`` by run name) with each run's own window (:func:`statistics.matched_ratio`):
-    paired seed by seed when both ran the same (training seed, data seed) pairs, as the loss difference pairs them;
-    else every seed against every seed of the baseline (:func:`statistics.unpaired_speedup`)."""
+    """Speedup at matched loss of one best cell against the baseline's best cell at the same budget, read along
+    the baseline's raw curve at each run's final loss, or along the run's own at the baseline's where the baseline's
+    ends first (``curves``: raw curves by run name; :func:`statistics.two_way_ratio`): paired seed by seed on the
+    (training seed, data seed) pairs both ran, as the loss difference pairs them, where they share two or more (or
+    all); else every seed against every seed of the baseline (:func:`statistics.unpaired_speedup`)."""
     finished = [r for r in chosen if _ranked(r) and r.get("rank_window")]
-    base = {_seed_key(r): curves[r["name"]] for r in baseline if r["name"] in curves}
+    base = {_seed_key(r): r for r in baseline if r["name"] in curves and _ranked(r) and r.get("rank_window")}
     if not finished or not base:
         return None
     mine = {_seed_key(r): r for r in finished}
-    finals = {k: (r["rank_loss"], r["rank_window"]) for k, r in mine.items()}
-    if sorted(mine) == sorted(base):
-        keys = sorted(mine)
-        s = statistics.speedup_at_matched_loss([base[k] for k in keys], [finals[k] for k in keys])
-        per_seed = [{"seed": k[0], "ratio": x, "bound": b} for k, (x, b) in zip(keys, s.per_seed)]
+
+    def final(r: dict) -> tuple:
+        return r["rank_loss"], r["rank_window"]
+
+    shared = sorted(set(mine) & set(base), key=repr)
+    left_out = sorted(set(mine) ^ set(base), key=repr)
+    if shared and (not left_out or len(shared) >= 2):
+        s = statistics.speedup_at_matched_loss(
+            [curves[base[k]["name"]] for k in shared],
+            [final(mine[k]) for k in shared],
+            run_curves=[curves.get(mine[k]["name"]) for k in shared],
+            baseline_finals=[final(base[k]) for k in shared],
+        )
+        per_seed = [{"seed": k[0], "ratio": x, "bound": b} for k, (x, b) in zip(shared, s.per_seed)]
         matched = PAIRED_SPEEDUP
     else:
-        keys, base_keys = sorted(mine), sorted(base)
-        s, matrix = statistics.unpaired_speedup([base[k] for k in base_keys], [finals[k] for k in keys])
+        keys, base_keys, left_out = sorted(mine), sorted(base), []
+        s, matrix = statistics.unpaired_speedup(
+            [curves[base[k]["name"]] for k in base_keys],
+            [final(mine[k]) for k in keys],
+            run_curves=[curves.get(mine[k]["name"]) for k in keys],
+            baseline_finals=[final(base[k]) for k in base_keys],
+        )
         per_seed = [
             {"seed": k[0], "baseline_seed": j[0], "ratio": x, "bound": b}
             for k, row in zip(keys, matrix)
@@ -325,9 +340,11 @@ def _speedup_of(
         "bound": s.bound,
         "low": s.low,
         "high": s.high,
+        "level": s.level,
         "seeds": s.seeds,
         "per_seed": per_seed,
         "matched": matched,
+        "seeds_left_out": [seed for seed, _ in left_out],
     }
 
 
@@ -343,8 +360,8 @@ def _versus(chosen: Sequence[dict], baseline: Sequence[dict]) -> Optional[dict]:
     the seeds only one side ran left out and named; else Welch's interval over every seed."""
     mine = {(r["seed"], r["data_seed"]): r["rank_loss"] for r in chosen if _ranked(r)}
     theirs = {(r["seed"], r["data_seed"]): r["rank_loss"] for r in baseline if _ranked(r)}
-    pairs = sorted(set(mine) & set(theirs))
-    left_out = sorted(set(mine) ^ set(theirs)) if len(pairs) >= 2 else []
+    pairs = sorted(set(mine) & set(theirs), key=repr)
+    left_out = sorted(set(mine) ^ set(theirs), key=repr) if len(pairs) >= 2 else []
     if len(pairs) >= 2:
         d = statistics.paired_difference([mine[p] for p in pairs], [theirs[p] for p in pairs])
     else:
@@ -651,8 +668,11 @@ def summarize_sweep(
     for budget, best in best_by_budget.items():
         base = best.get(baseline)
         base_runs = cell_runs(verdict_runs, baseline, budget, base["settings"]) if _judged(base) else []
-        curves = {}
-        for r in base_runs:
+        curves = {}  # the raw curves of the runs the verdict compares: the baseline's and every best cell's
+        best_runs = [
+            r for o, b in best.items() if _judged(b) for r in cell_runs(verdict_runs, o, budget, b["settings"])
+        ]
+        for r in best_runs:
             if r["outcome"] == FINISHED:
                 curve = raw_curve(by_name[r["name"]].scalars, by_validation)
                 if curve is not None:
