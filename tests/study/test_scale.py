@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -214,7 +215,12 @@ def test_budgets_are_multiples_of_20_tokens_per_parameter_of_each_size_with_its_
         (["--axis", "AdamW:model.flavor=ladder-30M"], "model size is an axis of every optimizer's runs"),
         (["--ladder", "ladder-30M", "--size-nproc", "ladder-60M=2"], "ladder-60M is not among the sizes"),
         (["--ladder", "ladder-30M", "--", "--model.flavor", "ladder-60M"], "set by the study for each size"),
-        (["--ladder", "ladder-30M", "--target-params", "0"], "--target-params must be a positive number"),
+        (["--ladder", "ladder-30M", "--target-params", "0"], "--target-params must be a finite positive number"),
+        (["--ladder", "ladder-30M", "--target-params", "inf"], "--target-params must be a finite positive number"),
+        (
+            ["--ladder", "ladder-30M,ladder-60M", "--size-option", "ladder-60M:training.batchsize=4"],
+            "size ladder-60M: unknown config key 'training.batchsize'",
+        ),
     ],
 )
 def test_mistakes_in_a_study_over_sizes_stop_it_in_one_line_before_any_run(tmp_path, capsys, args, says):
@@ -315,3 +321,70 @@ def test_a_size_that_trained_on_lrs_keeps_them_when_a_smaller_size_joins_below_i
     record = json.loads((tmp_path / "ladder.json").read_text())
     assert list(record["sizes"]) == ["ladder-30M", "ladder-60M", "ladder-130M", "ladder-300M"]
     assert record["grids"] == {} and record["carry_lrs"] is True
+
+
+def test_an_optimizer_that_diverged_at_every_lr_of_a_size_stops_the_carried_sizes_in_one_line(tmp_path, monkeypatch):
+    # AdamMini diverged at both lrs of the two smaller sizes: no best lr will ever come of them, so the third size
+    # stops the study with a line naming it (it waited, exit 0, on every call before).
+    from tests.study.test_study import made_up_run
+    from torchtitan.errors import UserError
+    from torchtitan.study import ladder
+    from torchtitan.study.summary import summarize_sweep
+    from torchtitan.tools.sweep import _parser
+
+    lrs = (1e-3, 2e-3)
+    runs = [made_up_run("AdamW", 0, 1.0 + lr, lr=lr) for lr in lrs]
+    runs += [made_up_run("AdamMini", 0, 1.0, lr=lr, outcome="diverged") for lr in lrs]
+    report = summarize_sweep(runs, last_k=3)
+
+    def size_reports(dump, args, baseline, written=()):
+        sizes = ladder.read_ladder(dump)["sizes"].items()
+        return [
+            {"size": f, "params": n, "folder": f, "report": report}
+            for f, n in sizes
+            if ladder.size_folder(dump, f).exists()
+        ]
+
+    trained = []
+
+    def size_sweep(args, train_args) -> int:
+        trained.append(Path(args.dump_folder).name)
+        Path(args.dump_folder).mkdir(parents=True)
+        return 0
+
+    monkeypatch.setattr(ladder, "size_reports", size_reports)
+    argv = ["--dump-folder", str(tmp_path), "--optimizers", "AdamW,AdamMini", "--lrs", "1e-3,2e-3", "--carry-lrs"]
+    args = _parser().parse_args([*argv, "--ladder", "ladder-30M,ladder-60M,ladder-130M"])
+    says = "--carry-lrs: AdamMini diverged at every lr of ladder-30M, so there is no best lr to carry up to ladder-130M"
+    with pytest.raises(UserError, match=re.escape(says)):
+        ladder.run_ladder(args, [], size_sweep, ladder.ladder_flavors(args))
+    assert trained == ["ladder-30M", "ladder-60M"]
+
+
+def test_token_budgets_are_the_same_budget_at_every_size_and_the_target_is_placed_against_the_sizes():
+    # --budgets given in tokens: every size trained the same three token counts, so the scale view has three D_eff
+    # columns (read as multiples of each size's parameters they were six, mostly "not run").
+    from tests.study.test_study import TOKENS_PER_STEP, made_up_run
+    from torchtitan.study.plan import tokens_label
+    from torchtitan.study.scale_report import format_scale_markdown, summarize_scale
+    from torchtitan.study.summary import summarize_sweep
+
+    runs = []
+    for steps in (20, 40, 80):
+        tokens = steps * TOKENS_PER_STEP
+        for optimizer, scale in (("AdamW", 1.0), ("AdamMini", 0.9)):
+            for seed in range(2):
+                loss = scale * (40.0 * tokens**-0.3 + 0.1) * steps / 8.0 * (1 + 0.01 * seed + 0.001 * seed * scale)
+                run = made_up_run(optimizer, seed, loss, steps=steps, budget=tokens)
+                run.status["budget_label"] = tokens_label(tokens)
+                runs.append(run)
+    report = summarize_sweep(runs, last_k=3)
+    sizes = [{"size": f, "params": n, "folder": f, "report": report} for f, n in list(PARAMS.items())[:2]]
+    for target, place in (
+        (1e7, "below the smallest size trained (30.2M): each value at it extrapolates downward"),
+        (4e7, "within the sizes trained (30.2M to 62.9M): values at it interpolate"),
+        (8e9, "127× past the largest size trained (62.9M): a value at it assumes each law holds that far"),
+    ):
+        view = summarize_scale(sizes, {}, "AdamW", target)
+        assert list(view["optimizers"]["AdamMini"]["d_eff_trends"]) == [tokens_label(t) for t in report["budgets"]]
+        assert place in format_scale_markdown(view)

@@ -42,6 +42,15 @@ def multiple_label(tokens: Optional[float], params: float) -> str:
     return f"{significant(tokens / (TOKENS_PER_PARAM * params)):g}x"
 
 
+def budget_label(tokens: Optional[float], report: dict, params: float) -> str:
+    """A budget as the study gave it: the label its runs recorded (``2x`` for a multiple, ``1M`` for a token count:
+    a token count is the same budget at every size), else the multiple it is for this size."""
+    for run in report.get("runs") or []:
+        if run.get("budget") == tokens and run.get("budget_label"):
+            return run["budget_label"]
+    return multiple_label(tokens, params)
+
+
 def _confirmed(b: dict) -> bool:
     return b.get("settings") is not None and b.get("confirmation", FINISHED) == FINISHED
 
@@ -50,7 +59,7 @@ def _size_row(optimizer: str, b: dict, report: dict, params: float) -> dict:
     d_eff = {}
     fit = report.get("budget_fit") or {}
     for e in (fit.get("speedups") or {}).get(optimizer, []):
-        d_eff[multiple_label(e["budget"], params)] = {
+        d_eff[budget_label(e["budget"], report, params)] = {
             "value": e["speedup"],
             "interval": e.get("interval"),
             "below_floor": e["below_floor"],
@@ -100,7 +109,7 @@ def _settings_laws(optimizer: str, sizes: Sequence[dict], target: Optional[float
     for size in sizes:
         for entry in size["report"]["best_by_budget"]:
             b = entry["best"].get(optimizer)
-            label = multiple_label(entry["budget"], size["params"])
+            label = budget_label(entry["budget"], size["report"], size["params"])
             if b is None:
                 continue
             for key, value in (b.get("settings") or {}).items():
@@ -145,7 +154,8 @@ def summarize_scale(sizes: Sequence[dict], record: dict, baseline: str, target: 
                 "size": s["size"],
                 "params": s["params"],
                 "folder": s["folder"],
-                "budgets": [multiple_label(t, s["params"]) for t in s["report"]["budgets"]] or ["the job's steps"],
+                "budgets": [budget_label(t, s["report"], s["params"]) for t in s["report"]["budgets"]]
+                or ["the job's steps"],
                 "selection_seeds": s["report"]["selection_seeds"],
                 "confirmation_seeds": s["report"]["confirmation_seeds"],
                 "carried": (record.get("grids") or {}).get(s["size"]),
@@ -383,10 +393,27 @@ def scale_notes(view: dict) -> list[str]:
     else:
         lines.append("Every size searched the same --lrs grid (no --carry-lrs).")
     if target:
-        lines.append(f"Target: {target:,.0f} parameters (--target-params).")
+        lines.append(f"Target: {target:,.0f} parameters (--target-params), {target_place(view)}.")
     else:
         lines.append("No --target-params: the trends are not extrapolated.")
     return lines
+
+
+def target_place(view: dict) -> str:
+    """Where the target lies against the sizes trained, in words: how far an extrapolation to it reaches."""
+    target, params = view["target_params"], [s["params"] for s in view["sizes"]]
+    smallest, largest = min(params), max(params)
+    if target < smallest:
+        return (
+            f"below the smallest size trained ({params_text(smallest)}): each value at it extrapolates downward, "
+            "outside the sizes trained"
+        )
+    if target <= largest:
+        return f"within the sizes trained ({params_text(smallest)} to {params_text(largest)}): values at it interpolate"
+    return (
+        f"{target / largest:.3g}× past the largest size trained ({params_text(largest)}): a value at it assumes each "
+        "law holds that far past the sizes, which they cannot test"
+    )
 
 
 def format_scale_markdown(view: dict) -> str:

@@ -137,6 +137,7 @@ def sweep_run_summary(run: SweepRun, last_k: int, by_validation: bool) -> dict:
         "seed": run.spec.seed,
         "settings": run_settings(run),
         "budget": status.get("budget"),
+        "budget_label": status.get("budget_label"),  # as the study gave it: "2x" (tokens per parameter) or "1M"
         "data_seed": status.get("data_seed", (run.dataset or {}).get("data_seed")),
         "outcome": status["outcome"],
         "exit_code": status["exit_code"],
