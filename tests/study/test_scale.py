@@ -388,3 +388,61 @@ def test_token_budgets_are_the_same_budget_at_every_size_and_the_target_is_place
         view = summarize_scale(sizes, {}, "AdamW", target)
         assert list(view["optimizers"]["AdamMini"]["d_eff_trends"]) == [tokens_label(t) for t in report["budgets"]]
         assert place in format_scale_markdown(view)
+
+
+def test_the_best_lr_law_counts_the_grid_step_and_its_exponent_interval_holds_the_truth():
+    # 400 made-up laws a setting: each size's best lr is the true lr0 (N / N0)^-0.3, off by exp(0.05 Z), rounded to
+    # a grid of lrs 2x or 3x apart (its offset drawn). Sizes that all found the same grid point gave an interval of
+    # zero width; counting the rounding, the interval is never that and holds the true exponent in 95% or more.
+    rng = np.random.default_rng(0)
+    for sizes, step in ((3, 2.0), (4, 2.0), (4, 3.0)):
+        held = same = 0
+        for _ in range(400):
+            params = list(PARAMS.values())[:sizes]
+            grid = [1e-3 * step ** (k + rng.uniform(0, 1)) for k in range(-6, 7)]
+            found = []
+            for n in params:
+                true = 1e-3 * (n / REFERENCE) ** -0.3 * math.exp(rng.normal(0.0, 0.05))
+                found.append(min(grid, key=lambda g: abs(math.log(g / true))))
+            low, high = fit_log_line(params, found, step).exponent_interval()
+            assert high - low > 0.1
+            held += low <= -0.3 <= high
+            same += len(set(found)) == 1
+        print(f"{sizes} sizes, grid step {step}: exponent held {held / 400:.4f}, one grid point at every size {same}")
+        assert held / 400 >= 0.95 - 3 * math.sqrt(0.95 * 0.05 / 400) and same > 0
+
+
+def test_found_against_predicted_allows_half_a_grid_step_and_an_edge_is_a_bound_not_an_optimum():
+    from tests.study.test_study import made_up_run
+    from torchtitan.study.scale_report import format_scale_markdown, summarize_scale
+    from torchtitan.study.summary import summarize_sweep
+
+    # Three sizes whose best lr is 1e-3 on the grid 5e-4, 1e-3, 2e-3; a fourth whose best is 2e-3, its largest.
+    def report(best: float) -> dict:
+        runs = [
+            made_up_run(o, s, (1.0 if lr == best else 1.1) * (1 + 0.01 * s), lr=lr)
+            for o in ("AdamW", "AdamMini")
+            for lr in (5e-4, 1e-3, 2e-3)
+            for s in range(2)
+        ]
+        return summarize_sweep(runs, last_k=3)
+
+    names = list(PARAMS)[:4]
+    sizes = [
+        {"size": f, "params": PARAMS[f], "folder": f, "report": report(2e-3 if f == names[3] else 1e-3)} for f in names
+    ]
+    view = summarize_scale(sizes, {}, "AdamW", 8e9)
+    (law,) = [x for x in view["optimizers"]["AdamMini"]["laws"] if x["setting"] == "lr"]
+    low, high = law["exponent_interval"]
+    assert law["grid_step"] == 2.0 and high - low > 0.5  # three sizes on one point: wide, not zero width
+    assert law["at_edge"] == {names[3]: "largest"}
+    assert law["predicted_vs_found"][-1]["inside"] is None
+    md = format_scale_markdown(view)
+    assert f"at the grid's edge, a bound and not an optimum: {names[3]} the largest tried" in md
+    assert "n/a: the largest tried, a bound" in md
+    # Found 10% past the end of its prediction interval on a grid 1.5x apart: inside (a grid point within half a
+    # step of a value inside it); 30% past: outside. The interval does not depend on the size's own found value.
+    smaller = [("a", 1e7, 1e-3), ("b", 2e7, 1.01e-3), ("c", 4e7, 0.99e-3), ("d", 8e7, 1.0e-3)]
+    high = predicted_against_found([*smaller, ("e", 1.6e8, 1e-3)], 1.5)[-1]["interval"][1]
+    assert predicted_against_found([*smaller, ("e", 1.6e8, 1.1 * high)], 1.5)[-1]["inside"] is True
+    assert predicted_against_found([*smaller, ("e", 1.6e8, 1.3 * high)], 1.5)[-1]["inside"] is False

@@ -200,10 +200,18 @@ def carried_lrs(
                 "first, or drop --carry-lrs"
             )
         predicted = line.at(params)
+        # A best lr at an end of its size's grid is a bound, not an optimum: carried, and marked as such.
+        edges = {
+            s["size"]: e["end"]
+            for s in smaller
+            for e in (s["report"]["best"].get(optimizer) or {}).get("edges") or []
+            if e["setting"] == "lr"
+        }
         grids[optimizer] = {
             "predicted": predicted,
             "lrs": carried_grid(lrs, predicted),
             "from": [s["size"] for s in smaller],
+            "edges": edges,
         }
     return grids
 

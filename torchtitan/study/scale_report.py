@@ -106,6 +106,8 @@ def _settings_laws(optimizer: str, sizes: Sequence[dict], target: Optional[float
     of the best value against parameters over every size, and predicted against found for every size after the
     first two."""
     found: dict[tuple[str, str], list[tuple[str, float, Optional[float]]]] = {}
+    edges: dict[tuple[str, str], dict[str, str]] = {}  # per law, the sizes whose value is at its grid's edge
+    steps: dict[tuple[str, str], float] = {}  # per law, the widest step of the grids its values were found on
     for size in sizes:
         for entry in size["report"]["best_by_budget"]:
             b = entry["best"].get(optimizer)
@@ -117,27 +119,56 @@ def _settings_laws(optimizer: str, sizes: Sequence[dict], target: Optional[float
                 if key != "lr" and number is None:
                     continue
                 found.setdefault((label, key), []).append((size["size"], size["params"], number))
+                step = grid_step(size["report"], optimizer, entry["budget"], key)
+                steps[label, key] = max(steps.get((label, key), 1.0), step)
+                for edge in b.get("edges") or []:
+                    if edge["setting"] == key:
+                        edges.setdefault((label, key), {})[size["size"]] = edge["end"]
     laws = []
     for (label, key), values in found.items():
         known = [(p, v) for _, p, v in values if v is not None]
-        line = fit_log_line([p for p, _ in known], [v for _, v in known])
+        step = steps.get((label, key), 1.0)
+        line = fit_log_line([p for p, _ in known], [v for _, v in known], step)
         if line is None and len(values) < 3:
             continue
         interval = line.exponent_interval() if line else None
         target_interval = line.prediction_interval(target) if line and target else None
+        at_edge = edges.get((label, key), {})
+        rows = predicted_against_found(values, step)
+        for row in rows:
+            if row["size"] in at_edge:  # a bound, not an optimum: nothing to hold it against
+                row["edge"], row["inside"] = at_edge[row["size"]], None
         laws.append(
             {
                 "budget": label,
                 "setting": key,
-                "found": [{"size": s, "params": p, "value": v} for s, p, v in values],
+                "found": [{"size": s, "params": p, "value": v, "edge": at_edge.get(s)} for s, p, v in values],
+                "grid_step": step,
+                "at_edge": at_edge,
                 "exponent": line.exponent if line else None,
                 "exponent_interval": list(interval) if interval else None,
                 "at_target": line.at(target) if line and target else None,
                 "target_interval": list(target_interval) if target_interval else None,
-                "predicted_vs_found": predicted_against_found(values),
+                "predicted_vs_found": rows,
             }
         )
     return laws
+
+
+def grid_step(report: dict, optimizer: str, budget, key: str) -> float:
+    """The widest ratio between neighbouring values of ``key`` that the optimizer's cells at ``budget`` tried (1
+    with one value): how finely its best value is known."""
+    tried = sorted(
+        {
+            c["settings"][key]
+            for c in report.get("grid") or []
+            if c["optimizer"] == optimizer
+            and c["budget"] == budget
+            and isinstance(c["settings"].get(key), (int, float))
+        }
+    )
+    tried = [v for v in tried if v > 0]
+    return max((b / a for a, b in zip(tried, tried[1:])), default=1.0)
 
 
 def summarize_scale(sizes: Sequence[dict], record: dict, baseline: str, target: Optional[float]) -> dict:
@@ -257,6 +288,7 @@ def size_rows(view: dict) -> tuple[list[str], list[list[str]]]:
         grid = (
             "; ".join(
                 f"{o}: centred on {lr_label(significant(c['predicted']))} ({', '.join(map(lr_label, c['lrs']))})"
+                + _edges_text(c.get("edges"))
                 for o, c in carried.items()
             )
             if carried
@@ -274,6 +306,13 @@ def size_rows(view: dict) -> tuple[list[str], list[list[str]]]:
             ]
         )
     return header, rows
+
+
+def _edges_text(edges: Optional[dict]) -> str:
+    if not edges:
+        return ""
+    ends = ", ".join(f"{size}'s is the {end} it tried" for size, end in edges.items())
+    return f", from best lrs at a grid's edge (bounds, not optima: {ends})"
 
 
 def optimizer_rows(view: dict, optimizer: str) -> tuple[list[str], list[list[str]]]:
@@ -327,6 +366,11 @@ def law_rows(view: dict, optimizer: str) -> list[tuple[str, list[str], list[list
     for law in view["optimizers"][optimizer]["laws"]:
         key = law["setting"]
         title = f"{optimizer}'s best {key} at {law['budget']}"
+        if law.get("grid_step", 1.0) > 1.0:
+            title += f" (found on grids {significant(law['grid_step']):g}× apart; the intervals count that rounding)"
+        if law.get("at_edge"):
+            ends = ", ".join(f"{size} the {end}" for size, end in law["at_edge"].items())
+            title += f"; at the grid's edge, a bound and not an optimum: {ends} tried"
         if law["exponent"] is None:
             title += ": no law (fewer than two sizes found one)"
         else:
@@ -353,6 +397,8 @@ def law_rows(view: dict, optimizer: str) -> list[tuple[str, list[str], list[list
                 else ""
             )
             inside = {True: "yes", False: "no", None: "n/a"}[p["inside"]]
+            if p.get("edge"):
+                inside = f"n/a: the {p['edge']} tried, a bound"
             rows.append(
                 [
                     p["size"],
