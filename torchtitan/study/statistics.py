@@ -7,6 +7,7 @@ same wherever it is rebuilt and each function is tested on made-up values.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -21,6 +22,7 @@ BETTER, WORSE, NO_DIFFERENCE = "better", "worse", "no detectable difference"
 # Student's t distribution (scipy.stats)
 
 
+@functools.lru_cache(maxsize=4096)  # a report asks for the same few quantiles many times
 def t_quantile(p: float, df: float) -> float:
     """The t with P(T <= t) = p (0 < p < 1) for Student's t with ``df`` (> 0, not necessarily whole) degrees of
     freedom."""
