@@ -207,6 +207,77 @@ def fit_trend(
     return Trend(line.exponent, exponent_interval, at_target, target_interval, n, widened, note)
 
 
+@dataclass(frozen=True)
+class Saturating:
+    """``value = 1 + sign * a * N^b`` (``sign`` +1 for speedups above 1, -1 below): a speedup that may bend
+    toward 1 with size, fitted beside the power law; its value at the target and a bootstrap interval (resamples
+    whose sizes cross 1 fit no such law and are counted as unknown at both ends)."""
+
+    exponent: float
+    at_target: float
+    target_interval: tuple[float, float]
+    failed: int
+    resamples: int
+
+    def to_json(self) -> dict:
+        return {
+            "exponent": self.exponent,
+            "at_target": self.at_target,
+            "target_interval": list(self.target_interval),
+            "failed": self.failed,
+            "resamples": self.resamples,
+        }
+
+
+def fit_saturating(
+    points: Sequence[TrendPoint],
+    target: float,
+    confidence: float = CONFIDENCE,
+    resamples: int = TREND_RESAMPLES,
+    seed: int = 0,
+) -> Optional[Saturating]:
+    """The saturating alternative to :func:`fit_trend`'s power law: log |value - 1| a straight line in log N, the
+    sizes drawn from their own intervals as :func:`fit_trend` draws them. None with fewer than three sizes or where
+    the sizes' values do not all lie on one side of 1 (no such law passes through them)."""
+    from torchtitan.study.statistics import percentile_interval
+
+    by_size = sorted(points, key=lambda p: p.params)
+    if len({p.params for p in by_size}) < 3:
+        return None
+    values = np.asarray([p.value for p in by_size], float)
+    sign = 1.0 if (values > 1).all() else -1.0 if (values < 1).all() else 0.0
+    if sign == 0.0:
+        return None
+    params = [p.params for p in by_size]
+    line = fit_log_line(params, list(sign * (values - 1.0)))
+    lx = np.log(np.asarray(params, float))
+    se = np.asarray(
+        [(math.log(p.high) - math.log(p.low)) / (2 * _half_quantile(p.df, confidence)) for p in by_size], float
+    )
+    rng = np.random.default_rng(seed)
+    draws = np.stack(
+        [rng.standard_t(p.df, resamples) if p.df is not None else rng.standard_normal(resamples) for p in by_size],
+        axis=1,
+    )
+    excess = sign * (np.exp(np.log(values) + draws * se) - 1.0)  # (resamples, sizes)
+    ok = (excess > 0).all(axis=1)
+    ly = np.log(excess[ok])
+    xc = lx - lx.mean()
+    slopes = (ly - ly.mean(axis=1, keepdims=True)) @ xc / float((xc**2).sum())
+    at = 1.0 + sign * np.exp(ly.mean(axis=1) + slopes * (math.log(target) - lx.mean()))
+    failed = int(resamples - ok.sum())
+    low, high = percentile_interval(at, failed, confidence)
+    return Saturating(line.exponent, 1.0 + sign * line.at(target), (low, high), failed, resamples)
+
+
+def determined(power: Optional[tuple[float, float]], saturating: Optional[tuple[float, float]]) -> bool:
+    """Whether the two laws' intervals at the target overlap: where they do not, the sizes trained fit both and
+    the target's value depends on which law holds past them."""
+    if power is None or saturating is None:
+        return True
+    return power[0] <= saturating[1] and saturating[0] <= power[1]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Settings carried up
 

@@ -9,6 +9,7 @@ Built from each size's report (``report.write_report`` of its folder) and the st
 from __future__ import annotations
 
 import html
+import math
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -26,7 +27,15 @@ from torchtitan.study.report import (
     loss_text,
     speedup_text,
 )
-from torchtitan.study.scale import TrendPoint, fit_log_line, fit_trend, predicted_against_found, significant
+from torchtitan.study.scale import (
+    TrendPoint,
+    determined,
+    fit_log_line,
+    fit_saturating,
+    fit_trend,
+    predicted_against_found,
+    significant,
+)
 from torchtitan.study.statistics import AT_LEAST
 from torchtitan.study.summary import settings_label
 
@@ -94,11 +103,21 @@ def _speedup_point(params: float, s: Optional[dict]) -> tuple[Optional[TrendPoin
     return TrendPoint(params, s["value"], s["low"], s["high"], s["seeds"] - 1), None
 
 
-def _trend(points: Sequence[tuple[str, Optional[TrendPoint], Optional[str]]], target: Optional[float]) -> dict:
+def size_trend(
+    points: Sequence[tuple[str, Optional[TrendPoint], Optional[str]]], target: Optional[float], bends: bool = False
+) -> dict:
+    """The power law over the sizes with a value; for a speedup (``bends``) with three sizes or more and a target
+    past them, the saturating alternative beside it (a speedup that bends toward 1) and whether the two agree."""
     used = [p for _, p, _ in points if p is not None]
     left_out = {size: why for size, p, why in points if p is None}
     trend = fit_trend(used, target)
-    return {"fit": trend.to_json() if trend else None, "left_out": left_out}
+    result = {"fit": trend.to_json() if trend else None, "left_out": left_out}
+    if bends and trend is not None and target and used and target > max(p.params for p in used):
+        alternative = fit_saturating(used, target)
+        result["saturating"] = alternative.to_json() if alternative else None
+        if alternative is not None:
+            result["determined"] = determined(trend.target_interval, alternative.target_interval)
+    return result
 
 
 def _settings_laws(optimizer: str, sizes: Sequence[dict], target: Optional[float]) -> list[dict]:
@@ -212,7 +231,7 @@ def summarize_scale(sizes: Sequence[dict], record: dict, baseline: str, target: 
                     points.append((s["size"], None, "not confirmed"))
                     continue
                 points.append((s["size"], *_speedup_point(s["params"], row["speedup"])))
-            entry["speedup_trend"] = _trend(points, target)
+            entry["speedup_trend"] = size_trend(points, target, bends=True)
             multiples = list(dict.fromkeys(m for row in rows.values() for m in row["d_eff"]))
             entry["d_eff_trends"] = {}
             for m in multiples:
@@ -225,7 +244,7 @@ def summarize_scale(sizes: Sequence[dict], record: dict, baseline: str, target: 
                         d_points.append((s["size"], None, why))
                     else:
                         d_points.append((s["size"], TrendPoint(s["params"], e["value"], *interval, None), None))
-                entry["d_eff_trends"][m] = _trend(d_points, target)
+                entry["d_eff_trends"][m] = size_trend(d_points, target, bends=True)
         view["optimizers"][optimizer] = entry
     return view
 
@@ -271,7 +290,35 @@ def trend_text(what: str, trend: dict, target: Optional[float]) -> str:
         text += f", {fit['note']}"
     if fit["note"] and fit["exponent_interval"] is not None:
         text += f" ({fit['note']})"
-    return text + "." + left_out
+    return text + "." + _saturating_text(trend, target) + left_out
+
+
+def _saturating_text(trend: dict, target: Optional[float]) -> str:
+    """The saturating alternative at the target beside the power law, and what the ladder cannot tell apart."""
+    if "saturating" not in trend:
+        return ""
+    where = params_text(target)
+    s = trend["saturating"]
+    if s is None:
+        return (
+            f" A speedup bending toward 1 (1 + a·N^b) fits no law here (the sizes lie on both sides of 1): the "
+            f"value at {where} rests on the power law alone."
+        )
+    low, high = (_end(x, "∞" if i else "−∞") for i, x in enumerate(s["target_interval"]))
+    text = (
+        f" Bending toward 1 instead (1 + a·N^b, as a speedup that fades with size): {s['at_target']:.2f}× at "
+        f"{where} [{low}, {high}]."
+    )
+    if not trend.get("determined", True):
+        text += (
+            f" The two laws disagree at {where} beyond their intervals: the sizes trained fit both, so this ladder "
+            "does not determine the value at the target; add larger sizes."
+        )
+    return text
+
+
+def _end(x: Optional[float], infinite: str) -> str:
+    return infinite if x is None or not math.isfinite(x) else f"{x:.2f}"
 
 
 def _difference_text(d: Optional[dict]) -> str:
@@ -425,7 +472,10 @@ def scale_notes(view: dict) -> list[str]:
         "95% interval is a parametric bootstrap that draws each size from its own interval, widened where the sizes "
         "scatter more than those intervals allow; with two sizes it is underdetermined. An optimizer better than the "
         "baseline at one budget has a speedup at matched loss that is only a lower bound (the baseline never gets to "
-        "its loss); over three or more --budgets its D_eff / D is a value at each, and has a trend of its own.",
+        "its loss); over three or more --budgets its D_eff / D is a value at each, and has a trend of its own. "
+        "Past the largest size, with three sizes or more, each speedup trend is also fitted as 1 + a·N^b (a speedup "
+        "that fades toward 1 with size): both values at the target are shown, and where their intervals do not "
+        "overlap the page says that the ladder does not determine the value at the target.",
         "Best settings: a power law of each size's best value against N (least squares in log-log, t intervals from "
         "the scatter about it, three or more sizes); for every size after the first two, what the smaller sizes' "
         "law predicted (95% prediction interval) against what its own search found. A best value at the grid's "
