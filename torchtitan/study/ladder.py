@@ -29,6 +29,7 @@ from torchtitan.study.plan import (
     items,
     parse_lrs,
     recorded_settings,
+    resolved_job,
 )
 from torchtitan.study.scale import carried_grid, fit_log_line
 
@@ -169,13 +170,11 @@ def diverged_everywhere(report: dict) -> list[str]:
 def check_size_jobs(args: argparse.Namespace, train_args: Sequence[str], options: dict, flavors: Sequence[str]):
     """Each size's job (the train.py options with its own) parsed before the first run trains, so that a mistake
     in a later size's option stops the study before the smaller sizes train, not after."""
-    from torchtitan.config.job_config import JobConfig
-
     config_file = str(Path(args.config_file).resolve())
     for flavor in flavors:
-        size_train = [*train_args, *options.get(flavor, [])]
+        size_train = [*train_args, *options.get(flavor, []), f"--{FLAVOR_OPTION}", flavor]
         try:
-            JobConfig.parse_args(["--job.config_file", config_file, *size_train, f"--{FLAVOR_OPTION}", flavor])
+            resolved_job(config_file, size_train)  # the very job the size's sweep reads again from the cache
         except UserError as e:
             raise UserError(f"size {flavor}: {e}") from None
 
