@@ -12,7 +12,9 @@ FAKE_SECONDS makes each run last that long; FAKE_RECORD makes it write ``fake_ru
 a known law across model sizes (``--model.flavor``): ``{"params": {flavor: N}, "reference": N0, "lr": lr0,
 "lr_exponent": a, "speedup": s0, "speedup_exponent": b, "noise": sd, "baseline": "AdamW"}`` puts the best lr at
 lr0 (N / N0)^a and makes every optimizer but the baseline learn s0 (N / N0)^b times as fast (its loss at step t is
-the baseline's at step s t), each (optimizer, seed, size) off that by a factor exp(sd Z). FAKE_OUTCOMES, a JSON
+the baseline's at step s t), each (optimizer, seed, size) off that by a factor exp(sd Z); optional keys:
+"speedups" {optimizer: s0} gives an optimizer its own s0, "salt" draws other factors (another made-up study), and
+without --model.flavor every size is the reference. FAKE_OUTCOMES, a JSON
 object from run name (``{Optimizer}_lr{lr}_seed{seed}``, or the whole run folder's name) to one of the behaviours
 below, makes a run misbehave:
   "nan"   - logs a NaN loss from step 3 on and exits 0;
@@ -81,12 +83,14 @@ def main() -> int:
     best_lr, speed = 1e-3, 1.0
     scale = json.loads(os.environ.get("FAKE_SCALE") or "null")
     if scale is not None:
-        flavor = o["model.flavor"]
-        ratio = scale["params"][flavor] / scale["reference"]
+        flavor = o.get("model.flavor")
+        ratio = scale["params"][flavor] / scale["reference"] if flavor else 1.0
         best_lr = scale["lr"] * ratio ** scale["lr_exponent"]
         if optimizer != scale["baseline"]:
-            noise = random.Random(f"{optimizer} {seed} {flavor}").gauss(0.0, scale["noise"])
-            speed = scale["speedup"] * ratio ** scale["speedup_exponent"] * math.exp(noise)
+            salt = f" {scale['salt']}" if "salt" in scale else ""
+            noise = random.Random(f"{optimizer} {seed} {flavor}{salt}").gauss(0.0, scale["noise"])
+            s0 = scale.get("speedups", {}).get(optimizer, scale["speedup"])
+            speed = s0 * ratio ** scale["speedup_exponent"] * math.exp(noise)
     distance = (math.log10(lr) - math.log10(best_lr)) ** 2
     bowl = json.loads(os.environ.get("FAKE_BOWL") or "null")
     if bowl is not None:

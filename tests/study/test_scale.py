@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -214,7 +215,12 @@ def test_budgets_are_multiples_of_20_tokens_per_parameter_of_each_size_with_its_
         (["--axis", "AdamW:model.flavor=ladder-30M"], "model size is an axis of every optimizer's runs"),
         (["--ladder", "ladder-30M", "--size-nproc", "ladder-60M=2"], "ladder-60M is not among the sizes"),
         (["--ladder", "ladder-30M", "--", "--model.flavor", "ladder-60M"], "set by the study for each size"),
-        (["--ladder", "ladder-30M", "--target-params", "0"], "--target-params must be a positive number"),
+        (["--ladder", "ladder-30M", "--target-params", "0"], "--target-params must be a finite positive number"),
+        (["--ladder", "ladder-30M", "--target-params", "inf"], "--target-params must be a finite positive number"),
+        (
+            ["--ladder", "ladder-30M,ladder-60M", "--size-option", "ladder-60M:training.batchsize=4"],
+            "size ladder-60M: unknown config key 'training.batchsize'",
+        ),
     ],
 )
 def test_mistakes_in_a_study_over_sizes_stop_it_in_one_line_before_any_run(tmp_path, capsys, args, says):
@@ -315,3 +321,187 @@ def test_a_size_that_trained_on_lrs_keeps_them_when_a_smaller_size_joins_below_i
     record = json.loads((tmp_path / "ladder.json").read_text())
     assert list(record["sizes"]) == ["ladder-30M", "ladder-60M", "ladder-130M", "ladder-300M"]
     assert record["grids"] == {} and record["carry_lrs"] is True
+
+
+def test_an_optimizer_that_diverged_at_every_lr_of_a_size_stops_the_carried_sizes_in_one_line(tmp_path, monkeypatch):
+    # AdamMini diverged at both lrs of the two smaller sizes: no best lr will ever come of them, so the third size
+    # stops the study with a line naming it (it waited, exit 0, on every call before).
+    from tests.study.test_study import made_up_run
+    from torchtitan.errors import UserError
+    from torchtitan.study import ladder
+    from torchtitan.study.summary import summarize_sweep
+    from torchtitan.tools.sweep import _parser
+
+    lrs = (1e-3, 2e-3)
+    runs = [made_up_run("AdamW", 0, 1.0 + lr, lr=lr) for lr in lrs]
+    runs += [made_up_run("AdamMini", 0, 1.0, lr=lr, outcome="diverged") for lr in lrs]
+    report = summarize_sweep(runs, last_k=3)
+
+    def size_reports(dump, args, baseline, written=()):
+        sizes = ladder.read_ladder(dump)["sizes"].items()
+        return [
+            {"size": f, "params": n, "folder": f, "report": report}
+            for f, n in sizes
+            if ladder.size_folder(dump, f).exists()
+        ]
+
+    trained = []
+
+    def size_sweep(args, train_args) -> int:
+        trained.append(Path(args.dump_folder).name)
+        Path(args.dump_folder).mkdir(parents=True)
+        return 0
+
+    monkeypatch.setattr(ladder, "size_reports", size_reports)
+    argv = ["--dump-folder", str(tmp_path), "--optimizers", "AdamW,AdamMini", "--lrs", "1e-3,2e-3", "--carry-lrs"]
+    args = _parser().parse_args([*argv, "--ladder", "ladder-30M,ladder-60M,ladder-130M"])
+    says = "--carry-lrs: AdamMini diverged at every lr of ladder-30M, so there is no best lr to carry up to ladder-130M"
+    with pytest.raises(UserError, match=re.escape(says)):
+        ladder.run_ladder(args, [], size_sweep, ladder.ladder_flavors(args))
+    assert trained == ["ladder-30M", "ladder-60M"]
+
+
+def test_token_budgets_are_the_same_budget_at_every_size_and_the_target_is_placed_against_the_sizes():
+    # --budgets given in tokens: every size trained the same three token counts, so the scale view has three D_eff
+    # columns (read as multiples of each size's parameters they were six, mostly "not run").
+    from tests.study.test_study import TOKENS_PER_STEP, made_up_run
+    from torchtitan.study.plan import tokens_label
+    from torchtitan.study.scale_report import format_scale_markdown, summarize_scale
+    from torchtitan.study.summary import summarize_sweep
+
+    runs = []
+    for steps in (20, 40, 80):
+        tokens = steps * TOKENS_PER_STEP
+        for optimizer, scale in (("AdamW", 1.0), ("AdamMini", 0.9)):
+            for seed in range(2):
+                loss = scale * (40.0 * tokens**-0.3 + 0.1) * steps / 8.0 * (1 + 0.01 * seed + 0.001 * seed * scale)
+                run = made_up_run(optimizer, seed, loss, steps=steps, budget=tokens)
+                run.status["budget_label"] = tokens_label(tokens)
+                runs.append(run)
+    report = summarize_sweep(runs, last_k=3)
+    sizes = [{"size": f, "params": n, "folder": f, "report": report} for f, n in list(PARAMS.items())[:2]]
+    for target, place in (
+        (1e7, "below the smallest size trained (30.2M): each value at it extrapolates downward"),
+        (4e7, "within the sizes trained (30.2M to 62.9M): values at it interpolate"),
+        (8e9, "127× past the largest size trained (62.9M): a value at it assumes each law holds that far"),
+    ):
+        view = summarize_scale(sizes, {}, "AdamW", target)
+        assert list(view["optimizers"]["AdamMini"]["d_eff_trends"]) == [tokens_label(t) for t in report["budgets"]]
+        assert place in format_scale_markdown(view)
+
+
+def test_the_best_lr_law_counts_the_grid_step_and_its_exponent_interval_holds_the_truth():
+    # 400 made-up laws a setting: each size's best lr is the true lr0 (N / N0)^-0.3, off by exp(0.05 Z), rounded to
+    # a grid of lrs 2x or 3x apart (its offset drawn). Sizes that all found the same grid point gave an interval of
+    # zero width; counting the rounding, the interval is never that and holds the true exponent in 95% or more.
+    rng = np.random.default_rng(0)
+    for sizes, step in ((3, 2.0), (4, 2.0), (4, 3.0)):
+        held = same = 0
+        for _ in range(400):
+            params = list(PARAMS.values())[:sizes]
+            grid = [1e-3 * step ** (k + rng.uniform(0, 1)) for k in range(-6, 7)]
+            found = []
+            for n in params:
+                true = 1e-3 * (n / REFERENCE) ** -0.3 * math.exp(rng.normal(0.0, 0.05))
+                found.append(min(grid, key=lambda g: abs(math.log(g / true))))
+            low, high = fit_log_line(params, found, step).exponent_interval()
+            assert high - low > 0.1
+            held += low <= -0.3 <= high
+            same += len(set(found)) == 1
+        print(f"{sizes} sizes, grid step {step}: exponent held {held / 400:.4f}, one grid point at every size {same}")
+        assert held / 400 >= 0.95 - 3 * math.sqrt(0.95 * 0.05 / 400) and same > 0
+
+
+def test_found_against_predicted_allows_half_a_grid_step_and_an_edge_is_a_bound_not_an_optimum():
+    from tests.study.test_study import made_up_run
+    from torchtitan.study.scale_report import format_scale_markdown, summarize_scale
+    from torchtitan.study.summary import summarize_sweep
+
+    # Three sizes whose best lr is 1e-3 on the grid 5e-4, 1e-3, 2e-3; a fourth whose best is 2e-3, its largest.
+    def report(best: float) -> dict:
+        runs = [
+            made_up_run(o, s, (1.0 if lr == best else 1.1) * (1 + 0.01 * s), lr=lr)
+            for o in ("AdamW", "AdamMini")
+            for lr in (5e-4, 1e-3, 2e-3)
+            for s in range(2)
+        ]
+        return summarize_sweep(runs, last_k=3)
+
+    names = list(PARAMS)[:4]
+    sizes = [
+        {"size": f, "params": PARAMS[f], "folder": f, "report": report(2e-3 if f == names[3] else 1e-3)} for f in names
+    ]
+    view = summarize_scale(sizes, {}, "AdamW", 8e9)
+    (law,) = [x for x in view["optimizers"]["AdamMini"]["laws"] if x["setting"] == "lr"]
+    low, high = law["exponent_interval"]
+    assert law["grid_step"] == 2.0 and high - low > 0.5  # three sizes on one point: wide, not zero width
+    assert law["at_edge"] == {names[3]: "largest"}
+    assert law["predicted_vs_found"][-1]["inside"] is None
+    md = format_scale_markdown(view)
+    assert f"at the grid's edge, a bound and not an optimum: {names[3]} the largest tried" in md
+    assert "n/a: the largest tried, a bound" in md
+    # Found 10% past the end of its prediction interval on a grid 1.5x apart: inside (a grid point within half a
+    # step of a value inside it); 30% past: outside. The interval does not depend on the size's own found value.
+    smaller = [("a", 1e7, 1e-3), ("b", 2e7, 1.01e-3), ("c", 4e7, 0.99e-3), ("d", 8e7, 1.0e-3)]
+    high = predicted_against_found([*smaller, ("e", 1.6e8, 1e-3)], 1.5)[-1]["interval"][1]
+    assert predicted_against_found([*smaller, ("e", 1.6e8, 1.1 * high)], 1.5)[-1]["inside"] is True
+    assert predicted_against_found([*smaller, ("e", 1.6e8, 1.3 * high)], 1.5)[-1]["inside"] is False
+
+
+def extrapolation_claims(rng, law, studies: int = 60) -> dict:
+    """Over made-up studies of four sizes (30M to 300M, three seeds each, each seed's speedup off the ``law``'s
+    by exp(0.02 Z)), what the scale view's speedup trend says at 8B (``size_trend``, as the view computes it): how
+    often the power law's interval alone holds the truth, how often the page's claim does (the truth inside one of
+    the two laws' intervals it shows, or the page saying that this ladder does not determine the value), and how
+    often it says so."""
+    from torchtitan.study.scale_report import size_trend
+
+    truth = law(TARGET)
+    counts = {"power": 0, "page": 0, "undetermined": 0}
+    for _ in range(studies):
+        points = []
+        for name, n in list(PARAMS.items())[:4]:
+            s = combine_speedups([(law(n) * math.exp(rng.normal(0.0, 0.02)), None) for _ in range(3)])
+            points.append((name, TrendPoint(n, s.value, s.low, s.high, 2), None))
+        trend = size_trend(points, TARGET, bends=True)
+        power = trend["fit"]["target_interval"]
+        bending = (trend.get("saturating") or {}).get("target_interval")
+        inside = [iv is not None and iv[0] <= truth <= iv[1] for iv in (power, bending)]
+        undetermined = trend.get("determined") is False
+        counts["power"] += inside[0]
+        counts["page"] += any(inside) or undetermined
+        counts["undetermined"] += undetermined
+    return {k: v / studies for k, v in counts.items()}
+
+
+def test_past_the_ladder_a_bending_speedup_is_fitted_beside_the_power_law_and_the_page_holds_in_either_world():
+    # A speedup that bends toward 1 (1 + 0.4 (N / N0)^-0.5): the power law alone put its 8B interval off the truth
+    # in most studies; with the bending law beside it, and the page saying where the two disagree, what the page
+    # says holds. A true power law (1.4 (N / N0)^-0.1): the same.
+    rng = np.random.default_rng(4)
+    bending = extrapolation_claims(rng, lambda n: 1.0 + 0.4 * (n / REFERENCE) ** -0.5)
+    power = extrapolation_claims(rng, lambda n: 1.4 * (n / REFERENCE) ** -0.1)
+    print(f"at 8B: bending world {bending}, power-law world {power}")
+    assert bending["page"] >= 0.9 and power["page"] >= 0.9
+    assert bending["power"] < 0.6 and bending["undetermined"] > 0.3
+
+
+def test_the_page_shows_both_laws_at_the_target_and_says_when_the_ladder_does_not_determine_it():
+    from torchtitan.study.scale_report import size_trend, trend_text
+
+    points = [
+        (
+            name,
+            TrendPoint(
+                n,
+                1.0 + 0.4 * (n / REFERENCE) ** -0.5,
+                *(1.0 + 0.4 * (n / REFERENCE) ** -0.5) * np.array([0.99, 1.01]),
+                2,
+            ),
+            None,
+        )
+        for name, n in list(PARAMS.items())[:4]
+    ]
+    text = trend_text("Speedup at matched loss", size_trend(points, TARGET, bends=True), TARGET)
+    assert "at 8B parameters" in text and "Bending toward 1 instead (1 + a·N^b" in text
+    assert "this ladder does not determine the value at the target" in text

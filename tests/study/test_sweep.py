@@ -570,3 +570,24 @@ def test_soap_and_its_refresh_interval_are_a_study_axis(tmp_path):
     status = status_of(dump / "runs" / "SOAP_lr1e-3_seed0_optimizer.precondition_frequency50")
     assert "--optimizer.name SOAP" in status["command"]
     assert "--optimizer.precondition_frequency 50" in status["command"]
+
+
+def test_a_study_resolves_each_job_once(tmp_path, monkeypatch):
+    # A study with a budget (tokens per step, the job's warmup), confirmation seeds (their validation windows), W&B's
+    # group and preflight of every cell reads each distinct job (config file and options) once: none parsed again.
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.study.plan import _resolve_job
+
+    _resolve_job.cache_clear()
+    parsed = []
+    parse = JobConfig.parse_args.__func__
+
+    def counting(cls, argv):
+        parsed.append(tuple(argv))
+        return parse(cls, argv)
+
+    monkeypatch.setattr(JobConfig, "parse_args", classmethod(counting))
+    assert (
+        fake_sweep(tmp_path, "--optimizers", "AdamW", "--lrs", "1e-3", "--budgets", "2e4", "--confirm-seeds", "1") == 0
+    )
+    assert parsed and len(parsed) == len(set(parsed)), [a for a in parsed if parsed.count(a) > 1][:2]

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from torchtitan.errors import UserError
 from torchtitan.files import strict_json, write_text_atomically
-from torchtitan.study.plan import RUNS_FOLDER, RunSpec, parse_seeds
+from torchtitan.study.plan import RUNS_FOLDER, RunSpec, parse_seeds, resolved_job
 from torchtitan.study.run_folders import load_sweep_runs, read_status
 from torchtitan.study.search import read_search
 from torchtitan.study.summary import DEFAULT_BASELINE, cell_runs, summarize_sweep
@@ -99,11 +99,10 @@ CONFIRMATION_FILE = "confirmation.json"  # which validation windows the confirma
 def _held_out_windows(config_file: str, train_args: Sequence[str]):
     """(the selection's first window, validation.windows, validation windows the held-out tokens data holds), or a
     reason why confirmation cannot score other windows."""
-    from torchtitan.config.job_config import JobConfig
     from torchtitan.datasets.tokens import open_validation_windows
     from torchtitan.training.validate import validation_data
 
-    config = JobConfig.parse_args(["--job.config_file", config_file, *train_args])
+    config = resolved_job(config_file, train_args)
     t, v = config.training, config.validation
     if not v.enable:
         return "validation is off (the study ranks by training loss)"

@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from torchtitan.study.plan import Axis, RunSpec, axes_for, axis_value, check_axes, lr_label
+from torchtitan.study.plan import Axis, RunSpec, axes_for, axis_value, check_axes, lr_label, resolved_job
 from torchtitan.study.run_folders import status_paths, write_status
 
 
 def _job_value(config_file: str, train_args: Sequence[str], key: str):
-    from torchtitan.config.job_config import JobConfig
-
-    config = JobConfig.parse_args(["--job.config_file", config_file, *train_args])
+    config = resolved_job(config_file, train_args)
     section, _, name = key.partition(".")
     return getattr(getattr(config, section, None), name, None)
 

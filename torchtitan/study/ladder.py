@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -22,11 +23,13 @@ from torchtitan.errors import UserError
 from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.plan import (
     DEFAULT_LAST_K,
+    DIVERGED,
     FINISHED,
     RUNS_FOLDER,
     items,
     parse_lrs,
     recorded_settings,
+    resolved_job,
 )
 from torchtitan.study.scale import carried_grid, fit_log_line
 
@@ -152,6 +155,30 @@ def done(report: dict) -> bool:
     )
 
 
+def diverged_everywhere(report: dict) -> list[str]:
+    """The optimizers whose every setting at the size's largest budget diverged: no best setting will ever come
+    of these runs (a failed one trains again; a diverged one does not)."""
+    budget = report["budgets"][-1] if report["budgets"] else None
+    stuck = []
+    for optimizer, b in report["best"].items():
+        cells = [c for c in report["grid"] if c["optimizer"] == optimizer and c["budget"] == budget]
+        if b["settings"] is None and cells and all(c["outcome"] == DIVERGED for c in cells):
+            stuck.append(optimizer)
+    return stuck
+
+
+def check_size_jobs(args: argparse.Namespace, train_args: Sequence[str], options: dict, flavors: Sequence[str]):
+    """Each size's job (the train.py options with its own) parsed before the first run trains, so that a mistake
+    in a later size's option stops the study before the smaller sizes train, not after."""
+    config_file = str(Path(args.config_file).resolve())
+    for flavor in flavors:
+        size_train = [*train_args, *options.get(flavor, []), f"--{FLAVOR_OPTION}", flavor]
+        try:
+            resolved_job(config_file, size_train)  # the very job the size's sweep reads again from the cache
+        except UserError as e:
+            raise UserError(f"size {flavor}: {e}") from None
+
+
 def best_lrs(report: dict) -> dict[str, float]:
     return {o: b["settings"]["lr"] for o, b in report["best"].items() if b["settings"] is not None}
 
@@ -172,10 +199,18 @@ def carried_lrs(
                 "first, or drop --carry-lrs"
             )
         predicted = line.at(params)
+        # A best lr at an end of its size's grid is a bound, not an optimum: carried, and marked as such.
+        edges = {
+            s["size"]: e["end"]
+            for s in smaller
+            for e in (s["report"]["best"].get(optimizer) or {}).get("edges") or []
+            if e["setting"] == "lr"
+        }
         grids[optimizer] = {
             "predicted": predicted,
             "lrs": carried_grid(lrs, predicted),
             "from": [s["size"] for s in smaller],
+            "edges": edges,
         }
     return grids
 
@@ -188,8 +223,8 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
 
     dump = Path(args.dump_folder).resolve()
     target = args.target_params
-    if target is not None and not target > 0:
-        raise UserError(f"--target-params must be a positive number of parameters, like 8e9; got {target:g}")
+    if target is not None and not (math.isfinite(target) and target > 0):
+        raise UserError(f"--target-params must be a finite positive number of parameters, like 8e9; got {target:g}")
     if any(a.startswith(f"--{FLAVOR_OPTION}") for a in train_args):
         raise UserError(
             f"--{FLAVOR_OPTION} is set by the study for each size; remove it and list the sizes in --ladder"
@@ -214,6 +249,7 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
         sizes = {f: flavor_params(f) for f in flavors}
         options = parse_size_options(args.size_option, flavors)
         nprocs = parse_size_nproc(args.size_nproc, flavors)
+        check_size_jobs(args, train_args, options, flavors)
         if args.carry_lrs and len(parse_lrs(args.lrs)) < 2:
             raise UserError(
                 "--carry-lrs moves the --lrs grid to each size's predicted lr; give --lrs two or more values"
@@ -249,6 +285,16 @@ def run_ladder(args: argparse.Namespace, train_args: list[str], run_sweep: Calla
                 reports = size_reports(dump, args, args.baseline, written)
                 smaller = [r for r in reports if r["params"] < sizes[flavor]]
                 unready = {f for f, _ in ordered[:index]} - {r["size"] for r in smaller if done(r["report"])}
+                stuck = [
+                    (r["size"], o) for r in smaller if r["size"] in unready for o in diverged_everywhere(r["report"])
+                ]
+                if stuck:
+                    size, optimizer = stuck[0]
+                    raise UserError(
+                        f"--carry-lrs: {optimizer} diverged at every lr of {size}, so there is no best lr to carry up "
+                        f"to {flavor}; give --lrs smaller values (that size trains them on the next call) or drop "
+                        f"{optimizer}"
+                    )
                 if unready:
                     waiting.append(f"{flavor} waits for {', '.join(sorted(unready))}")
                     continue

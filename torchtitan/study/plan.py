@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import decimal
 import fcntl
+import functools
 import json
 import math
 import re
@@ -211,15 +212,33 @@ def parse_budgets(raw: str) -> list[tuple[str, float, bool]]:
     return budgets
 
 
+def resolved_job(config_file: str, train_args: Sequence[str]):
+    """The job (``JobConfig``) of ``config_file`` with ``train_args``, parsed once per study call and shared by
+    everything that reads it (budgets, preflight, confirmation windows, earlier runs, W&B, Slurm): read it, never
+    change it. Keyed by the file's path, size and modification time as well as the options, so an edited file is
+    read again."""
+    path = Path(config_file).resolve()
+    stat = path.stat() if path.exists() else None
+    key = (str(path), stat and (stat.st_size, stat.st_mtime_ns), tuple(train_args))
+    return _resolve_job(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_job(key: tuple):
+    from torchtitan.config.job_config import JobConfig
+
+    config_file, _, train_args = key
+    return JobConfig.parse_args(["--job.config_file", config_file, *train_args])
+
+
 def tokens_per_step(config_file: str, nproc: int, train_args: Sequence[str]) -> tuple[int, int]:
     """(tokens per optimizer step, non-embedding parameters) of the job: batch_size x seq_len x data-parallel
     degree x gradient_accumulation_steps, and the flavor's parameters counted on the meta device."""
-    from torchtitan.config.job_config import JobConfig
     from torchtitan.config.preflight import model_args_for
     from torchtitan.models.llama import non_embedding_params
     from torchtitan.parallelisms.parallel_dims import ParallelDims
 
-    config = JobConfig.parse_args(["--job.config_file", config_file, *train_args])
+    config = resolved_job(config_file, train_args)
     dims = ParallelDims.from_job_config(config, nproc)
     dims.validate()
     t = config.training
@@ -229,9 +248,7 @@ def tokens_per_step(config_file: str, nproc: int, train_args: Sequence[str]) -> 
 
 def job_warmup_fraction(config_file: str, train_args: Sequence[str]) -> float:
     """The job's own warmup as a share of its steps: training.warmup_steps / training.steps."""
-    from torchtitan.config.job_config import JobConfig
-
-    t = JobConfig.parse_args(["--job.config_file", config_file, *train_args]).training
+    t = resolved_job(config_file, train_args).training
     return min(1.0, t.warmup_steps / t.steps)
 
 
@@ -366,9 +383,7 @@ def run_command(
 
 def wandb_group(dump: Path, config_file: str, train_args: Sequence[str]) -> Optional[str]:
     """The W&B group of a study's runs (the study folder's name) when its job logs to W&B; else None."""
-    from torchtitan.config.job_config import JobConfig
-
-    enabled = JobConfig.parse_args(["--job.config_file", config_file, *train_args]).metrics.enable_wandb
+    enabled = resolved_job(config_file, train_args).metrics.enable_wandb
     return Path(dump).resolve().name if enabled else None
 
 
@@ -377,7 +392,6 @@ def preflight_jobs(
 ) -> None:
     """Check each optimizer's job (at each budget and point of its axes) as train.py will, so that a mistake stops
     the sweep before any run starts."""
-    from torchtitan.config.job_config import JobConfig
     from torchtitan.config.preflight import preflight
 
     checked = set()
@@ -385,9 +399,7 @@ def preflight_jobs(
         if (spec.optimizer, spec.budget, spec.options) in checked:
             continue
         checked.add((spec.optimizer, spec.budget, spec.options))
-        config = JobConfig.parse_args(
-            ["--job.config_file", config_file, *train_args, *spec_options(spec, vary_data_seed)]
-        )
+        config = resolved_job(config_file, [*train_args, *spec_options(spec, vary_data_seed)])
         preflight(config, nproc)  # the optimizer's name and options included
 
 

@@ -61,17 +61,25 @@ class LogLine:
         return math.exp(centre - half), math.exp(centre + half)
 
 
-def fit_log_line(xs: Sequence[float], ys: Sequence[float]) -> Optional[LogLine]:
-    """The least-squares line through (log x, log y); None with fewer than two distinct x (or a y not above 0)."""
+def fit_log_line(xs: Sequence[float], ys: Sequence[float], step: float = 1.0) -> Optional[LogLine]:
+    """The least-squares line through (log x, log y); None with fewer than two distinct x (or a y not above 0).
+
+    ``step``: the ratio between neighbouring values of the grid each y was found on (1: measured exactly). A value
+    found on a grid is the true one rounded to a grid point, off by up to half a step in log: that rounding's
+    variance, (log step)^2 / 12 for an error uniform over the step, is added to the scatter about the line, so that
+    sizes that all found the same grid point give an interval as wide as the grid leaves it, not one of zero width."""
     if len(xs) != len(ys) or len(set(xs)) < 2 or any(y <= 0 for y in ys) or any(x <= 0 for x in xs):
         return None
+    if not step >= 1.0:
+        raise ValueError(f"fit_log_line needs a grid step of at least 1 (a ratio of neighbouring values); got {step}")
     lx, ly = np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float))
     x_mean, sxx = float(lx.mean()), float(((lx - lx.mean()) ** 2).sum())
     exponent = float(((lx - x_mean) * (ly - ly.mean())).sum() / sxx)
     intercept = float(ly.mean() - exponent * x_mean)
     residuals = ly - (intercept + exponent * lx)
     n = len(xs)
-    residual_sd = math.sqrt(float((residuals**2).sum()) / (n - 2)) if n > 2 else None
+    rounding = math.log(step) ** 2 / 12.0
+    residual_sd = math.sqrt(float((residuals**2).sum()) / (n - 2) + rounding) if n > 2 else None
     return LogLine(exponent, intercept, n, residual_sd, x_mean, sxx)
 
 
@@ -199,6 +207,77 @@ def fit_trend(
     return Trend(line.exponent, exponent_interval, at_target, target_interval, n, widened, note)
 
 
+@dataclass(frozen=True)
+class Saturating:
+    """``value = 1 + sign * a * N^b`` (``sign`` +1 for speedups above 1, -1 below): a speedup that may bend
+    toward 1 with size, fitted beside the power law; its value at the target and a bootstrap interval (resamples
+    whose sizes cross 1 fit no such law and are counted as unknown at both ends)."""
+
+    exponent: float
+    at_target: float
+    target_interval: tuple[float, float]
+    failed: int
+    resamples: int
+
+    def to_json(self) -> dict:
+        return {
+            "exponent": self.exponent,
+            "at_target": self.at_target,
+            "target_interval": list(self.target_interval),
+            "failed": self.failed,
+            "resamples": self.resamples,
+        }
+
+
+def fit_saturating(
+    points: Sequence[TrendPoint],
+    target: float,
+    confidence: float = CONFIDENCE,
+    resamples: int = TREND_RESAMPLES,
+    seed: int = 0,
+) -> Optional[Saturating]:
+    """The saturating alternative to :func:`fit_trend`'s power law: log |value - 1| a straight line in log N, the
+    sizes drawn from their own intervals as :func:`fit_trend` draws them. None with fewer than three sizes or where
+    the sizes' values do not all lie on one side of 1 (no such law passes through them)."""
+    from torchtitan.study.statistics import percentile_interval
+
+    by_size = sorted(points, key=lambda p: p.params)
+    if len({p.params for p in by_size}) < 3:
+        return None
+    values = np.asarray([p.value for p in by_size], float)
+    sign = 1.0 if (values > 1).all() else -1.0 if (values < 1).all() else 0.0
+    if sign == 0.0:
+        return None
+    params = [p.params for p in by_size]
+    line = fit_log_line(params, list(sign * (values - 1.0)))
+    lx = np.log(np.asarray(params, float))
+    se = np.asarray(
+        [(math.log(p.high) - math.log(p.low)) / (2 * _half_quantile(p.df, confidence)) for p in by_size], float
+    )
+    rng = np.random.default_rng(seed)
+    draws = np.stack(
+        [rng.standard_t(p.df, resamples) if p.df is not None else rng.standard_normal(resamples) for p in by_size],
+        axis=1,
+    )
+    excess = sign * (np.exp(np.log(values) + draws * se) - 1.0)  # (resamples, sizes)
+    ok = (excess > 0).all(axis=1)
+    ly = np.log(excess[ok])
+    xc = lx - lx.mean()
+    slopes = (ly - ly.mean(axis=1, keepdims=True)) @ xc / float((xc**2).sum())
+    at = 1.0 + sign * np.exp(ly.mean(axis=1) + slopes * (math.log(target) - lx.mean()))
+    failed = int(resamples - ok.sum())
+    low, high = percentile_interval(at, failed, confidence)
+    return Saturating(line.exponent, 1.0 + sign * line.at(target), (low, high), failed, resamples)
+
+
+def determined(power: Optional[tuple[float, float]], saturating: Optional[tuple[float, float]]) -> bool:
+    """Whether the two laws' intervals at the target overlap: where they do not, the sizes trained fit both and
+    the target's value depends on which law holds past them."""
+    if power is None or saturating is None:
+        return True
+    return power[0] <= saturating[1] and saturating[0] <= power[1]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Settings carried up
 
@@ -215,18 +294,20 @@ def carried_grid(lrs: Sequence[float], prediction: float) -> list[float]:
     return grid
 
 
-def predicted_against_found(sizes: Sequence[tuple[str, float, Optional[float]]]) -> list[dict]:
+def predicted_against_found(sizes: Sequence[tuple[str, float, Optional[float]]], step: float = 1.0) -> list[dict]:
     """For every size after the first two (by parameters): the law fitted to the smaller sizes' found values, its
     prediction for this size with a prediction interval (three or more smaller sizes), and what was found.
-    ``sizes`` = (name, parameters, found value or None)."""
+    ``sizes`` = (name, parameters, found value or None); ``step`` the grid's (:func:`fit_log_line`): a found value
+    is inside when it lies within half a step of the interval (the grid point nearest a value inside it)."""
     ordered = sorted(sizes, key=lambda s: s[1])
     rows = []
     for i, (name, params, found) in enumerate(ordered):
         if i < 2:
             continue
         known = [(p, v) for _, p, v in ordered[:i] if v is not None]
-        line = fit_log_line([p for p, _ in known], [v for _, v in known]) if len(known) >= 2 else None
+        line = fit_log_line([p for p, _ in known], [v for _, v in known], step) if len(known) >= 2 else None
         interval = line.prediction_interval(params) if line else None
+        half = math.sqrt(step)
         rows.append(
             {
                 "size": name,
@@ -235,7 +316,9 @@ def predicted_against_found(sizes: Sequence[tuple[str, float, Optional[float]]])
                 "predicted": line.at(params) if line else None,
                 "interval": list(interval) if interval else None,
                 "found": found,
-                "inside": None if interval is None or found is None else interval[0] <= found <= interval[1],
+                "inside": None
+                if interval is None or found is None
+                else interval[0] / half <= found <= interval[1] * half,
             }
         )
     return rows

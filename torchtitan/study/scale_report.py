@@ -9,6 +9,7 @@ Built from each size's report (``report.write_report`` of its folder) and the st
 from __future__ import annotations
 
 import html
+import math
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -18,13 +19,23 @@ from torchtitan.study.report import (
     PAGE_NAME,
     REPORT_NAME,
     STYLE,
+    _d_eff_text,
     _figure,
     _html_table,
     _table,
+    difference_interval_text,
     loss_text,
     speedup_text,
 )
-from torchtitan.study.scale import TrendPoint, fit_log_line, fit_trend, predicted_against_found, significant
+from torchtitan.study.scale import (
+    TrendPoint,
+    determined,
+    fit_log_line,
+    fit_saturating,
+    fit_trend,
+    predicted_against_found,
+    significant,
+)
 from torchtitan.study.statistics import AT_LEAST
 from torchtitan.study.summary import settings_label
 
@@ -40,6 +51,15 @@ def multiple_label(tokens: Optional[float], params: float) -> str:
     return f"{significant(tokens / (TOKENS_PER_PARAM * params)):g}x"
 
 
+def budget_label(tokens: Optional[float], report: dict, params: float) -> str:
+    """A budget as the study gave it: the label its runs recorded (``2x`` for a multiple, ``1M`` for a token count:
+    a token count is the same budget at every size), else the multiple it is for this size."""
+    for run in report.get("runs") or []:
+        if run.get("budget") == tokens and run.get("budget_label"):
+            return run["budget_label"]
+    return multiple_label(tokens, params)
+
+
 def _confirmed(b: dict) -> bool:
     return b.get("settings") is not None and b.get("confirmation", FINISHED) == FINISHED
 
@@ -48,10 +68,11 @@ def _size_row(optimizer: str, b: dict, report: dict, params: float) -> dict:
     d_eff = {}
     fit = report.get("budget_fit") or {}
     for e in (fit.get("speedups") or {}).get(optimizer, []):
-        d_eff[multiple_label(e["budget"], params)] = {
+        d_eff[budget_label(e["budget"], report, params)] = {
             "value": e["speedup"],
             "interval": e.get("interval"),
             "below_floor": e["below_floor"],
+            "note": e.get("interval_note"),
         }
     return {
         "settings": b.get("settings"),
@@ -82,11 +103,21 @@ def _speedup_point(params: float, s: Optional[dict]) -> tuple[Optional[TrendPoin
     return TrendPoint(params, s["value"], s["low"], s["high"], s["seeds"] - 1), None
 
 
-def _trend(points: Sequence[tuple[str, Optional[TrendPoint], Optional[str]]], target: Optional[float]) -> dict:
+def size_trend(
+    points: Sequence[tuple[str, Optional[TrendPoint], Optional[str]]], target: Optional[float], bends: bool = False
+) -> dict:
+    """The power law over the sizes with a value; for a speedup (``bends``) with three sizes or more and a target
+    past them, the saturating alternative beside it (a speedup that bends toward 1) and whether the two agree."""
     used = [p for _, p, _ in points if p is not None]
     left_out = {size: why for size, p, why in points if p is None}
     trend = fit_trend(used, target)
-    return {"fit": trend.to_json() if trend else None, "left_out": left_out}
+    result = {"fit": trend.to_json() if trend else None, "left_out": left_out}
+    if bends and trend is not None and target and used and target > max(p.params for p in used):
+        alternative = fit_saturating(used, target)
+        result["saturating"] = alternative.to_json() if alternative else None
+        if alternative is not None:
+            result["determined"] = determined(trend.target_interval, alternative.target_interval)
+    return result
 
 
 def _settings_laws(optimizer: str, sizes: Sequence[dict], target: Optional[float]) -> list[dict]:
@@ -94,10 +125,12 @@ def _settings_laws(optimizer: str, sizes: Sequence[dict], target: Optional[float
     of the best value against parameters over every size, and predicted against found for every size after the
     first two."""
     found: dict[tuple[str, str], list[tuple[str, float, Optional[float]]]] = {}
+    edges: dict[tuple[str, str], dict[str, str]] = {}  # per law, the sizes whose value is at its grid's edge
+    steps: dict[tuple[str, str], float] = {}  # per law, the widest step of the grids its values were found on
     for size in sizes:
         for entry in size["report"]["best_by_budget"]:
             b = entry["best"].get(optimizer)
-            label = multiple_label(entry["budget"], size["params"])
+            label = budget_label(entry["budget"], size["report"], size["params"])
             if b is None:
                 continue
             for key, value in (b.get("settings") or {}).items():
@@ -105,27 +138,56 @@ def _settings_laws(optimizer: str, sizes: Sequence[dict], target: Optional[float
                 if key != "lr" and number is None:
                     continue
                 found.setdefault((label, key), []).append((size["size"], size["params"], number))
+                step = grid_step(size["report"], optimizer, entry["budget"], key)
+                steps[label, key] = max(steps.get((label, key), 1.0), step)
+                for edge in b.get("edges") or []:
+                    if edge["setting"] == key:
+                        edges.setdefault((label, key), {})[size["size"]] = edge["end"]
     laws = []
     for (label, key), values in found.items():
         known = [(p, v) for _, p, v in values if v is not None]
-        line = fit_log_line([p for p, _ in known], [v for _, v in known])
+        step = steps.get((label, key), 1.0)
+        line = fit_log_line([p for p, _ in known], [v for _, v in known], step)
         if line is None and len(values) < 3:
             continue
         interval = line.exponent_interval() if line else None
         target_interval = line.prediction_interval(target) if line and target else None
+        at_edge = edges.get((label, key), {})
+        rows = predicted_against_found(values, step)
+        for row in rows:
+            if row["size"] in at_edge:  # a bound, not an optimum: nothing to hold it against
+                row["edge"], row["inside"] = at_edge[row["size"]], None
         laws.append(
             {
                 "budget": label,
                 "setting": key,
-                "found": [{"size": s, "params": p, "value": v} for s, p, v in values],
+                "found": [{"size": s, "params": p, "value": v, "edge": at_edge.get(s)} for s, p, v in values],
+                "grid_step": step,
+                "at_edge": at_edge,
                 "exponent": line.exponent if line else None,
                 "exponent_interval": list(interval) if interval else None,
                 "at_target": line.at(target) if line and target else None,
                 "target_interval": list(target_interval) if target_interval else None,
-                "predicted_vs_found": predicted_against_found(values),
+                "predicted_vs_found": rows,
             }
         )
     return laws
+
+
+def grid_step(report: dict, optimizer: str, budget, key: str) -> float:
+    """The widest ratio between neighbouring values of ``key`` that the optimizer's cells at ``budget`` tried (1
+    with one value): how finely its best value is known."""
+    tried = sorted(
+        {
+            c["settings"][key]
+            for c in report.get("grid") or []
+            if c["optimizer"] == optimizer
+            and c["budget"] == budget
+            and isinstance(c["settings"].get(key), (int, float))
+        }
+    )
+    tried = [v for v in tried if v > 0]
+    return max((b / a for a, b in zip(tried, tried[1:])), default=1.0)
 
 
 def summarize_scale(sizes: Sequence[dict], record: dict, baseline: str, target: Optional[float]) -> dict:
@@ -142,7 +204,8 @@ def summarize_scale(sizes: Sequence[dict], record: dict, baseline: str, target: 
                 "size": s["size"],
                 "params": s["params"],
                 "folder": s["folder"],
-                "budgets": [multiple_label(t, s["params"]) for t in s["report"]["budgets"]] or ["the job's steps"],
+                "budgets": [budget_label(t, s["report"], s["params"]) for t in s["report"]["budgets"]]
+                or ["the job's steps"],
                 "selection_seeds": s["report"]["selection_seeds"],
                 "confirmation_seeds": s["report"]["confirmation_seeds"],
                 "carried": (record.get("grids") or {}).get(s["size"]),
@@ -168,7 +231,7 @@ def summarize_scale(sizes: Sequence[dict], record: dict, baseline: str, target: 
                     points.append((s["size"], None, "not confirmed"))
                     continue
                 points.append((s["size"], *_speedup_point(s["params"], row["speedup"])))
-            entry["speedup_trend"] = _trend(points, target)
+            entry["speedup_trend"] = size_trend(points, target, bends=True)
             multiples = list(dict.fromkeys(m for row in rows.values() for m in row["d_eff"]))
             entry["d_eff_trends"] = {}
             for m in multiples:
@@ -177,11 +240,11 @@ def summarize_scale(sizes: Sequence[dict], record: dict, baseline: str, target: 
                     e = (rows.get(s["size"]) or {}).get("d_eff", {}).get(m)
                     interval = (e or {}).get("interval")
                     if e is None or e["value"] is None or not interval or None in interval:
-                        why = "not run" if e is None else "no value or interval"
+                        why = "not run" if e is None else e.get("note") or "no value or interval"
                         d_points.append((s["size"], None, why))
                     else:
                         d_points.append((s["size"], TrendPoint(s["params"], e["value"], *interval, None), None))
-                entry["d_eff_trends"][m] = _trend(d_points, target)
+                entry["d_eff_trends"][m] = size_trend(d_points, target, bends=True)
         view["optimizers"][optimizer] = entry
     return view
 
@@ -227,13 +290,41 @@ def trend_text(what: str, trend: dict, target: Optional[float]) -> str:
         text += f", {fit['note']}"
     if fit["note"] and fit["exponent_interval"] is not None:
         text += f" ({fit['note']})"
-    return text + "." + left_out
+    return text + "." + _saturating_text(trend, target) + left_out
+
+
+def _saturating_text(trend: dict, target: Optional[float]) -> str:
+    """The saturating alternative at the target beside the power law, and what the ladder cannot tell apart."""
+    if "saturating" not in trend:
+        return ""
+    where = params_text(target)
+    s = trend["saturating"]
+    if s is None:
+        return (
+            f" A speedup bending toward 1 (1 + a·N^b) fits no law here (the sizes lie on both sides of 1): the "
+            f"value at {where} rests on the power law alone."
+        )
+    low, high = (_end(x, "∞" if i else "−∞") for i, x in enumerate(s["target_interval"]))
+    text = (
+        f" Bending toward 1 instead (1 + a·N^b, as a speedup that fades with size): {s['at_target']:.2f}× at "
+        f"{where} [{low}, {high}]."
+    )
+    if not trend.get("determined", True):
+        text += (
+            f" The two laws disagree at {where} beyond their intervals: the sizes trained fit both, so this ladder "
+            "does not determine the value at the target; add larger sizes."
+        )
+    return text
+
+
+def _end(x: Optional[float], infinite: str) -> str:
+    return infinite if x is None or not math.isfinite(x) else f"{x:.2f}"
 
 
 def _difference_text(d: Optional[dict]) -> str:
     if d is None:
         return "n/a"
-    return f"{d['difference']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}], {d['verdict']}"
+    return f"{d['difference']:+.4f}{difference_interval_text(d)}, {d['verdict']}"
 
 
 def size_rows(view: dict) -> tuple[list[str], list[list[str]]]:
@@ -244,6 +335,7 @@ def size_rows(view: dict) -> tuple[list[str], list[list[str]]]:
         grid = (
             "; ".join(
                 f"{o}: centred on {lr_label(significant(c['predicted']))} ({', '.join(map(lr_label, c['lrs']))})"
+                + _edges_text(c.get("edges"))
                 for o, c in carried.items()
             )
             if carried
@@ -261,6 +353,13 @@ def size_rows(view: dict) -> tuple[list[str], list[list[str]]]:
             ]
         )
     return header, rows
+
+
+def _edges_text(edges: Optional[dict]) -> str:
+    if not edges:
+        return ""
+    ends = ", ".join(f"{size}'s is the {end} it tried" for size, end in edges.items())
+    return f", from best lrs at a grid's edge (bounds, not optima: {ends})"
 
 
 def optimizer_rows(view: dict, optimizer: str) -> tuple[list[str], list[list[str]]]:
@@ -290,16 +389,9 @@ def optimizer_rows(view: dict, optimizer: str) -> tuple[list[str], list[list[str
             e = row["d_eff"].get(m)
             if e is None:
                 d_eff.append("not run")
-            elif e["value"] is None:
-                d_eff.append(f"below {view['baseline']}'s floor")
             else:
-                interval = e["interval"]
-                ends = (
-                    ""
-                    if not interval
-                    else f" [{interval[0]:.2f}, " + (f"{interval[1]:.2f}]" if interval[1] is not None else "∞]")
-                )
-                d_eff.append(f"{e['value']:.2f}×{ends}")
+                cell = {"speedup": e["value"], "interval": e["interval"], "below_floor": e["below_floor"]}
+                d_eff.append(_d_eff_text({**cell, "interval_note": e.get("note")}, view))
         rows.append(
             [
                 s["size"],
@@ -321,6 +413,11 @@ def law_rows(view: dict, optimizer: str) -> list[tuple[str, list[str], list[list
     for law in view["optimizers"][optimizer]["laws"]:
         key = law["setting"]
         title = f"{optimizer}'s best {key} at {law['budget']}"
+        if law.get("grid_step", 1.0) > 1.0:
+            title += f" (found on grids {significant(law['grid_step']):g}× apart; the intervals count that rounding)"
+        if law.get("at_edge"):
+            ends = ", ".join(f"{size} the {end}" for size, end in law["at_edge"].items())
+            title += f"; at the grid's edge, a bound and not an optimum: {ends} tried"
         if law["exponent"] is None:
             title += ": no law (fewer than two sizes found one)"
         else:
@@ -347,6 +444,8 @@ def law_rows(view: dict, optimizer: str) -> list[tuple[str, list[str], list[list
                 else ""
             )
             inside = {True: "yes", False: "no", None: "n/a"}[p["inside"]]
+            if p.get("edge"):
+                inside = f"n/a: the {p['edge']} tried, a bound"
             rows.append(
                 [
                     p["size"],
@@ -373,7 +472,10 @@ def scale_notes(view: dict) -> list[str]:
         "95% interval is a parametric bootstrap that draws each size from its own interval, widened where the sizes "
         "scatter more than those intervals allow; with two sizes it is underdetermined. An optimizer better than the "
         "baseline at one budget has a speedup at matched loss that is only a lower bound (the baseline never gets to "
-        "its loss); over three or more --budgets its D_eff / D is a value at each, and has a trend of its own.",
+        "its loss); over three or more --budgets its D_eff / D is a value at each, and has a trend of its own. "
+        "Past the largest size, with three sizes or more, each speedup trend is also fitted as 1 + a·N^b (a speedup "
+        "that fades toward 1 with size): both values at the target are shown, and where their intervals do not "
+        "overlap the page says that the ladder does not determine the value at the target.",
         "Best settings: a power law of each size's best value against N (least squares in log-log, t intervals from "
         "the scatter about it, three or more sizes); for every size after the first two, what the smaller sizes' "
         "law predicted (95% prediction interval) against what its own search found. A best value at the grid's "
@@ -387,10 +489,27 @@ def scale_notes(view: dict) -> list[str]:
     else:
         lines.append("Every size searched the same --lrs grid (no --carry-lrs).")
     if target:
-        lines.append(f"Target: {target:,.0f} parameters (--target-params).")
+        lines.append(f"Target: {target:,.0f} parameters (--target-params), {target_place(view)}.")
     else:
         lines.append("No --target-params: the trends are not extrapolated.")
     return lines
+
+
+def target_place(view: dict) -> str:
+    """Where the target lies against the sizes trained, in words: how far an extrapolation to it reaches."""
+    target, params = view["target_params"], [s["params"] for s in view["sizes"]]
+    smallest, largest = min(params), max(params)
+    if target < smallest:
+        return (
+            f"below the smallest size trained ({params_text(smallest)}): each value at it extrapolates downward, "
+            "outside the sizes trained"
+        )
+    if target <= largest:
+        return f"within the sizes trained ({params_text(smallest)} to {params_text(largest)}): values at it interpolate"
+    return (
+        f"{target / largest:.3g}× past the largest size trained ({params_text(largest)}): a value at it assumes each "
+        "law holds that far past the sizes, which they cannot test"
+    )
 
 
 def format_scale_markdown(view: dict) -> str:
@@ -478,7 +597,7 @@ def _plot_scale(view: dict) -> Optional[bytes]:
                 if e["value"] is not None and e["interval"] and None not in e["interval"]:
                     series.setdefault(f"D_eff / D at {m}", []).append((s["params"], e["value"], *e["interval"]))
             d = row["difference"]
-            if d:
+            if d and d["low"] is not None:  # no spread, no interval: the table says so, the figure draws none
                 dxs.append(s["params"])
                 dys.append(d["difference"])
                 dlows.append(d["difference"] - d["low"])

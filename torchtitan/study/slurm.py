@@ -363,9 +363,9 @@ def check_time_limit(settings: SlurmSettings, dump: Path, checkpointing: bool = 
 
 def checkpointing(config_file: str, train_args: Sequence[str]) -> bool:
     """Whether the study's job saves checkpoints (checkpoint.enable_checkpoint), so that a stopped run resumes."""
-    from torchtitan.config.job_config import JobConfig
+    from torchtitan.study.plan import resolved_job
 
-    return JobConfig.parse_args(["--job.config_file", config_file, *train_args]).checkpoint.enable_checkpoint
+    return resolved_job(config_file, train_args).checkpoint.enable_checkpoint
 
 
 def slurm_time(seconds: int) -> str:

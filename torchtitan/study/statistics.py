@@ -7,6 +7,7 @@ same wherever it is rebuilt and each function is tested on made-up values.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -21,6 +22,7 @@ BETTER, WORSE, NO_DIFFERENCE = "better", "worse", "no detectable difference"
 # Student's t distribution (scipy.stats)
 
 
+@functools.lru_cache(maxsize=4096)  # a report asks for the same few quantiles many times
 def t_quantile(p: float, df: float) -> float:
     """The t with P(T <= t) = p (0 < p < 1) for Student's t with ``df`` (> 0, not necessarily whole) degrees of
     freedom."""
@@ -33,6 +35,13 @@ def t_quantile(p: float, df: float) -> float:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Means over seeds and differences between them
+
+
+def require_finite(what: str, values: Sequence[float]) -> None:
+    """A NaN or infinite number reaching a statistic is a bug of its caller (the report leaves such values out and
+    says so): refused, rather than turned into a NaN interval or a reversed order."""
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{what} needs finite numbers; got {list(values)}")
 
 
 def mean(values: Sequence[float]) -> float:
@@ -90,11 +99,17 @@ def verdict_of(low: float, high: float) -> str:
     return NO_DIFFERENCE
 
 
+# The resolution of a stored loss: the trainer logs float32 losses (and event files keep float32), whose values a
+# few units of the last place apart are the same loss rounded differently, not seeds that varied.
+STORED_RESOLUTION = 4 * 2.0**-23
+
+
 def varied_nothing(values: Sequence[float], scale: Sequence[float] = ()) -> bool:
-    """Whether ``values`` are all the same up to float rounding (their spread at most 1e-12 of the largest magnitude
-    among them and ``scale``): seeds that changed nothing, so no spread to judge a difference by."""
+    """Whether ``values`` are all the same at the resolution of a stored (float32) loss: their spread at most
+    :data:`STORED_RESOLUTION` of the largest magnitude among them and ``scale``. Seeds that changed nothing, so no
+    spread to judge a difference by."""
     largest = max((abs(v) for v in (*values, *scale)), default=0.0)
-    return max(values) - min(values) <= 1e-12 * largest
+    return max(values) - min(values) <= STORED_RESOLUTION * largest
 
 
 def _t_p_value(statistic: float, df: float) -> float:
@@ -106,6 +121,7 @@ def _t_p_value(statistic: float, df: float) -> float:
 
 def welch_difference(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> Optional[Difference]:
     """Welch's t interval of mean(a) - mean(b); None unless both sides have at least two values."""
+    require_finite("welch_difference", [*a, *b])
     if len(a) < 2 or len(b) < 2:
         return None
     difference = mean(a) - mean(b)
@@ -124,6 +140,7 @@ def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float 
     weights and data order); None for fewer than two pairs."""
     if len(a) != len(b):
         raise ValueError("paired_difference needs as many values on each side, one pair per seed")
+    require_finite("paired_difference", [*a, *b])
     if len(a) < 2:
         return None
     differences = [x - y for x, y in zip(a, b)]
@@ -140,6 +157,7 @@ def holm_adjusted(p_values: Sequence[float]) -> list[float]:
     the family's size m, the next times m - 1, ..., each at least the one before and at most 1. Rejecting where the
     adjusted p is below the level keeps the chance of any false rejection in the family at that level, whatever the
     dependence between the tests."""
+    require_finite("holm_adjusted", p_values)
     m = len(p_values)
     order = sorted(range(m), key=lambda i: p_values[i])
     adjusted, running = [0.0] * m, 0.0
@@ -198,10 +216,12 @@ class Speedup:
     """D_eff / D: the tokens the baseline needs to reach a loss over the tokens the run used to reach it.
 
     ``bound`` None: ``value`` is the geometric mean of exact per-seed ratios, ``low`` and ``high`` its t interval
-    (None with one seed). "≥": some seed's ratio is a lower bound (the baseline never got to its loss) and no seed's
-    an upper one; ``value`` is then the smallest per-seed figure, a bound every seed supports. "≤" the same upwards.
-    "mixed": some seeds bound it from below and others from above, and no figure holds for every seed (``value``
-    None). ``per_seed`` keeps each seed's (ratio, bound) with the bound in :class:`Reach`'s terms.
+    at ``level`` (None with one seed). "≥": some seed's ratio is a lower bound (neither curve got to the other's
+    loss) and no seed's an upper one; ``value`` is then the smallest per-seed figure, a one-sided bound on the
+    median per-seed speedup at ``level`` = 1 - 2^-n for n independent seeds (the chance that n figures, each at or
+    below its seed's speedup, all lie above that median is at most 2^-n): 87.5% for 3 seeds, 96.9% for 5. "≤"
+    the same upwards. "mixed": some seeds bound it from below and others from above, and no figure holds for every
+    seed (``value`` None). ``per_seed`` keeps each seed's (ratio, bound) with the bound in :class:`Reach`'s terms.
     """
 
     value: Optional[float]
@@ -210,28 +230,39 @@ class Speedup:
     high: Optional[float]
     seeds: int
     per_seed: tuple[tuple[float, Optional[str]], ...] = ()
+    level: Optional[float] = None
 
 
-def combine_speedups(per_seed: Sequence[tuple[float, Optional[str]]], confidence: float = CONFIDENCE) -> Speedup:
+def order_bound_level(independent: int) -> float:
+    """The level of the smallest (or largest) of ``independent`` figures as a one-sided bound on their median."""
+    return 1.0 - 0.5**independent
+
+
+def combine_speedups(
+    per_seed: Sequence[tuple[float, Optional[str]]], confidence: float = CONFIDENCE, independent: Optional[int] = None
+) -> Speedup:
     """One figure from per-seed (ratio, bound) pairs: the bound a :class:`Reach` gave (">": at least the ratio,
-    "<": at most it, None: exact). See :class:`Speedup` for what each case gives."""
+    "<": at most it, None: exact). See :class:`Speedup` for what each case gives; ``independent``: how many of the
+    figures are independent draws (all of them unless given), which sets a bound's level."""
     if not per_seed:
         raise ValueError("combine_speedups needs at least one seed")
+    require_finite("combine_speedups", [r for r, _ in per_seed])
     ratios = [r for r, _ in per_seed]
     bounds = {b for _, b in per_seed}
     n, kept = len(per_seed), tuple(per_seed)
+    level = order_bound_level(n if independent is None else independent)
     if ">" in bounds and "<" in bounds:
         return Speedup(None, MIXED, None, None, n, kept)
     if ">" in bounds:  # every seed's speedup is at least its ratio (exact ones: equal to it)
-        return Speedup(min(ratios), AT_LEAST, None, None, n, kept)
+        return Speedup(min(ratios), AT_LEAST, None, None, n, kept, level)
     if "<" in bounds:
-        return Speedup(max(ratios), AT_MOST, None, None, n, kept)
+        return Speedup(max(ratios), AT_MOST, None, None, n, kept, level)
     logs = [math.log(r) for r in ratios]
     centre = mean(logs)
     half = mean_ci(logs, confidence)
     if half is None:
         return Speedup(math.exp(centre), None, None, None, n, kept)
-    return Speedup(math.exp(centre), None, math.exp(centre - half), math.exp(centre + half), n, kept)
+    return Speedup(math.exp(centre), None, math.exp(centre - half), math.exp(centre + half), n, kept, confidence)
 
 
 Window = Sequence[float]  # the tokens of the logged points a run's final loss averages (one for a validation loss)
@@ -272,23 +303,47 @@ def _window(used) -> list[float]:
     return [float(used)] if isinstance(used, (int, float)) else [float(t) for t in used]
 
 
+Curve = tuple[Sequence[float], Sequence[float]]  # (tokens, raw losses) as logged
+Final = tuple[float, object]  # (final loss, the tokens used or the window of tokens it averages)
+
+
+def two_way_ratio(base_curve: Curve, run_final: Final, run_curve: Optional[Curve], base_final: Optional[Final]):
+    """(D_eff / D, bound) of one run against one baseline run, read along whichever curve reaches the other's final
+    loss. First the baseline's curve at the run's final loss (:func:`matched_ratio`); where it never gets there
+    (the run is ahead when the baseline's curve ends, as at the same budget always for a faster run) the run's own
+    curve at the baseline's final loss instead: the scale c at which the run's curve, read at the baseline's window
+    times c, averages to it, a speedup of 1 / c. Under "the run's loss at D is the baseline's at s D" both read s,
+    so the end of the baseline's curve is no ceiling; a bound remains only where neither curve reaches the other."""
+    (tokens, losses), (loss, used) = base_curve, run_final
+    ratio, bound = matched_ratio(tokens, losses, _window(used), loss)
+    if bound != ">" or run_curve is None or base_final is None:
+        return ratio, bound
+    (run_tokens, run_losses), (base_loss, base_used) = run_curve, base_final
+    scale, back = matched_ratio(run_tokens, run_losses, _window(base_used), base_loss)
+    if back == ">":  # the run's curve never got to the baseline's loss either: the first bound stands
+        return ratio, bound
+    return 1.0 / scale, None if back is None else ">"  # "<": already there at its smallest scale, a lower bound
+
+
 def speedup_at_matched_loss(
-    baseline_curves: Sequence[tuple[Sequence[float], Sequence[float]]],
-    finals: Sequence[tuple[float, object]],
+    baseline_curves: Sequence[Curve],
+    finals: Sequence[Final],
     confidence: float = CONFIDENCE,
+    run_curves: Optional[Sequence[Curve]] = None,
+    baseline_finals: Optional[Sequence[Final]] = None,
 ) -> Speedup:
     """Paired speedup over seeds: ``finals[i]`` = (final loss, tokens used, or the window of tokens its final loss
     averages) of seed i, matched against ``baseline_curves[i]`` = (tokens, raw losses) of the same seed of the
-    baseline (:func:`matched_ratio`).
+    baseline; with the run's own curves and the baseline's finals, read either way (:func:`two_way_ratio`).
 
     Exact per-seed speedups give their geometric mean and the t interval of their logarithms (a ratio's spread is
-    symmetric on a log scale); bounds among them give a bound every seed supports (:func:`combine_speedups`).
+    symmetric on a log scale); bounds among them give a one-sided bound at its level (:func:`combine_speedups`).
     """
     if not finals or len(finals) != len(baseline_curves):
         raise ValueError("speedup_at_matched_loss needs one baseline curve per seed")
-    per_seed = [
-        matched_ratio(t, losses, _window(used), loss) for (t, losses), (loss, used) in zip(baseline_curves, finals)
-    ]
+    runs = run_curves or [None] * len(finals)
+    bases = baseline_finals or [None] * len(finals)
+    per_seed = [two_way_ratio(*four) for four in zip(baseline_curves, finals, runs, bases)]
     logs = [math.log(r) for r, b in per_seed if b is None]
     if len(logs) == len(per_seed) > 1 and varied_nothing(logs, [1.0]):
         return Speedup(math.exp(mean(logs)), None, None, None, len(per_seed), tuple(per_seed))
@@ -296,22 +351,32 @@ def speedup_at_matched_loss(
 
 
 def unpaired_speedup(
-    baseline_curves: Sequence[tuple[Sequence[float], Sequence[float]]],
-    finals: Sequence[tuple[float, object]],
+    baseline_curves: Sequence[Curve],
+    finals: Sequence[Final],
     confidence: float = CONFIDENCE,
+    run_curves: Optional[Sequence[Curve]] = None,
+    baseline_finals: Optional[Sequence[Final]] = None,
 ) -> tuple[Speedup, list[list[tuple[float, Optional[str]]]]]:
     """Speedup of runs whose seeds the baseline did not run: every run i matched against every baseline seed j
     (:func:`matched_ratio`), log r_ij = log s + a_i - b_j, a run's luck and a baseline seed's. The geometric mean of
     all r_ij, with Welch's interval from the spread of the per-run means (the run's seed-to-seed spread) and of the
     per-baseline-seed means (the baseline's): matching against the baseline's mean curve as if it were exact left
-    the baseline's spread out. Bounds among the r_ij give a bound every pair supports. Also returns the matrix."""
+    the baseline's spread out. Each pair is read either way as :func:`two_way_ratio` does, given the runs' curves
+    and the baseline's finals. Bounds among the r_ij give a bound every pair supports, at the level of as many
+    independent pairs as the smaller side has seeds (pairs sharing no run). Also returns the matrix."""
     if not finals or not baseline_curves:
         raise ValueError("unpaired_speedup needs runs and baseline curves")
-    matrix = [[matched_ratio(t, losses, _window(used), loss) for t, losses in baseline_curves] for loss, used in finals]
+    runs = run_curves or [None] * len(finals)
+    bases = baseline_finals or [None] * len(baseline_curves)
+    matrix = [
+        [two_way_ratio(curve, final, run, base) for curve, base in zip(baseline_curves, bases)]
+        for final, run in zip(finals, runs)
+    ]
     pairs = [rb for row in matrix for rb in row]
     if any(b is not None for _, b in pairs):
-        bounded = combine_speedups(pairs, confidence)
-        return Speedup(bounded.value, bounded.bound, None, None, len(finals), bounded.per_seed), matrix
+        bounded = combine_speedups(pairs, confidence, min(len(finals), len(baseline_curves)))
+        b = bounded
+        return Speedup(b.value, b.bound, None, None, len(finals), b.per_seed, b.level), matrix
     logs = np.log(np.asarray([[r for r, _ in row] for row in matrix]))
     centre = float(logs.mean())
     per_run = tuple((float(math.exp(m)), None) for m in logs.mean(axis=1))
@@ -324,7 +389,8 @@ def unpaired_speedup(
     va, vb = rows.var(ddof=1) / n_a, columns.var(ddof=1) / n_b
     df = (va + vb) ** 2 / (va**2 / (n_a - 1) + vb**2 / (n_b - 1))
     half = t_quantile(0.5 + confidence / 2.0, df) * math.sqrt(va + vb)
-    return Speedup(math.exp(centre), None, math.exp(centre - half), math.exp(centre + half), n_a, per_run), matrix
+    low, high = math.exp(centre - half), math.exp(centre + half)
+    return Speedup(math.exp(centre), None, low, high, n_a, per_run, confidence), matrix
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -47,6 +47,17 @@ def mean_std(values: Sequence[float]) -> tuple[Optional[float], Optional[float]]
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
+def finite(values: Sequence[float]) -> list[float]:
+    """The finite values among ``values``: a NaN or infinite throughput, memory or count logged by a run says
+    nothing about it (its loss is judged apart, by :func:`diverged_at_step`)."""
+    return [v for v in values if math.isfinite(v)]
+
+
+def _last_finite(series: Optional[Series]) -> Optional[float]:
+    values = finite(series.values) if series else []
+    return values[-1] if values else None
+
+
 def first_non_finite_step(series: Series) -> Optional[int]:
     """The first step whose value is NaN or infinite, or None."""
     return next((step for step, value in zip(series.steps, series.values) if not math.isfinite(value)), None)
@@ -75,19 +86,20 @@ def summarize(scalars: dict[str, Series], last_k: int) -> dict:
     loss = scalars.get(LOSS)
     tail = loss.values[-last_k:] if loss else ()
     diverged_at = diverged_at_step(scalars)
-    memory_tag = next((t for t in MEMORY_TAGS if t in scalars), None)
+    memory_tag = next((t for t in MEMORY_TAGS if finite(scalars.get(t, Series((), ())).values)), None)
     validation = scalars.get(VALIDATION_LOSS)
+    state, seen = _last_finite(scalars.get(STATE_BYTES)), _last_finite(scalars.get(TOKENS_SEEN))
     return {
         "last_step": loss.steps[-1] if loss else None,
-        "final_loss": mean_std(tail)[0] if diverged_at is None else None,
+        "final_loss": mean_std(tail)[0] if diverged_at is None and tail else None,
         "final_loss_steps": len(tail),
-        "validation_loss": validation.values[-1] if validation and diverged_at is None else None,
+        "validation_loss": validation.values[-1] if validation and validation.values and diverged_at is None else None,
         "diverged_at_step": diverged_at,
-        "mean_tps": mean_std(steady_tps(scalars[TPS].values))[0] if TPS in scalars else None,
-        "peak_memory_gib": max(scalars[memory_tag].values) if memory_tag else None,
+        "mean_tps": mean_std(steady_tps(finite(scalars[TPS].values)))[0] if TPS in scalars else None,
+        "peak_memory_gib": max(finite(scalars[memory_tag].values)) if memory_tag else None,
         "peak_memory_tag": memory_tag,
-        "optimizer_state_bytes": int(round(scalars[STATE_BYTES].values[-1])) if STATE_BYTES in scalars else None,
-        "tokens_seen": int(round(scalars[TOKENS_SEEN].values[-1])) if TOKENS_SEEN in scalars else None,
+        "optimizer_state_bytes": None if state is None else int(round(state)),
+        "tokens_seen": None if seen is None else int(round(seen)),
     }
 
 
@@ -125,6 +137,7 @@ def sweep_run_summary(run: SweepRun, last_k: int, by_validation: bool) -> dict:
         "seed": run.spec.seed,
         "settings": run_settings(run),
         "budget": status.get("budget"),
+        "budget_label": status.get("budget_label"),  # as the study gave it: "2x" (tokens per parameter) or "1M"
         "data_seed": status.get("data_seed", (run.dataset or {}).get("data_seed")),
         "outcome": status["outcome"],
         "exit_code": status["exit_code"],
@@ -139,6 +152,16 @@ def sweep_run_summary(run: SweepRun, last_k: int, by_validation: bool) -> dict:
     if status["outcome"] != FINISHED:  # e.g. stopped by the guard (exit 3) before anything non-finite was logged
         summary["final_loss"] = summary["validation_loss"] = None
     summary["rank_loss"] = summary["validation_loss"] if by_validation else summary["final_loss"]
+    if status["outcome"] == FINISHED and summary["rank_loss"] is None:
+        # It ended well but left no loss to rank: a non-finite one logged on the way (the run diverged, whatever its
+        # exit), or none at all. Judged as a seed that gives no loss, said in its own words.
+        tag = VALIDATION_LOSS if by_validation else LOSS
+        if summary["diverged_at_step"] is not None:
+            summary["outcome"] = DIVERGED
+            summary["message"] = f"exited 0 but logged a non-finite loss at step {summary['diverged_at_step']}"
+        else:
+            summary["outcome"] = FAILED
+            summary["message"] = f"exited 0 but logged no {tag}: nothing to rank"
     curve = raw_curve(run.scalars, by_validation)
     ranked = curve is not None and summary["rank_loss"] is not None
     summary["rank_tokens"] = curve[0][-1] if ranked else None
@@ -151,7 +174,8 @@ def tokens_at(scalars: dict[str, Series], steps: Sequence[int]) -> list[float]:
     """Tokens trained on after each step: the logged tokens_seen per step (a sweep's runs keep one batch size),
     or the step itself where a run did not log them (a ratio of tokens is then a ratio of steps)."""
     seen = scalars.get(TOKENS_SEEN)
-    per_step = seen.values[-1] / seen.steps[-1] if seen and seen.steps[-1] > 0 else 1.0
+    known = [(s, v) for s, v in zip(seen.steps, seen.values) if math.isfinite(v) and s > 0] if seen else []
+    per_step = known[-1][1] / known[-1][0] if known else 1.0
     return [step * per_step for step in steps]
 
 
@@ -281,24 +305,39 @@ def _seed_key(run: dict) -> tuple:
 def _speedup_of(
     chosen: Sequence[dict], baseline: Sequence[dict], curves: dict[str, tuple[list, list]]
 ) -> Optional[dict]:
-    """Speedup at matched loss of one best cell against the baseline's best cell at the same budget, along the
-    baseline's raw curves (``curves`` by run name) with each run's own window (:func:`statistics.matched_ratio`):
-    paired seed by seed when both ran the same (training seed, data seed) pairs, as the loss difference pairs them;
-    else every seed against every seed of the baseline (:func:`statistics.unpaired_speedup`)."""
+    """Speedup at matched loss of one best cell against the baseline's best cell at the same budget, read along
+    the baseline's raw curve at each run's final loss, or along the run's own at the baseline's where the baseline's
+    ends first (``curves``: raw curves by run name; :func:`statistics.two_way_ratio`): paired seed by seed on the
+    (training seed, data seed) pairs both ran, as the loss difference pairs them, where they share two or more (or
+    all); else every seed against every seed of the baseline (:func:`statistics.unpaired_speedup`)."""
     finished = [r for r in chosen if _ranked(r) and r.get("rank_window")]
-    base = {_seed_key(r): curves[r["name"]] for r in baseline if r["name"] in curves}
+    base = {_seed_key(r): r for r in baseline if r["name"] in curves and _ranked(r) and r.get("rank_window")}
     if not finished or not base:
         return None
     mine = {_seed_key(r): r for r in finished}
-    finals = {k: (r["rank_loss"], r["rank_window"]) for k, r in mine.items()}
-    if sorted(mine) == sorted(base):
-        keys = sorted(mine)
-        s = statistics.speedup_at_matched_loss([base[k] for k in keys], [finals[k] for k in keys])
-        per_seed = [{"seed": k[0], "ratio": x, "bound": b} for k, (x, b) in zip(keys, s.per_seed)]
+
+    def final(r: dict) -> tuple:
+        return r["rank_loss"], r["rank_window"]
+
+    shared = sorted(set(mine) & set(base), key=repr)
+    left_out = sorted(set(mine) ^ set(base), key=repr)
+    if shared and (not left_out or len(shared) >= 2):
+        s = statistics.speedup_at_matched_loss(
+            [curves[base[k]["name"]] for k in shared],
+            [final(mine[k]) for k in shared],
+            run_curves=[curves.get(mine[k]["name"]) for k in shared],
+            baseline_finals=[final(base[k]) for k in shared],
+        )
+        per_seed = [{"seed": k[0], "ratio": x, "bound": b} for k, (x, b) in zip(shared, s.per_seed)]
         matched = PAIRED_SPEEDUP
     else:
-        keys, base_keys = sorted(mine), sorted(base)
-        s, matrix = statistics.unpaired_speedup([base[k] for k in base_keys], [finals[k] for k in keys])
+        keys, base_keys, left_out = sorted(mine), sorted(base), []
+        s, matrix = statistics.unpaired_speedup(
+            [curves[base[k]["name"]] for k in base_keys],
+            [final(mine[k]) for k in keys],
+            run_curves=[curves.get(mine[k]["name"]) for k in keys],
+            baseline_finals=[final(base[k]) for k in base_keys],
+        )
         per_seed = [
             {"seed": k[0], "baseline_seed": j[0], "ratio": x, "bound": b}
             for k, row in zip(keys, matrix)
@@ -310,9 +349,11 @@ def _speedup_of(
         "bound": s.bound,
         "low": s.low,
         "high": s.high,
+        "level": s.level,
         "seeds": s.seeds,
         "per_seed": per_seed,
         "matched": matched,
+        "seeds_left_out": [seed for seed, _ in left_out],
     }
 
 
@@ -323,18 +364,21 @@ def _own_speedup(chosen: Sequence[dict]) -> dict:
 
 
 def _versus(chosen: Sequence[dict], baseline: Sequence[dict]) -> Optional[dict]:
-    """The difference of ranked losses from the baseline's: the paired t interval when both sides ran the same
-    training and data seeds (same initial weights and data order, seed by seed), else Welch's interval."""
+    """The difference of ranked losses from the baseline's: the paired t interval over the (training seed, data
+    seed) pairs both sides ran (same initial weights and data order, seed by seed) where they share two or more,
+    the seeds only one side ran left out and named; else Welch's interval over every seed."""
     mine = {(r["seed"], r["data_seed"]): r["rank_loss"] for r in chosen if _ranked(r)}
     theirs = {(r["seed"], r["data_seed"]): r["rank_loss"] for r in baseline if _ranked(r)}
-    if mine and sorted(mine) == sorted(theirs):
-        pairs = sorted(mine)
+    pairs = sorted(set(mine) & set(theirs), key=repr)
+    left_out = sorted(set(mine) ^ set(theirs), key=repr) if len(pairs) >= 2 else []
+    if len(pairs) >= 2:
         d = statistics.paired_difference([mine[p] for p in pairs], [theirs[p] for p in pairs])
     else:
         d = statistics.welch_difference(list(mine.values()), list(theirs.values()))
     if d is None:
         return None
     return {
+        "seeds_left_out": [seed for seed, _ in left_out],
         "difference": d.difference,
         "low": d.low,
         "high": d.high,
@@ -343,6 +387,24 @@ def _versus(chosen: Sequence[dict], baseline: Sequence[dict]) -> Optional[dict]:
         "verdict": d.verdict,
         "p_value": d.p_value,
     }
+
+
+def _no_verdict_reason(
+    optimizer: str, b: dict, baseline: str, base: Optional[dict], chosen: Sequence[dict], base_runs: Sequence[dict]
+) -> str:
+    """Why a best cell has no difference from the baseline's, in words: the first reason that holds."""
+    if base is None:
+        return f"no verdict: {baseline} has no run at this budget"
+    if base["settings"] is None:
+        return f"no verdict: every setting of {baseline} had a seed that diverged or failed"
+    if not base_runs:
+        return f"no verdict: {baseline}'s best settings have no runs to judge"
+    sides = ((optimizer, [r for r in chosen if _ranked(r)]), (baseline, [r for r in base_runs if _ranked(r)]))
+    one = [name for name, runs in sides if len(runs) < 2]
+    if one:
+        has = "has" if len(one) == 1 else "have"
+        return f"no verdict: {' and '.join(one)} {has} one ranked seed (a verdict needs two or more)"
+    return "no verdict"
 
 
 HOLM, UNADJUSTED = "Holm", "unadjusted"
@@ -580,7 +642,7 @@ def summarize_sweep(
     cannot favour an optimizer by the luck of its seeds. With ``current_axes`` (optimizer: its swept options other than
     the lr) only the runs of those options are ranked; the others (``older_runs``) are listed apart."""
     data = check_same_data(runs)
-    finished = [r for r in runs if r.status["outcome"] == FINISHED]
+    finished = [r for r in runs if r.status["outcome"] == FINISHED and r.scalars.get(LOSS)]
     by_validation = bool(finished) and all(VALIDATION_LOSS in r.scalars for r in finished)
     every = [sweep_run_summary(r, last_k, by_validation) for r in runs]
     confirming = set(confirm_seeds)
@@ -617,8 +679,11 @@ def summarize_sweep(
     for budget, best in best_by_budget.items():
         base = best.get(baseline)
         base_runs = cell_runs(verdict_runs, baseline, budget, base["settings"]) if _judged(base) else []
-        curves = {}
-        for r in base_runs:
+        curves = {}  # the raw curves of the runs the verdict compares: the baseline's and every best cell's
+        best_runs = [
+            r for o, b in best.items() if _judged(b) for r in cell_runs(verdict_runs, o, budget, b["settings"])
+        ]
+        for r in best_runs:
             if r["outcome"] == FINISHED:
                 curve = raw_curve(by_name[r["name"]].scalars, by_validation)
                 if curve is not None:
@@ -632,6 +697,8 @@ def summarize_sweep(
                 b["speedup"] = _own_speedup(chosen) if b["seed_losses"] else None
                 continue
             b["versus_baseline"] = _versus(chosen, base_runs) if base_runs else None
+            if b["versus_baseline"] is None:
+                b["no_verdict"] = _no_verdict_reason(optimizer, b, baseline, base, chosen, base_runs)
             b["speedup"] = _speedup_of(chosen, base_runs, curves) if curves else None
 
     family = verdict_family(best_by_budget, family_correction)
