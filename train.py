@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 from torchtitan.distributed.cuda_allocator import allocator_environ, allocator_setting
 
@@ -133,7 +132,10 @@ def main(job_config: JobConfig) -> None:
     flops = model_flops_per_token(num_params, model_args, t.seq_len)
     gpu_peak = peak_flops(device)
     batches = iter(data_loader)
-    guard = DivergenceGuard(t.max_skipped_steps, device)
+    # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/training/preemption.py); the guard's all-reduce
+    # tells every rank.
+    preemption = Preemption()
+    guard = DivergenceGuard(t.max_skipped_steps, device, stop_signal=preemption.signalled)
     health, timer = OptimizerHealth.build(model_parts, job_config, device), StepTimer(device)
     logger.info(
         f"training {t.steps} steps from step {train_state.step}: global batch {t.batch_size * dp_degree} x "
@@ -145,8 +147,6 @@ def main(job_config: JobConfig) -> None:
         train_state.validation_pending = False
     window_start, window_steps = time.perf_counter(), 0
     first_step = train_state.step + 1
-    # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/training/preemption.py)
-    preemption = Preemption(timeout=timedelta(seconds=job_config.comm.init_timeout_seconds))
     with maybe_profile(job_config, train_state) as profiler, GarbageCollection(t.gc_freq) as garbage_collection:
         while train_state.step < t.steps:
             train_state.step += 1
@@ -198,7 +198,7 @@ def main(job_config: JobConfig) -> None:
                 raise stop
 
             # Asked before a due validation: a stop saves this step at once (the resumed run validates it first).
-            stop_now = train_state.step < t.steps and preemption.requested()
+            stop_now = train_state.step < t.steps and guard.stop_requested
             due = validator is not None and validator.due(train_state.step)
             train_state.validation_pending = due and stop_now  # saved with the step: its resumed run validates it
             if due and not stop_now:

@@ -48,6 +48,15 @@ def any_rank(flag: bool | torch.Tensor, device: torch.device, group: Optional[di
     return bool(value.item())
 
 
+def any_rank_each(flags: torch.Tensor, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> list[bool]:
+    """For each of ``flags`` (a 1-d bool tensor, left on its device), whether it is true on any rank of ``group``
+    (the world when None): several questions in one all-reduce and one host sync."""
+    values = flags.reshape(-1).to(device=device, dtype=torch.int32)
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in values.tolist()]
+
+
 def all_reduce_sum_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Sum ``tensor`` (already on its group's device) over ``group`` in place; nothing without a group."""
     if group is not None and dist.is_initialized():
