@@ -26,7 +26,7 @@ from torchtitan.config.job_config import JOB_CONFIG_RECORD, JobConfig
 from torchtitan.config.preflight import preflight
 from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset_record
 from torchtitan.distributed.collectives import all_reduce_scalar, set_collective_timeout
-from torchtitan.distributed.utils import init_distributed, set_determinism
+from torchtitan.distributed.utils import init_distributed, set_determinism, set_float32_matmul_precision
 from torchtitan.errors import exit_code, write_exit_record
 from torchtitan.logging import init_logger, logger
 from torchtitan.optim import build_optimizers
@@ -60,6 +60,8 @@ def main(job_config: JobConfig) -> None:
     logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")
     if device.type == "cuda":
         logger.info(f"memory: {allocator_setting(os.environ)}")
+        precision = set_float32_matmul_precision(t.tf32, device)
+        logger.info(f"float32 matmuls: {'TF32' if precision == 'high' else 'full float32'} (training.tf32 {t.tf32})")
     if job_config.job.print_args:
         logger.info(f"config: {job_config.to_dict()}")
     set_determinism(t.seed, t.deterministic)

@@ -9,6 +9,7 @@ import torch
 
 from tests.distributed import run_workers
 from tests.helpers import TINY, job_config, materialize, meta_model
+from torchtitan.distributed.utils import set_float32_matmul_precision
 from torchtitan.parallelisms import ParallelDims, parallelize_llama
 
 # Positions far enough apart that a bfloat16 rotary table would round their angles.
@@ -51,3 +52,17 @@ def test_the_blocks_see_a_float32_rotary_table_under_the_gpus_bf16_fsdp_policy()
         assert result["rope"] == [torch.float32] * LONG.n_layers
         # The one-GPU path (autocast) to bf16's precision.
         assert result["difference"] <= 2**-6 * result["scale"]
+
+
+def test_float32_matmuls_use_tf32_on_gpus_that_have_it_unless_turned_off(monkeypatch):
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    gpu, previous = torch.device("cuda", 0), torch.get_float32_matmul_precision()
+    try:
+        cases = [((9, 0), True, "high"), ((8, 0), True, "high"), ((7, 5), True, "highest"), ((9, 0), False, "highest")]
+        for capability[0], tf32, expected in cases:
+            assert set_float32_matmul_precision(tf32, gpu) == expected == torch.get_float32_matmul_precision()
+        assert set_float32_matmul_precision(True, torch.device("cpu")) == "highest"  # CPU results stay exact
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert job_config().training.tf32 and not job_config("--training.tf32", "false").training.tf32

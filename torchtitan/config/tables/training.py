@@ -56,6 +56,11 @@ class Training:
         "(exit code 3); 0 stops at the first",
         ge=0,
     )
+    tf32: bool = opt(
+        True,
+        "float32 matmuls on TensorFloat-32 tensor cores where the GPU has them (compute capability 8.0 and newer): "
+        "several times faster, with a 10-bit mantissa in the products (false: full float32; no effect on CPU)",
+    )
     data_parallel_replicate_degree: int = opt(1, "HSDP replicas (1 = plain FSDP)", gt=0)
     data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 fills the world size", ge=-1)
     data_parallel_type: str = opt(
