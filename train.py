@@ -25,7 +25,7 @@ from torchtitan.checkpoint import CheckpointManager
 from torchtitan.config.job_config import JOB_CONFIG_RECORD, JobConfig
 from torchtitan.config.preflight import preflight
 from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset_record
-from torchtitan.distributed.collectives import all_reduce_scalar, set_collective_timeout
+from torchtitan.distributed.collectives import all_reduce_scalar, first_step_timeouts, training_timeouts
 from torchtitan.distributed.utils import init_distributed, set_determinism, set_float32_matmul_precision
 from torchtitan.errors import exit_code, write_exit_record
 from torchtitan.logging import init_logger, logger
@@ -70,6 +70,9 @@ def main(job_config: JobConfig) -> None:
     world_mesh = parallel_dims.build_mesh(device.type)
     dp_rank, dp_degree = parallel_dims.dp_rank_and_degree(world_mesh)
     dp_group = parallel_dims.dp_mesh(world_mesh).get_group() if parallel_dims.dp_enabled else None
+    if world_size > 1:  # compiling comes next, on some ranks from a warm cache and on others cold
+        seconds = first_step_timeouts(job_config.comm, world_mesh, dp_group)
+        logger.info(f"collectives: timeout {seconds} s until the first step ends")
 
     model = build_model(job_config, model_args, parallel_dims, world_mesh, compute_device_type=device.type)
     num_params = sum(p.numel() for p in model.parameters())
@@ -163,9 +166,9 @@ def main(job_config: JobConfig) -> None:
             if health is not None and (health_metrics := health.metrics(lr)):
                 logger.info(format_health_line(train_state.step, health_metrics))
                 metric_logger.log(health_metrics, train_state.step)
-            if train_state.step == first_step and job_config.comm.train_timeout_seconds is not None:
-                set_collective_timeout(job_config.comm.train_timeout_seconds, world_mesh, dp_group)
-                logger.info(f"collectives: timeout {job_config.comm.train_timeout_seconds} s from now on")
+            if train_state.step == first_step and world_size > 1:
+                seconds = training_timeouts(job_config.comm, world_mesh, dp_group)
+                logger.info(f"collectives: timeout {seconds} s from now on")
             # A skipped step still consumes its batch and advances the schedule (see torchtitan/training/guard.py).
             lr_schedulers.step()
             train_state.tokens_seen += tokens_per_step

@@ -98,6 +98,21 @@ def set_collective_timeout(seconds: int, mesh, *groups: Optional[dist.ProcessGro
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
+def first_step_timeouts(comm, mesh, *groups: Optional[dist.ProcessGroup]) -> int:
+    """From now until the first step ends, ``comm.first_step_timeout_seconds`` for the training collectives (see
+    :func:`set_collective_timeout`): ranks compile the optimizer's step and the blocks before their first
+    collectives, some from warm caches, some cold. Returns the timeout set."""
+    set_collective_timeout(comm.first_step_timeout_seconds, mesh, *groups)
+    return comm.first_step_timeout_seconds
+
+
+def training_timeouts(comm, mesh, *groups: Optional[dist.ProcessGroup]) -> int:
+    """After the first step: ``comm.train_timeout_seconds``, else ``comm.init_timeout_seconds``. Returns it."""
+    seconds = comm.train_timeout_seconds or comm.init_timeout_seconds
+    set_collective_timeout(seconds, mesh, *groups)
+    return seconds
+
+
 def all_to_all(outbox: torch.Tensor, send_counts: list[int], receive_counts: list[int], group) -> torch.Tensor:
     """Send ``outbox``'s consecutive pieces of ``send_counts`` entries to the ranks of ``group`` in order and return
     what they sent here, ``receive_counts`` entries from each, in a 1-D tensor on ``outbox``'s own device (the
