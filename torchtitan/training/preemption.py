@@ -3,16 +3,15 @@
 Slurm warns a job before it kills it: at preemption and at the time limit every process gets SIGTERM (then SIGKILL
 after the cluster's grace time), and ``sbatch --signal=USR1@SECONDS`` sends SIGUSR1 that long before the time limit.
 train.py installs :class:`Preemption` before training; the handler only notes the signal, and the divergence
-guard's all-reduce of each step carries it (``DivergenceGuard.stop_requested``: no collective of its own, so none
-grows with the rank count on a group of its own). All ranks agree on it (a max over the world, so that a rank
-signalled a moment later stops at the same step), save the step they are at whatever the checkpoint interval, and
-leave with
-:class:`torchtitan.errors.Preempted`, whose exit code (:data:`torchtitan.errors.PREEMPTED_EXIT_CODE`) tells a job
+guard's all-reduce of each step carries it (``DivergenceGuard.stop_requested``: no collective of its own per step,
+nor a gloo group of its own). All ranks agree on it (a max over the world, so that a rank signalled a moment later
+stops at the same step; a signal that comes after a step's guard is seen at the next step's), save the step they are
+at whatever the checkpoint interval, and leave with :class:`torchtitan.errors.Preempted`, whose exit code (:data:`torchtitan.errors.PREEMPTED_EXIT_CODE`) tells a job
 script to requeue the run; started again with the same command, it resumes from that checkpoint, bit for bit.
 
 Later stop signals change nothing (torchrun, itself signalled, passes SIGTERM on to its workers), but torchrun
 SIGKILLs its workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds after that (30 by default; the Slurm job scripts set
-the warning less 10 s): under torchrun, a step and its save must fit in that time. Ctrl-C (SIGINT) still interrupts
+the warning less 10 s): under torchrun, two steps and a save must fit in that time. Ctrl-C (SIGINT) still interrupts
 at once.
 """
 
