@@ -6,8 +6,9 @@ train.py installs :class:`Preemption` before training; the handler only notes th
 guard's all-reduce of each step carries it (``DivergenceGuard.stop_requested``: no collective of its own per step,
 nor a gloo group of its own). All ranks agree on it (a max over the world, so that a rank signalled a moment later
 stops at the same step; a signal that comes after a step's guard is seen at the next step's), save the step they are
-at whatever the checkpoint interval, and leave with :class:`torchtitan.errors.Preempted`, whose exit code (:data:`torchtitan.errors.PREEMPTED_EXIT_CODE`) tells a job
-script to requeue the run; started again with the same command, it resumes from that checkpoint, bit for bit.
+at whatever the checkpoint interval, and leave with :class:`torchtitan.errors.Preempted`, whose exit code
+(:data:`torchtitan.errors.PREEMPTED_EXIT_CODE`) tells a job script to requeue the run; started again with the same
+command, it resumes from that checkpoint, bit for bit.
 
 Later stop signals change nothing (torchrun, itself signalled, passes SIGTERM on to its workers), but torchrun
 SIGKILLs its workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds after that (30 by default; the Slurm job scripts set
