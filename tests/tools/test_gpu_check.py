@@ -139,7 +139,13 @@ def hanging_step(ctx):
 
 
 def rows_as_run_here(ctx):
-    specs = ["AdamW", "AdamW:implementation=fused", "AdamMini:implementation=fused", "Muon", "AdamMini8bit"]
+    specs = [
+        "AdamW",
+        "AdamW:implementation=fused",
+        "AdamMini:implementation=fused:state_dtype=bfloat16",
+        "Muon",
+        "SOAP",
+    ]
     return context.StepResult(rows=[{"spec": spec} for spec in context.as_run_here(specs, ctx.found)])
 
 
@@ -164,9 +170,9 @@ def test_a_machine_that_cannot_compile_says_so_in_one_line_and_runs_its_rows_for
     specs = [row["spec"] for row in report["steps"]["rows"]["rows"]]
     assert specs == [
         "AdamW:implementation=foreach",
-        "AdamMini:implementation=foreach",
+        "AdamMini:state_dtype=bfloat16:implementation=foreach",
         "Muon:implementation=foreach",
-        "AdamMini8bit:implementation=foreach",
+        "SOAP:implementation=foreach",
     ]
     assert line.removeprefix("gpu_check: ") in (tmp_path / "gpu_check.md").read_text()
 

@@ -205,10 +205,10 @@ def as_run_here(specs: list[str], found: dict[str, Optional[str]]) -> list[str]:
 
     out: list[str] = []
     for spec in specs:
-        name, *options = spec.split(":")
+        name, *options = spec.split(":")  # NAME[:option=value[:option=value]], as estimation.py reads them
         if IMPLEMENTATION in TAKES.get(name, ()):
-            kept = [o for part in options for o in part.split(",") if not o.startswith(f"{IMPLEMENTATION}=")]
-            spec = ":".join([name, ",".join([*kept, f"{IMPLEMENTATION}=foreach"])])
+            kept = [o for o in options if not o.startswith(f"{IMPLEMENTATION}=")]
+            spec = ":".join([name, *kept, f"{IMPLEMENTATION}=foreach"])
         if spec not in out:
             out.append(spec)
     return out
