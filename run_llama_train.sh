@@ -5,6 +5,7 @@
 #   NNODES       nodes of the job (default 1); above 1, each node runs this script (srun), and torchrun meets the
 #                others at RDZV_ENDPOINT (host:port of the first node) for job RDZV_ID
 #   PYTHON       the interpreter to train with (default: python on PATH); the sweep passes its own
+#   SOCKET_IFNAME  on several nodes, the network interface for NCCL and gloo (default: the one towards RDZV_ENDPOINT)
 #   extra arguments go to train.py, e.g. ./run_llama_train.sh --optimizer.name AdamMini --training.steps 100
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -20,6 +21,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 if [ "${NNODES:-1}" -gt 1 ]; then
     "$PYTHON" -m torchtitan.config.preflight --nproc $((NNODES * NGPU)) --job.config_file "$CONFIG_FILE" "$@"
+    . scripts/socket_interface.sh "${RDZV_ENDPOINT%:*}"  # NCCL's and gloo's sockets towards the first node
     exec "${TORCHRUN[@]}" --nnodes "$NNODES" --nproc_per_node "$NGPU" --rdzv_id "$RDZV_ID" --rdzv_backend c10d \
         --rdzv_endpoint "$RDZV_ENDPOINT" train.py --job.config_file "$CONFIG_FILE" "$@"
 fi

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 from torchtitan.distributed.cuda_allocator import allocator_environ, allocator_setting
 
@@ -27,8 +26,8 @@ from torchtitan.checkpoint.folders import FolderInUse
 from torchtitan.config.job_config import JOB_CONFIG_RECORD, JobConfig
 from torchtitan.config.preflight import preflight
 from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset_record
-from torchtitan.distributed.collectives import all_reduce_scalar, set_collective_timeout
-from torchtitan.distributed.utils import init_distributed, set_determinism
+from torchtitan.distributed.collectives import all_reduce_scalar, first_step_timeouts, training_timeouts
+from torchtitan.distributed.utils import init_distributed, set_determinism, set_float32_matmul_precision
 from torchtitan.errors import exit_code, write_exit_record
 from torchtitan.logging import init_logger, logger
 from torchtitan.optim import build_optimizers
@@ -68,6 +67,8 @@ def main(job_config: JobConfig) -> None:
     logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")
     if device.type == "cuda":
         logger.info(f"memory: {allocator_setting(os.environ)}")
+        precision = set_float32_matmul_precision(t.tf32, device)
+        logger.info(f"float32 matmuls: {'TF32' if precision == 'high' else 'full float32'} (training.tf32 {t.tf32})")
     if job_config.job.print_args:
         logger.info(f"config: {job_config.to_dict()}")
     set_determinism(t.seed, t.deterministic)
@@ -75,6 +76,9 @@ def main(job_config: JobConfig) -> None:
     world_mesh = parallel_dims.build_mesh(device.type)
     dp_rank, dp_degree = parallel_dims.dp_rank_and_degree(world_mesh)
     dp_group = parallel_dims.dp_mesh(world_mesh).get_group() if parallel_dims.dp_enabled else None
+    if world_size > 1:  # compiling comes next, on some ranks from a warm cache and on others cold
+        seconds = first_step_timeouts(job_config.comm, world_mesh, dp_group)
+        logger.info(f"collectives: timeout {seconds} s until the first step ends")
 
     model = build_model(job_config, model_args, parallel_dims, world_mesh, compute_device_type=device.type)
     num_params = sum(p.numel() for p in model.parameters())
@@ -141,7 +145,10 @@ def main(job_config: JobConfig) -> None:
     flops = model_flops_per_token(num_params, model_args, t.seq_len)
     gpu_peak = peak_flops(device)
     batches = iter(data_loader)
-    guard = DivergenceGuard(t.max_skipped_steps, device)
+    # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/training/preemption.py); the guard's all-reduce
+    # tells every rank.
+    preemption = Preemption()
+    guard = DivergenceGuard(t.max_skipped_steps, device, stop_signal=preemption.signalled)
     health, timer = OptimizerHealth.build(model_parts, job_config, device), StepTimer(device)
     logger.info(
         f"training {t.steps} steps from step {train_state.step}: global batch {t.batch_size * dp_degree} x "
@@ -153,8 +160,6 @@ def main(job_config: JobConfig) -> None:
         train_state.validation_pending = False
     window_start, window_steps = time.perf_counter(), 0
     first_step = train_state.step + 1
-    # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/training/preemption.py)
-    preemption = Preemption(timeout=timedelta(seconds=job_config.comm.init_timeout_seconds))
     with maybe_profile(job_config, train_state) as profiler, GarbageCollection(t.gc_freq) as garbage_collection:
         while train_state.step < t.steps:
             train_state.step += 1
@@ -169,9 +174,9 @@ def main(job_config: JobConfig) -> None:
             if health is not None and (health_metrics := health.metrics(lr)):
                 logger.info(format_health_line(train_state.step, health_metrics))
                 metric_logger.log(health_metrics, train_state.step)
-            if train_state.step == first_step and job_config.comm.train_timeout_seconds is not None:
-                set_collective_timeout(job_config.comm.train_timeout_seconds, world_mesh, dp_group)
-                logger.info(f"collectives: timeout {job_config.comm.train_timeout_seconds} s from now on")
+            if train_state.step == first_step and world_size > 1:
+                seconds = training_timeouts(job_config.comm, world_mesh, dp_group)
+                logger.info(f"collectives: timeout {seconds} s from now on")
             # A skipped step still consumes its batch and advances the schedule (see torchtitan/training/guard.py).
             lr_schedulers.step()
             train_state.tokens_seen += tokens_per_step
@@ -206,7 +211,7 @@ def main(job_config: JobConfig) -> None:
                 raise stop
 
             # Asked before a due validation: a stop saves this step at once (the resumed run validates it first).
-            stop_now = train_state.step < t.steps and preemption.requested()
+            stop_now = train_state.step < t.steps and guard.stop_requested
             due = validator is not None and validator.due(train_state.step)
             train_state.validation_pending = due and stop_now  # saved with the step: its resumed run validates it
             if due and not stop_now:

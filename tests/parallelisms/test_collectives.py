@@ -152,3 +152,30 @@ def test_helpers_without_a_process_group_return_the_value():
     assert collectives.any_rank(False, cpu) is False
     with pytest.raises(ValueError, match="unknown reduction"):
         collectives.all_reduce_scalar(1.0, "min", None, cpu)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Start-up: ranks compile for different times before their first collectives
+
+
+def _first_step_with_compile_delays(rank: int, world_size: int, delays: list[float]) -> int:
+    import time
+
+    import torch.distributed as dist
+
+    from tests.helpers import job_config
+
+    comm = job_config("--comm.init_timeout_seconds", "1", "--comm.first_step_timeout_seconds", "60").comm
+    collectives.set_collective_timeout(comm.init_timeout_seconds, None)  # the group as init_distributed leaves it
+    collectives.first_step_timeouts(comm, None)  # as train.py, before compiling
+    time.sleep(delays[rank])  # this rank's compile: from a warm cache, or cold
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the first step's first collective waits for the slowest rank
+    return collectives.training_timeouts(comm, None)
+
+
+def test_the_first_step_outwaits_a_cold_compile_on_one_rank_and_training_goes_back_to_its_timeout():
+    from tests.distributed import run_workers
+
+    # Rank 1 compiles 3 s longer than rank 0, three times the 1 s start-up timeout.
+    assert run_workers(_first_step_with_compile_delays, world_size=2, args=([0.0, 3.0],)) == [1, 1]

@@ -8,6 +8,8 @@ HSDP, FSDP x TP on gloo) must log the one-process values of the same step.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import types
 
@@ -336,3 +338,71 @@ def test_the_health_log_line_names_the_group_with_the_largest_relative_update(on
     top = max(groups, key=groups.get).removeprefix("health/update_to_weight/")
     assert line.startswith("health at step 2: update/weight ") and f"({top})" in line
     assert f"attention logit max {one_process['health/attn_logit_max']:.2f}" in line
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What a GPU would see: the memory a measured step takes, the precision of the logit probe under autocast
+
+
+def allocator_peak(fn) -> int:
+    """The most bytes the CPU allocator held above its level at the start while ``fn`` ran (kernels' internal
+    buffers included, which a dispatch-level count would miss)."""
+    from torch._C._profiler import _EventType
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    peak, events = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while events:
+        event = events.pop()
+        events.extend(event.children)
+        if event.typed[0] == _EventType.Allocation:
+            peak = max(peak, event.typed[1].total_allocated)
+    return peak
+
+
+def test_a_measured_step_takes_no_more_memory_than_an_unmeasured_one_but_its_host_snapshot(monkeypatch):
+    from torchtitan.telemetry import health as health_module
+
+    # Chunks of the update's comparison scaled to this model as the default is to a large one's weights.
+    monkeypatch.setattr(health_module, "CHUNK_ELEMENTS", 4096)
+    args = dataclasses.replace(helpers.TINY, dim=64, vocab_size=4096, multiple_of=64, max_seq_len=32)
+    # Few activations and an optimizer step without temporaries (Adam-mini's foreach one): a large model's step,
+    # whose peak is its weights, gradients and state, where a copy of its largest weight would show.
+    config = job_config(
+        "--optimizer.name",
+        "AdamMini",
+        "--optimizer.implementation",
+        "foreach",
+        "--optimizer.lr",
+        str(LR),
+        training={"seq_len": 8, "batch_size": 1},
+    )
+    dims = ParallelDims(1, 1, 1, 1)
+    model = materialize(parallelize_llama(meta_model(args, torch.float32), None, dims, config))
+    optimizers = build_optimizers([model], config)
+    optimizers.initialise_state()
+    health = OptimizerHealth([model], freq=2, max_layers=16, device=CPU)
+    generator = torch.Generator().manual_seed(3)
+    peaks = []
+    for step in (1, 2, 3):
+        tokens = torch.randint(0, args.vocab_size, (1, 8), generator=generator)
+        run = functools.partial(train_step, model, optimizers, iter([(tokens, tokens)]), dims, config, CPU, None, step)
+        peaks.append(allocator_peak(functools.partial(run, health)))
+        assert bool(health.metrics(LR)) == (step == 2)
+    snapshot = sum(p.numel() * p.element_size() for p in model.parameters())  # host memory on a GPU
+    measured, unmeasured = peaks[1] - snapshot, peaks[2]
+    assert measured <= 1.05 * unmeasured, (peaks, snapshot)
+
+
+def test_the_logit_probe_computes_in_float32_under_autocast():
+    from torchtitan.models.llama import model as llama
+
+    generator = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 16, 3, 8, generator=generator) for _ in "qk")
+    exact = types.SimpleNamespace(head_dim=8, logit_max=None)
+    llama.Attention._keep_logit_max(exact, q.double(), k.double())
+    probe = types.SimpleNamespace(head_dim=8, logit_max=None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the one-GPU path's autocast, on CPU
+        llama.Attention._keep_logit_max(probe, q, k)
+    assert probe.logit_max.dtype == torch.float32
+    assert abs(probe.logit_max.item() - exact.logit_max.item()) <= 1e-5 * abs(exact.logit_max.item())

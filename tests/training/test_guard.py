@@ -9,12 +9,14 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import train as train_module
 from tests.distributed import run_workers
 from tests.helpers import DEBUG_RUN, ROOT, Trainer, checkpoint_job, event_tags, metric_rows, run_dir, train
 from torchtitan.training import step as step_module
 from torchtitan.training.guard import DivergenceError, DivergenceGuard, resume_hint, tensors_are_finite
+from torchtitan.training.preemption import Preemption
 from torchtitan.training.step import train_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
@@ -89,12 +91,38 @@ def _two_ranks(rank, world_size, folder):
     listing_after_refusals = sorted(os.listdir(os.path.join(folder, "checkpoint")))
     trainer.checkpoint.save(4, force=True)  # finite again: saved, and keep_latest_k=1 prunes step-2
     listing_after_save = sorted(os.listdir(os.path.join(folder, "checkpoint")))
-    return updates, guard.stopped_at, refusals, listing_after_refusals, listing_after_save
+    return updates, guard.stopped_at, refusals, listing_after_refusals, listing_after_save, _stop_flag(rank)
+
+
+def _stop_flag(rank: int) -> tuple[list[bool], int, int]:
+    """Rank 1 is signalled from step 3 on: what each rank's guard says of a stop per step, the all-reduces they
+    took, and the process groups the preemption handler made."""
+    groups = dist.distributed_c10d._world.group_count
+    preemption = Preemption()
+    preemption.restore()
+    step = 0
+    guard = DivergenceGuard(1, CPU, stop_signal=lambda: rank == 1 and step >= 3)
+    real, reductions, stops = dist.all_reduce, [], []
+
+    def counted(*args, **kwargs):
+        reductions.append(None)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        for step in range(1, 5):
+            guard.should_update(torch.tensor(1.0), torch.tensor(1.0), step)
+            stops.append(guard.stop_requested)
+    finally:
+        dist.all_reduce = real
+    return stops, len(reductions), dist.distributed_c10d._world.group_count - groups
 
 
 def test_two_ranks_decide_together_and_refuse_non_finite_state(tmp_path):
     results = run_workers(_two_ranks, world_size=2, args=(str(tmp_path),))
-    for updates, stopped_at, refusals, after_refusals, after_save in results:
+    for updates, stopped_at, refusals, after_refusals, after_save, stop_flag in results:
+        # A stop signal on one rank reaches every rank through the guard's all-reduce: no collective of its own.
+        assert stop_flag == ([False, False, True, True], 4, 0)
         assert updates == [True, False, True, False, False]
         assert stopped_at == 5
         assert len(refusals) == 2

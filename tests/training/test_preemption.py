@@ -22,7 +22,7 @@ from torchtitan.errors import PREEMPTED_EXIT_CODE
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 
 STEPS = 8
-SIGNAL_AFTER = 2  # the signal is sent once this step is logged (the run waits there for it)
+SIGNAL_AFTER = 2  # the signal is sent in this step, where the divergence guard asks (the run waits there for it)
 ARGS = [
     "--training.steps",
     str(STEPS),
@@ -59,9 +59,9 @@ def checkpoint_steps(dump: str) -> list[str]:
 
 
 def signalled_run(dump: str, sig: int, nproc: int = 1, rank: int = 0, extra: tuple = ()) -> tuple[int, str]:
-    """train.py (ARGS and ``extra``) until step SIGNAL_AFTER is logged, then ``sig`` to rank ``rank`` only; its exit
-    code and output. The run is held after that step until the signal reaches it (tests/hold_until_stopped.py), so
-    that it stops there however fast or slow the machine."""
+    """train.py (ARGS and ``extra``) until step SIGNAL_AFTER reaches its divergence guard, then ``sig`` to rank
+    ``rank`` only; its exit code and output. The run is held there until the signal reaches it
+    (tests/hold_until_stopped.py), so that it stops after that step however fast or slow the machine."""
     args = [os.path.join(dump, "held"), *DEBUG_RUN, *ARGS, *extra, "--job.dump_folder", dump]
     command = train_command(args, nproc, script=str(ROOT / "tests" / "hold_until_stopped.py"))
     env = launch_env(nproc, cpu=True, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
@@ -69,7 +69,7 @@ def signalled_run(dump: str, sig: int, nproc: int = 1, rank: int = 0, extra: tup
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     with processes.started(command, env=env, cwd=ROOT, **pipes) as child:
         output = processes.LineReader(child.stdout)
-        output.wait_for(lambda lines: any(f"step:{SIGNAL_AFTER:>6}" in line for line in lines), timeout=300)
+        output.wait_for(lambda lines: any(line.strip().endswith("HELD") for line in lines), timeout=300)
         if nproc == 1:  # to every process of the run, data loader workers too, as Slurm signals a job step
             os.killpg(child.pid, sig)
         else:

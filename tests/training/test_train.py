@@ -109,6 +109,8 @@ def test_parallel_layouts_match_one_process(tmp_path, one_process_float64, nproc
     # sees; float64 makes the only difference the order of floating-point sums, far below rel 1e-9. On CPU
     # everywhere: on a GPU, FSDP computes in training.mixed_precision_param, which a float64 comparison cannot absorb.
     proc = train(tmp_path, "--training.param_dtype", "float64", *layout, nproc=nproc, cpu=True)
+    # The start-up timeout covers the compiles up to the end of the first step, then the training one takes over.
+    assert "collectives: timeout 1800 s until the first step ends" in proc.stderr
     if "--comm.train_timeout_seconds" in layout:
         assert "collectives: timeout 600 s from now on" in proc.stderr
     two = losses(tmp_path)

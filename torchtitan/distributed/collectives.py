@@ -48,6 +48,15 @@ def any_rank(flag: bool | torch.Tensor, device: torch.device, group: Optional[di
     return bool(value.item())
 
 
+def any_rank_each(flags: torch.Tensor, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> list[bool]:
+    """For each of ``flags`` (a 1-d bool tensor, left on its device), whether it is true on any rank of ``group``
+    (the world when None): several questions in one all-reduce and one host sync."""
+    values = flags.reshape(-1).to(device=device, dtype=torch.int32)
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in values.tolist()]
+
+
 def all_reduce_sum_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Sum ``tensor`` (already on its group's device) over ``group`` in place; nothing without a group."""
     if group is not None and dist.is_initialized():
@@ -87,6 +96,21 @@ def set_collective_timeout(seconds: int, mesh, *groups: Optional[dist.ProcessGro
     mesh_groups = mesh.get_all_groups() if mesh is not None else []
     for group in [dist.group.WORLD, *mesh_groups, *(g for g in groups if g is not None)]:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def first_step_timeouts(comm, mesh, *groups: Optional[dist.ProcessGroup]) -> int:
+    """From now until the first step ends, ``comm.first_step_timeout_seconds`` for the training collectives (see
+    :func:`set_collective_timeout`): ranks compile the optimizer's step and the blocks before their first
+    collectives, some from warm caches, some cold. Returns the timeout set."""
+    set_collective_timeout(comm.first_step_timeout_seconds, mesh, *groups)
+    return comm.first_step_timeout_seconds
+
+
+def training_timeouts(comm, mesh, *groups: Optional[dist.ProcessGroup]) -> int:
+    """After the first step: ``comm.train_timeout_seconds``, else ``comm.init_timeout_seconds``. Returns it."""
+    seconds = comm.train_timeout_seconds or comm.init_timeout_seconds
+    set_collective_timeout(seconds, mesh, *groups)
+    return seconds
 
 
 def all_to_all(outbox: torch.Tensor, send_counts: list[int], receive_counts: list[int], group) -> torch.Tensor:

@@ -62,6 +62,19 @@ def init_distributed(timeout_seconds: int) -> tuple[torch.device, int, int]:
     return device, rank, world_size
 
 
+# TensorFloat-32 tensor cores: Ampere (compute capability 8.0) and newer.
+TF32_MIN_CAPABILITY = (8, 0)
+
+
+def set_float32_matmul_precision(tf32: bool, device: torch.device) -> str:
+    """Let float32 matmuls use TF32 (torch's "high" precision) when ``tf32`` and ``device`` is a GPU that has it;
+    full float32 ("highest") otherwise. Returns the precision set."""
+    has_tf32 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= TF32_MIN_CAPABILITY
+    precision = "high" if tf32 and has_tf32 else "highest"
+    torch.set_float32_matmul_precision(precision)
+    return precision
+
+
 def restart_scoped_store(world_size: int, timeout: timedelta) -> Optional[dist.Store]:
     """Under torchrun, the agent's store seen through a prefix of this restart attempt; None elsewhere.
 

@@ -183,9 +183,41 @@ def importable(names: tuple[str, ...] = PACKAGES) -> dict[str, Optional[str]]:
     return found
 
 
+# What the compile probe found, beside the packages: "yes" where a tiny torch.compile runs on the device (on a GPU,
+# Triton needs a C compiler and Python's headers), None where it does not.
+COMPILE = "torch.compile"
+
+
+def compile_probe_code(device: str) -> str:
+    """A tiny compiled function on a ``device`` tensor, checked: the check's first proof of the machine."""
+    return (
+        "import torch; double_plus_one = torch.compile(lambda x: x * 2 + 1); "
+        f"x = torch.ones(8, device={device!r}); assert torch.equal(double_plus_one(x), x * 3); print('compiled')"
+    )
+
+
+def as_run_here(specs: list[str], found: dict[str, Optional[str]]) -> list[str]:
+    """``specs`` as this machine runs them: where it cannot compile, every optimizer that takes an implementation
+    runs its foreach one (torch's for AdamW; Adam-mini's reference; the AdamW part of Muon and SOAP), once."""
+    if found.get(COMPILE) is not None:
+        return list(specs)
+    from torchtitan.optim.settings import IMPLEMENTATION, TAKES
+
+    out: list[str] = []
+    for spec in specs:
+        name, *options = spec.split(":")  # NAME[:option=value[:option=value]], as estimation.py reads them
+        if IMPLEMENTATION in TAKES.get(name, ()):
+            kept = [o for o in options if not o.startswith(f"{IMPLEMENTATION}=")]
+            spec = ":".join([name, *kept, f"{IMPLEMENTATION}=foreach"])
+        if spec not in out:
+            out.append(spec)
+    return out
+
+
 def imports_line(found: dict[str, Optional[str]]) -> str:
-    present = [f"{name} {version}" for name, version in found.items() if version is not None]
-    missing = [name for name, version in found.items() if version is None]
+    packages = {name: version for name, version in found.items() if name != COMPILE}
+    present = [f"{name} {version}" for name, version in packages.items() if version is not None]
+    missing = [name for name, version in packages.items() if version is None]
     return f"gpu_check: imports present: {', '.join(present) or 'none'}; missing: {', '.join(missing) or 'none'}"
 
 
@@ -199,6 +231,8 @@ def missing_needs(needs: tuple[str, ...], found: dict[str, Optional[str]]) -> li
 
 
 def skipped_text(needs: list[str]) -> str:
+    if COMPILE in needs:
+        return "skipped: this machine cannot compile (the check's first line says why)"
     return f"skipped: needs {', '.join(needs)} (not importable)"
 
 

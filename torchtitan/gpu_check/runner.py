@@ -19,11 +19,13 @@ import torch
 from torchtitan.distributed.cuda_allocator import allocator_setting
 from torchtitan.errors import UserError
 from torchtitan.gpu_check.context import (
+    COMPILE,
     DRY_RUN_BUDGET_S,
     FAILED,
     REPO_ROOT,
     Context,
     Sizes,
+    compile_probe_code,
     dry_run_settings,
     imports_line,
     imports_path,
@@ -147,6 +149,21 @@ def probe_imports(ctx: Context) -> dict[str, Optional[str]]:
     return json.loads(done.output.strip().splitlines()[-1])
 
 
+def probe_compile(ctx: Context) -> tuple[Optional[str], str]:
+    """Whether a tiny ``torch.compile`` runs on the check's device ("yes", else None), in a process of its own, and
+    the one line that says so; where it cannot, the steps that compile are skipped and the optimizer rows run their
+    foreach implementation, so the loan is still spent on what can run."""
+    done = run_command([sys.executable, "-c", compile_probe_code(ctx.sizes.device.type)], ctx, timeout=120)
+    if done.ok:
+        return "yes", f"gpu_check: torch.compile works on {ctx.sizes.device.type}"
+    lines = [line.strip() for line in done.output.splitlines() if line.strip()]
+    reason = lines[-1] if lines else done.how_it_ended()
+    return None, (
+        f"gpu_check: this machine cannot compile ({reason[:200]}); the steps that compile are skipped and the "
+        "optimizer rows run with implementation foreach"
+    )
+
+
 def device_description(dry_run: bool) -> str:
     if dry_run:
         return "CPU (dry run)"
@@ -166,7 +183,7 @@ def device_description(dry_run: bool) -> str:
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# GPU check ({'dry run' if report['dry_run'] else 'GPU'})", ""]
     lines += [f"{report['device']}, torch {report['torch']}, {report['seconds']} s so far", ""]
-    lines += [f"- {report['imports']}", f"- allocator: {report['allocator']}", ""]
+    lines += [f"- {report['imports']}", f"- {report['compile']}", f"- allocator: {report['allocator']}", ""]
     for name, step in report["steps"].items():
         budget = f", budget {step['budget s']} s" if "budget s" in step else ""
         lines += [f"## {name}: {step['status']} ({step.get('seconds', 0)} s{budget})", ""]
@@ -201,12 +218,16 @@ def run(out: Path, dry_run: bool, only: Optional[list[str]] = None, optimizers: 
     write_atomically(imports_path(out), json.dumps(ctx.found))
     line = imports_line(ctx.found)
     print(line, flush=True)
+    ctx.found[COMPILE], compile_line = probe_compile(ctx)
+    print(compile_line, flush=True)
+    write_atomically(imports_path(out), json.dumps(ctx.found))  # the steps read both probes
     names = only or list(STEPS)
     report = {
         "dry_run": dry_run,
         "device": device_description(dry_run),
         "torch": torch.__version__,
         "imports": line,
+        "compile": compile_line,
         "allocator": allocator_setting(step_env(ctx)),
         "seconds": 0.0,
         "steps": {name: {"status": "not run yet"} for name in names},

@@ -222,10 +222,17 @@ def apply_compile(model: Transformer) -> None:
 
 
 def _fsdp_policy(job_config: JobConfig) -> MixedPrecisionPolicy:
-    """Compute in ``mixed_precision_param`` (parameters gathered in it), reduce gradients in ``..._reduce``."""
+    """Compute in ``mixed_precision_param`` (parameters gathered in it), reduce gradients in ``..._reduce``.
+
+    Forward inputs are not cast: a block's second input is the float32 rotary table, which FSDP2 would otherwise
+    round to bfloat16 for every block (the one-GPU autocast path keeps it float32). The residual stream needs no
+    cast either: it leaves the embedding, whose weight is gathered in the compute dtype, already in it.
+    """
     training = job_config.training
     return MixedPrecisionPolicy(
-        param_dtype=DTYPES[training.mixed_precision_param], reduce_dtype=DTYPES[training.mixed_precision_reduce]
+        param_dtype=DTYPES[training.mixed_precision_param],
+        reduce_dtype=DTYPES[training.mixed_precision_reduce],
+        cast_forward_inputs=False,
     )
 
 

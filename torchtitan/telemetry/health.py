@@ -15,7 +15,8 @@ layer as well when the model has at most ``metrics.health_max_layers`` layers; a
   checkpointing, gets them from one more forward of each micro-batch without gradients, run eagerly, before its
   training forward (the same weights and inputs, so the same logits).
 
-Each rank sums squares over its own shards in float64, each counted once (a shard replicated over a mesh dimension
+Each rank sums squares over its own shards (norms in the weights' dtype, at least float32, without a widened
+copy; added up in float64), each counted once (a shard replicated over a mesh dimension
 is weighted by one over that dimension's size), and one all-reduce of the stacked sums (plus one max for the logits)
 completes them, so the values are those of one process whatever FSDP, TP or HSDP layout. A step whose update the
 divergence guard skips logs no health (nothing was updated); gradients are read once, after the last
@@ -55,6 +56,9 @@ from torchtitan.models.roles import (
     VALUE,
     canonical_name,
 )
+
+# The most weights of one tensor the update's measurement compares at once (float32: 64 MiB of the device's memory).
+CHUNK_ELEMENTS = 2**24
 
 # The group of each declared role; MLP splits into its input projections (w1, w3) and its output one (w2).
 GROUP_OF_ROLE = {
@@ -186,9 +190,7 @@ class OptimizerHealth:
         return self.freq > 0 and step % self.freq == 0
 
     def _group_sums(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return self._sums_by_group(
-            torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in tensors])
-        )
+        return self._sums_by_group(sums_of_squares(tensors))
 
     def _sums_by_group(self, squares: torch.Tensor) -> torch.Tensor:
         """Per-parameter sums of squares (each weighted by one over its copies) added up per group."""
@@ -252,12 +254,25 @@ class OptimizerHealth:
             return
         update, before, after = [], [], []
         for param, host in zip(self.params, self._snapshot):
-            now = local_tensor(param).detach()
-            then = host.to(now.device, non_blocking=True)
+            now = local_tensor(param).detach().reshape(-1)
             wide = torch.promote_types(now.dtype, torch.float32)  # the difference of two bf16 values is exact here
-            update.append(torch.linalg.vector_norm(now.to(wide) - then.to(wide), dtype=torch.float64).square())
-            before.append(torch.linalg.vector_norm(then, dtype=torch.float64).square())
-            after.append(torch.linalg.vector_norm(now, dtype=torch.float64).square())
+            chunks = []  # (change, before, after) norms of each chunk: the device holds a chunk of the weights at most
+            for start in range(0, max(1, now.numel()), CHUNK_ELEMENTS):
+                now_part = now[start : start + CHUNK_ELEMENTS]
+                then_part = host.reshape(-1)[start : start + CHUNK_ELEMENTS].to(now.device, non_blocking=True)
+                chunks.append(
+                    torch.stack(
+                        [
+                            torch.linalg.vector_norm(now_part.to(wide) - then_part.to(wide)),
+                            torch.linalg.vector_norm(then_part, dtype=wide),
+                            torch.linalg.vector_norm(now_part, dtype=wide),
+                        ]
+                    )
+                )
+            squares = torch.stack(chunks).to(torch.float64).square().sum(dim=0)
+            update.append(squares[0])
+            before.append(squares[1])
+            after.append(squares[2])
         self._sums["update"] = self._sums_by_group(torch.stack(update))
         self._sums["before"] = self._sums_by_group(torch.stack(before))
         self._sums["after"] = self._sums_by_group(torch.stack(after))
@@ -323,6 +338,24 @@ def format_health_line(step: int, metrics: dict[str, float]) -> str:
     if "health/attn_logit_max" in metrics:
         parts.append(f"attention logit max {metrics['health/attn_logit_max']:.2f}")
     return ", ".join(parts)
+
+
+def sums_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's sum of squares (float64), from norms taken in the tensor's dtype, at least float32: no widened
+    copy of any tensor (a float64 one would double a float32 weight's memory at every measured step). One foreach
+    norm per dtype (the weights' and gradients' dtypes: one or two)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    out: list[Optional[torch.Tensor]] = [None] * len(tensors)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_kind.setdefault((t.device, t.dtype), []).append(i)
+    for (_, dtype), members in by_kind.items():
+        wide = torch.promote_types(dtype, torch.float32)
+        norms = torch._foreach_norm([tensors[i] for i in members], 2, wide)
+        for i, norm in zip(members, norms):
+            out[i] = norm.to(torch.float64).square()
+    return torch.stack(out)
 
 
 def _grad_like_param(p: torch.Tensor) -> torch.Tensor:

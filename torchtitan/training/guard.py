@@ -19,12 +19,12 @@ run with :class:`DivergenceError`, which ``train.py`` prints as one ``error:`` l
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtitan.distributed.collectives import any_rank
+from torchtitan.distributed.collectives import any_rank_each
 from torchtitan.distributed.utils import local_tensor
 from torchtitan.errors import DivergenceError
 from torchtitan.logging import logger
@@ -89,22 +89,35 @@ def resume_hint(last_finite_step: Optional[int], folder: Optional[str]) -> str:
 
 
 class DivergenceGuard:
-    """Decides, the same way on every rank, whether a step's update is applied; counts consecutive skips."""
+    """Decides, the same way on every rank, whether a step's update is applied; counts consecutive skips.
 
-    def __init__(self, max_skipped_steps: int, device: torch.device) -> None:
+    Its one all-reduce per step also carries ``stop_signal()`` (this rank's "a stop signal came", see
+    ``torchtitan.training.preemption``): :attr:`stop_requested` says whether any rank had one by this step's
+    decision, so that asking costs the loop no collective of its own."""
+
+    def __init__(
+        self, max_skipped_steps: int, device: torch.device, stop_signal: Callable[[], bool] = lambda: False
+    ) -> None:
         self.max_skipped_steps = max_skipped_steps
         self.device = device
+        self.stop_signal = stop_signal
+        self.stop_requested = False
         self.consecutive = 0
         self.stopped_at: Optional[int] = None  # the step that ran out of allowed skips
 
     def should_update(self, loss: torch.Tensor, grad_norm: torch.Tensor, step: int) -> bool:
         """False if the loss on any rank or the (global) grad norm is not finite; logs which step was skipped.
 
-        Sets :attr:`stopped_at` once more than ``max_skipped_steps`` steps in a row were not finite.
+        Sets :attr:`stopped_at` once more than ``max_skipped_steps`` steps in a row were not finite, and
+        :attr:`stop_requested` once a rank has a stop signal.
         """
-        # Kept on the device until the all-reduce: the decision costs one host sync per step.
+        # Kept on the device until the all-reduce: the decision costs one host sync per step. The stop flag joins
+        # it as a fill value (a kernel argument, not a copy from the host).
         local_bad = ~(torch.isfinite(loss).all() & torch.isfinite(grad_norm).all())
-        if not any_rank(local_bad, self.device):
+        stop = torch.full((), self.stop_signal(), dtype=torch.bool, device=local_bad.device)
+        any_bad, any_stop = any_rank_each(torch.stack([local_bad, stop]), self.device)
+        self.stop_requested = self.stop_requested or any_stop
+        if not any_bad:
             self.consecutive = 0
             return True
         self.consecutive += 1

@@ -2,15 +2,17 @@
 
 Slurm warns a job before it kills it: at preemption and at the time limit every process gets SIGTERM (then SIGKILL
 after the cluster's grace time), and ``sbatch --signal=USR1@SECONDS`` sends SIGUSR1 that long before the time limit.
-train.py installs :class:`Preemption` before training; the handler only notes the signal, and the loop asks
-:meth:`Preemption.requested` after each step. All ranks agree on it (a max over the world, so that a rank signalled
-a moment later stops at the same step), save the step they are at whatever the checkpoint interval, and leave with
-:class:`torchtitan.errors.Preempted`, whose exit code (:data:`torchtitan.errors.PREEMPTED_EXIT_CODE`) tells a job
-script to requeue the run; started again with the same command, it resumes from that checkpoint, bit for bit.
+train.py installs :class:`Preemption` before training; the handler only notes the signal, and the divergence
+guard's all-reduce of each step carries it (``DivergenceGuard.stop_requested``: no collective of its own per step,
+nor a gloo group of its own). All ranks agree on it (a max over the world, so that a rank signalled a moment later
+stops at the same step; a signal that comes after a step's guard is seen at the next step's), save the step they are
+at whatever the checkpoint interval, and leave with :class:`torchtitan.errors.Preempted`, whose exit code
+(:data:`torchtitan.errors.PREEMPTED_EXIT_CODE`) tells a job script to requeue the run; started again with the same
+command, it resumes from that checkpoint, bit for bit.
 
 Later stop signals change nothing (torchrun, itself signalled, passes SIGTERM on to its workers), but torchrun
 SIGKILLs its workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds after that (30 by default; the Slurm job scripts set
-the warning less 10 s): under torchrun, a step and its save must fit in that time. Ctrl-C (SIGINT) still interrupts
+the warning less 10 s): under torchrun, two steps and a save must fit in that time. Ctrl-C (SIGINT) still interrupts
 at once.
 """
 
@@ -20,13 +22,8 @@ import functools
 import os
 import signal
 import threading
-from datetime import timedelta
 from typing import Callable, Optional
 
-import torch
-import torch.distributed as dist
-
-from torchtitan.distributed.collectives import any_rank
 from torchtitan.errors import Preempted
 
 # The signals that ask a run to save and stop: Slurm's warning ahead of a time limit, and its (or anyone's) SIGTERM.
@@ -67,28 +64,21 @@ def _end_on_sigterm_from(senders: set[int]) -> None:
 
 
 class Preemption:
-    """Notes a stop signal; the training loop polls :meth:`requested` after each step.
+    """Notes a stop signal; :meth:`signalled` is this rank's answer, which the divergence guard's all-reduce makes
+    every rank's."""
 
-    With a process group, every rank asks the others on a gloo group of its own (CPU tensors): the question costs
-    a host round trip per step and never waits for the device (an NCCL all-reduce read back on the host would wait
-    for the step's optimizer kernels before the next step could be queued)."""
-
-    def __init__(self, signals=STOP_SIGNALS, timeout: Optional[timedelta] = None):
+    def __init__(self, signals=STOP_SIGNALS):
         self.received: Optional[int] = None
         self._previous = {}
-        # Made by every rank at the same point of start-up, as new_group requires.
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._note)
 
     def _note(self, signum, frame) -> None:
         self.received = self.received or signum  # later ones change nothing: torchrun passes its own SIGTERM on
 
-    def requested(self) -> bool:
-        """Whether any rank received a stop signal."""
-        if self.group is None:
-            return self.received is not None
-        return any_rank(self.received is not None, torch.device("cpu"), self.group)
+    def signalled(self) -> bool:
+        """Whether this rank received a stop signal."""
+        return self.received is not None
 
     def signal_name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a stop signal on another rank"

@@ -56,6 +56,11 @@ class Training:
         "(exit code 3); 0 stops at the first",
         ge=0,
     )
+    tf32: bool = opt(
+        True,
+        "float32 matmuls on TensorFloat-32 tensor cores where the GPU has them (compute capability 8.0 and newer): "
+        "several times faster, with a 10-bit mantissa in the products (false: full float32; no effect on CPU)",
+    )
     data_parallel_replicate_degree: int = opt(1, "HSDP replicas (1 = plain FSDP)", gt=0)
     data_parallel_shard_degree: int = opt(-1, "FSDP shards; -1 fills the world size", ge=-1)
     data_parallel_type: str = opt(
@@ -109,15 +114,22 @@ class Float8:
 class Comm:
     init_timeout_seconds: int = opt(
         300,
-        "seconds a rank waits for the others in the setup of the default process group and in every collective on "
-        "it and on the checkpoint's gloo group, before the job fails; sub-groups of a multi-dimensional device mesh "
-        "keep torch's default (10 min NCCL, 30 min gloo)",
+        "seconds a rank waits for the others in the setup of the default process group, in the checkpoint's gloo "
+        "collectives, and in the training collectives after the first step unless train_timeout_seconds is set, "
+        "before the job fails (until the first step ends: first_step_timeout_seconds)",
+        gt=0,
+    )
+    first_step_timeout_seconds: int = opt(
+        1800,
+        "from the process group's setup to the end of the first step, the timeout of the training collectives (the "
+        "default group and the mesh's): it covers compiling the optimizer's step and the blocks, which a rank with a "
+        "cold compile cache (a requeued job on new nodes) takes minutes longer to do than its peers",
         gt=0,
     )
     train_timeout_seconds: Optional[int] = opt(
         None,
         "after the first step, the timeout of the training collectives (the default group and the mesh's; "
-        "checkpoint saves keep theirs); unset: init_timeout_seconds throughout",
+        "checkpoint saves keep theirs); unset: init_timeout_seconds",
         gt=0,
     )
     trace_buf_size: Optional[int] = opt(

@@ -261,14 +261,16 @@ class Attention(nn.Module):
         pairs = max(1, LOGIT_BLOCK_ELEMENTS // (rows * seq_len))  # (batch, head) pairs per block
         positions = torch.arange(seq_len, device=q.device)
         largest = torch.full((), -math.inf, dtype=dtype, device=q.device)
-        for first in range(0, batch * heads, pairs):
-            for top in range(0, seq_len, rows):
-                end = min(seq_len, top + rows)
-                block_q = qs[first : first + pairs, top:end].to(dtype)
-                block_k = ks[first : first + pairs, :end].to(dtype)  # later keys are masked for every query here
-                scores = block_q @ block_k.transpose(-1, -2)
-                scores.masked_fill_(positions[:end] > positions[top:end, None], -math.inf)
-                largest = torch.maximum(largest, scores.amax() / math.sqrt(self.head_dim))
+        # Outside autocast (one GPU, TP only), which would run the scores' matmul in bf16 despite the casts.
+        with torch.autocast(q.device.type, enabled=False):
+            for first in range(0, batch * heads, pairs):
+                for top in range(0, seq_len, rows):
+                    end = min(seq_len, top + rows)
+                    block_q = qs[first : first + pairs, top:end].to(dtype)
+                    block_k = ks[first : first + pairs, :end].to(dtype)  # later keys are masked for these queries
+                    scores = block_q @ block_k.transpose(-1, -2)
+                    scores.masked_fill_(positions[:end] > positions[top:end, None], -math.inf)
+                    largest = torch.maximum(largest, scores.amax() / math.sqrt(self.head_dim))
         self.logit_max = largest if self.logit_max is None else torch.maximum(self.logit_max, largest)
 
 

@@ -136,17 +136,15 @@ def fused_update(
         for p, layout in zip(params, layouts)
     ]
     schedule, plans = _schedule(params, exp_avgs, second_moments, means, indices, layouts, step_counts, hyper)
-    lr = hyper.lr
+    # One scalars tensor per dtype, device and step, shared by the groups (a quantized parameter is a group of its
+    # own): each one made is a host-to-device copy that waits for the device.
+    made: dict[tuple, Tensor] = {}
     for dtype, device, count, slices in schedule:
         scalar_dtype = torch.promote_types(dtype, torch.float32)
-        host = [1 - hyper.beta1**count, 1 - hyper.beta2**count]
-        if isinstance(lr, Tensor):
-            lr_t = lr.detach().to(device=device, dtype=scalar_dtype).reshape(1)
-            rest = torch.tensor(host, dtype=scalar_dtype).to(device)
-            count_t = torch.tensor([count], dtype=scalar_dtype).to(device)
-            scalars = torch.cat([lr_t, rest, 1 - lr_t * hyper.weight_decay, count_t])
-        else:
-            scalars = torch.tensor([lr, *host, 1 - lr * hyper.weight_decay, count], dtype=scalar_dtype).to(device)
+        key = (scalar_dtype, device, count)
+        if key not in made:
+            made[key] = _scalars(hyper, count, scalar_dtype, device)
+        scalars = made[key]
 
         def arguments(part: list[int], scalars: Tensor = scalars) -> tuple:
             # Detached: the compiled graph sees plain tensors sharing the parameters' memory.
@@ -165,6 +163,16 @@ def fused_update(
             )
 
         _FUSED_STEP.run(slices, arguments, params)
+
+
+def _scalars(hyper: Hyper, count: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """lr, 1 - beta1**t, 1 - beta2**t, 1 - lr * weight_decay and t on ``device`` (see ``_fused_steps``)."""
+    lr, host = hyper.lr, [1 - hyper.beta1**count, 1 - hyper.beta2**count]
+    if not isinstance(lr, Tensor):
+        return torch.tensor([lr, *host, 1 - lr * hyper.weight_decay, count], dtype=dtype).to(device)
+    lr_t = lr.detach().to(device=device, dtype=dtype).reshape(1)
+    rest = torch.tensor([*host, count], dtype=dtype).to(device)
+    return torch.cat([lr_t, rest[:2], 1 - lr_t * hyper.weight_decay, rest[2:]])
 
 
 # The last fused step's schedule, kept for the layout of the parameter that led it (forgotten with the layouts).
