@@ -1,7 +1,8 @@
 """A study of 50 runs through a stand-in Slurm controller (tests/slurm_controller.py) that runs the sweep's job
-scripts and misbehaves as busy clusters do, under 20 seeded fault schedules: answers of sbatch lost after it queued
-the array, arrays listed late, squeue and sacct failing for a while, runaway jobs, a small MaxArraySize,
-preemptions, warnings ahead of time limits (with scancel refusing to signal for a while), users' cancels.
+scripts and misbehaves as busy clusters do, under seeded fault schedules (6 in the suite, 20 with
+CHAOS_SCHEDULES=20): answers of sbatch lost after it queued the array, arrays listed late, squeue and sacct failing
+for a while, runaway jobs, a small MaxArraySize, preemptions, warnings ahead of time limits (with scancel refusing to
+signal for a while), users' cancels.
 
 In every schedule the study is called again until each run has finished; each run trains each of its steps exactly
 once and ends exactly once, counted by the made-up trainer's own ledger (tests/chaos_trainer.py), never by the
@@ -12,6 +13,7 @@ finished once.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 
@@ -26,7 +28,9 @@ from torchtitan.tools.sweep import main
 
 RUNS = 50
 STEPS = 4
-SCHEDULES = 20
+# Each schedule costs ~28 CPU-s (its ~200 job-script and trainer processes): the suite runs the first 6; the whole
+# set of 20 with CHAOS_SCHEDULES=20 (passed 20/20 when these tests were written).
+SCHEDULES = int(os.environ.get("CHAOS_SCHEDULES", "6"))
 MAX_CALLS = 12
 
 
