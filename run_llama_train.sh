@@ -19,8 +19,18 @@ fi
 CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
+# After preflight passed: tells train.py that this job (world size, its arguments) was checked, so that its first
+# rank does not run the layout check again (torchtitan/config/preflight.py, job_digest).
+checked() {
+    local n=$1
+    shift
+    TORCHTITAN_PREFLIGHT_CHECKED=$(printf '%s\0' "$n" --job.config_file "$CONFIG_FILE" "$@" | sha256sum | cut -d' ' -f1)
+    export TORCHTITAN_PREFLIGHT_CHECKED
+}
+
 if [ "${NNODES:-1}" -gt 1 ]; then
     "$PYTHON" -m torchtitan.config.preflight --nproc $((NNODES * NGPU)) --job.config_file "$CONFIG_FILE" "$@"
+    checked $((NNODES * NGPU)) "$@"
     . scripts/socket_interface.sh "${RDZV_ENDPOINT%:*}"  # NCCL's and gloo's sockets towards the first node
     exec "${TORCHRUN[@]}" --nnodes "$NNODES" --nproc_per_node "$NGPU" --rdzv_id "$RDZV_ID" --rdzv_backend c10d \
         --rdzv_endpoint "$RDZV_ENDPOINT" train.py --job.config_file "$CONFIG_FILE" "$@"
@@ -33,5 +43,6 @@ fi
 
 # Check the job once before starting workers, so a mistake is one line rather than a wall of launcher output.
 "$PYTHON" -m torchtitan.config.preflight --nproc "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+checked "$NGPU" "$@"
 
 exec "${TORCHRUN[@]}" --standalone --nnodes=1 --nproc_per_node="$NGPU" train.py --job.config_file "$CONFIG_FILE" "$@"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torchtitan.checkpoint import CheckpointManager
 from torchtitan.checkpoint.folders import FolderInUse
 from torchtitan.config.job_config import JOB_CONFIG_RECORD, JobConfig
-from torchtitan.config.preflight import preflight
+from torchtitan.config.preflight import checked_by_launcher, preflight
 from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset_record
 from torchtitan.distributed.collectives import all_reduce_scalar, first_step_timeouts, training_timeouts
 from torchtitan.distributed.utils import init_distributed, set_determinism, set_float32_matmul_precision
@@ -57,11 +57,12 @@ def main(job_config: JobConfig) -> None:
     if job_config.comm.trace_buf_size is not None:
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(job_config.comm.trace_buf_size))
     # The job checked before any process group, compile or run folder. Every rank checks it; the first alone runs the
-    # layout check (the others wait for it at the rendezvous, and torchrun ends them when it refuses the job).
+    # layout check (the others wait for it at the rendezvous, and torchrun ends them when it refuses the job), unless
+    # the launcher already ran it on this very job.
     first_rank = int(os.environ.get("RANK", "0")) == 0
-    parallel_dims, model_args, tokenizer = preflight(
-        job_config, int(os.environ.get("WORLD_SIZE", "1")), check_layout=first_rank
-    )
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_layout = first_rank and not checked_by_launcher(world_size, sys.argv[1:])
+    parallel_dims, model_args, tokenizer = preflight(job_config, world_size, check_layout=check_layout)
     device, rank, world_size = init_distributed(job_config.comm.init_timeout_seconds)
     t = job_config.training
     logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")

@@ -134,3 +134,18 @@ def test_the_layout_check_logs_nothing_of_what_it_builds(monkeypatch):
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records if r.levelno < logging.WARNING] == []
     assert logger.level == logging.INFO
+
+
+def test_the_launchers_digest_is_the_one_train_py_computes(tmp_path):
+    """run_llama_train.sh marks the job preflight passed (printf | sha256sum); train.py's first rank skips the layout
+    check only for that very job: same world size, same arguments, byte for byte."""
+    from torchtitan.config.preflight import CHECKED_VARIABLE, checked_by_launcher, job_digest
+
+    argv = ["--job.config_file", "a b.toml", "--job.description", "naïve 'quoted' $HOME\\n", "--x", ""]
+    script = "printf '%s\\0' \"$@\" | sha256sum | cut -d' ' -f1"
+    digest = processes.run(["bash", "-c", script, "bash", "4", *argv], timeout=30).stdout.strip()
+    assert digest == job_digest(4, argv)
+    assert checked_by_launcher(4, argv, {CHECKED_VARIABLE: digest})
+    assert not checked_by_launcher(2, argv, {CHECKED_VARIABLE: digest})  # another world size
+    assert not checked_by_launcher(4, argv[:-1], {CHECKED_VARIABLE: digest})  # other arguments
+    assert not checked_by_launcher(4, argv, {})

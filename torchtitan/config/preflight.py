@@ -1,11 +1,14 @@
 """Check a job before any worker starts: ``python -m torchtitan.config.preflight --nproc N [train.py options]``.
 
 ``run_llama_train.sh`` runs this first, so that a mistake in the config shows as one line instead of one traceback
-per worker from the launcher. ``train.py`` runs the same checks at start.
+per worker from the launcher. ``train.py`` runs the same checks at start; its first rank leaves out the layout check
+(seconds) when the launcher says it checked this very job (:data:`CHECKED_VARIABLE`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 
 from torchtitan.config.job_config import JobConfig
@@ -106,6 +109,22 @@ def preflight(job_config: JobConfig, world_size: int, check_layout: bool = True)
     if v.enable and v.dataset is not None:
         check_hub_reachable(v.dataset, v.dataset_path, "validation")
     return parallel_dims, model_args, tokenizer
+
+
+# Set by run_llama_train.sh once this module passed a job: the digest of (world size, train.py's arguments).
+CHECKED_VARIABLE = "TORCHTITAN_PREFLIGHT_CHECKED"
+
+
+def job_digest(world_size: int, train_argv: list[str]) -> str:
+    """SHA-256 of the world size and train.py's arguments, each ended by a NUL byte: the launcher's
+    ``printf '%s\\0' N ARGS... | sha256sum``, so that a launcher's check stands for exactly this job."""
+    data = b"".join(os.fsencode(a) + b"\0" for a in [str(world_size), *train_argv])
+    return hashlib.sha256(data).hexdigest()
+
+
+def checked_by_launcher(world_size: int, train_argv: list[str], environ=os.environ) -> bool:
+    """Whether the launcher ran this module's checks, the layout check included, on this job at this world size."""
+    return environ.get(CHECKED_VARIABLE) == job_digest(world_size, train_argv)
 
 
 def main(argv: list[str]) -> int:
