@@ -208,5 +208,7 @@ class LiveMemoryTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
+        # What is freed once tracking ends (the next step's zero_grad, an optimizer dropped) is not this sequence's.
+        self.record_events = False
         torch.UntypedStorage.resize_ = self._original_resize
         return super().__exit__(*exc)
