@@ -8,8 +8,14 @@ import torch
 
 from estimation import main as estimation_main
 from tests.estimation.test_estimation import ONE_PROCESS_TOLERANCE, VOCAB, _assert_close, _job, _measure_real_steps
-from tests.helpers import DEBUG_CONFIG
+from tests.helpers import DEBUG_CONFIG, ROOT
+from torchtitan.config.job_config import JobConfig
 from torchtitan.estimation import LiveMemoryTracker, estimate_memory, format_table, to_json
+
+# The run this project was started from (Llama 3 8B, 8 x H100, FSDP 8, batch 1 x 8192, no activation checkpointing,
+# compiled, one loss chunk, the Llama 3 vocabulary) and its measured peak reserved memory per GPU, GiB.
+SEED_RUN = ROOT / "tests" / "estimation" / "llama3_8b_seed_run.toml"
+SEED_RUN_RESERVED_GIB = {"AdamW": 71.94, "AdamMini": 65.75}
 
 
 def test_the_tracker_records_allocations_and_frees_with_their_streams_while_it_tracks():
@@ -92,3 +98,20 @@ def test_compiled_blocks_are_estimated_as_the_partitioner_compiles_them(monkeypa
     _assert_close(estimate, _measure_real_steps(job, 1, None, ["AdamW"], seed=0), "compiled", ONE_PROCESS_TOLERANCE)
     eager = estimate_memory(_job("--memory_estimation.world_size", "1", "--memory_estimation.optimizers", "AdamW"))
     assert estimate.optimizers[0].activations < 0.9 * eager.optimizers[0].activations
+
+
+def test_the_8b_estimate_is_within_5_percent_of_the_measured_reserved_memory(monkeypatch):
+    """Under train.py's allocator setting (expandable segments). The saving (measured 6.19 GiB) is not within reach
+    of the model: docs/memory.md gives both figures and why."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    estimate = estimate_memory(JobConfig.parse_args(["--job.config_file", str(SEED_RUN)], prog="estimation.py"))
+    predicted = {o.optimizer: o.reserved[0].peak_reserved / 2**30 for o in estimate.optimizers}
+    for name, measured in SEED_RUN_RESERVED_GIB.items():
+        error = predicted[name] / measured - 1
+        print(
+            f"8B {name}: estimated peak reserved {predicted[name]:.2f} GiB, measured {measured} ({100 * error:+.1f}%)"
+        )
+        assert abs(error) <= 0.05, (name, predicted[name], measured)
+    saving = predicted["AdamW"] - predicted["AdamMini"]
+    print(f"8B saving: estimated {saving:.2f} GiB, measured 6.19")
