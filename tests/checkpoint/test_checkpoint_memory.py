@@ -58,10 +58,10 @@ class DeviceMemory(LiveMemoryTracker):
         """A tensor the writer keeps: one made for the save (on a GPU, its host copy); weights stay where they are."""
         key = id(tensor.untyped_storage())
         if key in self._tracked and self._tracked[key][1] == TRANSIENT:
-            nbytes, category = self._tracked[key]
+            nbytes, category, serial = self._tracked[key]
             self.live[category] -= nbytes
             self.live[HOST_STAGING] += nbytes
-            self._tracked[key] = (nbytes, HOST_STAGING)
+            self._tracked[key] = (nbytes, HOST_STAGING, serial)
 
     def _note_peak(self) -> None:
         super()._note_peak()

@@ -51,7 +51,8 @@ def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
     large = [row["optimizer"] for name in ("llama3_8b", "llama3_8b_more") for row in report["steps"][name]["rows"]]
     assert sorted(large) == sorted(context.QUICK_8B + tuple(plan.llama3_8b_more_specs()))
     assert {s.split(":")[0] for s in large} == set(OPTIMIZERS)
-    assert all("estimated peak allocated GiB" not in row for row in report["steps"]["compiled_1b"]["rows"])
+    # Compiled blocks are estimated as compiled: the compiled step has its estimates too.
+    assert all(row["estimated peak allocated GiB"] is not None for row in report["steps"]["compiled_1b"]["rows"])
     assert report["steps"]["async_checkpoint"]["rows"][1]["resumed from step 4"] is True
     saved = report["steps"]["checkpoint_memory"]["text"]
     assert "AdamMini4bit" in context.low_bit_names() and "--async-save" in saved

@@ -24,6 +24,14 @@ def allocator_environ(environ: Mapping[str, str]) -> dict[str, str]:
     return {ALLOC_CONF_VARIABLES[0]: DEFAULT_ALLOC_CONF}
 
 
+def alloc_conf_in_effect(environ: Mapping[str, str]) -> tuple[str, str]:
+    """The allocator setting ``train.py`` runs with in ``environ``, and where it comes from."""
+    name = next((name for name in ALLOC_CONF_VARIABLES if name in environ), None)
+    if name:
+        return environ[name], f"{name} in the environment"
+    return DEFAULT_ALLOC_CONF, "train.py's default"
+
+
 def allocator_setting(environ: Mapping[str, str]) -> str:
     """The allocator setting in effect, for the log."""
     name = next((name for name in ALLOC_CONF_VARIABLES if name in environ), None)

@@ -5,7 +5,10 @@ The model is built and parallelized by the trainer's own code (``torchtitan.trai
 (``FakeTensorMode``: shapes, dtypes and devices, no data). Each optimizer is built by ``build_optimizers`` and its
 state created by the optimizer's own code; then the step ``train.py`` runs, ``torchtitan.training.step.train_step``
 (forward, loss, backward, clipping, optimizer step), runs under :class:`LiveMemoryTracker`, which counts live tensor
-bytes on the simulated rank.
+bytes on the simulated rank. For CUDA training the tracker also records the allocations and frees of the state's
+creation, the step and a checkpoint save; :mod:`torchtitan.estimation.allocator` replays them, the step twice, through a
+model of the CUDA caching allocator for the memory it reserves, under the job's ``PYTORCH_CUDA_ALLOC_CONF`` and the
+alternatives.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import copy
 import gc
 import itertools
 import os
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional
 
 import torch
@@ -23,7 +26,10 @@ from torch import nn
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.parsing import set_option
+from torchtitan.distributed.cuda_allocator import alloc_conf_in_effect
 from torchtitan.errors import UserError
+from torchtitan.estimation.allocator import AllocatorConfig, Replay, parse_alloc_conf, replay, training_sequence
+from torchtitan.estimation.compiled import compiled_blocks
 from torchtitan.estimation.fake import fake_world, precompute_quantization_maps
 from torchtitan.estimation.tracker import (
     OPTIMIZER_STATE,
@@ -55,6 +61,11 @@ _ADAMW_PART = ("Muon", "NorMuon", "SOAP")
 
 _LAYOUT_NAMES = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP"}
 
+# The allocator settings every CUDA estimate is also replayed under, beside the job's own.
+ALTERNATIVE_ALLOC_CONFS = ("", "expandable_segments:True")
+# Training steps replayed through the allocator model: the first fills its cache, the second shows the steady state.
+REPLAYED_STEPS = 2
+
 
 @dataclass
 class OptimizerEstimate:
@@ -72,6 +83,8 @@ class OptimizerEstimate:
     options: dict[str, Any] = field(default_factory=dict)  # the optional [optimizer] options it was built with
     implementation: str = ""  # the optimizer step's implementation that was simulated (see simulated_implementation)
     checkpoint_save_peak: int = 0  # the most live tensor memory while a checkpoint is saved after the step
+    # CUDA only: the caching allocator's view of the run, one replay per allocator setting, the job's first.
+    reserved: list[Replay] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -94,6 +107,9 @@ class Estimate:
     compute_dtype: str
     optimizers: list[OptimizerEstimate] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    alloc_conf: str = ""  # the job's PYTORCH_CUDA_ALLOC_CONF (CUDA only)
+    alloc_conf_source: str = ""
+    device_memory: int = 0  # memory_estimation.device_memory_gib in bytes; 0: no limit
 
     @property
     def layout(self) -> str:
@@ -177,8 +193,17 @@ def _job_for_simulation(job_config: JobConfig, notes: list[str]) -> JobConfig:
     """The job as it can be simulated on a CPU: eager, without float8 linears."""
     job = copy.deepcopy(job_config)
     if job.training.compile:
-        job.training.compile = False
-        notes.append("training.compile is simulated in eager mode (compiled blocks usually hold fewer activations)")
+        job.training.compile = False  # the blocks are compiled by compiled_blocks, as the estimate can
+        if job.training.tensor_parallel_degree > 1:
+            notes.append(
+                "training.compile with tensor parallelism is simulated in eager mode (compiled blocks usually hold "
+                "fewer activations)"
+            )
+        else:
+            notes.append(
+                "training.compile: blocks simulated as AOT autograd compiles them (inductor's decompositions and "
+                "partitioner), run op by op rather than as inductor's fused kernels"
+            )
     if job.float8.enable_float8_linear:
         job.float8.enable_float8_linear = False
         notes.append("float8 linears are not simulated (they need a GPU); linears are estimated in the compute dtype")
@@ -295,14 +320,36 @@ def _phase_hooks(tracker: LiveMemoryTracker, model: nn.Module, optimizers, measu
             handle.remove()
 
 
+@contextmanager
+def _eager_optimizer_step(optimizers) -> Iterator[None]:
+    """Run the optimizers' steps eagerly (fake tensors hold no data to compile kernels for: torchao's compiled
+    steps), leaving compiled model blocks as they are."""
+    step = optimizers.step
+
+    def eager_step(*args, **kwargs):
+        with torch.compiler.set_stance("force_eager"):
+            return step(*args, **kwargs)
+
+    optimizers.step = eager_step
+    try:
+        yield
+    finally:
+        del optimizers.step
+
+
 def checkpoint_save_peak(model: nn.Module, optimizers, round_to: int) -> int:
-    """The most live tensor memory while the checkpoint manager saves after the step (gradients still held).
+    """The most live tensor memory while the checkpoint manager saves after the step (gradients still held)."""
+    return checkpoint_save(model, optimizers, round_to).peak
+
+
+def checkpoint_save(model: nn.Module, optimizers, round_to: int, record_events: bool = False) -> LiveMemoryTracker:
+    """The tracker of a checkpoint save after the step (gradients still held).
 
     DCP's writer asks for each tensor's data in turn and copies it to host memory (not counted here) before the
     next: model weights and plain state are written from where they live, and a quantized state's data is its
     float32 values, made by ``QuantizedStateSavePlanner`` and dropped once copied. That is replayed here.
     """
-    tracker = LiveMemoryTracker(round_to=round_to)
+    tracker = LiveMemoryTracker(round_to=round_to, record_events=record_events)
     tracker.track_existing(itertools.chain(model.parameters(), model.buffers()), PARAMS)
     tracker.track_existing((p.grad for p in model.parameters()), TRANSIENT)
     tracker.track_existing(_optimizer_state_tensors(optimizers), OPTIMIZER_STATE)
@@ -310,7 +357,7 @@ def checkpoint_save_peak(model: nn.Module, optimizers, round_to: int) -> int:
         for value in optimizers.state_dict().values():
             if isinstance(value, QuantizedEntry):
                 value.local_values()
-    return tracker.peak
+    return tracker
 
 
 def _state_source(name: str) -> str:
@@ -328,6 +375,8 @@ def estimate_optimizer(
     round_to: int,
     warm_up: bool = False,
     device: str = "cpu",
+    alloc_confs: tuple[AllocatorConfig, ...] = (),
+    device_memory: Optional[int] = None,
 ) -> OptimizerEstimate:
     """Build the job's optimizer on ``model``, create its state, and track one training step.
 
@@ -336,6 +385,9 @@ def estimate_optimizer(
     ``device`` is the simulated training's (``memory_estimation.device``): the fake tensors live on the CPU, where
     torch's AdamW would take its per-tensor loop, so an unset implementation is built as the one torch takes on
     ``device`` (foreach on CUDA, whose temporaries are each the size of a whole state list).
+    With ``alloc_confs`` (CUDA training), the state's creation (as ``train.py`` creates it, before the first step),
+    the step and the save are recorded and replayed through the caching-allocator model under each setting, on a
+    device of ``device_memory`` bytes (None: no limit).
     """
     options = {key: getattr(job_config.optimizer, key) for key in OPTIONAL_OPTIONS}
     options = {key: value for key, value in options.items() if value is not None}
@@ -345,7 +397,11 @@ def estimate_optimizer(
         job_config = copy.deepcopy(job_config)
         job_config.optimizer.implementation = default
     optimizers = build_optimizers([model], job_config)
-    optimizers.initialise_state()  # with the optimizer's own code
+    recording = bool(alloc_confs)
+    creation = LiveMemoryTracker(round_to=round_to, record_events=recording)
+    creation.track_existing(itertools.chain(model.parameters(), model.buffers()), PARAMS)
+    with creation if recording else nullcontext(), creation.in_phase("optimizer state"):
+        optimizers.initialise_state()  # with the optimizer's own code
     state_bytes = optimizers.state_bytes()
     device = torch.device("cpu")
     if warm_up:
@@ -354,15 +410,24 @@ def estimate_optimizer(
     for p in model.parameters():
         p.grad = None
     gc.collect()
-    tracker = LiveMemoryTracker(round_to=round_to)
+    tracker = LiveMemoryTracker(round_to=round_to, record_events=recording)
     tracker.track_existing(itertools.chain(model.parameters(), model.buffers()), PARAMS)
     tracker.track_existing(_optimizer_state_tensors(optimizers), OPTIMIZER_STATE)
     measured: dict[str, int] = {}
     # Fake tensors hold no data to compile kernels for: compiled optimizer steps (torchao) run eagerly.
-    with _phase_hooks(tracker, model, optimizers, measured), torch.compiler.set_stance("force_eager"), tracker:
+    with _phase_hooks(tracker, model, optimizers, measured), _eager_optimizer_step(optimizers), tracker:
         train_step(model, optimizers, batches, parallel_dims, job_config, device)
     gradients = sum(tensor_bytes(p.grad) for p in model.parameters())
-    save_peak = checkpoint_save_peak(model, optimizers, round_to)
+    save = checkpoint_save(model, optimizers, round_to, record_events=recording)
+    sequence = training_sequence(
+        creation.existing_events.get(PARAMS, []),
+        creation.events,
+        tracker.events,
+        steps=REPLAYED_STEPS,
+        lazy_state=False,
+        after=save.events,
+    )
+    reserved = [replay(sequence, config, device_memory) for config in alloc_confs]
     estimate = OptimizerEstimate(
         optimizer=optimizers.name,
         params=sum(tensor_bytes(p) for p in model.parameters()),
@@ -375,7 +440,8 @@ def estimate_optimizer(
         state_source=_state_source(optimizers.name),
         options=options,
         implementation=implementation,
-        checkpoint_save_peak=save_peak,
+        checkpoint_save_peak=save.peak,
+        reserved=reserved,
     )
     for p in model.parameters():
         p.grad = None
@@ -423,6 +489,7 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
         notes=notes,
     )
     round_to = _CUDA_BLOCK_BYTES if settings.device == "cuda" else 1
+    alloc_confs = _alloc_confs(estimate, settings)
     world = fake_world(settings.world_size) if parallel_dims.any_parallelism else nullcontext()
     if any(choice.name in _LOW_BIT for choice in choices):
         precompute_quantization_maps()
@@ -442,11 +509,13 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
         notes.extend(health_host_memory(job_config, model))
         notes.extend(health_device_memory(job_config, model_args, parallel_dims.degrees.get("tp", 1)))
         # Meta parameters become fake ones in to_empty, hence non-fake inputs are allowed.
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), ExitStack() as stack:
             # No init_weights: values do not change memory, and fake tensors have none.
             model.to_empty(device="cpu")
             model.train()
             batches = fake_batches(t.batch_size, t.seq_len, vocab)
+            compiling = t.compile and job_config.training.tensor_parallel_degree == 1
+            stack.enter_context(compiled_blocks(model) if compiling else nullcontext())
             for index, choice in enumerate(choices):
                 optimizer_job = job_for_optimizer(job, choice, notes)
                 estimate.optimizers.append(
@@ -458,9 +527,35 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
                         round_to,
                         warm_up=index == 0,
                         device=settings.device,
+                        alloc_confs=alloc_confs,
+                        device_memory=estimate.device_memory or None,
                     )
                 )
     return estimate
+
+
+def _alloc_confs(estimate: Estimate, settings) -> tuple[AllocatorConfig, ...]:
+    """The allocator settings to replay a CUDA job under: the job's (the environment's ``PYTORCH_CUDA_ALLOC_CONF``
+    as ``train.py`` applies it), then the alternatives; none for CPU training."""
+    if settings.device != "cuda":
+        if settings.device_memory_gib:
+            raise UserError("memory_estimation.device_memory_gib applies to device cuda only; remove it")
+        return ()
+    estimate.alloc_conf, estimate.alloc_conf_source = alloc_conf_in_effect(os.environ)
+    estimate.device_memory = int(settings.device_memory_gib * 2**30)
+    try:
+        job = parse_alloc_conf(estimate.alloc_conf)
+    except UserError as e:
+        raise UserError(f"{e} ({estimate.alloc_conf_source})") from None
+    configs = [job] + [parse_alloc_conf(text) for text in ALTERNATIVE_ALLOC_CONFS]
+    unique = [c for i, c in enumerate(configs) if all(replace(c, text="") != replace(o, text="") for o in configs[:i])]
+    if job.garbage_collection_threshold and not (job.memory_fraction and estimate.device_memory):
+        estimate.notes.append(
+            "garbage_collection_threshold: torch collects only under a per-process memory fraction on a GPU of "
+            "known size (per_process_memory_fraction and memory_estimation.device_memory_gib); without both it "
+            "changes nothing"
+        )
+    return tuple(unique)
 
 
 def health_host_memory(job_config: JobConfig, model: nn.Module) -> list[str]:

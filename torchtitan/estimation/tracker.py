@@ -5,12 +5,18 @@ checked against the same step run for real. Every storage is counted once, from 
 tensor that uses it until Python frees it; storages that FSDP2 grows and shrinks with ``UntypedStorage.resize_``
 (its gathered, unsharded parameters) are followed through their resizes.
 
-What it does not see: memory that kernels allocate internally and never hand back as a tensor (workspaces),
-allocator caching and fragmentation, and communication buffers owned by the process-group backend.
+With ``record_events``, it also keeps the sequence of allocations and frees (each storage's exact bytes and the
+stream it was made on), which :mod:`torchtitan.estimation.allocator` replays through a model of the CUDA caching
+allocator for the memory it reserves. Streams are told apart by the CPU's current stream: FSDP2 enters its
+all-gather and reduce-scatter streams on the CPU device as it does on CUDA.
+
+What it does not see: memory that kernels allocate internally and never hand back as a tensor (workspaces), and
+communication buffers owned by the process-group backend.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 import weakref
 from collections import Counter
@@ -24,6 +30,8 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
 )
 from torch.utils._pytree import tree_leaves
+
+from torchtitan.estimation.allocator import Event
 
 # Categories of storage. "gathered_params" are storages FSDP2 resizes (unsharded parameters); "transient" is every
 # other storage created while tracking: activations, gradients, temporaries, new optimizer state.
@@ -65,10 +73,11 @@ class LiveMemoryTracker(TorchDispatchMode):
     """Live storage bytes by category, their peak, and the phase and breakdown at the peak.
 
     ``round_to`` rounds each storage up to the allocator's block size (512 bytes on CUDA) so that many small tensors
-    are not under-counted.
+    are not under-counted. ``record_events`` keeps every allocation and free in ``events`` (those of storages counted
+    by :meth:`track_existing` in ``existing_events``, by category), with their unrounded bytes.
     """
 
-    def __init__(self, round_to: int = 1) -> None:
+    def __init__(self, round_to: int = 1, record_events: bool = False) -> None:
         super().__init__()
         self.round_to = round_to
         self.live: Counter[str] = Counter()
@@ -76,8 +85,14 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.peak_phase = "setup"
         self.peak_breakdown: dict[str, int] = {}
         self.phase = "setup"
-        self._tracked: dict[int, tuple[int, str]] = {}  # id(storage) -> (bytes, category)
+        self._tracked: dict[int, tuple[int, str, int]] = {}  # id(storage) -> (bytes, category, serial)
         self._original_resize = None
+        self.record_events = record_events
+        self.events: list[Event] = []
+        self.existing_events: dict[str, list[Event]] = {}
+        self._serials = itertools.count(1)
+        self._streams: dict[int, int] = {}
+        self._stream_objects: list[object] = []  # kept alive so that their ids stay theirs
 
     # -- what is counted -------------------------------------------------------------------------------------
 
@@ -88,37 +103,62 @@ class LiveMemoryTracker(TorchDispatchMode):
     def _rounded(self, nbytes: int) -> int:
         return -(-nbytes // self.round_to) * self.round_to
 
-    def _count(self, storage: torch.UntypedStorage, category: str) -> None:
+    def _stream(self) -> int:
+        """The current stream as a small number (0: the first seen, the default stream in a step)."""
+        stream = torch.cpu.current_stream()
+        number = self._streams.get(id(stream))
+        if number is None:
+            number = self._streams[id(stream)] = len(self._streams)
+            self._stream_objects.append(stream)
+        return number
+
+    def _allocation(self, nbytes: int, events: Optional[list[Event]] = None) -> int:
+        """A new serial for an allocation of ``nbytes``, recorded in ``events`` (the step's by default)."""
+        serial = next(self._serials)
+        if self.record_events and nbytes > 0:
+            (self.events if events is None else events).append(Event(serial, nbytes, self._stream(), self.phase))
+        return serial
+
+    def _free(self, serial: int, nbytes: int) -> None:
+        if self.record_events and nbytes > 0:
+            self.events.append(Event(serial, 0, 0, self.phase))
+
+    def _count(self, storage: torch.UntypedStorage, category: str, events: Optional[list[Event]] = None) -> None:
         key = id(storage)
         if key in self._tracked:
             return
-        nbytes = self._rounded(storage.nbytes())
-        self._tracked[key] = (nbytes, category)
+        raw = storage.nbytes()
+        nbytes = self._rounded(raw)
+        self._tracked[key] = (nbytes, category, self._allocation(raw, events))
         self.live[category] += nbytes
         weakref.finalize(storage, self._release, key)
 
     def _release(self, key: int) -> None:
-        nbytes, category = self._tracked.pop(key)
+        nbytes, category, serial = self._tracked.pop(key)
         self.live[category] -= nbytes
+        self._free(serial, nbytes)
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
         if key not in self._tracked:
             self._count(storage, GATHERED_PARAMS)
             return
-        old_bytes, old_category = self._tracked[key]
-        new_bytes = self._rounded(storage.nbytes())
+        old_bytes, old_category, serial = self._tracked[key]
+        self._free(serial, old_bytes)
+        raw = storage.nbytes()
+        new_bytes = self._rounded(raw)
         self.live[old_category] -= old_bytes
         self.live[GATHERED_PARAMS] += new_bytes
-        self._tracked[key] = (new_bytes, GATHERED_PARAMS)
+        self._tracked[key] = (new_bytes, GATHERED_PARAMS, self._allocation(raw))
         self._note_peak()
 
     def track_existing(self, tensors: Iterable[Optional[torch.Tensor]], category: str) -> None:
         """Count tensors that were made before tracking started (parameters, optimizer state) in ``category``."""
+        events = self.existing_events.setdefault(category, [])
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
                 for storage in storages_of(tensor):
-                    self._count(storage, category)
+                    self._count(storage, category, events)
         self._note_peak()
 
     def _note_peak(self) -> None:
@@ -168,5 +208,7 @@ class LiveMemoryTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
+        # What is freed once tracking ends (the next step's zero_grad, an optimizer dropped) is not this sequence's.
+        self.record_events = False
         torch.UntypedStorage.resize_ = self._original_resize
         return super().__exit__(*exc)

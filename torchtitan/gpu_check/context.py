@@ -69,7 +69,7 @@ class Sizes:
     seq_len: int
     warmup_steps: int
     timed_steps: int
-    compile: bool  # for the steps that measure compiled training (estimates are of eager steps only)
+    compile: bool  # for the steps that measure compiled training
     bench_runs: dict[str, tuple[tuple[str, str], ...]]  # per bench step: (shapes, dtype) of bench_optimizers.py
     bench_args: tuple[str, ...]
     train_overrides: tuple[str, ...]  # for train.py runs

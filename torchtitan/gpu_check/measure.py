@@ -24,7 +24,7 @@ def _job(sizes: Sizes, flavor: str, *extra: str) -> JobConfig:
         "--training.seq_len",
         str(sizes.seq_len),
         "--training.compile",
-        "false",  # eager unless the step asks for compile: estimation.py simulates eager steps
+        "false",  # eager unless the step asks for compile
         "--training.max_norm",
         "1.0",
         "--memory_estimation.world_size",
@@ -152,8 +152,9 @@ def train(built: _Model, spec: str, sizes: Sizes, steps: Optional[tuple[int, int
 
 
 def estimates(job: JobConfig, specs: list[str]) -> dict[str, Any]:
-    """estimation.py's peak (GiB) of each spec's step, the same job simulated on one rank, with the implementation
-    it simulated; a spec whose estimate fails gets its error instead, and the others are still estimated."""
+    """estimation.py's peaks (GiB, allocated and reserved) of each spec's step, the same job simulated on one rank,
+    with the implementation it simulated; a spec whose estimate fails gets its error instead, and the others are
+    still estimated."""
     from torchtitan.estimation import estimate_memory
 
     def run(chosen: list[str]) -> dict[str, Any]:
@@ -161,7 +162,12 @@ def estimates(job: JobConfig, specs: list[str]) -> dict[str, Any]:
         simulated.memory_estimation.optimizers = ",".join(chosen)
         estimate = estimate_memory(simulated)
         return {
-            spec: {"GiB": round(o.peak / GIB, 2), "implementation": o.implementation}
+            spec: {
+                "GiB": round(o.peak / GIB, 2),
+                # the caching allocator's peak under this process's PYTORCH_CUDA_ALLOC_CONF (CUDA only)
+                "reserved GiB": round(o.reserved[0].peak_reserved / GIB, 2) if o.reserved else None,
+                "implementation": o.implementation,
+            }
             for spec, o in zip(chosen, estimate.optimizers)
         }
 

@@ -92,13 +92,18 @@ def _optimizer_rows(
     for spec, row in trained.items():
         found = estimated.get(spec, {})
         row["estimated peak allocated GiB"] = found.get("GiB")
+        row["estimated peak reserved GiB"] = found.get("reserved GiB")
+        measured, reserved = row.get("peak reserved GiB"), found.get("reserved GiB")
+        if measured and reserved:
+            row["reserved estimate error %"] = round(100 * (reserved - measured) / measured, 1)
         if "error" in found:
             row["estimate"] = f"error: {found['error']}"
         elif found.get("implementation") != row["implementation"]:  # the estimate must be of the same step
             row["estimate"] = f"error: simulated {found.get('implementation')}"
     result.notes.append(
-        "estimated peak allocated: estimation.py's simulation of the same job (eager, one rank, the same "
-        "optimizer step implementation)"
+        "estimated peak allocated and reserved: estimation.py's simulation of the same job (one rank, the same "
+        "optimizer step implementation; reserved by its caching-allocator model under this process's allocator "
+        "setting)"
     )
     return result
 
@@ -142,8 +147,6 @@ def step_compiled_1b(ctx: Context) -> StepResult:
         ctx.selected(("AdamW", "AdamMini")),
         ctx.sizes.small_flavor,
         *_compile_args(ctx.sizes),
-        estimate=False,
-        note="no estimate: estimation.py simulates eager steps only",
     )
 
 

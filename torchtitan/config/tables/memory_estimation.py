@@ -29,6 +29,12 @@ class MemoryEstimation:
         "estimation.py: vocabulary size; 0 takes the tokenizer's, or the flavor's when the tokenizer file is absent",
         ge=0,
     )
+    device_memory_gib: float = opt(
+        0.0,
+        "estimation.py: the GPU's memory in GiB, where the caching allocator frees cached blocks before it reports "
+        "out of memory (0: no limit, the reserved memory a roomy GPU would show)",
+        ge=0,
+    )
     json: Optional[str] = opt(
         None, "estimation.py: also write the estimate as JSON to this file ('-': JSON only, to stdout)"
     )
