@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from torchtitan.optim.adam_mini.layout import BlockLayout
+from torchtitan.optim.adam_mini.one_pass import one_pass_update
 from torchtitan.optim.adam_mini.partition import PER_ELEMENT, PER_HEAD, PER_TENSOR
 from torchtitan.optim.adam_mini.statistics import Hyper, block_means, stat_dtype
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
@@ -135,6 +136,15 @@ def fused_update(
         layout.local_blocks(p) if layout.plan.rule == PER_HEAD and layout.rows_split else None
         for p, layout in zip(params, layouts)
     ]
+    # Plain float32/float64 tensors: one operator call for all (the CPU's C++ kernel, CUDA's Triton kernel).
+    left = one_pass_update(params, grads, exp_avgs, second_moments, means, indices, layouts, step_counts, hyper)
+    if len(left) < len(params):
+        if not left:
+            return
+        kept = (params, grads, exp_avgs, second_moments, means, indices, layouts, step_counts)
+        params, grads, exp_avgs, second_moments, means, indices, layouts, step_counts = (
+            [items[i] for i in left] for items in kept
+        )
     schedule, plans = _schedule(params, exp_avgs, second_moments, means, indices, layouts, step_counts, hyper)
     lr = hyper.lr
     for dtype, device, count, slices in schedule:
