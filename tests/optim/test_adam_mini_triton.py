@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 
 from tests.processes import run
@@ -53,15 +54,21 @@ def _case(seed: int) -> tuple:
     return params, grads, momenta, seconds, means, row_blocks, decays
 
 
-def compare(beta1: float) -> dict:
-    """Both kernels on the same case: the largest difference in ulps, and whether every parameter moved."""
+def _on(device: str, case: tuple) -> tuple:
+    return tuple([t.to(device) if isinstance(t, torch.Tensor) else t for t in items] for items in case)
+
+
+def compare(beta1: float, device: str = "cpu") -> dict:
+    """Both kernels on the same case (Triton's on ``device``): the largest difference in ulps, and whether every
+    parameter moved."""
     from torchtitan.optim.adam_mini.triton_step import triton_step
 
     assert cpu_build.load_cpu_kernel()
     scalars = torch.tensor([1e-2, 1 - beta1**3, 1 - 0.95**3, 1 - 1e-3], dtype=torch.float64)
-    expected, actual = _case(0), _case(0)
+    expected, actual = _case(0), _on(device, _case(0))
     one_pass.adam_mini_step_(*expected, scalars, beta1, 0.95, 1e-8)
-    triton_step(*actual, scalars, beta1, 0.95, 1e-8)
+    triton_step(*actual, scalars.to(device), beta1, 0.95, 1e-8)
+    actual = _on("cpu", actual)
     worst = 0.0
     for kind in range(4):  # params, grads (unchanged), momenta, second moments
         for a, b in zip(actual[kind], expected[kind]):
@@ -80,6 +87,13 @@ def test_triton_kernel_equals_the_cpu_kernel_under_the_interpreter():
     for beta1 in BETA1S:
         assert results[str(beta1)]["moved"]
         assert results[str(beta1)]["ulps"] <= ULPS, beta1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_kernel_on_a_gpu_equals_the_cpu_kernel():
+    for beta1 in BETA1S:
+        result = compare(beta1, "cuda")
+        assert result["moved"] and result["ulps"] <= ULPS, (beta1, result)
 
 
 if __name__ == "__main__":

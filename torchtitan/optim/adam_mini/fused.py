@@ -1,4 +1,6 @@
-"""Adam-mini's fused back end: the whole local step of a group of parameters as one compiled graph per slice.
+"""Adam-mini's fused back end: float32 (and float64) parameters with plain momentum in one call of its one-pass
+operator (``one_pass.py``); the rest (bfloat16 weights, bfloat16 or quantized momentum, or no C++ compiler for the
+CPU kernel) as one compiled graph per slice.
 
 Block means, ``v``, the momentum and the parameter of each parameter are one graph (``torch.compile``). The
 grouping, slices and per-parameter plans are worked out once per parameter set and kept (``_schedule``).

@@ -82,4 +82,3 @@ def adam_mini_step_kernel(
             if decays != 0:
                 pj = pj * decay
             tl.store(p + at, pj - momentum * scale, mask=mask)
-

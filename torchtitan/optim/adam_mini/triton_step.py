@@ -95,7 +95,8 @@ def triton_step(
     from torchtitan.optim.adam_mini.triton_kernel import adam_mini_step_kernel
 
     adam_mini_step_kernel[(len(programs) // 2,)](
-        table, tensors, all_scalars, FIELDS=FIELDS, DTYPE=dtype, BLOCK=BLOCK, SMALL=abs(1 - beta1) < 0.5)
+        table, tensors, all_scalars, FIELDS=FIELDS, DTYPE=dtype, BLOCK=BLOCK, SMALL=abs(1 - beta1) < 0.5
+    )
 
 
 def triton_cdiv(a: int, b: int) -> int:
