@@ -483,7 +483,7 @@ class Step:
 # The plan, in order; add a step by writing a function of a Context returning a StepResult, naming it here with its
 # estimate and budget, and putting it in a group of GROUPS.
 STEPS: dict[str, Step] = {
-    "adam_mini_step_1b": Step(step_adam_mini_step_1b, estimate_s=100, budget_s=150),
+    "adam_mini_step_1b": Step(step_adam_mini_step_1b, estimate_s=95, budget_s=135),
     "optimizers_1b": Step(step_optimizers_1b, estimate_s=200, budget_s=250),
     "llama3_8b": Step(step_llama3_8b, estimate_s=170, budget_s=190),
     "optimizers_1b_variants": Step(step_optimizers_1b_variants, estimate_s=180, budget_s=250),
