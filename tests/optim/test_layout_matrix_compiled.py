@@ -2,17 +2,17 @@
 (``training.compile``) and with full activation checkpointing, under FSDP 2, against one process run eagerly.
 
 The main matrix (test_layout_matrix.py) runs every step eagerly (torch's own switch, TORCHDYNAMO_DISABLE) and in
-float64, where these steps run eagerly anyway. Here the steps really compile: float32 weights, dynamo on. Rows: Adam-
-mini's fused back end (its float32 step being its one-pass operator, one call a step), AdEMAMix, and torchao's
-AdamW8bit (the representative of torchao's compiled step: its 4-bit and fp8 forms compile the same function over
-another state class, 15-45 s each cold on a CPU, and run eagerly in the main matrix). The bfloat16-state AdamW's step
-is a CompiledStep like fused Adam-mini's and AdEMAMix's; it runs eagerly in every layout of the main matrix, and
-compiled, in one process, in tests/optim/test_adam_mini_lowprec.py.
+float64, where these steps run eagerly anyway. Here the steps really compile: float32 weights, dynamo on (Adam-mini's
+float32 step is its one-pass operator, one call a step, not a compiled graph). Rows:
+Adam-mini's fused back end, AdEMAMix, and torchao's AdamW8bit (the representative of torchao's compiled step: its
+4-bit and fp8 forms compile the same function over another state class, 15-45 s each cold on a CPU, and run eagerly
+in the main matrix). The bfloat16-state AdamW's step is a CompiledStep like fused Adam-mini's and AdEMAMix's; it runs
+eagerly in every layout of the main matrix, and compiled, in one process, in tests/optim/test_adam_mini_lowprec.py.
 
 Tolerance: float32 in both, compiled kernels against eager ones: the layouts and the kernels agree to float32
-rounding, which Adam's normalised step magnifies on entries with near-zero gradients (~lr x 2e-3 after a few steps);
-torchao's quantized moments may round one code apart. Weights within lr x 0.05 (a step moves them ~lr), losses within
-1e-4.
+rounding, which Adam's normalised step magnifies on entries with near-zero gradients (~lr x 2e-3 after a few
+steps); torchao's quantized moments may round one code apart. Weights within lr x 0.05 (a step moves them ~lr),
+losses within 1e-4.
 """
 
 from __future__ import annotations
