@@ -50,6 +50,9 @@ CACHE_TAGS = {
     "AdamW8bit": "AdamW8bit",
 }
 
+# Rows whose float32 step is Adam-mini's one-pass operator (its compiled graphs run for other storages).
+ONE_PASS_ROWS = ("AdamMini-implementation=fused",)
+
 _BASES: list[tempfile.TemporaryDirectory] = []
 
 
@@ -101,7 +104,10 @@ def test_compiled_step_in_fsdp2_equals_one_eager_process(label, variant):
         assert math.isfinite(loss)
         assert loss == pytest.approx(reference["losses"][step], rel=1e-4), f"loss at step {step}"
     assert all(result["health"][step] for step in result["health"])  # health measured (in a forward of its own)
-    assert _compiled()["compiled"][CACHE_TAGS[label]] > 0, "the optimizer's step was not compiled"
+    if label in ONE_PASS_ROWS:  # its float32 step is one operator call, nothing compiled
+        assert _compiled()["compiled"][CACHE_TAGS[label]] == 0, "Adam-mini's float32 step compiled graphs"
+    else:
+        assert _compiled()["compiled"][CACHE_TAGS[label]] > 0, "the optimizer's step was not compiled"
     weights = {canonical_name(name): value for name, value in result["weights"].items()}  # without AC's wrapper
     assert weights.keys() == reference["weights"].keys()
     worst = max(abs(weights[n] - reference["weights"][n]).max() for n in reference["weights"])
