@@ -20,6 +20,7 @@ leaves out: its mean step time over the rounds, against fused AdamW's mean, is p
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchtitan.errors import UserError, exit_code  # noqa: E402
 from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
 from torchtitan.optim import AdamMini  # noqa: E402
+from torchtitan.optim.adam_mini.one_pass import compiled_graphs_only  # noqa: E402
 from torchtitan.optim.ademamix.optimizer import AdEMAMix  # noqa: E402
 from torchtitan.optim.container import tensor_bytes  # noqa: E402
 from torchtitan.optim.lowbit.adamw import LowPrecisionAdam  # noqa: E402
@@ -62,6 +64,7 @@ FAMILY = {
     "AdamW bf16 state": "AdamW",
     "AdamMini (foreach)": "AdamMini",
     "AdamMini (fused)": "AdamMini",
+    "AdamMini (compiled graphs)": "AdamMini",
     "AdamMini bf16 m (fused)": "AdamMini",
     "AdamMini8bit (fused)": "AdamMini8bit",
     "AdamMini4bit (fused)": "AdamMini4bit",
@@ -120,6 +123,7 @@ def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimiz
         "AdamW bf16 state": lambda: LowPrecisionAdam(model.parameters(), **HYPER, decoupled=True),
         "AdamMini (foreach)": adam_mini(implementation="foreach"),
         "AdamMini (fused)": adam_mini(implementation="fused"),
+        "AdamMini (compiled graphs)": lambda: CompiledGraphsOnly(adam_mini(implementation="fused")()),
         "AdamMini bf16 m (fused)": adam_mini(implementation="fused", momentum_storage="bfloat16"),
         "AdamMini8bit (fused)": adam_mini(implementation="fused", momentum_storage="int8"),
         "AdamMini4bit (fused)": adam_mini(implementation="fused", momentum_storage="int4"),
@@ -135,6 +139,17 @@ def optimizers(model: Transformer) -> dict[str, Callable[[], torch.optim.Optimiz
     if official is not None:
         candidates["adam_mini 1.1.1 (official)"] = official
     return candidates
+
+
+class CompiledGraphsOnly:
+    """Steps an AdamMini's fused back end as compiled graphs alone, without its one-pass operator."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer, self.state = optimizer, optimizer.state
+
+    def step(self) -> None:
+        with compiled_graphs_only():
+            self.optimizer.step()
 
 
 def _official_adam_mini(model: Transformer) -> Optional[Callable[[], torch.optim.Optimizer]]:
@@ -183,32 +198,53 @@ def kernel_launches(optimizer: torch.optim.Optimizer, device: torch.device) -> i
     return sum(1 for e in events if not e.cpu_children and not e.name.startswith(("Optimizer.", "ProfilerStep")))
 
 
-def _timed_step(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
+WALL, CPU = "wall", "cpu"
+
+
+def cpu_clock() -> Callable[[], float]:
+    """The CPU-time clock of a step: this thread's with one thread (nothing else runs the step), the process's with
+    several, whose idle threads must then sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE``) or their spinning
+    would be counted as the step's."""
+    if torch.get_num_threads() == 1:
+        return time.thread_time
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        raise UserError(
+            f"--clock cpu with {torch.get_num_threads()} threads counts spinning threads: set OMP_WAIT_POLICY=PASSIVE "
+            "(or OMP_NUM_THREADS=1)"
+        )
+    return time.process_time
+
+
+def _timed_step(optimizer: torch.optim.Optimizer, device: torch.device, clock: Callable[[], float]) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     optimizer.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def interleaved_times(
-    built: dict[str, torch.optim.Optimizer], device: torch.device, warmup: int, steps: int
+    built: dict[str, torch.optim.Optimizer],
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Seconds of each timed step() of every optimizer, and of its first step (state creation and compile).
 
     The optimizers take turns, one step each per round, so that a change in the machine's speed (a shared or
     throttled host) touches every optimizer of a round alike: ratios are taken within rounds.
     """
-    first = {name: _timed_step(optimizer, device) for name, optimizer in built.items()}
+    first = {name: _timed_step(optimizer, device, time.perf_counter) for name, optimizer in built.items()}
     for _ in range(warmup):
         for optimizer in built.values():
             optimizer.step()
     times: dict[str, list[float]] = {name: [] for name in built}
     for _ in range(steps):
         for name, optimizer in built.items():
-            times[name].append(_timed_step(optimizer, device))
+            times[name].append(_timed_step(optimizer, device, clock))
     return times, first
 
 
@@ -252,21 +288,32 @@ def main(argv: Optional[list[str]] = None) -> None:
         default=None,
         help=f"comma-separated registry names ({', '.join(FAMILIES)}): time only their variants",
     )
+    parser.add_argument(
+        "--clock",
+        default=WALL,
+        choices=(WALL, CPU),
+        help="wall: elapsed time; cpu (CPU only): CPU time of the step, this thread's with OMP_NUM_THREADS=1, the "
+        "process's with more threads and OMP_WAIT_POLICY=PASSIVE (steady on a shared machine)",
+    )
     options = parser.parse_args(argv)
     families = selected_families(options.optimizers)
     device = torch.device(options.device)
+    if options.clock == CPU and device.type != "cpu":
+        raise UserError("--clock cpu times CPU steps only: pass --device cpu (a GPU's steps are timed by the wall)")
+    clock = cpu_clock() if options.clock == CPU else time.perf_counter
     steps = options.steps or (50 if device.type == "cuda" else 15)
     model = build_model(device, getattr(torch, options.dtype), SHAPES[options.shapes])
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"{n_params / 1e6:.1f}M parameters in {len(list(model.parameters()))} tensors, {options.dtype}, "
         f"{device.type}{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
-        f"torch {torch.__version__}, median of {steps} interleaved rounds after {options.warmup} warm-up"
+        f"torch {torch.__version__}, median of {steps} interleaved rounds after {options.warmup} warm-up, "
+        f"{options.clock} time, {torch.get_num_threads()} threads"
     )
 
     wanted = [w.strip() for w in options.only.split(",")] if options.only else None
     built = {name: build() for name, build in optimizers(model).items() if is_selected(name, wanted, families)}
-    times, first_steps = interleaved_times(built, device, options.warmup, steps)
+    times, first_steps = interleaved_times(built, device, options.warmup, steps, clock)
     base = times[BASELINE]
     results = {
         name: (

@@ -8,6 +8,7 @@ layout's test fails. The tests themselves live with their family: ``test_adam_mi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -200,6 +201,27 @@ def train(
     return weights(model)
 
 
+def train_one_pass(layout: str, world_size: int, steps: int, graphs_only: bool = False, **options) -> dict[str, Any]:
+    """``train`` with the fused back end, and the tensors each call of its one-pass operator stepped (none with
+    ``graphs_only``: the compiled graphs alone)."""
+    from torchtitan.optim.adam_mini import one_pass
+
+    calls: list[int] = []
+    operator = one_pass.adam_mini_step_
+
+    def counted(params, *rest):
+        calls.append(len(params))
+        return operator(params, *rest)
+
+    one_pass.adam_mini_step_ = counted
+    try:
+        with one_pass.compiled_graphs_only() if graphs_only else contextlib.nullcontext():
+            trained = train(layout, world_size, steps, implementation=FUSED, **options)
+    finally:
+        one_pass.adam_mini_step_ = operator
+    return {"weights": trained, "calls": calls}
+
+
 class CollectiveSizes(CommDebugMode):
     """CommDebugMode that also records how many elements each collective sends."""
 
@@ -344,7 +366,23 @@ def _adam_mini_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir:
         runs[f"{layout}_other_partition"] = attempt(
             functools.partial(train, layout, world_size, STEPS, **OTHER_PARTITION)
         )
+    for layout, options in ONE_PASS_RUNS.get(world_size, ()):
+        runs[f"{layout}_one_pass{'_other_partition' if options else ''}"] = attempt(
+            functools.partial(train_one_pass, layout, world_size, STEPS, **options)
+        )
+    if world_size == 4:
+        runs["fsdp_tp_fused_graphs"] = attempt(train_one_pass, "fsdp_tp", world_size, STEPS, True)
     return runs
+
+
+# The fused back end's one-pass operator in every layout, with the default and every other partition rule (the
+# fused runs of VARIANTS take it too). Under FSDP x TP the compiled graphs alone run once more, kept in step.
+ONE_PASS_RUNS = {
+    2: (("fsdp", OTHER_PARTITION), ("tp", OTHER_PARTITION)),
+    3: (("fsdp", OTHER_PARTITION),),
+    4: (("hsdp", {}), ("hsdp", OTHER_PARTITION), ("fsdp_tp", OTHER_PARTITION)),
+    6: (("fsdp_tp", {}),),
+}
 
 
 FAMILIES = {"adam_mini": _adam_mini_runs, "muon": _muon_runs, "normuon": _normuon_runs, "ademamix": _ademamix_runs}

@@ -1,8 +1,9 @@
 """Adam-mini across processes (gloo, float64): FSDP2 on 2, 3 and 4 ranks (uneven shards, KV heads not divisible by
 the rank count), tensor parallel, FSDP x TP and HSDP on 2 x 2 all equal the one-process run (with every optional
-partition rule too, with bf16 momentum too, and with 8-bit momentum under HSDP and FSDP x TP, up to its blocks'
-rounding); an FSDP step sends only per-block sums (one all-reduce, no all-gather); a DCP checkpoint saved on 2
-ranks resumes exactly on 1 and 3. The worlds are shared with the other families (``parallel_worlds.py``)."""
+partition rule too, with bf16 momentum too, with the fused back end's one-pass operator stepping every tensor in one
+call, and with 8-bit momentum under HSDP and FSDP x TP, up to its blocks' rounding); an FSDP step sends only
+per-block sums (one all-reduce, no all-gather); a DCP checkpoint saved on 2 ranks resumes exactly on 1 and 3. The
+worlds are shared with the other families (``parallel_worlds.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from tests.helpers import max_difference, tiny_model
 from tests.optim.parallel_worlds import (
+    ONE_PASS_RUNS,
     STEPS,
     VARIANTS,
     block_sums_per_step,
@@ -140,3 +142,27 @@ def test_8bit_momentum_hsdp_and_fsdp_tp_equal_single_process(world4, one_process
     assert any(name.endswith(COLUMN_SPLIT) for name in params)
     for name, value in params.items():
         assert (value - single[name]).abs().max().item() < 1e-10, name
+
+
+ONE_PASS_LAYOUTS = [
+    (f"world{size}", f"{layout}_one_pass{'_other_partition' if options else ''}")
+    for size, runs in ONE_PASS_RUNS.items()
+    for layout, options in runs
+]
+
+
+@pytest.mark.parametrize("world_name, layout", ONE_PASS_LAYOUTS)
+def test_one_pass_operator_steps_every_tensor_at_once_and_equals_single_process(
+    request, one_process, world_name, layout
+):
+    """Blocks split over ranks (heads cut by uneven shards, norms, row-wise TP) take the given means."""
+    run = result(request.getfixturevalue(world_name), layout)
+    assert run["calls"] == [len(list(tiny_model().parameters()))] * STEPS  # one call a step, every tensor
+    expected = one_process["other_partition" if layout.endswith("other_partition") else PER_ROW]
+    assert max_difference(run["weights"], expected) < 1e-10
+
+
+def test_fused_compiled_graphs_alone_fsdp_tp_equal_single_process(world4, one_process):
+    run = result(world4, "fsdp_tp_fused_graphs")
+    assert run["calls"] == []
+    assert max_difference(run["weights"], one_process[PER_ROW]) < 1e-10

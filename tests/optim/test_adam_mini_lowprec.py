@@ -24,6 +24,7 @@ from tests.helpers import (
 from torchtitan.errors import UserError
 from torchtitan.models.llama import Transformer, llama3_configs
 from torchtitan.optim import AdamMini
+from torchtitan.optim.adam_mini.one_pass import compiled_graphs_only
 from torchtitan.optim.lowbit.torchao_adapter import portable_quantized_state
 from torchtitan.optim.state.initialise import initialise_state
 from torchtitan.optim.state.storage import is_quantized, round_to_bfloat16_stochastically
@@ -71,7 +72,8 @@ def test_bfloat16_momentum_equals_float32_update_with_m_rounded_stochastically_e
 
     reference = float32_model()
     reference_optimizer = adam_mini_for(reference, implementation=implementation)
-    expected = _train(reference, reference_optimizer, STEPS, after_step=_round_momentum_to_bfloat16)
+    with compiled_graphs_only():  # the fused back end's graphs, as bfloat16 momentum takes (not the operator)
+        expected = _train(reference, reference_optimizer, STEPS, after_step=_round_momentum_to_bfloat16)
     assert max_difference(got, expected) == 0.0
     unrounded = _train(float32_model(), adam_mini_for(float32_model(), implementation=implementation), STEPS)
     assert max_difference(got, unrounded) > 0.0  # the rounding really happened
@@ -141,7 +143,8 @@ def test_fused_float64_equals_foreach_and_compiles_once():
     for step in range(STEPS):
         set_synthetic_grads(model, step)
         optimizer.param_groups[0]["lr"] = torch.tensor([1e-2, 5e-3, 2e-3, 1e-3][step], dtype=torch.float64)
-        optimizer.step()
+        with compiled_graphs_only():  # the graphs, not the one-pass operator that plain float64 state takes
+            optimizer.step()
         counts.append(dict(torch._dynamo.utils.counters["stats"]).get("unique_graphs", 0))
     # Compiled at the first step only (one graph per distinct slice of parameters: the first layer's, with the
     # embedding, output and final norm, and every other layer's); no recompile when the lr changes.
@@ -170,14 +173,15 @@ def test_compiled_step_compiles_once_through_state_creation_steps_and_a_load(arg
     optimizers = build_optimizers([float32_model()], job)
     torch._dynamo.reset()  # graphs that earlier tests compiled for the same shapes are compiled here again
     torch._dynamo.utils.counters.clear()
-    optimizers.initialise_state()
-    compiled = _unique_graphs()
-    assert compiled >= 1 and optimizers.state_bytes() > 0
-    _train(optimizers.model_parts[0], optimizers, 2)
-    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizers.state_dict().items()}
-    resumed = build_optimizers([float32_model(seed=3)], job)
-    resumed.load_state_dict(saved)
-    _train(resumed.model_parts[0], resumed, 1)
+    with compiled_graphs_only():  # Adam-mini's graphs, not the one-pass operator its float32 state takes
+        optimizers.initialise_state()
+        compiled = _unique_graphs()
+        assert compiled >= 1 and optimizers.state_bytes() > 0
+        _train(optimizers.model_parts[0], optimizers, 2)
+        saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizers.state_dict().items()}
+        resumed = build_optimizers([float32_model(seed=3)], job)
+        resumed.load_state_dict(saved)
+        _train(resumed.model_parts[0], resumed, 1)
     assert _unique_graphs() == compiled
 
 

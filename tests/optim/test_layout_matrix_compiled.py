@@ -2,7 +2,8 @@
 (``training.compile``) and with full activation checkpointing, under FSDP 2, against one process run eagerly.
 
 The main matrix (test_layout_matrix.py) runs every step eagerly (torch's own switch, TORCHDYNAMO_DISABLE) and in
-float64, where these steps run eagerly anyway. Here the steps really compile: float32 weights, dynamo on. Rows:
+float64, where these steps run eagerly anyway. Here the steps really compile: float32 weights, dynamo on (Adam-mini's
+float32 step is its one-pass operator, one call a step, not a compiled graph). Rows:
 Adam-mini's fused back end, AdEMAMix, and torchao's AdamW8bit (the representative of torchao's compiled step: its
 4-bit and fp8 forms compile the same function over another state class, 15-45 s each cold on a CPU, and run eagerly
 in the main matrix). The bfloat16-state AdamW's step is a CompiledStep like fused Adam-mini's and AdEMAMix's; it runs
@@ -48,6 +49,9 @@ CACHE_TAGS = {
     "AdEMAMix": "AdEMAMix",
     "AdamW8bit": "AdamW8bit",
 }
+
+# Rows whose float32 step is Adam-mini's one-pass operator (its compiled graphs run for other storages).
+ONE_PASS_ROWS = ("AdamMini-implementation=fused",)
 
 _BASES: list[tempfile.TemporaryDirectory] = []
 
@@ -100,7 +104,10 @@ def test_compiled_step_in_fsdp2_equals_one_eager_process(label, variant):
         assert math.isfinite(loss)
         assert loss == pytest.approx(reference["losses"][step], rel=1e-4), f"loss at step {step}"
     assert all(result["health"][step] for step in result["health"])  # health measured (in a forward of its own)
-    assert _compiled()["compiled"][CACHE_TAGS[label]] > 0, "the optimizer's step was not compiled"
+    if label in ONE_PASS_ROWS:  # its float32 step is one operator call, nothing compiled
+        assert _compiled()["compiled"][CACHE_TAGS[label]] == 0, "Adam-mini's float32 step compiled graphs"
+    else:
+        assert _compiled()["compiled"][CACHE_TAGS[label]] > 0, "the optimizer's step was not compiled"
     weights = {canonical_name(name): value for name, value in result["weights"].items()}  # without AC's wrapper
     assert weights.keys() == reference["weights"].keys()
     worst = max(abs(weights[n] - reference["weights"][n]).max() for n in reference["weights"])

@@ -4,6 +4,8 @@ rise is derived from the optimizer's largest state tensor."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -23,6 +25,19 @@ def test_bench_optimizers_times_only_the_chosen_optimizers(capsys):
     assert timed == ["AdamW (fused)", "Muon (bf16 NS)", "Muon (fp32 NS)"]  # the baseline, then Muon's variants
     with pytest.raises(UserError, match="--optimizers: AdamW8bit not timed here"):
         bench_optimizers.selected_families("Muon,AdamW8bit")
+
+
+def test_bench_optimizers_cpu_clock_counts_only_the_steps_threads(monkeypatch):
+    monkeypatch.setattr(bench_optimizers.torch, "get_num_threads", lambda: 1)
+    assert bench_optimizers.cpu_clock() is time.thread_time  # one thread: nothing else runs the step
+    monkeypatch.setattr(bench_optimizers.torch, "get_num_threads", lambda: 2)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with pytest.raises(UserError, match="set OMP_WAIT_POLICY=PASSIVE"):
+        bench_optimizers.cpu_clock()  # spinning idle threads would be counted
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert bench_optimizers.cpu_clock() is time.process_time
+    with pytest.raises(UserError, match="--clock cpu times CPU steps only"):
+        bench_optimizers.main(["--device", "cuda", "--clock", "cpu"])
 
 
 def test_gpu_check_passes_its_optimizers_to_the_benchmark():

@@ -108,7 +108,8 @@ class Sizes:
             bench_runs={
                 "100m": (("bench", "float32"), ("bench", "bfloat16")),
                 "1b": (("1b", "float32"), ("1b", "bfloat16")),
-                "adam_mini": (("1b", "bfloat16"),),
+                # float32: the one-pass operator (Triton), at ~100M and ~1B; bf16 weights: the compiled graphs.
+                "adam_mini": (("bench", "float32"), ("1b", "float32"), ("1b", "bfloat16")),
             },
             bench_args=("--steps", "10", "--warmup", "2"),
             train_overrides=("--model.flavor", "debugmodel", "--training.compile", "true"),

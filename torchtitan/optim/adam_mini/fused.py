@@ -1,4 +1,6 @@
-"""Adam-mini's fused back end: the whole local step of a group of parameters as one compiled graph per slice.
+"""Adam-mini's fused back end: float32 (and float64) parameters with plain momentum in one call of its one-pass
+operator (``one_pass.py``); the rest (bfloat16 weights, bfloat16 or quantized momentum, or no C++ compiler for the
+CPU kernel) as one compiled graph per slice.
 
 Block means, ``v``, the momentum and the parameter of each parameter are one graph (``torch.compile``). The
 grouping, slices and per-parameter plans are worked out once per parameter set and kept (``_schedule``).
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor
 
 from torchtitan.optim.adam_mini.layout import BlockLayout
+from torchtitan.optim.adam_mini.one_pass import one_pass_update
 from torchtitan.optim.adam_mini.partition import PER_ELEMENT, PER_HEAD, PER_TENSOR
 from torchtitan.optim.adam_mini.statistics import Hyper, block_means, stat_dtype
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
@@ -135,6 +138,15 @@ def fused_update(
         layout.local_blocks(p) if layout.plan.rule == PER_HEAD and layout.rows_split else None
         for p, layout in zip(params, layouts)
     ]
+    # Plain float32/float64 tensors: one operator call for all (the CPU's C++ kernel, CUDA's Triton kernel).
+    left = one_pass_update(params, grads, exp_avgs, second_moments, means, indices, layouts, step_counts, hyper)
+    if len(left) < len(params):
+        if not left:
+            return
+        kept = (params, grads, exp_avgs, second_moments, means, indices, layouts, step_counts)
+        params, grads, exp_avgs, second_moments, means, indices, layouts, step_counts = (
+            [items[i] for i in left] for items in kept
+        )
     schedule, plans = _schedule(params, exp_avgs, second_moments, means, indices, layouts, step_counts, hyper)
     # One scalars tensor per dtype, device and step, shared by the groups (a quantized parameter is a group of its
     # own): each one made is a host-to-device copy that waits for the device.

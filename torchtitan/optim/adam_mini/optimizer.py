@@ -132,7 +132,8 @@ class AdamMini(torch.optim.Optimizer):
             ``"bfloat16"`` (stochastically rounded at every step), ``"int8"`` or ``"int4"`` (torchao's
             block-quantized state, one scale per ``block_size`` entries; tensors under 4096 entries stay float32).
             ``v`` is float32 (float64 for float64 parameters) whatever the parameters' dtype, and never rounded.
-        implementation: ``"fused"`` (compiled local update, one graph per group of same-shaped parameters) or
+        implementation: ``"fused"`` (one operator call a step for float32 parameters with float32 momentum, a C++
+            kernel on the CPU and a Triton one on CUDA; compiled graphs for the other storages) or
             ``"foreach"``; unset picks fused, except for float64 parameters, which run foreach (the reference
             precision of our tests, where compile time buys nothing).
         model_sharding, verbose: accepted for compatibility with the official constructor; sharding is always

@@ -1,0 +1,90 @@
+"""Building the CPU kernel of ``torchtitan::adam_mini_step_`` from its source in the package, once per machine.
+
+``torch.utils.cpp_extension.load`` compiles ``csrc/adam_mini_step.cpp`` (OpenMP, ``-O3 -march=native``) into a
+folder of the user's cache named by a hash of the source, torch's version, the flags and the CPU, so a changed source
+or another machine builds anew and everything else loads the built library. Ranks that start together take turns on a
+file lock (released when its holder dies, unlike torch's own lock file), so one compiles and the others load. Where
+no C++ compiler is found, one line says so and the fused back end runs its compiled graphs instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "adam_mini_step.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+_loaded: Optional[bool] = None  # None: not tried in this process
+
+
+def cache_root() -> Path:
+    """Where built kernels live: ``$TORCHTITAN_CACHE`` or ``$XDG_CACHE_HOME/torchtitan`` (``~/.cache/torchtitan``)."""
+    if os.environ.get("TORCHTITAN_CACHE"):
+        return Path(os.environ["TORCHTITAN_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchtitan"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_name() -> str:
+    """The extension's name: the source, torch's version, the flags and the CPU, hashed."""
+    key = "\n".join([SOURCE.read_text(), torch.__version__, *CFLAGS, *LDFLAGS, _cpu_model()])
+    return "torchtitan_adam_mini_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def compiler() -> Optional[str]:
+    """The C++ compiler torch's extension loader would run (``$CXX``, else ``c++``), if present."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def load_cpu_kernel() -> bool:
+    """Make the operator's CPU kernel available in this process (building it if no process has); False, with one
+    logged line, where it cannot be built."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    if compiler() is None:
+        logger.warning(
+            "Adam-mini: no C++ compiler (%s) found, so its fused step runs as compiled graphs rather than its "
+            "one-pass CPU kernel; install g++ for the kernel",
+            os.environ.get("CXX", "c++"),
+        )
+        _loaded = False
+        return _loaded
+    from filelock import FileLock
+    from torch.utils import cpp_extension
+
+    name = build_name()
+    folder = cache_root() / "extensions" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        cpp_extension.load(
+            name,
+            [str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
+    _loaded = True
+    return _loaded
