@@ -158,3 +158,18 @@ def test_without_a_compiler_one_line_says_so_and_the_compiled_graphs_step(monkey
     assert len(lines) == 1 and "no C++ compiler (no-such-c++-compiler)" in lines[0]
     assert operator_calls == []
     _assert_same_run(model, optimizer, *_run("foreach", steps=2))
+
+
+def test_a_kernel_that_cannot_be_built_is_one_line_and_the_compiled_graphs_step(
+    monkeypatch, caplog, operator_calls, tmp_path
+):
+    """A cache that cannot be written (here a file where its folder should be): a training run goes on."""
+    monkeypatch.setattr(cpu_build, "_loaded", None)
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("TORCHTITAN_CACHE", str(tmp_path / "not-a-folder"))
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
+        assert not cpu_build.load_cpu_kernel()
+        _run("fused", steps=1, value_blocks=PER_ROW)
+    lines = [r.getMessage() for r in caplog.records if r.name == cpu_build.__name__]
+    assert len(lines) == 1 and "could not be built in" in lines[0] and "TORCHTITAN_CACHE" in lines[0], lines
+    assert operator_calls == []

@@ -73,18 +73,36 @@ def load_cpu_kernel() -> bool:
     from filelock import FileLock
     from torch.utils import cpp_extension
 
+    if not cpp_extension.is_ninja_available():
+        logger.warning(
+            "Adam-mini: ninja (torch's extension builder) not found, so its fused step runs as compiled graphs "
+            "rather than its one-pass CPU kernel; pip install ninja for the kernel"
+        )
+        _loaded = False
+        return _loaded
     name = build_name()
     folder = cache_root() / "extensions" / name
-    folder.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder) + ".lock"):
-        cpp_extension.load(
-            name,
-            [str(SOURCE)],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(folder),
-            is_python_module=False,
-            verbose=False,
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(folder) + ".lock"):
+            cpp_extension.load(
+                name,
+                [str(SOURCE)],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(folder),
+                is_python_module=False,
+                verbose=False,
+            )
+    except (OSError, RuntimeError) as e:  # a cache folder that cannot be written, a compiler that fails
+        cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        logger.warning(
+            "Adam-mini: its one-pass CPU kernel could not be built in %s (%s), so its fused step runs as compiled "
+            "graphs; set TORCHTITAN_CACHE to a writable folder, or check the compiler",
+            folder,
+            cause,
         )
+        _loaded = False
+        return _loaded
     _loaded = True
     return _loaded
