@@ -520,6 +520,8 @@ def test_through_the_sweep_the_page_past_the_ladder_holds_the_truth_in_a_power_l
     view = json.loads((tmp_path / "study" / "scale.json").read_text())
     md = (tmp_path / "study" / "sweep.md").read_text()
     assert "27.3× past the largest size trained (293M)" in md
+    # One lr given at every size: nothing searched, so no law of the best lr (it read N^+0.000 [+0.000, +0.000]).
+    assert all(entry["laws"] == [] for entry in view["optimizers"].values()) and "best lr at" not in md
 
     def inside(interval, truth: float) -> bool:  # an end the page cannot bound is stored as null
         return (interval[0] is None or interval[0] <= truth) and (interval[1] is None or truth <= interval[1])
