@@ -13,8 +13,9 @@ a known law across model sizes (``--model.flavor``): ``{"params": {flavor: N}, "
 "lr_exponent": a, "speedup": s0, "speedup_exponent": b, "noise": sd, "baseline": "AdamW"}`` puts the best lr at
 lr0 (N / N0)^a and makes every optimizer but the baseline learn s0 (N / N0)^b times as fast (its loss at step t is
 the baseline's at step s t), each (optimizer, seed, size) off that by a factor exp(sd Z); optional keys:
-"speedups" {optimizer: s0} gives an optimizer its own s0, "salt" draws other factors (another made-up study), and
-without --model.flavor every size is the reference. FAKE_OUTCOMES, a JSON
+"speedups" {optimizer: s0} gives an optimizer its own s0, "bends" {optimizer: [a, b]} gives an optimizer instead a
+speedup that bends toward 1, 1 + a (N / N0)^b (off by the same factor), "salt" draws other factors (another made-up
+study), and without --model.flavor every size is the reference. FAKE_OUTCOMES, a JSON
 object from run name (``{Optimizer}_lr{lr}_seed{seed}``, or the whole run folder's name) to one of the behaviours
 below, makes a run misbehave:
   "nan"   - logs a NaN loss from step 3 on and exits 0;
@@ -90,7 +91,11 @@ def main() -> int:
             salt = f" {scale['salt']}" if "salt" in scale else ""
             noise = random.Random(f"{optimizer} {seed} {flavor}{salt}").gauss(0.0, scale["noise"])
             s0 = scale.get("speedups", {}).get(optimizer, scale["speedup"])
-            speed = s0 * ratio ** scale["speedup_exponent"] * math.exp(noise)
+            speed = s0 * ratio ** scale["speedup_exponent"]
+            if optimizer in scale.get("bends", {}):
+                a, b = scale["bends"][optimizer]
+                speed = 1.0 + a * ratio**b
+            speed *= math.exp(noise)
     distance = (math.log10(lr) - math.log10(best_lr)) ** 2
     bowl = json.loads(os.environ.get("FAKE_BOWL") or "null")
     if bowl is not None:

@@ -505,3 +505,44 @@ def test_the_page_shows_both_laws_at_the_target_and_says_when_the_ladder_does_no
     text = trend_text("Speedup at matched loss", size_trend(points, TARGET, bends=True), TARGET)
     assert "at 8B parameters" in text and "Bending toward 1 instead (1 + a·N^b" in text
     assert "this ladder does not determine the value at the target" in text
+
+
+def test_through_the_sweep_the_page_past_the_ladder_holds_the_truth_in_a_power_law_and_a_bending_world(tmp_path):
+    # One study of four sizes (30M to 293M) on the fake trainer, three seeds a size, two made-up worlds side by side:
+    # AdamMini's speedup over AdamW a power law, 1.4 (N / N0)^-0.1 (0.80x at 8B); Adam's one that bends toward 1,
+    # 1 + 1.5 (N / N0)^-0.4 (2.5x at 30M, 1.6x at 293M, 1.16x at 8B, where a power law through the same sizes says
+    # about 0.85x). Each seed off its law by exp(0.02 Z). What the page says at 8B, 27x past the largest size:
+    law = {**LAW, "lr_exponent": 0.0, "speedups": {"AdamMini": 1.4}, "bends": {"Adam": [1.5, -0.4]}, "noise": 0.02}
+    ladder = ",".join(list(PARAMS)[:4])
+    args = ["--optimizers", "AdamW,AdamMini,Adam", "--lrs", "1e-3", "--seeds", "0,1,2", "--ladder", ladder]
+    train = ["--target-params", "8e9", "--parallel", "2", "--", "--training.steps", "30"]
+    assert fake_sweep(tmp_path / "study", *args, *train, FAKE_SCALE=json.dumps(law)) == 0
+    view = json.loads((tmp_path / "study" / "scale.json").read_text())
+    md = (tmp_path / "study" / "sweep.md").read_text()
+    assert "27.3× past the largest size trained (293M)" in md
+    # One lr given at every size: nothing searched, so no law of the best lr (it read N^+0.000 [+0.000, +0.000]).
+    assert all(entry["laws"] == [] for entry in view["optimizers"].values()) and "best lr at" not in md
+
+    def inside(interval, truth: float) -> bool:  # an end the page cannot bound is stored as null
+        return (interval[0] is None or interval[0] <= truth) and (interval[1] is None or truth <= interval[1])
+
+    # The power-law world: the power law's interval holds the truth, and the page gives it as the value at 8B.
+    power = view["optimizers"]["AdamMini"]["speedup_trend"]
+    truth = 1.4 * (TARGET / REFERENCE) ** -0.1
+    assert power["fit"]["sizes"] == 4 and inside(power["fit"]["target_interval"], truth)
+    assert power["determined"] is True
+    low, high = power["fit"]["target_interval"]
+    assert f"at 8B parameters {power['fit']['at_target']:.2f}× [{low:.2f}, {high:.2f}]" in md
+    # The bending world: the power law alone would put the target off the truth; the page shows the bending law's
+    # value, its interval holding the truth, and says that the ladder does not determine the value at the target.
+    bending = view["optimizers"]["Adam"]["speedup_trend"]
+    truth = 1.0 + 1.5 * (TARGET / REFERENCE) ** -0.4
+    assert bending["fit"]["sizes"] == 4 and not inside(bending["fit"]["target_interval"], truth)
+    assert inside(bending["saturating"]["target_interval"], truth) and bending["determined"] is False
+    adam = md[md.index("## Adam\n") :]
+    line = next(x for x in adam.splitlines() if x.startswith("Speedup at matched loss ∝"))
+    low, high = bending["saturating"]["target_interval"]
+    shown = f"{bending['saturating']['at_target']:.2f}× at 8B [{low:.2f}, {high:.2f}]"
+    assert f"Bending toward 1 instead (1 + a·N^b, as a speedup that fades with size): {shown}" in line
+    assert "this ladder does not determine the value at the target" in line
+    assert "does not determine" not in md[md.index("## AdamMini\n") : md.index("## Adam\n")]

@@ -127,6 +127,7 @@ def _settings_laws(optimizer: str, sizes: Sequence[dict], target: Optional[float
     found: dict[tuple[str, str], list[tuple[str, float, Optional[float]]]] = {}
     edges: dict[tuple[str, str], dict[str, str]] = {}  # per law, the sizes whose value is at its grid's edge
     steps: dict[tuple[str, str], float] = {}  # per law, the widest step of the grids its values were found on
+    searched: set[tuple[str, str]] = set()  # the laws whose value some size chose among two or more it tried
     for size in sizes:
         for entry in size["report"]["best_by_budget"]:
             b = entry["best"].get(optimizer)
@@ -138,13 +139,18 @@ def _settings_laws(optimizer: str, sizes: Sequence[dict], target: Optional[float
                 if key != "lr" and number is None:
                     continue
                 found.setdefault((label, key), []).append((size["size"], size["params"], number))
+                tried = tried_values(size["report"], optimizer, entry["budget"], key)
                 step = grid_step(size["report"], optimizer, entry["budget"], key)
                 steps[label, key] = max(steps.get((label, key), 1.0), step)
+                if len(tried) != 1:  # none recorded: the report does not say, so the law is kept
+                    searched.add((label, key))
                 for edge in b.get("edges") or []:
                     if edge["setting"] == key:
                         edges.setdefault((label, key), {})[size["size"]] = edge["end"]
     laws = []
     for (label, key), values in found.items():
+        if (label, key) not in searched:  # one value given at every size: nothing was found, so there is no law
+            continue
         known = [(p, v) for _, p, v in values if v is not None]
         step = steps.get((label, key), 1.0)
         line = fit_log_line([p for p, _ in known], [v for _, v in known], step)
@@ -174,9 +180,8 @@ def _settings_laws(optimizer: str, sizes: Sequence[dict], target: Optional[float
     return laws
 
 
-def grid_step(report: dict, optimizer: str, budget, key: str) -> float:
-    """The widest ratio between neighbouring values of ``key`` that the optimizer's cells at ``budget`` tried (1
-    with one value): how finely its best value is known."""
+def tried_values(report: dict, optimizer: str, budget, key: str) -> list[float]:
+    """The positive values of ``key`` that the optimizer's cells at ``budget`` tried, in order."""
     tried = sorted(
         {
             c["settings"][key]
@@ -186,7 +191,13 @@ def grid_step(report: dict, optimizer: str, budget, key: str) -> float:
             and isinstance(c["settings"].get(key), (int, float))
         }
     )
-    tried = [v for v in tried if v > 0]
+    return [v for v in tried if v > 0]
+
+
+def grid_step(report: dict, optimizer: str, budget, key: str) -> float:
+    """The widest ratio between neighbouring values of ``key`` that the optimizer's cells at ``budget`` tried (1
+    with one value): how finely its best value is known."""
+    tried = tried_values(report, optimizer, budget, key)
     return max((b / a for a, b in zip(tried, tried[1:])), default=1.0)
 
 
@@ -479,7 +490,7 @@ def scale_notes(view: dict) -> list[str]:
         "Best settings: a power law of each size's best value against N (least squares in log-log, t intervals from "
         "the scatter about it, three or more sizes); for every size after the first two, what the smaller sizes' "
         "law predicted (95% prediction interval) against what its own search found. A best value at the grid's "
-        "edge is a bound, not an optimum.",
+        "edge is a bound, not an optimum; a setting given one value at every size was not searched and has no law.",
     ]
     if view["carry_lrs"]:
         lines.append(
