@@ -2,13 +2,17 @@
 
     python benchmarks/bench_checkpoint_checksums.py [--rounds 5] [--fsdp 256] [--folder /tmp]
 
-Three comparisons:
+Four comparisons:
 - a save as a run makes it (``CheckpointManager.save``: the state gathered, checked finite, written, published) of
   the debug model (``train_configs/debug_model.toml``) with AdamW's state, its writer ChecksummingWriter or DCP's;
 - DCP's save alone (``dcp.save``) of the same state: the upper bound of the relative cost;
 - DCP's save alone of one rank's shards of Llama 3 8B under FSDP over ``--fsdp`` ranks (each weight's first dimension
   cut in that many rows; 256 ranks: ~360 MiB a rank, parameters and both moments in float32), shapes from the model's
-  own definition (built on the meta device).
+  own definition (built on the meta device);
+- the checksums' own cost, apart from DCP's: the same 8B shards' bytes written into one file, tensor after tensor
+  (each with a few small writes before it, as a tensor's header comes), through DCP's file system and through the
+  checksumming one (``_HashingFileSystem``): the seconds it adds are what the checksums cost the save above (its
+  ratio is of the bytes alone, not of a save).
 
 The two writers take turns, round by round (a shared machine's speed changes touch both alike), each saving into a
 fresh folder under ``--folder``; printed: the seconds of each, wall and CPU (this process, all threads), and
@@ -32,11 +36,12 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # noqa: E402
 
 from torchtitan.checkpoint import CheckpointManager, manager  # noqa: E402
-from torchtitan.checkpoint.integrity import ChecksummingWriter  # noqa: E402
+from torchtitan.checkpoint.integrity import ChecksummingWriter, _HashingFileSystem  # noqa: E402
 from torchtitan.config.job_config import JobConfig  # noqa: E402
 from torchtitan.config.preflight import preflight  # noqa: E402
 from torchtitan.models.llama import Transformer, llama3_configs  # noqa: E402
@@ -149,6 +154,31 @@ def compare(label: str, state: dict, rounds: int, folder: Path) -> None:
     report(f"{label}, dcp.save ({size / 2**20:,.0f} MiB)", {w.__name__: v for w, v in seconds.items()}, rounds)
 
 
+def timed_stream(state: dict, fs: FileSystem, folder: Path) -> tuple[float, float]:
+    target = folder / "stream"
+    wall, cpu = time.perf_counter(), time.process_time()
+    with fs.create_stream(target, "wb") as stream:
+        for tensor in state.values():
+            for _ in range(38):  # what torch.save writes before a tensor's bytes, in small pieces
+                stream.write(b"h" * 40)
+            stream.write(memoryview(tensor.numpy()))
+            stream.flush()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    target.unlink()
+    return wall, cpu
+
+
+def compare_streams(label: str, state: dict, rounds: int, folder: Path) -> None:
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    systems = {"FileSystemWriter": FileSystem(), "ChecksummingWriter": _HashingFileSystem()}
+    timed_stream(state, systems["FileSystemWriter"], folder)
+    seconds: dict = {name: [] for name in systems}
+    for round_index in range(rounds):
+        for name in systems if round_index % 2 == 0 else list(systems)[::-1]:
+            seconds[name].append(timed_stream(state, systems[name], folder))
+    report(f"{label}, the bytes alone through each writer's file system ({size / 2**20:,.0f} MiB)", seconds, rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -159,7 +189,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
         manager_rounds(args.rounds, Path(folder) / "run")
         compare("debug model, whole", state_of("debugmodel", DEBUG_VOCAB, 1), args.rounds, Path(folder))
-        compare(f"8B, one rank of FSDP {args.fsdp}", state_of("8B", LLAMA3_VOCAB, args.fsdp), args.rounds, Path(folder))
+        state = state_of("8B", LLAMA3_VOCAB, args.fsdp)
+        compare(f"8B, one rank of FSDP {args.fsdp}", state, args.rounds, Path(folder))
+        compare_streams(f"8B, one rank of FSDP {args.fsdp}", state, args.rounds, Path(folder))
 
 
 if __name__ == "__main__":

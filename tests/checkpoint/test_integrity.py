@@ -19,7 +19,7 @@ import torch
 
 from tests.helpers import Trainer
 from tests.helpers import checkpoint_job as job
-from torchtitan.checkpoint import manager
+from torchtitan.checkpoint import integrity, manager
 from torchtitan.checkpoint.folders import DAMAGED_FOLDER
 from torchtitan.checkpoint.integrity import ALGORITHM, CHECKSUMS_FILE, file_digest
 from torchtitan.errors import UserError
@@ -59,6 +59,34 @@ def test_each_file_of_a_checkpoint_has_its_checksum_recorded(tmp_path, saved, mo
     assert sorted(record["files"]) == written and ".metadata" in written  # no part of a rank's record left over
     for name, entry in record["files"].items():
         assert entry == {"size": os.path.getsize(folder / name), ALGORITHM: file_digest(str(folder / name))}
+
+
+def test_a_file_is_hashed_on_its_way_out_whatever_the_writes(tmp_path, monkeypatch):
+    """Small writes gathered by the buffer, a tensor's bytes at once, a raw write that takes only part of them: the
+    digest recorded is the file's, without reading it back; a file that was sought in is not recorded (read back)."""
+    raw_write = integrity._HashingRaw.__init__
+
+    def short_writes(self, file):  # a disk that takes at most 1000 bytes a call (the buffer writes the rest)
+        raw_write(self, file)
+        self._write = lambda data: file.write(memoryview(data).cast("B")[:1000])
+
+    monkeypatch.setattr(integrity._HashingRaw, "__init__", short_writes)
+    fs = integrity._HashingFileSystem()
+    tensor = torch.arange(50_000, dtype=torch.float32)
+    with fs.create_stream(tmp_path / "written", "wb") as stream:
+        for i in range(300):
+            stream.write(b"header %d" % i)
+        stream.write(memoryview(tensor.numpy()))
+        stream.flush()
+        stream.write(b"tail")
+    with fs.create_stream(tmp_path / "sought", "wb") as stream:
+        stream.write(b"0123456789")
+        stream.seek(2)
+        stream.write(b"x")
+    size = os.path.getsize(tmp_path / "written")
+    assert size == tensor.numel() * 4 + len(b"".join(b"header %d" % i for i in range(300))) + 4
+    assert fs.written == {"written": {"size": size, ALGORITHM: file_digest(str(tmp_path / "written"))}}
+    assert (tmp_path / "sought").read_bytes() == b"01x3456789"
 
 
 def _random_bytes(step):

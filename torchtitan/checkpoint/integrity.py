@@ -17,6 +17,7 @@ listed file once; the ranks of a job split the files between them.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import threading
@@ -60,25 +61,34 @@ def _write_json(path: str, value: Any, durable: bool) -> None:
             os.fsync(f.fileno())
 
 
-class _HashingStream:
-    """A file being written, hashed on the way out (a buffered file takes each write whole); ``in_order`` turns False
-    if anything but appending happened (then the file is read back instead)."""
+class _HashingRaw(io.RawIOBase):
+    """The raw file under a written file's buffer, hashing what reaches it: the buffer gathers the many small writes
+    of a tensor's header into one, and hands a tensor's bytes on whole, so hashing costs one call per flush or tensor,
+    not per write. ``in_order`` turns False if anything but appending happened (then the file is read back instead);
+    closing it leaves the file open (its opener closes it)."""
 
-    def __init__(self, raw: Any) -> None:
-        self.raw, self.digest, self.size, self.in_order = raw, xxhash.xxh3_128(), 0, True
+    def __init__(self, file: Any) -> None:
+        super().__init__()
+        self.digest, self.size, self.in_order = xxhash.xxh3_128(), 0, True
+        self._write = file.write
+        # Called by the buffer at every tell and flush: the file's own methods, with no Python call in between.
+        self.tell, self.fileno, self.flush, self.seekable = file.tell, file.fileno, file.flush, file.seekable
+        self._seek = file.seek
+
+    def writable(self) -> bool:
+        return True
 
     def write(self, data: Any) -> int:
-        written = self.raw.write(data)
-        self.digest.update(data)
-        self.size += written
+        written = self._write(data)
+        if written:  # a raw write may take part of the bytes; the buffer hands on the rest
+            view = memoryview(data)
+            self.digest.update(view if written == view.nbytes else view.cast("B")[:written])
+            self.size += written
         return written
 
     def seek(self, *args: Any) -> int:
         self.in_order = False
-        return self.raw.seek(*args)
-
-    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, ...: the file's own
-        return getattr(self.raw, name)
+        return self._seek(*args)
 
 
 class _HashingFileSystem(FileSystem):
@@ -95,14 +105,28 @@ class _HashingFileSystem(FileSystem):
             if mode != "wb":
                 yield stream
                 return
-            hashing = _HashingStream(stream)
-            yield hashing
+            # The same buffering as the file opened, over a raw file that hashes; the file's own buffer stays empty.
+            hashing = _HashingRaw(stream.raw)
+            buffered = io.BufferedWriter(hashing, buffer_size=_buffer_size(stream.raw))
+            try:
+                yield buffered
+            finally:
+                buffered.close()  # flushes into the file, which the opener closes
         if hashing.in_order:
             with self._lock:
                 self.written[os.path.basename(os.fspath(path))] = {
                     "size": hashing.size,
                     ALGORITHM: hashing.digest.hexdigest(),
                 }
+
+
+def _buffer_size(file: Any) -> int:
+    """The buffer that ``open`` gives ``file``: its block size, else Python's default."""
+    try:
+        size = os.fstat(file.fileno()).st_blksize
+    except OSError:
+        size = 0
+    return size if size > 1 else io.DEFAULT_BUFFER_SIZE
 
 
 class ChecksummingWriter(FileSystemWriter):
