@@ -56,14 +56,17 @@ def main(job_config: JobConfig) -> None:
     init_logger()
     if job_config.comm.trace_buf_size is not None:
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(job_config.comm.trace_buf_size))
-    # The job checked before any process group, compile or run folder. Every rank checks it; the first alone runs the
-    # layout check (the others wait for it at the rendezvous, and torchrun ends them when it refuses the job), unless
-    # the launcher already ran it on this very job.
+    # The job checked before any process group, compile or run folder, by the first rank, with the layout check unless
+    # the launcher already ran it on this very job. The other ranks wait for it at the rendezvous (torchrun ends them
+    # when it refuses the job, so a mistake is its one line) and check the rest after it.
     first_rank = int(os.environ.get("RANK", "0")) == 0
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    check_layout = first_rank and not checked_by_launcher(world_size, sys.argv[1:])
-    parallel_dims, model_args, tokenizer = preflight(job_config, world_size, check_layout=check_layout)
+    if first_rank:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        checked = preflight(job_config, world_size, check_layout=not checked_by_launcher(world_size, sys.argv[1:]))
     device, rank, world_size = init_distributed(job_config.comm.init_timeout_seconds)
+    if not first_rank:
+        checked = preflight(job_config, world_size, check_layout=False)
+    parallel_dims, model_args, tokenizer = checked
     t = job_config.training
     logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")
     if device.type == "cuda":
