@@ -735,3 +735,12 @@ def one_error_line(capsys) -> str:
 
 def status_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "sweep_status.json").read_text())
+
+
+def two_saved_steps(dump) -> tuple:
+    """Trains 2 steps of a checkpointing run into ``dump`` (step-1 and step-2 saved): its checkpoint folder and the
+    losses of its steps 1 and 2."""
+    trainer = Trainer(checkpoint_job(str(dump), steps=2, interval=1))
+    losses = trainer.run(2)
+    trainer.checkpoint.close()
+    return dump / "checkpoint", losses

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.helpers import Trainer
+from tests.helpers import Trainer, two_saved_steps
 from tests.helpers import checkpoint_job as job
 from torchtitan.checkpoint import integrity, manager
 from torchtitan.checkpoint.folders import DAMAGED_FOLDER
@@ -33,11 +33,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A run's checkpoint folder holding step-1 and step-2, and the losses of its steps 1 and 2."""
-    dump = tmp_path_factory.mktemp("saved")
-    trainer = Trainer(job(str(dump), steps=2, interval=1))
-    losses = trainer.run(2)
-    trainer.checkpoint.close()
-    return dump / "checkpoint", losses
+    return two_saved_steps(tmp_path_factory.mktemp("saved"))
 
 
 def _shard(folder) -> str:

@@ -27,7 +27,7 @@ import time
 import pytest
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
-from tests.helpers import Trainer
+from tests.helpers import Trainer, two_saved_steps
 from tests.helpers import checkpoint_job as job
 from torchtitan.checkpoint import SafeFileSystemReader
 from torchtitan.checkpoint.folders import DAMAGED_FOLDER
@@ -148,11 +148,7 @@ def _planted(folder: str, hostile: bytes) -> None:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A run's checkpoint folder holding step-1 and step-2, and the losses of its steps 1 and 2."""
-    dump = tmp_path_factory.mktemp("saved")
-    trainer = Trainer(job(str(dump), steps=2, interval=1))
-    losses = trainer.run(2)
-    trainer.checkpoint.close()
-    return dump / "checkpoint", losses
+    return two_saved_steps(tmp_path_factory.mktemp("saved"))
 
 
 def test_the_hostile_files_run_code_under_plain_pickle(tmp_path):
