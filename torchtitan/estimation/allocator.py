@@ -185,6 +185,26 @@ class _Block:
         return self.prev is not None or self.next is not None
 
 
+def _split(block: _Block, size: int, mapped: bool = True) -> _Block:
+    """Cut ``block`` at ``size`` bytes: it keeps the first part, and the rest (returned, for its pool) follows it."""
+    rest = _Block(
+        block.addr + size,
+        block.size - size,
+        block.stream,
+        block.pool,
+        block.expandable,
+        block.page,
+        mapped=mapped,
+        prev=block,
+        next=block.next,
+    )
+    if block.next is not None:
+        block.next.prev = rest
+    block.next = rest
+    block.size = size
+    return rest
+
+
 @dataclass(eq=False)
 class _Pool:
     small: bool
@@ -255,21 +275,7 @@ class CachingAllocator:
         if block is None:
             raise OutOfMemory(f"a request of {size} bytes with {self.reserved} reserved, {self.allocated} allocated")
         if self._should_split(block, size):
-            rest = _Block(
-                block.addr + size,
-                block.size - size,
-                stream,
-                pool,
-                block.expandable,
-                block.page,
-                prev=block,
-                next=block.next,
-            )
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = size
-            pool.insert(rest)
+            pool.insert(_split(block, size))
         block.allocated = True
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
@@ -401,22 +407,7 @@ class CachingAllocator:
         pool.remove_unmapped(block)
         block.mapped = True
         if nbytes < block.size:
-            rest = _Block(
-                block.addr + nbytes,
-                block.size - nbytes,
-                block.stream,
-                pool,
-                True,
-                block.page,
-                mapped=False,
-                prev=block,
-                next=block.next,
-            )
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = nbytes
-            pool.insert_unmapped(rest)
+            pool.insert_unmapped(_split(block, nbytes, mapped=False))
         self._merge(block, block.prev, pool)
         self._merge(block, block.next, pool)
         pool.insert(block)

@@ -9,6 +9,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _step_entries(p, m, at, mask, gj, weight, scale, decay, decays, SMALL: tl.constexpr):
+    """The momentum and weight of the entries ``at`` (``mask``), their gradient ``gj`` and step size ``scale`` given."""
+    mj = tl.load(m + at, mask=mask, other=0.0)
+    if SMALL:
+        momentum = mj + weight * (gj - mj)
+    else:
+        momentum = gj - (gj - mj) * (1 - weight)
+    tl.store(m + at, momentum, mask=mask)
+    pj = tl.load(p + at, mask=mask, other=0.0)
+    if decays != 0:
+        pj = pj * decay
+    tl.store(p + at, pj - momentum * scale, mask=mask)
+
+
+@triton.jit
 def adam_mini_step_kernel(
     programs, tensors, scalars, FIELDS: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr, SMALL: tl.constexpr
 ):
@@ -41,16 +56,7 @@ def adam_mini_step_kernel(
         second = second + one_minus_beta2 * (gj * gj)
         tl.store(v + at, second, mask=mask)
         scale = lr * (1.0 / ((tl.sqrt(second / bc2) + eps) * bc1))
-        mj = tl.load(m + at, mask=mask, other=0.0)
-        if SMALL:
-            momentum = mj + weight * (gj - mj)
-        else:
-            momentum = gj - (gj - mj) * (1 - weight)
-        tl.store(m + at, momentum, mask=mask)
-        pj = tl.load(p + at, mask=mask, other=0.0)
-        if decays != 0:
-            pj = pj * decay
-        tl.store(p + at, pj - momentum * scale, mask=mask)
+        _step_entries(p, m, at, mask, gj, weight, scale, decay, decays, SMALL)
     else:
         start = row * width
         if kind == 0:  # BLOCK_MEANS: row `row` is block `row`; its mean of g**2 first
@@ -72,13 +78,4 @@ def adam_mini_step_kernel(
             at = start + first + offsets
             mask = first + offsets < width
             gj = tl.load(g + at, mask=mask, other=0.0)
-            mj = tl.load(m + at, mask=mask, other=0.0)
-            if SMALL:
-                momentum = mj + weight * (gj - mj)
-            else:
-                momentum = gj - (gj - mj) * (1 - weight)
-            tl.store(m + at, momentum, mask=mask)
-            pj = tl.load(p + at, mask=mask, other=0.0)
-            if decays != 0:
-                pj = pj * decay
-            tl.store(p + at, pj - momentum * scale, mask=mask)
+            _step_entries(p, m, at, mask, gj, weight, scale, decay, decays, SMALL)
