@@ -173,3 +173,22 @@ def test_a_kernel_that_cannot_be_built_is_one_line_and_the_compiled_graphs_step(
     lines = [r.getMessage() for r in caplog.records if r.name == cpu_build.__name__]
     assert len(lines) == 1 and "could not be built in" in lines[0] and "TORCHTITAN_CACHE" in lines[0], lines
     assert operator_calls == []
+
+
+def test_a_lock_file_left_by_a_killed_build_is_removed_not_waited_on(monkeypatch, caplog, tmp_path):
+    """torch's loader waits for its own lock file to vanish; one left by a build killed half-way (a job's process tree
+    ended mid-compile) would stall every later run of the machine, so the holder of the file lock removes it first."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpu_build, "_loaded", None)
+    monkeypatch.setenv("TORCHTITAN_CACHE", str(tmp_path))
+    folder = cpu_build.cache_root() / "extensions" / cpu_build.build_name()
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: seen.append((folder / "lock").exists()))
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
+        assert cpu_build.load_cpu_kernel()
+    assert seen == [False]
+    lines = [r.getMessage() for r in caplog.records if r.name == cpu_build.__name__]
+    assert len(lines) == 1 and "left by a build that was stopped" in lines[0], lines

@@ -3,7 +3,8 @@
 ``torch.utils.cpp_extension.load`` compiles ``csrc/adam_mini_step.cpp`` (OpenMP, ``-O3 -march=native``) into a
 folder of the user's cache named by a hash of the source, torch's version, the flags and the CPU, so a changed source
 or another machine builds anew and everything else loads the built library. Ranks that start together take turns on a
-file lock (released when its holder dies, unlike torch's own lock file), so one compiles and the others load. Where
+file lock (released when its holder dies, unlike torch's own lock file, which a killed build leaves behind and the
+holder of the file lock removes), so one compiles and the others load. Where
 no C++ compiler is found, one line says so and the fused back end runs its compiled graphs instead.
 """
 
@@ -85,6 +86,12 @@ def load_cpu_kernel() -> bool:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder) + ".lock"):
+            # torch's loader waits, without end, for its own lock file to go; one left by a process killed while it
+            # built cannot be anyone's while this lock is held, so it goes now.
+            baton = folder / "lock"
+            if baton.exists():
+                logger.warning("Adam-mini: removing %s, left by a build that was stopped before it ended", baton)
+                baton.unlink()
             cpp_extension.load(
                 name,
                 [str(SOURCE)],
