@@ -111,6 +111,8 @@ def one_process_float64(tmp_path_factory):
     ids=["fsdp2_x_tp2", "hsdp2x2"],
 )
 def test_parallel_layouts_match_one_process(tmp_path, one_process_float64, nproc, layout):
+    """train.py under torchrun on 4 ranks, the only end-to-end runs of TP with loss parallel and of HSDP with the
+    trainer's own data readers, timeouts and logging, against one process reading the same global batch."""
     # Same global batch (4 sequences from the same data readers), so every layout sees exactly the data one process
     # sees; float64 makes the only difference the order of floating-point sums, far below rel 1e-9. On CPU
     # everywhere: on a GPU, FSDP computes in training.mixed_precision_param, which a float64 comparison cannot absorb.

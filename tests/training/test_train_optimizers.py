@@ -66,6 +66,8 @@ def test_state_bytes_ratios(trained):
 
 @pytest.mark.parametrize("name", ["AdamMini"])
 def test_two_fsdp_processes(tmp_path, name):
+    """Adam-mini through train.py under torchrun with FSDP (the layouts' step against one process in float64 is
+    tests/optim/test_adam_mini_distributed.py; this is the launched trainer, float32, with its data readers)."""
     # 2 ranks of 2 sequences see the global batch one process sees when it takes 2 micro-batches of 2 sequences from
     # 2 loader workers (each rank, like each worker, reads its own share of the documents): the same losses, up to
     # float32 summation order on CPU, or FSDP's bf16 compute (training.mixed_precision_param) on GPUs. (AdamW's FSDP
