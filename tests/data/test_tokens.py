@@ -470,32 +470,6 @@ def test_options_that_cannot_act_are_refused(argv, message):
         preflight(job_config(*argv), 1)
 
 
-def test_train_py_reads_tokens_writes_its_record_and_refuses_other_data(tmp_path, sample_tokens):
-    from tests.helpers import run_dir, train
-
-    dump = tmp_path / "run"
-    base = ["--training.steps", "2", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]
-    tokens = [
-        "--training.dataset",
-        "tokens",
-        "--training.dataset_path",
-        str(sample_tokens),
-        "--training.data_seed",
-        "1",
-    ]
-    train(dump, *base, *tokens)
-    record = json.loads((run_dir(dump) / "dataset.json").read_text())
-    assert record == {
-        "fingerprint": read_manifest(str(sample_tokens))["fingerprint"],
-        "source": f"tokens {sample_tokens} (from sample)",
-        "data_seed": 1,
-    }
-    proc = train(dump, "--training.steps", "4", "--checkpoint.enable_checkpoint", check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "training.allow_data_change" in errors[0] and "tokenized data then" in errors[0]
-
-
 def test_pretokenize_help_runs():
     proc = processes.run([sys.executable, "-m", "torchtitan.tools.pretokenize", "--help"], cwd=REPO, timeout=120)
     assert proc.returncode == 0 and "--workers" in proc.stdout
@@ -567,16 +541,27 @@ def test_pretokenize_streams_a_hub_dataset_by_name_with_its_text_field(monkeypat
     assert not (tmp_path / "other").exists() and not list(tmp_path.glob(".other.tmp-*"))
 
 
-def test_train_py_validates_the_same_windows_after_a_resume_in_another_layout(tmp_path, sample_tokens):
-    """One process (local batch 4, validation batches of 4) saves at step 2; two processes (local batch 2, the same
-    global batch, validation batches of 5) resume it: the same 12 windows are scored, to the same loss."""
+def test_train_py_on_tokens_records_them_resumes_in_another_layout_and_refuses_other_data(tmp_path, sample_tokens):
+    """train.py on pre-tokenized data, the runs sharing their launches: one process (local batch 4, validation batches
+    of 4) writes the data's record and saves at step 2; two processes (local batch 2, the same global batch,
+    validation batches of 5) resume it and score the same 12 validation windows to the same loss; resuming onto
+    other data (the sample text) is refused in one line."""
     from tests.helpers import by_step, metric_rows, run_dir, train
+
+    tokens = [
+        "--training.dataset",
+        "tokens",
+        "--training.dataset_path",
+        str(sample_tokens),
+        "--training.data_seed",
+        "1",
+    ]
 
     def run(name, nproc, batch_size, validation_batch_size):
         dump = tmp_path / name
         proc = train(
             dump,
-            *("--training.dataset", "tokens", "--training.dataset_path", str(sample_tokens)),
+            *tokens,
             *("--training.steps", "4", "--training.batch_size", str(batch_size)),
             *("--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", "--checkpoint.folder", str(dump / "ck")),
             *("--validation.enable", "--validation.freq", "2", "--validation.windows", "12"),
@@ -588,6 +573,12 @@ def test_train_py_validates_the_same_windows_after_a_resume_in_another_layout(tm
         return by_step(metric_rows(run_dir(dump)), "validation/loss"), proc.stdout + proc.stderr
 
     straight, straight_log = run("straight", 1, 4, 4)
+    record = json.loads((run_dir(tmp_path / "straight") / "dataset.json").read_text())
+    assert record == {
+        "fingerprint": read_manifest(str(sample_tokens))["fingerprint"],
+        "source": f"tokens {sample_tokens} (from sample)",
+        "data_seed": 1,
+    }
     (tmp_path / "resumed" / "ck").mkdir(parents=True)
     shutil.copytree(tmp_path / "straight" / "ck" / "step-2", tmp_path / "resumed" / "ck" / "step-2")
     resumed, resumed_log = run("resumed", 2, 2, 5)
@@ -597,6 +588,19 @@ def test_train_py_validates_the_same_windows_after_a_resume_in_another_layout(tm
     assert "validation at step 4:" in resumed_log and "(384 tokens)" in resumed_log.split("validation at step 4:")[1]
     # float32 on another layout: the training steps' sums differ in order only.
     assert resumed[4] == pytest.approx(straight[4], rel=1e-5)
+
+    # The sample text where the checkpoint's run read tokens: refused, not trained on.
+    text = [
+        "--training.steps",
+        "6",
+        "--checkpoint.enable_checkpoint",
+        "--checkpoint.folder",
+        str(tmp_path / "straight" / "ck"),
+    ]
+    proc = train(tmp_path / "straight", *text, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "training.allow_data_change" in errors[0] and "tokenized data then" in errors[0]
 
 
 def test_too_few_validation_windows_are_refused_before_any_worker_starts(sample_tokens):

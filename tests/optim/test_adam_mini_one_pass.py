@@ -9,6 +9,7 @@ in ``test_adam_mini_distributed.py``."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,3 +193,30 @@ def test_a_lock_file_left_by_a_killed_build_is_removed_not_waited_on(monkeypatch
     assert seen == [False]
     lines = [r.getMessage() for r in caplog.records if r.name == cpu_build.__name__]
     assert len(lines) == 1 and "left by a build that was stopped" in lines[0], lines
+
+
+def test_every_checkout_builds_the_kernel_from_the_cache_folders_own_copy_of_the_source(monkeypatch, tmp_path):
+    """Two checkouts of the same source (the package's, and a copy as another clone or worktree holds it) hand torch's
+    builder the same source path and folder, so the second loads what the first built: ninja rebuilds whenever its
+    build file names another source path. A damaged copy in the cache is written whole again."""
+    from torch.utils import cpp_extension
+
+    built = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **options: built.append((name, sources, options)))
+    monkeypatch.setenv("TORCHTITAN_CACHE", str(tmp_path / "cache"))
+    elsewhere = tmp_path / "another-checkout" / cpu_build.SOURCE.name
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(cpu_build.SOURCE.read_bytes())
+    for source in (cpu_build.SOURCE, elsewhere):
+        monkeypatch.setattr(cpu_build, "SOURCE", source)
+        monkeypatch.setattr(cpu_build, "_loaded", None)
+        assert cpu_build.load_cpu_kernel()
+    first, second = built
+    assert first == second
+    compiled = Path(*first[1])
+    assert str(compiled.parent) == first[2]["build_directory"]
+    assert compiled.read_bytes() == elsewhere.read_bytes()
+    compiled.write_text("// cut short")
+    monkeypatch.setattr(cpu_build, "_loaded", None)
+    assert cpu_build.load_cpu_kernel() and built[-1] == first
+    assert compiled.read_bytes() == elsewhere.read_bytes()

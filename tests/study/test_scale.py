@@ -149,6 +149,9 @@ def ladder_sweep(dump: Path, *args: str) -> int:
 
 
 def test_a_study_over_sizes_carries_the_lr_up_and_a_size_added_later_joins_the_same_page(tmp_path, capsys):
+    """The ladder as a user grows it, in two calls of the sweep over fake runs: per-size pages and confirmations, an
+    lr grid carried up to a size added later without retraining the others, the scale view, a plain sweep refused in
+    the study's folder, and --report-only rebuilding the same view."""
     dump = tmp_path / "study"
     sizes = ["--axis", "model.flavor=ladder-30M,ladder-60M", "--size-option", "ladder-60M:training.batch_size=4"]
     assert ladder_sweep(dump, *sizes) == 0

@@ -64,6 +64,10 @@ def markdown_row(md: str, optimizer: str, table: int) -> str:
 
 
 def test_tiny_sweep_end_to_end_ranks_and_shows_divergence(tmp_path, capsys):
+    """The one sweep of real train.py runs, as users start it (compare_optimizers.sh, run_llama_train.sh): what the
+    trainer logs is what the report ranks and draws, a diverging lr is a diverged run and not a crash, two runs at
+    once log what one alone logs, and compare_runs reads the same numbers. Every other sweep test runs the fake
+    trainer."""
     # Two real runs at once, the fewest that show both outcomes: a finished lr and a diverging one; then the
     # finished one again alone, which logs the same numbers. What the sweep does with many runs (seeds, retries,
     # resuming, extending, descents) is the fake trainer's part below and in test_sweep_search.py.

@@ -29,6 +29,10 @@ OPTIMIZER_STEPS_1B = ("optimizers_1b", "optimizers_1b_variants", "optimizers_1b_
 
 
 def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
+    """The one run of every step's own code (each optimizer trained and estimated as the GPU check does, its
+    train.py and script commands, the report), which no GPU run of the suite can do: the plan kept from rotting
+    between loans of a GPU. The runner's handling of failing, hanging and unequipped steps is the made-up steps'
+    tests below."""
     out = tmp_path / "report"
     # The device has python3 only: a `python` that fails shows the check never calls it.
     shims = tmp_path / "bin"
@@ -48,8 +52,12 @@ def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
         for row in report["steps"][name]["rows"]:
             assert row["fits"] == "yes" and row["estimated peak allocated GiB"] is not None, row
             assert "estimate" not in row, row  # the estimate simulated the implementation the run took
-    large = [row["optimizer"] for name in ("llama3_8b", "llama3_8b_more") for row in report["steps"][name]["rows"]]
+    large_rows = [row for name in ("llama3_8b", "llama3_8b_more") for row in report["steps"][name]["rows"]]
+    large = [row["optimizer"] for row in large_rows]
     assert sorted(large) == sorted(context.QUICK_8B + tuple(plan.llama3_8b_more_specs()))
+    # The dry run's 8B model is the 1B steps' tiny one: each optimizer trains there too, estimated in the 1B steps.
+    assert all(row["fits"] == "yes" and "estimated peak allocated GiB" not in row for row in large_rows), large_rows
+    assert context.Sizes.for_run(dry_run=False).estimate_large  # on a GPU, the 8B rows are estimated
     assert {s.split(":")[0] for s in large} == set(OPTIMIZERS)
     # Compiled blocks are estimated as compiled: the compiled step has its estimates too.
     assert all(row["estimated peak allocated GiB"] is not None for row in report["steps"]["compiled_1b"]["rows"])

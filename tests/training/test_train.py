@@ -62,6 +62,11 @@ def test_identical_runs_give_identical_losses_and_the_seed_matters(debug_run, tm
     assert losses(tmp_path / "c")[0] != losses(reference)[0]
 
 
+# The 4-rank runs and their one-process references: 3 steps (one past the 2 warm-up steps) show the loss falling and
+# every step matching; the 4 ranks' start-up is most of their cost, so more steps would prove no more.
+LAYOUT_STEPS = ("--training.steps", "3")
+
+
 @pytest.fixture(scope="module")
 def one_process_float64(tmp_path_factory):
     """One process's float64 losses on the global batch of 4 sequences that ``readers`` data readers deal out.
@@ -75,7 +80,8 @@ def one_process_float64(tmp_path_factory):
         if readers not in found:
             path = tmp_path_factory.mktemp(f"one-{readers}-readers")
             batch = ["--training.batch_size", str(4 // readers), "--training.gradient_accumulation_steps", str(readers)]
-            train(path, *batch, "--training.data_workers", str(readers), "--training.param_dtype", "float64", cpu=True)
+            readers_args = ["--training.data_workers", str(readers), "--training.param_dtype", "float64"]
+            train(path, *LAYOUT_STEPS, *batch, *readers_args, cpu=True)
             found[readers] = losses(path)
         return found[readers]
 
@@ -105,10 +111,12 @@ def one_process_float64(tmp_path_factory):
     ids=["fsdp2_x_tp2", "hsdp2x2"],
 )
 def test_parallel_layouts_match_one_process(tmp_path, one_process_float64, nproc, layout):
+    """train.py under torchrun on 4 ranks, the only end-to-end runs of TP with loss parallel and of HSDP with the
+    trainer's own data readers, timeouts and logging, against one process reading the same global batch."""
     # Same global batch (4 sequences from the same data readers), so every layout sees exactly the data one process
     # sees; float64 makes the only difference the order of floating-point sums, far below rel 1e-9. On CPU
     # everywhere: on a GPU, FSDP computes in training.mixed_precision_param, which a float64 comparison cannot absorb.
-    proc = train(tmp_path, "--training.param_dtype", "float64", *layout, nproc=nproc, cpu=True)
+    proc = train(tmp_path, *LAYOUT_STEPS, "--training.param_dtype", "float64", *layout, nproc=nproc, cpu=True)
     # The start-up timeout covers the compiles up to the end of the first step, then the training one takes over.
     assert "collectives: timeout 1800 s until the first step ends" in proc.stderr
     if "--comm.train_timeout_seconds" in layout:

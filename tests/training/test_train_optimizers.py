@@ -20,8 +20,9 @@ def state_bytes(path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, debug_run):
-    """A 5-step run per optimizer name, started on first use and shared by the tests below; its dump folder. AdamW,
-    the debug config's optimizer, is the suite's shared 6-step run."""
+    """A 3-step run per optimizer name (two updates after the first loss, enough to see it fall; the low-bit steps run
+    eagerly, seconds each), started on first use and shared by the tests below; its dump folder. AdamW, the debug
+    config's optimizer, is the suite's shared 6-step run."""
     folders = {"AdamW": debug_run[0]}
 
     def get(name):
@@ -30,7 +31,7 @@ def trained(tmp_path_factory, debug_run):
             with pytest.MonkeyPatch.context() as patch:
                 for key, value in EAGER.items():
                     patch.setenv(key, value)
-                train(folders[name], "--optimizer.name", name.lower(), "--training.steps", "5")
+                train(folders[name], "--optimizer.name", name.lower(), "--training.steps", "3")
         return folders[name]
 
     return get
@@ -65,6 +66,8 @@ def test_state_bytes_ratios(trained):
 
 @pytest.mark.parametrize("name", ["AdamMini"])
 def test_two_fsdp_processes(tmp_path, name):
+    """Adam-mini through train.py under torchrun with FSDP (the layouts' step against one process in float64 is
+    tests/optim/test_adam_mini_distributed.py; this is the launched trainer, float32, with its data readers)."""
     # 2 ranks of 2 sequences see the global batch one process sees when it takes 2 micro-batches of 2 sequences from
     # 2 loader workers (each rank, like each worker, reads its own share of the documents): the same losses, up to
     # float32 summation order on CPU, or FSDP's bf16 compute (training.mixed_precision_param) on GPUs. (AdamW's FSDP
@@ -91,42 +94,47 @@ def test_two_fsdp_processes(tmp_path, name):
     assert run_dir(tmp_path / "two").name.endswith("_" + name)
 
 
+# A checkpoint after the warm-up (step 2 of 4). The first resumed loss reads the restored weights, the second the
+# first update made from the restored moments and the lr schedule's position; more steps would prove no more.
+SAVED_AT, STEPS = 2, 4
+
+
 def resume_args(name):
-    """8 steps with a checkpoint every 4; on a GPU with deterministic kernels, so that runs can agree bit for bit."""
+    """4 steps with a checkpoint every 2; on a GPU with deterministic kernels, so that runs can agree bit for bit."""
     return [
         "--optimizer.name",
         name,
         "--training.steps",
-        "8",
+        str(STEPS),
         "--checkpoint.enable_checkpoint",
         "--checkpoint.interval",
-        "4",
+        str(SAVED_AT),
         *(["--training.deterministic"] if uses_cuda() else []),
     ]
 
 
 def resumed_vs_straight(tmp_path, name):
-    """Losses of steps 5-8 of a straight 8-step run, and of the same steps resumed from its step-4 checkpoint."""
+    """Losses of the steps after SAVED_AT of a straight run, and of the same steps resumed from its checkpoint."""
     common = resume_args(name)
     train(tmp_path / "straight", *common)
-    step_4 = Path("checkpoint", name, "step-4")  # each optimizer's default folder
-    shutil.copytree(tmp_path / "straight" / step_4, tmp_path / "resumed" / step_4)
-    train(tmp_path / "resumed", *common, "--checkpoint.load_step", "4")
-    return losses(tmp_path / "straight")[4:], losses(tmp_path / "resumed")
+    saved = Path("checkpoint", name, f"step-{SAVED_AT}")  # each optimizer's default folder
+    shutil.copytree(tmp_path / "straight" / saved, tmp_path / "resumed" / saved)
+    train(tmp_path / "resumed", *common, "--checkpoint.load_step", str(SAVED_AT))
+    return losses(tmp_path / "straight")[SAVED_AT:], losses(tmp_path / "resumed")
 
 
 def test_adam_mini_resume_equals_uninterrupted_run(tmp_path):
     straight, resumed = resumed_vs_straight(tmp_path, "AdamMini")
-    assert len(resumed) == 4
+    assert len(resumed) == STEPS - SAVED_AT
     assert resumed == straight  # bit for bit
 
 
 def test_low_bit_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
-    # The checkpoint holds each quantized state's block scales beside its values
-    # (tests/checkpoint/test_lowprec_checkpoints.py): a resumed 8-bit run continues bit for bit.
+    """train.py's own resume of quantized state (the checkpoint holds each quantized state's block scales beside its
+    values, tests/checkpoint/test_lowprec_checkpoints.py): a resumed 8-bit run continues bit for bit."""
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     straight, resumed = resumed_vs_straight(tmp_path, "AdamW8bit")
-    assert len(resumed) == 4
+    assert len(resumed) == STEPS - SAVED_AT
     assert resumed == straight  # bit for bit
 
 

@@ -70,6 +70,10 @@ class Sizes:
     warmup_steps: int
     timed_steps: int
     compile: bool  # for the steps that measure compiled training
+    # Whether the 8B steps estimate each row too. A dry run's "8B" model is the tiny one its 1B steps already
+    # estimate every optimizer on: there the 8B steps train each optimizer (full activation checkpointing, their
+    # own step counts) and leave the estimates to the 1B steps.
+    estimate_large: bool
     bench_runs: dict[str, tuple[tuple[str, str], ...]]  # per bench step: (shapes, dtype) of bench_optimizers.py
     bench_args: tuple[str, ...]
     train_overrides: tuple[str, ...]  # for train.py runs
@@ -87,6 +91,7 @@ class Sizes:
                 warmup_steps=1,
                 timed_steps=1,
                 compile=False,
+                estimate_large=False,
                 bench_runs={
                     "100m": (("tiny", "float32"),),
                     "1b": (("tiny", "float32"),),
@@ -105,6 +110,7 @@ class Sizes:
             warmup_steps=2,
             timed_steps=5,
             compile=True,
+            estimate_large=True,
             bench_runs={
                 "100m": (("bench", "float32"), ("bench", "bfloat16")),
                 "1b": (("1b", "float32"), ("1b", "bfloat16")),

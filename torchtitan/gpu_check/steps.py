@@ -155,8 +155,13 @@ def step_compiled_1b(ctx: Context) -> StepResult:
 _8B_EXTRA = ("--activation_checkpoint.mode", "full")
 
 
+def _rows_8b(ctx: Context, specs: list[str]) -> StepResult:
+    sizes = ctx.sizes
+    return _optimizer_rows(ctx, specs, sizes.large_flavor, *_8B_EXTRA, estimate=sizes.estimate_large, steps=(1, 2))
+
+
 def step_llama3_8b(ctx: Context) -> StepResult:
-    return _optimizer_rows(ctx, ctx.selected(QUICK_8B), ctx.sizes.large_flavor, *_8B_EXTRA, steps=(1, 2))
+    return _rows_8b(ctx, ctx.selected(QUICK_8B))
 
 
 def llama3_8b_more_specs() -> list[str]:
@@ -166,7 +171,7 @@ def llama3_8b_more_specs() -> list[str]:
 
 
 def step_llama3_8b_more(ctx: Context) -> StepResult:
-    return _optimizer_rows(ctx, ctx.selected(llama3_8b_more_specs()), ctx.sizes.large_flavor, *_8B_EXTRA, steps=(1, 2))
+    return _rows_8b(ctx, ctx.selected(llama3_8b_more_specs()))
 
 
 def _bench(ctx: Context, runs: tuple[tuple[str, str], ...], extra: list[str]) -> StepResult:

@@ -2,10 +2,13 @@
 
 ``torch.utils.cpp_extension.load`` compiles ``csrc/adam_mini_step.cpp`` (OpenMP, ``-O3 -march=native``) into a
 folder of the user's cache named by a hash of the source, torch's version, the flags and the CPU, so a changed source
-or another machine builds anew and everything else loads the built library. Ranks that start together take turns on a
-file lock (released when its holder dies, unlike torch's own lock file, which a killed build leaves behind and the
-holder of the file lock removes), so one compiles and the others load. Where
-no C++ compiler is found, one line says so and the fused back end runs its compiled graphs instead.
+or another machine builds anew and everything else loads the built library. It compiles the folder's own copy of the
+source: the build file then names the same path from every checkout of the project, so a second checkout (another
+clone, a worktree) loads what the first built instead of rebuilding it, and two checkouts testing at once do not
+rebuild it in turn. Ranks that start together take turns on a file lock (released when its holder dies, unlike
+torch's own lock file, which a killed build leaves behind and the holder of the file lock removes), so one compiles
+and the others load. Where no C++ compiler is found, one line says so and the fused back end runs its compiled graphs
+instead.
 """
 
 from __future__ import annotations
@@ -57,6 +60,17 @@ def compiler() -> Optional[str]:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
+def _source_copy(folder: Path) -> Path:
+    """The source as ``folder``'s own file (written whole, under the caller's lock, where missing or different)."""
+    copy = folder / SOURCE.name
+    text = SOURCE.read_bytes()
+    if not copy.is_file() or copy.read_bytes() != text:
+        partial = copy.with_name(copy.name + ".partial")
+        partial.write_bytes(text)
+        os.replace(partial, copy)
+    return copy
+
+
 def load_cpu_kernel() -> bool:
     """Make the operator's CPU kernel available in this process (building it if no process has); False, with one
     logged line, where it cannot be built."""
@@ -94,7 +108,7 @@ def load_cpu_kernel() -> bool:
                 baton.unlink()
             cpp_extension.load(
                 name,
-                [str(SOURCE)],
+                [str(_source_copy(folder))],
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=list(LDFLAGS),
                 build_directory=str(folder),
