@@ -1,24 +1,22 @@
 """What recording checksums costs a checkpoint save: DCP's FileSystemWriter against ChecksummingWriter.
 
-    python benchmarks/bench_checkpoint_checksums.py [--rounds 5] [--fsdp 256] [--folder /tmp]
+    python benchmarks/bench_checkpoint_checksums.py [--rounds 9] [--fsdp 256] [--folder /tmp]
 
-Four comparisons:
-- a save as a run makes it (``CheckpointManager.save``: the state gathered, checked finite, written, published) of
-  the debug model (``train_configs/debug_model.toml``) with AdamW's state, its writer ChecksummingWriter or DCP's;
-- DCP's save alone (``dcp.save``) of the same state: the upper bound of the relative cost;
-- DCP's save alone of one rank's shards of Llama 3 8B under FSDP over ``--fsdp`` ranks (each weight's first dimension
-  cut in that many rows; 256 ranks: ~360 MiB a rank, parameters and both moments in float32), shapes from the model's
-  own definition (built on the meta device);
-- the checksums' own cost, apart from DCP's: the same 8B shards' bytes written into one file, tensor after tensor
-  (each with a few small writes before it, as a tensor's header comes), through DCP's file system and through the
-  checksumming one (``_HashingFileSystem``): the seconds it adds are what the checksums cost the save above (its
-  ratio is of the bytes alone, not of a save).
+Two sizes: the debug model (``train_configs/debug_model.toml``) whole, and one rank's shards of Llama 3 8B under FSDP
+over ``--fsdp`` ranks (each weight's first dimension cut in that many rows, shapes from the model's own definition
+built on the meta device; 256 ranks: ~360 MiB a rank, parameters and both of AdamW's moments in float32). At each:
+- the save a run makes (``CheckpointManager.save``: the state gathered, checked finite, written, published, the
+  one before pruned) of the model with AdamW's state after a step, its writer ChecksummingWriter or DCP's (the 8B
+  shards as a module of the same names and shapes);
+- DCP's save alone (``dcp.save``) of parameters and moments: the checksums' upper bound, relative to the least work.
 
-The two writers take turns, round by round (a shared machine's speed changes touch both alike), each saving into a
-fresh folder under ``--folder``; printed: the seconds of each, wall and CPU (this process, all threads), and
-the ratio ChecksummingWriter / FileSystemWriter. The target is at most 1.05. The checksum is XXH3-128 over each file
-written, computed on the bytes on their way to the file (never read back). Medians and minima are both printed: on a
-shared machine the minimum is the steadier estimate of what the work itself costs.
+Both writers are DCP's as users run them: one writing thread, each file fsynced (``sync_files``). The two take turns,
+round by round (a shared machine's speed changes touch both alike), each saving into a fresh folder under
+``--folder``; printed for each: the median and the minimum of its wall and CPU seconds (this process, all threads),
+the ratio ChecksummingWriter / FileSystemWriter of those, and the median of the rounds' own CPU ratios (each round's
+two saves ran back to back: the steadiest estimate on a shared machine). Then, from as many more checksumming saves,
+the hash's own CPU seconds (timed call by call where it runs: on bytes the file has just taken, still in the CPU's
+cache), as a share of FileSystemWriter's median save. The target is at most 1.05.
 """
 
 from __future__ import annotations
@@ -32,16 +30,19 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
+from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # noqa: E402
 
-from torchtitan.checkpoint import CheckpointManager, manager  # noqa: E402
-from torchtitan.checkpoint.integrity import ChecksummingWriter, _HashingFileSystem  # noqa: E402
+from torchtitan.checkpoint import CheckpointManager, integrity, manager  # noqa: E402
+from torchtitan.checkpoint.integrity import ChecksummingWriter  # noqa: E402
 from torchtitan.config.job_config import JobConfig  # noqa: E402
 from torchtitan.config.preflight import preflight  # noqa: E402
 from torchtitan.models.llama import Transformer, llama3_configs  # noqa: E402
@@ -49,28 +50,48 @@ from torchtitan.optim import build_optimizers  # noqa: E402
 from torchtitan.training.step import build_model, init_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+_XXH3_128 = xxhash.xxh3_128
 
 DEBUG_VOCAB = 2256  # the debug config's test tokenizer
 LLAMA3_VOCAB = 128256
 
 
-def state_of(flavor: str, vocab_size: int, shards: int) -> dict[str, torch.Tensor]:
-    """Parameters and AdamW's moments of ``flavor``, each cut to one rank's rows of ``shards``, random float32."""
+def shard_shapes(flavor: str, vocab_size: int, shards: int) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape in one rank's shard of ``flavor`` under FSDP over ``shards`` ranks (first dim cut)."""
     args = dataclasses.replace(llama3_configs[flavor], vocab_size=vocab_size)
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
+    return {name: (-(-shape[0] // shards), *shape[1:]) for name, shape in shapes.items()}
+
+
+def state_of(flavor: str, vocab_size: int, shards: int) -> dict[str, torch.Tensor]:
+    """Parameters and AdamW's moments of ``flavor``, each cut to one rank's rows of ``shards``, random float32."""
     generator = torch.Generator().manual_seed(0)
     state = {}
-    for name, shape in shapes.items():
-        rows = -(-shape[0] // shards)
-        local = (rows, *shape[1:])
+    for name, shape in shard_shapes(flavor, vocab_size, shards).items():
         for kind in ("model", "exp_avg", "exp_avg_sq"):
-            state[f"{kind}.{name}"] = torch.randn(local, generator=generator)
+            state[f"{kind}.{name}"] = torch.randn(shape, generator=generator)
     return state
 
 
-def debug_run(folder: Path):
-    """The debug config's model with AdamW's state after one step, and a CheckpointManager saving into ``folder``."""
+def shard_module(flavor: str, vocab_size: int, shards: int) -> nn.Module:
+    """A module holding one rank's shards of ``flavor`` as its parameters, under the model's own names."""
+    generator = torch.Generator().manual_seed(0)
+    root = nn.Module()
+    for name, shape in shard_shapes(flavor, vocab_size, shards).items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if part not in module._modules:
+                module.add_module(part, nn.Module())
+            module = module._modules[part]
+        module.register_parameter(leaf, nn.Parameter(torch.randn(shape, generator=generator)))
+    return root
+
+
+def manager_of(folder: Path, model: Optional[nn.Module] = None) -> CheckpointManager:
+    """A CheckpointManager saving into ``folder`` the debug config's job with ``model`` (default: the debug config's
+    model) and AdamW's state after one step."""
     job = JobConfig.parse_args(
         [
             "--job.config_file",
@@ -82,116 +103,125 @@ def debug_run(folder: Path):
             "1",
         ]
     )
-    dims, model_args, _ = preflight(job, 1)
-    model = init_model(build_model(job, model_args, dims, None), torch.device("cpu"), job.training.seed)
+    if model is None:
+        dims, model_args, _ = preflight(job, 1)
+        model = init_model(build_model(job, model_args, dims, None), torch.device("cpu"), job.training.seed)
     optimizers = build_optimizers([model], job)
     for param in model.parameters():
         param.grad = torch.randn_like(param)
     optimizers.step()
-    checkpoint = CheckpointManager(
+    return CheckpointManager(
         data_loader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=None, states={}, job_config=job
     )
-    return model, optimizers, checkpoint
 
 
-def manager_rounds(rounds: int, folder: Path) -> None:
-    """Saves of the debug run through the manager, its writer ChecksummingWriter or DCP's, taking turns."""
-    model, optimizers, checkpoint = debug_run(folder)
-    writers = {"ChecksummingWriter": manager.ChecksummingWriter, "FileSystemWriter": FileSystemWriter}
-    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    seconds: dict = {name: [] for name in writers}
-    step = 0
-    for round_index in range(rounds + 1):
-        for name in writers if round_index % 2 == 0 else list(writers)[::-1]:
-            manager.ChecksummingWriter = writers[name]
-            step += 1
+class _TimedDigest:
+    """XXH3-128 whose updates add the CPU seconds they take to ``spent`` (this thread's: DCP writes on the calling
+    thread)."""
+
+    spent = 0.0
+
+    def __init__(self) -> None:
+        self._digest = _XXH3_128()
+
+    def update(self, data) -> None:
+        start = time.thread_time()
+        self._digest.update(data)
+        _TimedDigest.spent += time.thread_time() - start
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+def measure(label: str, save, rounds: int) -> None:
+    """``save(writer_class)`` with each writer in turn, round by round, then with the hash timed; the report."""
+    writers = [FileSystemWriter, ChecksummingWriter]
+    save(FileSystemWriter)  # warm-up: allocator, page cache, imports
+    seconds: dict = {w.__name__: [] for w in writers}
+    for round_index in range(rounds):
+        for writer in writers if round_index % 2 == 0 else writers[::-1]:
             wall, cpu = time.perf_counter(), time.process_time()
+            save(writer)
+            seconds[writer.__name__].append((time.perf_counter() - wall, time.process_time() - cpu))
+    hashing = []
+    integrity.xxhash = SimpleNamespace(xxh3_128=_TimedDigest)
+    try:
+        for _ in range(rounds):  # apart from the rounds above, which the timing's own calls must not touch
+            _TimedDigest.spent = 0.0
+            save(ChecksummingWriter)
+            hashing.append(_TimedDigest.spent)
+    finally:
+        integrity.xxhash = xxhash
+    report(label, seconds, rounds, hashing)
+
+
+def manager_rounds(label: str, rounds: int, folder: Path, model: Optional[nn.Module] = None) -> None:
+    """Saves through the manager, its writer ChecksummingWriter or DCP's."""
+    checkpoint = manager_of(folder, model)
+    size = sum(t.numel() * t.element_size() for t in checkpoint._model_state().values())
+    step = 0
+
+    def save(writer) -> None:
+        nonlocal step
+        step += 1
+        manager.ChecksummingWriter = writer
+        try:
             checkpoint.save(step, force=True)
-            if round_index:  # the first round warms up
-                seconds[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-    manager.ChecksummingWriter = writers["ChecksummingWriter"]
+        finally:
+            manager.ChecksummingWriter = ChecksummingWriter
+
+    measure(f"{label}, CheckpointManager.save ({size / 2**20:,.0f} MiB of weights, AdamW state 2x that)", save, rounds)
     checkpoint.close()
-    report(
-        f"debug model, CheckpointManager.save ({size / 2**20:,.0f} MiB of weights, AdamW state 2x that)",
-        seconds,
-        rounds,
-    )
 
 
-def report(label: str, seconds: dict, rounds: int) -> None:
-    """Medians and minima of each writer's (wall, CPU) seconds, and the ratios ChecksummingWriter / FileSystemWriter."""
+def dcp_rounds(label: str, state: dict, rounds: int, folder: Path) -> None:
+    """DCP's save alone of ``state``, each into a fresh folder."""
+
+    def save(writer) -> None:
+        target = folder / f"save-{writer.__name__}"
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, storage_writer=writer(str(target)))
+        shutil.rmtree(target)
+
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    measure(f"{label}, dcp.save ({size / 2**20:,.0f} MiB)", save, rounds)
+
+
+def report(label: str, seconds: dict, rounds: int, hashing: list) -> None:
+    """Medians and minima of each writer's (wall, CPU) seconds, the ratios ChecksummingWriter / FileSystemWriter, the
+    median of the rounds' own CPU ratios and the hash's own CPU seconds."""
     lines = []
+    base_seconds, checksummed = seconds["FileSystemWriter"], seconds["ChecksummingWriter"]
     for summary in (statistics.median, min):
-        base_wall, base_cpu = (summary(s[i] for s in seconds["FileSystemWriter"]) for i in (0, 1))
-        wall, cpu = (summary(s[i] for s in seconds["ChecksummingWriter"]) for i in (0, 1))
+        base_wall, base_cpu = (summary(s[i] for s in base_seconds) for i in (0, 1))
+        wall, cpu = (summary(s[i] for s in checksummed) for i in (0, 1))
         lines.append(
             f"  {summary.__name__:6s} FileSystemWriter {base_wall:.3f} s wall, {base_cpu:.3f} s CPU | "
             f"ChecksummingWriter {wall:.3f} s wall, {cpu:.3f} s CPU | ratio {wall / base_wall:.3f} wall, "
             f"{cpu / base_cpu:.3f} CPU"
         )
-    print(f"{label}: {rounds} rounds", *lines, sep="\n")
-
-
-def timed_save(state: dict, writer_class, folder: Path) -> tuple[float, float]:
-    target = folder / f"save-{writer_class.__name__}"
-    wall, cpu = time.perf_counter(), time.process_time()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=writer_class(str(target)))
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    shutil.rmtree(target)
-    return wall, cpu
-
-
-def compare(label: str, state: dict, rounds: int, folder: Path) -> None:
-    size = sum(t.numel() * t.element_size() for t in state.values())
-    writers = [FileSystemWriter, ChecksummingWriter]
-    timed_save(state, FileSystemWriter, folder)  # warm-up: allocator, page cache, imports
-    seconds: dict = {w: [] for w in writers}
-    for round_index in range(rounds):
-        for writer in writers if round_index % 2 == 0 else writers[::-1]:
-            seconds[writer].append(timed_save(state, writer, folder))
-    report(f"{label}, dcp.save ({size / 2**20:,.0f} MiB)", {w.__name__: v for w, v in seconds.items()}, rounds)
-
-
-def timed_stream(state: dict, fs: FileSystem, folder: Path) -> tuple[float, float]:
-    target = folder / "stream"
-    wall, cpu = time.perf_counter(), time.process_time()
-    with fs.create_stream(target, "wb") as stream:
-        for tensor in state.values():
-            for _ in range(38):  # what torch.save writes before a tensor's bytes, in small pieces
-                stream.write(b"h" * 40)
-            stream.write(memoryview(tensor.numpy()))
-            stream.flush()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    target.unlink()
-    return wall, cpu
-
-
-def compare_streams(label: str, state: dict, rounds: int, folder: Path) -> None:
-    size = sum(t.numel() * t.element_size() for t in state.values())
-    systems = {"FileSystemWriter": FileSystem(), "ChecksummingWriter": _HashingFileSystem()}
-    timed_stream(state, systems["FileSystemWriter"], folder)
-    seconds: dict = {name: [] for name in systems}
-    for round_index in range(rounds):
-        for name in systems if round_index % 2 == 0 else list(systems)[::-1]:
-            seconds[name].append(timed_stream(state, systems[name], folder))
-    report(f"{label}, the bytes alone through each writer's file system ({size / 2**20:,.0f} MiB)", seconds, rounds)
+    paired = statistics.median(s[1] / base[1] for s, base in zip(checksummed, base_seconds))
+    spent = statistics.median(hashing)
+    share = spent / statistics.median(s[1] for s in base_seconds)
+    lines.append(f"  median of the rounds' CPU ratios {paired:.3f}")
+    lines.append(f"  the hash itself: {spent * 1e3:.1f} ms of CPU a save (median), {share:.1%} of the save")
+    print(f"{label}: {rounds} rounds", *lines, sep="\n", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--fsdp", type=int, default=256, help="ranks the 8B model is sharded over")
     parser.add_argument("--folder", default=None, help="where the saves go (default: a temporary folder)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    shards = f"8B, one rank of FSDP {args.fsdp}"
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
-        manager_rounds(args.rounds, Path(folder) / "run")
-        compare("debug model, whole", state_of("debugmodel", DEBUG_VOCAB, 1), args.rounds, Path(folder))
-        state = state_of("8B", LLAMA3_VOCAB, args.fsdp)
-        compare(f"8B, one rank of FSDP {args.fsdp}", state, args.rounds, Path(folder))
-        compare_streams(f"8B, one rank of FSDP {args.fsdp}", state, args.rounds, Path(folder))
+        manager_rounds("debug model", args.rounds, Path(folder) / "debug")
+        manager_rounds(shards, args.rounds, Path(folder) / "8B", shard_module("8B", LLAMA3_VOCAB, args.fsdp))
+        dcp_rounds("debug model", state_of("debugmodel", DEBUG_VOCAB, 1), args.rounds, Path(folder))
+        dcp_rounds(shards, state_of("8B", LLAMA3_VOCAB, args.fsdp), args.rounds, Path(folder))
 
 
 if __name__ == "__main__":

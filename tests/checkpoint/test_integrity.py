@@ -57,14 +57,17 @@ def test_each_file_of_a_checkpoint_has_its_checksum_recorded(tmp_path, saved, mo
         assert entry == {"size": os.path.getsize(folder / name), ALGORITHM: file_digest(str(folder / name))}
 
 
-def test_a_file_is_hashed_on_its_way_out_whatever_the_writes(tmp_path, monkeypatch):
-    """Small writes gathered by the buffer, a tensor's bytes at once, a raw write that takes only part of them: the
-    digest recorded is the file's, without reading it back; a file that was sought in is not recorded (read back)."""
-    raw_write = integrity._HashingRaw.__init__
+@pytest.mark.parametrize("takes", [None, 1000])
+def test_a_file_is_hashed_on_its_way_out_whatever_the_writes(tmp_path, monkeypatch, takes):
+    """Small writes gathered by the buffer, a tensor's bytes at once (written and hashed a piece at a time), a raw
+    write that takes only part of a piece: the digest recorded is the file's, without reading it back; a file that
+    was sought in is not recorded (read back)."""
+    raw_init = integrity._HashingRaw.__init__
+    monkeypatch.setattr(integrity, "_PIECE", 4096)  # the tensor's 200,000 bytes in 49 pieces
 
-    def short_writes(self, file):  # a disk that takes at most 1000 bytes a call (the buffer writes the rest)
-        raw_write(self, file)
-        self._write = lambda data: file.write(memoryview(data).cast("B")[:1000])
+    def short_writes(self, file):  # a disk that takes at most ``takes`` bytes a call (the buffer writes the rest)
+        raw_init(self, file)
+        self._write = lambda data: file.write(memoryview(data).cast("B")[:takes])
 
     monkeypatch.setattr(integrity._HashingRaw, "__init__", short_writes)
     fs = integrity._HashingFileSystem()

@@ -33,6 +33,7 @@ CHECKSUMS_FILE = "checksums.json"
 ALGORITHM = "xxh3_128"
 _PART_PREFIX = ".checksums-"  # a rank's part of the record, until the coordinator merges them
 _CHUNK = 8 << 20
+_PIECE = 1 << 20  # written, then hashed while in the cache (a core's L2 holds it and its copy)
 
 
 def file_digest(path: str) -> str:
@@ -63,9 +64,9 @@ def _write_json(path: str, value: Any, durable: bool) -> None:
 
 class _HashingRaw(io.RawIOBase):
     """The raw file under a written file's buffer, hashing what reaches it: the buffer gathers the many small writes
-    of a tensor's header into one, and hands a tensor's bytes on whole, so hashing costs one call per flush or tensor,
-    not per write. ``in_order`` turns False if anything but appending happened (then the file is read back instead);
-    closing it leaves the file open (its opener closes it)."""
+    of a tensor's header into one, and hands a tensor's bytes on whole (written and hashed here a piece at a time), so
+    hashing costs one call per flush or piece, not per write. ``in_order`` turns False if anything but appending
+    happened (then the file is read back instead); closing it leaves the file open (its opener closes it)."""
 
     def __init__(self, file: Any) -> None:
         super().__init__()
@@ -78,12 +79,21 @@ class _HashingRaw(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data: Any) -> int:
-        written = self._write(data)
-        if written:  # a raw write may take part of the bytes; the buffer hands on the rest
-            view = memoryview(data)
-            self.digest.update(view if written == view.nbytes else view.cast("B")[:written])
-            self.size += written
+    def write(self, data: Any) -> Optional[int]:
+        # A tensor's bytes go out a piece at a time, each hashed right after the file took it, while the piece is
+        # still in the CPU's cache: the hash does not read from memory what the file's write has just read.
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < view.nbytes:
+            piece = view[written : written + _PIECE]
+            taken = self._write(piece)
+            if taken is None:  # a non-blocking file that took nothing
+                return written or None
+            self.digest.update(piece[:taken])
+            self.size += taken
+            written += taken
+            if taken < piece.nbytes:  # a raw write may take part of the bytes; the buffer hands on the rest
+                break
         return written
 
     def seek(self, *args: Any) -> int:
