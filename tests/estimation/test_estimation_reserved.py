@@ -10,7 +10,7 @@ from estimation import main as estimation_main
 from tests.estimation.test_estimation import ONE_PROCESS_TOLERANCE, VOCAB, _assert_close, _job, _measure_real_steps
 from tests.helpers import DEBUG_CONFIG, ROOT
 from torchtitan.config.job_config import JobConfig
-from torchtitan.estimation import LiveMemoryTracker, estimate_memory, format_table, to_json
+from torchtitan.estimation import LiveMemoryTracker, estimate_memory, format_table, simulate, to_json
 
 # The run this project was started from (Llama 3 8B, 8 x H100, FSDP 8, batch 1 x 8192, no activation checkpointing,
 # compiled, one loss chunk, the Llama 3 vocabulary) and its measured peak reserved memory per GPU, GiB.
@@ -55,6 +55,32 @@ def test_a_cuda_estimate_replays_two_steps_under_the_jobs_allocator_setting_and_
     assert f"{adamw.reserved[0].peak_reserved / 2**20:.2f}" in table
     data = to_json(estimate)
     assert data["optimizers"][0]["reserved"][0]["alloc_conf"] == "max_split_size_mb:64"
+
+
+def test_each_further_optimizer_steps_on_the_first_ones_trace_and_gets_the_figures_of_its_own_whole_step(monkeypatch):
+    """Forward, loss and backward are traced once per estimate; a further optimizer runs only its state's creation and
+    its step on the gradients left, and gets what an estimate of it alone (its whole step traced) gets."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    steps = []
+    whole_step = simulate.train_step
+    monkeypatch.setattr(simulate, "train_step", lambda *a, **k: steps.append(1) or whole_step(*a, **k))
+
+    def estimate(names: str) -> dict:
+        job = _job("--memory_estimation.device", "cuda", "--memory_estimation.world_size", "2")
+        job.memory_estimation.optimizers = names
+        return {o.label: o for o in estimate_memory(job).optimizers}
+
+    # AdamW traced first: its step's temporaries and twice Adam-mini's state must not carry over to Adam-mini.
+    together = estimate("AdamW,AdamMini,Muon")
+    assert len(steps) == 2  # a warm-up step and the traced one, not one per optimizer
+    for label in ("AdamMini", "Muon"):
+        alone, shared = estimate(label)[label], together[label]
+        figures = ("peak", "peak_phase", "peak_breakdown", "activations", "gradients", "checkpoint_save_peak")
+        assert [getattr(shared, f) for f in figures] == [getattr(alone, f) for f in figures], label
+        assert [(r.peak_reserved, r.peak_reserved_phase, r.peak_allocated) for r in shared.reserved] == [
+            (r.peak_reserved, r.peak_reserved_phase, r.peak_allocated) for r in alone.reserved
+        ], label
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,15 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.parsing import set_option
 from torchtitan.distributed.cuda_allocator import alloc_conf_in_effect
 from torchtitan.errors import UserError
-from torchtitan.estimation.allocator import AllocatorConfig, Replay, parse_alloc_conf, replay, training_sequence
+from torchtitan.estimation.allocator import (
+    OPTIMIZER_STEP,
+    AllocatorConfig,
+    Event,
+    Replay,
+    parse_alloc_conf,
+    replay,
+    training_sequence,
+)
 from torchtitan.estimation.compiled import compiled_blocks
 from torchtitan.estimation.fake import fake_world, precompute_quantization_maps
 from torchtitan.estimation.tracker import (
@@ -61,6 +69,8 @@ _ADAMW_PART = ("Muon", "NorMuon", "SOAP")
 
 _LAYOUT_NAMES = {"dp_replicate": "replicas", "dp_shard": "FSDP", "tp": "TP"}
 
+# The tracker's phases from the optimizer step on (_phase_hooks).
+_STEP_PHASES = (OPTIMIZER_STEP, "after step")
 # The allocator settings every CUDA estimate is also replayed under, beside the job's own.
 ALTERNATIVE_ALLOC_CONFS = ("", "expandable_segments:True")
 # Training steps replayed through the allocator model: the first fills its cache, the second shows the steady state.
@@ -275,6 +285,42 @@ def fake_batches(batch_size: int, seq_len: int, vocab: int) -> Iterator[tuple[to
 # One optimizer
 
 
+@dataclass
+class TracedStep:
+    """What a training step does before its optimizer step, traced once and shared by every optimizer of an estimate.
+
+    Forward, loss, backward and clipping do not depend on the optimizer: only its state (constant until the step)
+    and its step differ. Each further optimizer runs its own step on the gradients left by this trace, and its
+    sequence is ``events``, its step's events, then ``closing``.
+    """
+
+    events: list[Event]  # allocations and frees up to the optimizer step
+    closing: list[Event]  # frees, after the step, of storages made before it (the loss, the gradient norm)
+    phase_peaks: dict[str, tuple[int, dict[str, int]]]  # before the step: each phase's most live bytes, by category
+    live_at_step: dict[str, int]  # live bytes by category as the optimizer step begins
+    activations: int
+    next_serial: int  # a storage number no event of the trace uses
+
+    @classmethod
+    def split(cls, tracker: LiveMemoryTracker, measured: dict) -> "TracedStep":
+        """``tracker``'s step cut where its optimizer step begins (``measured["step_start"]``, see _phase_hooks)."""
+        boundary, live = measured["step_start"]
+        before, after = tracker.events[:boundary], tracker.events[boundary:]
+        made_before = {e.serial for e in before if e.is_alloc}
+        closing = [e for e in after if not e.is_alloc and e.serial in made_before]
+        peaks = {phase: peak for phase, peak in tracker.phase_peaks.items() if phase not in _STEP_PHASES}
+        serials = [e.serial for events in (tracker.events, *tracker.existing_events.values()) for e in events]
+        return cls(before, closing, peaks, live, measured.get("activations", 0), max(serials, default=0) + 1)
+
+    def peak_with_state(self, state: int) -> tuple[int, str, dict[str, int]]:
+        """The most live bytes before the step, its phase and breakdown, with ``state`` bytes of optimizer state in
+        place of the traced optimizer's (the state is constant until the step)."""
+        traced_state = self.live_at_step.get(OPTIMIZER_STATE, 0)
+        phase, (total, breakdown) = max(self.phase_peaks.items(), key=lambda item: item[1][0])
+        breakdown = {**breakdown, OPTIMIZER_STATE: state}
+        return total - traced_state + state, phase, {k: v for k, v in breakdown.items() if v}
+
+
 def _optimizer_state_tensors(optimizers) -> list[torch.Tensor]:
     return [
         v
@@ -302,7 +348,9 @@ def _phase_hooks(tracker: LiveMemoryTracker, model: nn.Module, optimizers, measu
             output.register_hook(lambda grad: setattr(tracker, "phase", "backward"))
 
     def before_step(*_):
-        tracker.phase = "optimizer step"
+        if "step_start" not in measured:  # the first of the container's optimizers
+            measured["step_start"] = (len(tracker.events), dict(tracker.live))
+        tracker.phase = OPTIMIZER_STEP
 
     def after_step(*_):
         tracker.phase = "after step"
@@ -377,9 +425,14 @@ def estimate_optimizer(
     device: str = "cpu",
     alloc_confs: tuple[AllocatorConfig, ...] = (),
     device_memory: Optional[int] = None,
-) -> OptimizerEstimate:
-    """Build the job's optimizer on ``model``, create its state, and track one training step.
+    traced: Optional[TracedStep] = None,
+) -> tuple[OptimizerEstimate, TracedStep]:
+    """Build the job's optimizer on ``model``, create its state, and track one training step; the estimate and the
+    step's trace before its optimizer step, for the next optimizer.
 
+    Without ``traced``, the whole step runs under the tracker. With it (another optimizer's trace of the same model,
+    whose gradients are still held), only the optimizer step runs, on those gradients: forward, loss and backward are
+    the traced ones, with this optimizer's state in place of the other's.
     ``warm_up`` runs one untracked step first: FSDP2 sets itself up during the first step of a model (its gathered
     parameters start as plain new tensors there, later as resized storages), and the estimate is of a steady step.
     ``device`` is the simulated training's (``memory_estimation.device``): the fake tensors live on the CPU, where
@@ -403,26 +456,24 @@ def estimate_optimizer(
     with creation if recording else nullcontext(), creation.in_phase("optimizer state"):
         optimizers.initialise_state()  # with the optimizer's own code
     state_bytes = optimizers.state_bytes()
-    device = torch.device("cpu")
-    if warm_up:
-        with torch.compiler.set_stance("force_eager"):
-            train_step(model, optimizers, batches, parallel_dims, job_config, device)
-    for p in model.parameters():
-        p.grad = None
-    gc.collect()
-    tracker = LiveMemoryTracker(round_to=round_to, record_events=recording)
-    tracker.track_existing(itertools.chain(model.parameters(), model.buffers()), PARAMS)
-    tracker.track_existing(_optimizer_state_tensors(optimizers), OPTIMIZER_STATE)
-    measured: dict[str, int] = {}
-    # Fake tensors hold no data to compile kernels for: compiled optimizer steps (torchao) run eagerly.
-    with _phase_hooks(tracker, model, optimizers, measured), _eager_optimizer_step(optimizers), tracker:
-        train_step(model, optimizers, batches, parallel_dims, job_config, device)
+    if traced is None:
+        tracker, traced = _whole_step(
+            model, optimizers, job_config, parallel_dims, batches, round_to, warm_up, recording
+        )
+        step_events = tracker.events
+        peak, peak_phase, peak_breakdown = tracker.peak, tracker.peak_phase, dict(tracker.peak_breakdown)
+    else:
+        tracker, state_live = _optimizer_step(model, optimizers, traced, round_to, recording)
+        step_events = traced.events + tracker.events + traced.closing
+        peak, peak_phase, peak_breakdown = traced.peak_with_state(state_live)
+        if tracker.peak > peak:
+            peak, peak_phase, peak_breakdown = tracker.peak, tracker.peak_phase, dict(tracker.peak_breakdown)
     gradients = sum(tensor_bytes(p.grad) for p in model.parameters())
     save = checkpoint_save(model, optimizers, round_to, record_events=recording)
     sequence = training_sequence(
         creation.existing_events.get(PARAMS, []),
         creation.events,
-        tracker.events,
+        step_events,
         steps=REPLAYED_STEPS,
         lazy_state=False,
         after=save.events,
@@ -433,21 +484,70 @@ def estimate_optimizer(
         params=sum(tensor_bytes(p) for p in model.parameters()),
         gradients=gradients,
         optimizer_state=state_bytes,
-        activations=measured.get("activations", 0),
-        peak=tracker.peak,
-        peak_phase=tracker.peak_phase,
-        peak_breakdown=dict(tracker.peak_breakdown),
+        activations=traced.activations,
+        peak=peak,
+        peak_phase=peak_phase,
+        peak_breakdown=peak_breakdown,
         state_source=_state_source(optimizers.name),
         options=options,
         implementation=implementation,
         checkpoint_save_peak=save.peak,
         reserved=reserved,
     )
-    for p in model.parameters():
-        p.grad = None
     del optimizers
     gc.collect()
-    return estimate
+    return estimate, traced
+
+
+def _whole_step(
+    model: nn.Module,
+    optimizers,
+    job_config: JobConfig,
+    parallel_dims,
+    batches,
+    round_to: int,
+    warm_up: bool,
+    recording: bool,
+) -> tuple[LiveMemoryTracker, TracedStep]:
+    """The tracker of a whole training step (``train_step``, after a warm-up step if asked), and its trace before
+    the optimizer step. The step's gradients are left on the parameters."""
+    device = torch.device("cpu")
+    if warm_up:
+        with torch.compiler.set_stance("force_eager"):
+            train_step(model, optimizers, batches, parallel_dims, job_config, device)
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    tracker = LiveMemoryTracker(round_to=round_to, record_events=recording)
+    tracker.track_existing(itertools.chain(model.parameters(), model.buffers()), PARAMS)
+    tracker.track_existing(_optimizer_state_tensors(optimizers), OPTIMIZER_STATE)
+    measured: dict[str, Any] = {}
+    # Fake tensors hold no data to compile kernels for: compiled optimizer steps (torchao) run eagerly.
+    with _phase_hooks(tracker, model, optimizers, measured), _eager_optimizer_step(optimizers), tracker:
+        train_step(model, optimizers, batches, parallel_dims, job_config, device)
+    return tracker, TracedStep.split(tracker, measured)
+
+
+def _optimizer_step(
+    model: nn.Module, optimizers, traced: TracedStep, round_to: int, recording: bool
+) -> tuple[LiveMemoryTracker, int]:
+    """The tracker of ``optimizers``' step on the gradients ``traced`` left, starting from what was live as the
+    traced step began its optimizer step (this optimizer's state in place of the traced one's), and the bytes of
+    that state as counted."""
+    tracker = LiveMemoryTracker(round_to=round_to, record_events=recording, first_serial=traced.next_serial)
+    tracker.track_existing(itertools.chain(model.parameters(), model.buffers()), PARAMS)
+    tracker.track_existing((p.grad for p in model.parameters()), TRANSIENT)
+    tracker.track_existing(_optimizer_state_tensors(optimizers), OPTIMIZER_STATE)
+    for category, nbytes in traced.live_at_step.items():
+        if category != OPTIMIZER_STATE:  # what else the step began with: the loss, the gradient norm
+            tracker.live[category] += nbytes - tracker.live[category]
+    # Only what the step itself raises counts: the level it starts from is the traced step's.
+    tracker.phase = tracker.peak_phase = OPTIMIZER_STEP
+    tracker.peak, tracker.phase_peaks = 0, {}
+    state = tracker.live[OPTIMIZER_STATE]
+    with _phase_hooks(tracker, model, optimizers, {}), _eager_optimizer_step(optimizers), tracker:
+        optimizers.step()
+    return tracker, state
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -516,21 +616,24 @@ def estimate_memory(job_config: JobConfig) -> Estimate:
             batches = fake_batches(t.batch_size, t.seq_len, vocab)
             compiling = t.compile and job_config.training.tensor_parallel_degree == 1
             stack.enter_context(compiled_blocks(model) if compiling else nullcontext())
-            for index, choice in enumerate(choices):
+            traced: Optional[TracedStep] = None  # the first optimizer's step, before its optimizer step
+            for choice in choices:
                 optimizer_job = job_for_optimizer(job, choice, notes)
-                estimate.optimizers.append(
-                    estimate_optimizer(
-                        model,
-                        optimizer_job,
-                        parallel_dims,
-                        batches,
-                        round_to,
-                        warm_up=index == 0,
-                        device=settings.device,
-                        alloc_confs=alloc_confs,
-                        device_memory=estimate.device_memory or None,
-                    )
+                optimizer_estimate, traced = estimate_optimizer(
+                    model,
+                    optimizer_job,
+                    parallel_dims,
+                    batches,
+                    round_to,
+                    warm_up=traced is None,
+                    device=settings.device,
+                    alloc_confs=alloc_confs,
+                    device_memory=estimate.device_memory or None,
+                    traced=traced,
                 )
+                estimate.optimizers.append(optimizer_estimate)
+            for p in model.parameters():
+                p.grad = None
     return estimate
 
 

@@ -74,23 +74,25 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     ``round_to`` rounds each storage up to the allocator's block size (512 bytes on CUDA) so that many small tensors
     are not under-counted. ``record_events`` keeps every allocation and free in ``events`` (those of storages counted
-    by :meth:`track_existing` in ``existing_events``, by category), with their unrounded bytes.
+    by :meth:`track_existing` in ``existing_events``, by category), with their unrounded bytes; storages are numbered
+    from ``first_serial``. ``phase_peaks`` keeps each phase's most live bytes and their breakdown by category.
     """
 
-    def __init__(self, round_to: int = 1, record_events: bool = False) -> None:
+    def __init__(self, round_to: int = 1, record_events: bool = False, first_serial: int = 1) -> None:
         super().__init__()
         self.round_to = round_to
         self.live: Counter[str] = Counter()
         self.peak = 0
         self.peak_phase = "setup"
         self.peak_breakdown: dict[str, int] = {}
+        self.phase_peaks: dict[str, tuple[int, dict[str, int]]] = {}
         self.phase = "setup"
         self._tracked: dict[int, tuple[int, str, int]] = {}  # id(storage) -> (bytes, category, serial)
         self._original_resize = None
         self.record_events = record_events
         self.events: list[Event] = []
         self.existing_events: dict[str, list[Event]] = {}
-        self._serials = itertools.count(1)
+        self._serials = itertools.count(first_serial)
         self._streams: dict[int, int] = {}
         self._stream_objects: list[object] = []  # kept alive so that their ids stay theirs
 
@@ -163,10 +165,12 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     def _note_peak(self) -> None:
         total = self.total
+        if total > self.phase_peaks.get(self.phase, (-1,))[0]:
+            self.phase_peaks[self.phase] = (total, {k: v for k, v in self.live.items() if v})
         if total > self.peak:
             self.peak = total
             self.peak_phase = self.phase
-            self.peak_breakdown = {k: v for k, v in self.live.items() if v}
+            self.peak_breakdown = self.phase_peaks[self.phase][1]
 
     @contextmanager
     def in_phase(self, phase: str) -> Iterator[None]:
