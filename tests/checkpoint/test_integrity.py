@@ -232,3 +232,30 @@ def test_an_incomplete_checkpoint_in_initial_load_path_is_passed_over_in_one_lin
     assert len(lines) == 1 and str(tmp_path / "other" / "step-1") in lines[0]
     assert sorted(os.listdir(tmp_path / "other")) == ["step-1", "step-2"]  # someone else's folder: untouched
     trainer.checkpoint.close()
+
+
+def test_the_checksummed_writes_skip_torchs_unchecked_crc32_and_load_the_same(tmp_path, monkeypatch):
+    """torch.save's CRC32 of each record is left out while a checkpoint's files are written (the XXH3 of each file,
+    verified before a load, takes its place), set back after, and the files load the tensors written."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import filesystem
+    from torch.utils.serialization import config
+
+    seen = []
+    write_item = filesystem._write_item
+
+    def spy(*args, **kwargs):
+        seen.append(config.save.compute_crc32)
+        return write_item(*args, **kwargs)
+
+    monkeypatch.setattr(filesystem, "_write_item", spy)
+    state = {"w": torch.randn(64, 32), "m": torch.randn(7)}
+    assert config.save.compute_crc32
+    dcp.save(state, storage_writer=integrity.ChecksummingWriter(str(tmp_path)))
+    assert seen and not any(seen)
+    assert config.save.compute_crc32
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path))
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    files = integrity.read_record(str(tmp_path))
+    assert integrity.verify_files(str(tmp_path), files, sorted(files)) is None
