@@ -5,7 +5,8 @@ checkpoint in its folder, and trains each further step in CHAOS_STEP_SECONDS: sa
 (``metrics.jsonl``, as train.py does), and appends the step to ``$CHAOS_LEDGER/{run folder}.jsonl``, a ledger
 outside the run's folder that the sweep never reads. On SIGTERM it finishes its step, saves it and exits 4, as
 train.py does on a scheduler's signal. Every launch, step, stop and end goes into the ledger, so the test counts
-what trained, not what the sweep says.
+what trained, not what the sweep says. It starts as light as Python can (``-S``: no site-packages, which it does not
+need), since a chaos test launches it hundreds of times.
 """
 
 import json
@@ -15,9 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from torchtitan.errors import PREEMPTED_EXIT_CODE, write_exit_record
+if __name__ == "__main__":  # started as a launcher (python -S, without the editable install): the repository first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from torchtitan.errors import PREEMPTED_EXIT_CODE, write_exit_record  # noqa: E402
 
-TRAINER = f"{sys.executable} {Path(__file__).resolve()}"  # a --launcher
+TRAINER = f"{sys.executable} -S {Path(__file__).resolve()}"  # a --launcher
 
 
 def ledger_problems(ledger: Path, steps: int) -> list[str]:
