@@ -579,3 +579,26 @@ def test_a_run_that_ended_in_a_start_its_job_could_not_record_is_recorded_at_the
     assert slurm_job.main(["started", str(tmp_path)]) == 1  # not trained again
     assert json.loads((tmp_path / "sweep_status.json").read_text())["outcome"] == "finished"
     assert [e["event"] for e in slurm_job.read_events(tmp_path)] == ["started", "ended"]
+
+
+def test_the_job_scripts_record_imports_only_light_leaves(tmp_path):
+    """A job script starts the record twice per start of every task: it imports neither pathlib, typing, dataclasses
+    nor subprocess (the sweep's modules), whichever event it records, a run's end (its status) included."""
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss_metrics/global_avg_loss": 2.5}\n')
+    heavy = ("pathlib", "typing", "dataclasses", "subprocess", "torchtitan.study.plan", "torchtitan.study.run_folders")
+    probe = (
+        "import sys; from torchtitan.study import slurm_job; code = slurm_job.main(sys.argv[1:]); "
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules)); sys.exit(code)"
+    )
+    for event in (["started", str(run), "", "3"], ["ended", str(run), "0"]):
+        result = subprocess.run(
+            [sys.executable, "-S", "-c", probe, *event],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert result.stdout.strip() == "[]", (event[0], result.stdout, result.stderr)
+    assert json.loads((run / "sweep_status.json").read_text())["outcome"] == "finished"

@@ -4,8 +4,9 @@ spent), and the run's ``sweep_status.json`` when it ends.
 
 ``python -m torchtitan.study.slurm_job started|busy|interrupted|stopped|ended RUN_DIR [EXIT_CODE [MAX_REQUEUES]]``
 
-A job script calls it at every start and end of every task, so it imports only what those calls need (no argparse,
-no torch, nothing of the sweep's submitting): a study of hundreds of runs starts it hundreds of times.
+A job script calls it at every start and end of every task, so it imports only the standard library's lightest
+parts and two leaves (``torchtitan.errors``, ``torchtitan.study.run_status``): no pathlib, typing, argparse or torch,
+nothing of the sweep's submitting. A study of hundreds of runs starts it hundreds of times.
 ``torchtitan/study/slurm.py`` submits and watches the jobs, and reads what they recorded through this module.
 """
 
@@ -16,13 +17,10 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from torchtitan.errors import DIVERGENCE_EXIT_CODE, USER_ERROR_EXIT_CODE, read_exit_record
-from torchtitan.files import write_text_atomically
-from torchtitan.study.run_folders import read_jsonl, read_status, write_status
-from torchtitan.study.scheduling import ended_status, is_done, run_exit_code
+from torchtitan.study.run_status import ended_status, is_done, read_jsonl, read_status, run_exit_code, write_status
 
 SLURM_FOLDER = "slurm"  # in the dump folder: each submission's job script, its list of run folders, Slurm's output
 JOB_FILE = "slurm_job.json"  # in a run folder: its last submission's job id, and the run's cell
@@ -32,36 +30,52 @@ DEFAULT_MAX_REQUEUES = 10
 PREEMPTED = "preempted"  # a run stopped on a signal and requeued (its event, and its state as the sweep shows it)
 
 
-def read_job(run_dir: Path) -> Optional[dict]:
-    path = run_dir / JOB_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+def read_job(run_dir: str | os.PathLike) -> dict | None:
+    try:
+        with open(os.path.join(run_dir, JOB_FILE)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
 
 
-def read_events(run_dir: Path) -> list[dict]:
+def read_events(run_dir: str | os.PathLike) -> list[dict]:
     """The run's Slurm events; a torn line (a job killed as it wrote) is left out with a warning."""
-    path = run_dir / EVENTS_FILE
-    return [e for e in read_jsonl(path) if "event" in e] if path.exists() else []
+    try:
+        return [e for e in read_jsonl(os.path.join(run_dir, EVENTS_FILE)) if "event" in e]
+    except FileNotFoundError:
+        return []
 
 
-def adopt(record: Path, submission: dict, array: str) -> None:
+def adopt(record: str | os.PathLike, submission: dict, array: str) -> None:
     """Each run of ``submission`` now belongs to array ``array`` (its ``slurm_job.json``); the record is done."""
+    from torchtitan.files import write_text_atomically
+
     for index, entry in enumerate(submission["entries"]):
         job = {"job_id": f"{array}_{index}", "array": array, "submitted": submission["time"]}
         job.update(name=submission["name"], fields=entry["fields"])
-        write_text_atomically(Path(entry["run_dir"]) / JOB_FILE, json.dumps(job, indent=1) + "\n")
-    record.unlink(missing_ok=True)  # a task of the array and the sweep may adopt it at once
+        write_text_atomically(os.path.join(entry["run_dir"], JOB_FILE), json.dumps(job, indent=1) + "\n")
+    try:
+        os.unlink(record)
+    except FileNotFoundError:  # a task of the array and the sweep may adopt it at once
+        pass
 
 
-def _adopt_own_submission(run_dir: Path) -> None:
+def _adopt_own_submission(run_dir: str) -> None:
     """A task whose run does not know its job yet (sbatch's answer was lost and the lookup missed): its array is
     the one whose submission record bears this job's name; every run of it learns its job now."""
     job, array = read_job(run_dir), os.environ.get("SLURM_ARRAY_JOB_ID", "")
     if not array or (job is not None and job.get("array") == array):
         return
     name = os.environ.get("SLURM_JOB_NAME", "")
-    for path in (run_dir.parent.parent / SLURM_FOLDER).glob(f"*{SUBMISSION_SUFFIX}"):
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(run_dir))), SLURM_FOLDER)
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(SUBMISSION_SUFFIX))
+    except FileNotFoundError:
+        return
+    for path in (os.path.join(folder, n) for n in names):
         try:
-            submission = json.loads(path.read_text())
+            with open(path) as f:
+                submission = json.load(f)
         except (FileNotFoundError, json.JSONDecodeError):
             continue
         if submission.get("name") == name:
@@ -69,7 +83,7 @@ def _adopt_own_submission(run_dir: Path) -> None:
             return
 
 
-def _event(run_dir: Path, event: str, code: Optional[int], **more) -> dict:
+def _event(run_dir: str, event: str, code: int | None, **more) -> dict:
     entry = {
         "event": event,
         "job_id": _job_id(),
@@ -79,7 +93,7 @@ def _event(run_dir: Path, event: str, code: Optional[int], **more) -> dict:
         **({"exit_code": code} if code is not None else {}),
         **more,
     }
-    with open(run_dir / EVENTS_FILE, "a") as f:
+    with open(os.path.join(run_dir, EVENTS_FILE), "a") as f:
         f.write(json.dumps(entry) + "\n")
     return entry
 
@@ -89,18 +103,18 @@ def _job_id() -> str:
     return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID", "")
 
 
-def newest_checkpoint(run_dir: Path) -> Optional[int]:
+def newest_checkpoint(run_dir: str | os.PathLike) -> int | None:
     """The step of the newest complete checkpoint below the run's folder (where train.py writes them unless
     checkpoint.folder is absolute); None when there is none. The rule of ``checkpoint.folders.complete_steps`` (a
     ``step-N`` folder holding DCP's ``.metadata``, none set aside as superseded), read without importing torch: the
     job script asks at every start and stop."""
-    steps = [
-        int(match.group(1))
-        for path in run_dir.rglob("step-*")
-        if (match := re.fullmatch(r"step-(\d+)", path.name))
-        and (path / ".metadata").is_file()
-        and "superseded" not in path.relative_to(run_dir).parts
-    ]
+    steps = []
+    for folder, subfolders, _ in os.walk(run_dir):
+        subfolders[:] = [name for name in subfolders if name != "superseded"]
+        for name in subfolders:
+            match = re.fullmatch(r"step-(\d+)", name)
+            if match and os.path.isfile(os.path.join(folder, name, ".metadata")):
+                steps.append(int(match.group(1)))
     return max(steps) if steps else None
 
 
@@ -116,7 +130,7 @@ def trained_seconds(events: Sequence[dict], now: float) -> float:
     return total + (now - began if began is not None else 0.0)
 
 
-def requeue_refusal(run_dir: Path, code: int, max_requeues: int) -> Optional[str]:
+def requeue_refusal(run_dir: str | os.PathLike, code: int, max_requeues: int) -> str | None:
     """Why a run stopped on a signal is not requeued ("" when its own status says why); None to requeue it. Never
     a run that stopped on its own
     (diverged, a mistake: its exit record says so), never past ``max_requeues`` requeues of its job, and never a
@@ -143,7 +157,7 @@ def requeue_refusal(run_dir: Path, code: int, max_requeues: int) -> Optional[str
     return None
 
 
-def _ended_unrecorded(run_dir: Path) -> bool:
+def _ended_unrecorded(run_dir: str) -> bool:
     """Whether the run's last start ended it (its own exit record, written after that start, says it finished or
     diverged) without a status: its job was preempted or killed between the run's end and its record."""
     starts = [e["time"] for e in read_events(run_dir) if e["event"] == "started"]
@@ -151,7 +165,7 @@ def _ended_unrecorded(run_dir: Path) -> bool:
     return record is not None and record.get("exit_code") in (0, DIVERGENCE_EXIT_CODE)
 
 
-def _write_ended(run_dir: Path, code: Optional[int], why: Optional[str] = None) -> None:
+def _write_ended(run_dir: str, code: int | None, why: str | None = None) -> None:
     job = read_job(run_dir) or {}  # none only when neither the sweep nor the task could learn the job (see main)
     submitted = float(job.get("submitted", time.time()))
     events = [e for e in read_events(run_dir) if e.get("job_id") == _job_id()]
@@ -169,23 +183,24 @@ def _write_ended(run_dir: Path, code: Optional[int], why: Optional[str] = None) 
     write_status(run_dir, status)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The job script's record of a start, a stop on a signal or an end of the run in ``RUN_DIR``; ``stopped``
     exits 0 when the task is to be requeued (recorded as preempted), 1 when the run ended (its status written)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    event, run_dir = argv[0], Path(argv[1])
+    event, run_dir = argv[0], argv[1]
+    name = os.path.basename(os.path.normpath(run_dir))
     code = int(argv[2]) if len(argv) > 2 and argv[2] else None
     max_requeues = int(argv[3]) if len(argv) > 3 else DEFAULT_MAX_REQUEUES
     if event == "started":  # exits 1 when the task is not to train: its run ended, or its requeues are spent
         _adopt_own_submission(run_dir)
         if is_done(read_status(run_dir)):
             _event(run_dir, "skipped", None, reason="the run has ended already")
-            print(f"{run_dir.name} has ended already (its sweep_status.json): not trained again", file=sys.stderr)
+            print(f"{name} has ended already (its sweep_status.json): not trained again", file=sys.stderr)
             return 1
         if _ended_unrecorded(run_dir):  # its last start trained it to its end; the job ended before it said so
             _event(run_dir, "ended", 0, reason="recorded at the next start")
             _write_ended(run_dir, 0)
-            print(f"{run_dir.name} ended in its last start: recorded now, not trained again", file=sys.stderr)
+            print(f"{name} ended in its last start: recorded now, not trained again", file=sys.stderr)
             return 1
         requeues = sum(e["event"] == "started" for e in read_events(run_dir) if e.get("job_id") == _job_id())
         if requeues > max_requeues:
@@ -200,7 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif event == "busy":  # another trainer (a local sweep, another job) holds the run's folder
         _event(run_dir, event, None)
         print(
-            f"{run_dir.name} is being trained by another process (its folder is locked): not trained here",
+            f"{name} is being trained by another process (its folder is locked): not trained here",
             file=sys.stderr,
         )
     elif event == "interrupted":  # stopped by a TERM: Slurm requeues a preempted job itself, not a cancelled one
