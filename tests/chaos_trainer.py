@@ -6,7 +6,7 @@ checkpoint in its folder, and trains each further step in CHAOS_STEP_SECONDS: sa
 outside the run's folder that the sweep never reads. On SIGTERM it finishes its step, saves it and exits 4, as
 train.py does on a scheduler's signal. Every launch, step, stop and end goes into the ledger, so the test counts
 what trained, not what the sweep says. It starts as light as Python can (``-S``: no site-packages, which it does not
-need), since a chaos test launches it hundreds of times.
+need; no pathlib), since a chaos test launches it hundreds of times.
 """
 
 import json
@@ -14,16 +14,16 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 if __name__ == "__main__":  # started as a launcher (python -S, without the editable install): the repository first
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, os.path.dirname(HERE))
 from torchtitan.errors import PREEMPTED_EXIT_CODE, write_exit_record  # noqa: E402
 
-TRAINER = f"{sys.executable} -S {Path(__file__).resolve()}"  # a --launcher
+TRAINER = f"{sys.executable} -S {os.path.join(HERE, 'chaos_trainer.py')}"  # a --launcher
 
 
-def ledger_problems(ledger: Path, steps: int) -> list[str]:
+def ledger_problems(ledger, steps: int) -> list[str]:
     """What the trainer's ledger says went wrong with one run: a step trained twice or never, an end missing or
     repeated, a launch after the end."""
     if not ledger.exists():
@@ -39,7 +39,7 @@ def ledger_problems(ledger: Path, steps: int) -> list[str]:
     return problems
 
 
-def append(path: Path, record: dict) -> None:
+def append(path: str, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -47,20 +47,27 @@ def append(path: Path, record: dict) -> None:
 def main() -> int:
     argv = sys.argv[1:]
     options = {argv[i][2:]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
-    run_dir, steps = Path(options["job.dump_folder"]), int(options.get("training.steps", "4"))
-    ledger = Path(os.environ["CHAOS_LEDGER"]) / f"{run_dir.name}.jsonl"
+    run_dir, steps = options["job.dump_folder"], int(options.get("training.steps", "4"))
+    ledger = os.path.join(os.environ["CHAOS_LEDGER"], f"{os.path.basename(run_dir)}.jsonl")
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    checkpoints = run_dir / "checkpoint"
-    saved = [int(p.name[5:]) for p in checkpoints.glob("step-*") if (p / ".metadata").is_file()]
+    checkpoints = os.path.join(run_dir, "checkpoint")
+    names = os.listdir(checkpoints) if os.path.isdir(checkpoints) else []
+    saved = [
+        int(name[5:])
+        for name in names
+        if name.startswith("step-") and os.path.isfile(os.path.join(checkpoints, name, ".metadata"))
+    ]
     resumed = max(saved, default=0)
     append(ledger, {"launch": os.getpid(), "from": resumed, "time": time.time()})
-    metrics = run_dir / "tb" / f"{time.time_ns()}-{os.getpid()}" / "metrics.jsonl"
-    metrics.parent.mkdir(parents=True)
+    logs = os.path.join(run_dir, "tb", f"{time.time_ns()}-{os.getpid()}")
+    os.makedirs(logs)
+    metrics = os.path.join(logs, "metrics.jsonl")
     for step in range(resumed + 1, steps + 1):
         time.sleep(float(os.environ.get("CHAOS_STEP_SECONDS", "0.05")))
-        (checkpoints / f"step-{step}").mkdir(parents=True, exist_ok=True)
-        (checkpoints / f"step-{step}" / ".metadata").write_text("")
+        os.makedirs(os.path.join(checkpoints, f"step-{step}"), exist_ok=True)
+        with open(os.path.join(checkpoints, f"step-{step}", ".metadata"), "w"):
+            pass
         append(ledger, {"step": step, "pid": os.getpid()})
         append(metrics, {"step": step, "loss_metrics/global_avg_loss": 2.0 + 1.0 / step})
         if stop and step < steps:
