@@ -581,6 +581,16 @@ def test_a_run_that_ended_in_a_start_its_job_could_not_record_is_recorded_at_the
     assert [e["event"] for e in slurm_job.read_events(tmp_path)] == ["started", "ended"]
 
 
+def _record(run, *event) -> subprocess.CompletedProcess:
+    """A record of ``event`` for ``run``, started as the job script starts it (python -S -m ...slurm_job)."""
+    return subprocess.run(
+        [sys.executable, "-S", "-m", "torchtitan.study.slurm_job", event[0], str(run), *event[1:]],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+    )
+
+
 def test_the_job_scripts_record_imports_only_light_leaves(tmp_path):
     """A job script starts the record twice per start of every task: it imports neither pathlib, typing, dataclasses
     nor subprocess (the sweep's modules), whichever event it records, a run's end (its status) included."""
@@ -601,4 +611,22 @@ def test_the_job_scripts_record_imports_only_light_leaves(tmp_path):
             check=True,
         )
         assert result.stdout.strip() == "[]", (event[0], result.stdout, result.stderr)
+    assert json.loads((run / "sweep_status.json").read_text())["outcome"] == "finished"
+
+
+def test_a_record_without_site_packages_reads_a_runs_event_files(tmp_path):
+    """A run that logged only TensorBoard event files (no metrics.jsonl) is read by a record started as the job
+    script starts it (python -S): site-packages, TensorBoard's, are added for that read only."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    run = tmp_path / "runs" / "r"
+    writer = EventFileWriter(str(run / "tb" / "1"))
+    for step in (1, 2):
+        value = Summary.Value(tag="loss_metrics/global_avg_loss", simple_value=3.0 / step)
+        writer.add_event(Event(step=step, wall_time=time.time(), summary=Summary(value=[value])))
+    writer.close()
+    result = _record(run, "ended", "0")
+    assert result.returncode == 0, result.stderr
     assert json.loads((run / "sweep_status.json").read_text())["outcome"] == "finished"

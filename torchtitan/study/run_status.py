@@ -129,6 +129,10 @@ def logged_by_step(folder: str | os.PathLike) -> dict[str, dict[int, float]]:
 def event_scalars_by_step(folder: str | os.PathLike) -> dict[str, dict[int, float]]:
     """Every scalar tag in the TensorBoard event files of ``folder`` (classic ``simple_value`` and tensor-style
     scalars), by tag and step. A resumed run may log a step twice; the later value wins."""
+    if sys.flags.no_site:  # a job script's record starts without site-packages (python -S): TensorBoard needs them
+        import site
+
+        site.main()
     from tensorboard.backend.event_processing import event_accumulator
     from tensorboard.util import tensor_util
 

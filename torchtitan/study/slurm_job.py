@@ -2,11 +2,12 @@
 (``slurm_events.jsonl`` in the run's folder), the checks before a start (the run ended already, its requeues
 spent), and the run's ``sweep_status.json`` when it ends.
 
-``python -m torchtitan.study.slurm_job started|busy|interrupted|stopped|ended RUN_DIR [EXIT_CODE [MAX_REQUEUES]]``
+``python -S -m torchtitan.study.slurm_job started|busy|interrupted|stopped|ended RUN_DIR [EXIT_CODE [MAX_REQUEUES]]``
 
 A job script calls it at every start and end of every task, so it imports only the standard library's lightest
-parts and two leaves (``torchtitan.errors``, ``torchtitan.study.run_status``): no pathlib, typing, argparse or torch,
-nothing of the sweep's submitting. A study of hundreds of runs starts it hundreds of times.
+parts and leaves (``torchtitan.errors``, ``torchtitan.files``, ``torchtitan.study.run_status``): no pathlib, typing,
+argparse or torch, nothing of the sweep's submitting; it starts without site-packages (``-S``). A study of hundreds
+of runs starts it hundreds of times.
 ``torchtitan/study/slurm.py`` submits and watches the jobs, and reads what they recorded through this module.
 """
 
