@@ -630,3 +630,20 @@ def test_a_record_without_site_packages_reads_a_runs_event_files(tmp_path):
     result = _record(run, "ended", "0")
     assert result.returncode == 0, result.stderr
     assert json.loads((run / "sweep_status.json").read_text())["outcome"] == "finished"
+
+
+def test_the_made_up_trainers_exit_record_reads_as_train_pys(tmp_path):
+    """The chaos test's trainer writes its exit record as text, not through torchtitan.errors: the project reads it
+    as its own, code, message and time."""
+    from tests import chaos_trainer
+    from torchtitan import errors
+
+    assert (chaos_trainer.EXIT_RECORD, chaos_trainer.PREEMPTED_EXIT_CODE) == (
+        errors.EXIT_RECORD,
+        errors.PREEMPTED_EXIT_CODE,
+    )
+    began = time.time()
+    chaos_trainer.write_exit_record(str(tmp_path), 4, "preempted: stopped on SIGTERM after step 2")
+    record = errors.read_exit_record(tmp_path, since=began)
+    assert record["exit_code"] == 4 and record["message"] == "preempted: stopped on SIGTERM after step 2"
+    assert record["pid"] == os.getpid()
