@@ -1,9 +1,10 @@
 """A stand-in Slurm controller that runs job scripts, for the scheduler's chaos test (tests/study/test_slurm_chaos.py).
 
 Written from Slurm's documented behaviour (the sbatch, squeue, sacct, scancel and scontrol manuals), not from the
-code under test: a :class:`Controller` thread in the test's process plays slurmctld and slurmd on one node, and this
-file run as a command (``STAND_IN_COMMAND`` naming which) plays ``sbatch``, ``squeue``, ``sacct``, ``scancel``,
-``scontrol`` and ``sinfo``. Both read and write one JSON file, ``$STAND_IN_SLURM/state.json``, under an flock.
+code under test: a :class:`Controller` thread in the test's process plays slurmctld and slurmd on one node, and
+answers ``sbatch``, ``squeue``, ``sacct``, ``scancel``, ``scontrol`` and ``sinfo`` on a socket of its own; the
+commands on PATH (:func:`install`) are a few lines of bash that send it their arguments, as Slurm's commands are
+clients of slurmctld. Its state is one JSON file, ``state.json`` in its folder, read and written under an flock.
 
 What it does as Slurm does:
 
@@ -34,16 +35,20 @@ and sacct failing for a while, runaways, MaxArraySize, preemptions, warnings ahe
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import os
 import random
 import re
+import shlex
 import signal
+import socketserver
 import subprocess
 import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ALIVE = ("PENDING", "RUNNING")
@@ -65,16 +70,22 @@ def locked_state(folder: Path):
 
 
 def install(folder: Path) -> str:
-    """The stand-in commands in ``folder/bin``; the PATH to use. ``srun`` and ``scontrol show hostnames``, which
-    every task calls, are shell (no interpreter to start)."""
+    """The stand-in commands in ``folder/bin``; the PATH to use. Each is a few lines of bash, a client of the
+    controller's socket (its port in ``folder/port``), as Slurm's commands are clients of slurmctld: it sends its
+    name and arguments and runs what comes back (print the output, print the errors, exit with the code), so that
+    no call starts an interpreter. ``srun`` and ``scontrol show hostnames``, which every task calls, are shell."""
     bin_dir = folder / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
-    me = Path(__file__).resolve()
     for name in COMMANDS:
-        body = f'STAND_IN_COMMAND={name} exec {sys.executable} {me} "$@"'
+        body = (
+            f'read -r port < "{folder}/port" && exec 3<>"/dev/tcp/127.0.0.1/$port" || exit 1\n'
+            f'printf \'%s\\0\' "$#" {name} "$@" >&3\n'
+            "IFS= read -r -d '' answer <&3\n"
+            'eval "$answer"\n'
+        )
         if name == "scontrol":
             body = f'[ "$1 $2" = "show hostnames" ] && {{ echo localhost; exit 0; }}\n{body}'
-        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}")
     # srun: the step, in its own process group, its pid where scancel --signal finds it.
     (bin_dir / "srun").write_text(
         "#!/bin/sh\n"
@@ -86,6 +97,40 @@ def install(folder: Path) -> str:
     for path in bin_dir.iterdir():
         path.chmod(0o755)
     return f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+
+
+class _Commands(socketserver.ThreadingTCPServer):
+    """The controller's socket: one thread per call (an sbatch that does not answer holds only its own)."""
+
+    daemon_threads = True
+
+    def __init__(self, controller: "Controller"):
+        super().__init__(("127.0.0.1", 0), _Call)
+        self.controller = controller
+
+    def handle_error(self, request, client_address) -> None:
+        """A caller that stopped waiting (its timeout) closed its end: nothing to answer. Anything else is the
+        stand-in's own bug, which the test sees in settle()."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, (BrokenPipeError, ConnectionResetError)):
+            self.controller.error = error
+
+
+class _Call(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        data = b""
+        while True:
+            fields = data.split(b"\0")
+            if len(fields) > 1 and len(fields) - 1 >= int(fields[0]) + 2:  # the count, the command, its arguments
+                break
+            chunk = self.request.recv(65536)
+            if not chunk:
+                return
+            data += chunk
+        command, argv = fields[1].decode(), [f.decode() for f in fields[2 : int(fields[0]) + 2]]
+        code, out, err = run_command(self.server.controller.folder, command, argv)
+        answer = f"printf %s {shlex.quote(out)}; printf %s {shlex.quote(err)} >&2; exit {code}"
+        self.request.sendall(answer.encode())
 
 
 class Controller:
@@ -102,13 +147,17 @@ class Controller:
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.error: BaseException | None = None
         (folder / "faults.json").write_text(json.dumps(faults))
+        self.commands = _Commands(self)
+        self.commands_thread = threading.Thread(target=self.commands.serve_forever, args=(0.05,), daemon=True)
+        (folder / "port").write_text(f"{self.commands.server_address[1]}\n")
 
     def __enter__(self) -> "Controller":
         self.thread.start()
+        self.commands_thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        """Stop the controller, and every task still running with it."""
+        """Stop the controller, its socket, and every task still running with it."""
         self.stop_event.set()
         self.thread.join(timeout=30)
         for process in self.processes.values():
@@ -118,6 +167,8 @@ class Controller:
                 except ProcessLookupError:
                     pass
                 process.wait()
+        self.commands.shutdown()
+        self.commands.server_close()
 
     def busy(self) -> bool:
         """Whether a task runs, or one pending could start (now or after its requeue delay)."""
@@ -273,7 +324,7 @@ def _script_option(script: str, name: str):
     return None
 
 
-def _draw(folder: Path, faults: dict, name: str) -> bool:
+def _draw(folder: Path, faults: dict, name: str, call: Call) -> bool:
     """Whether this call of ``name`` fails: within a failing spell (``{name}_fail`` is its chance to start one,
     lasting ``{name}_spell`` calls)."""
     with locked_state(folder) as state:
@@ -281,7 +332,7 @@ def _draw(folder: Path, faults: dict, name: str) -> bool:
         if left > 0:
             state["spells"][name] = left - 1
             return True
-        if RANDOM.random() < faults.get(f"{name}_fail", 0.0):
+        if call.random.random() < faults.get(f"{name}_fail", 0.0):
             state["spells"][name] = faults.get(f"{name}_spell", 2) - 1
             return True
     return False
@@ -300,34 +351,34 @@ def _tasks_of(state: dict, ident: str) -> list[str]:
     return [k for k, t in state["tasks"].items() if str(t["job_id"]) == ident]
 
 
-def sbatch(folder: Path, argv: list[str], faults: dict) -> int:
+def sbatch(folder: Path, argv: list[str], faults: dict, call: Call) -> int:
     modes = faults.get("sbatch_modes", [])
     count_path = folder / "sbatch.count"
     count = int(count_path.read_text()) if count_path.exists() else 0
     count_path.write_text(str(count + 1))
     mode = modes[count] if count < len(modes) else "ok"
     if mode == "busy":
-        print("sbatch: error: Batch job submission failed: Resource temporarily unavailable", file=sys.stderr)
+        print("sbatch: error: Batch job submission failed: Resource temporarily unavailable", file=call.err)
         return 1
     if mode == "unqueued":
-        print("sbatch: error: Batch job submission failed: Socket timed out on send/recv operation", file=sys.stderr)
+        print("sbatch: error: Batch job submission failed: Socket timed out on send/recv operation", file=call.err)
         return 1
     spec = re.fullmatch(r"0-(\d+)(?:%(\d+))?", _option(argv, "--array") or "0-0")
     tasks, limit = int(spec.group(1)) + 1, int(spec.group(2) or 10**6)
     if tasks > faults.get("max_array_size", 1001):
-        print("sbatch: error: Batch job submission failed: Invalid job array specification", file=sys.stderr)
+        print("sbatch: error: Batch job submission failed: Invalid job array specification", file=call.err)
         return 1
     dependency = _option(argv, "--dependency") or ""
     script = argv[-1]
     with locked_state(folder) as state:
         after = dependency.split(":")[1:] if dependency.startswith("afterany:") else []
         if any(a not in state["arrays"] for a in after):
-            print("sbatch: error: Batch job submission failed: Job dependency problem", file=sys.stderr)
+            print("sbatch: error: Batch job submission failed: Job dependency problem", file=call.err)
             return 1
         array = str(state["next_id"])
         state["next_id"] += tasks
         now = time.time()
-        late = faults.get("late", 0.0) if RANDOM.random() < faults.get("late_rate", 0.0) else 0.0
+        late = faults.get("late", 0.0) if call.random.random() < faults.get("late_rate", 0.0) else 0.0
         state["arrays"][array] = {
             "name": _script_option(script, "--job-name"),
             "script": script,
@@ -342,17 +393,17 @@ def sbatch(folder: Path, argv: list[str], faults: dict) -> int:
                 "eligible": now, "ended": None,
             }  # fmt: skip
     if mode == "lost":
-        print("sbatch: error: Batch job submission failed: Socket timed out on send/recv operation", file=sys.stderr)
+        print("sbatch: error: Batch job submission failed: Socket timed out on send/recv operation", file=call.err)
         return 1
     if mode == "timeout":
         time.sleep(faults.get("sbatch_timeout", 5.0))
-    print(array)
+    print(array, file=call.out)
     return 0
 
 
-def squeue(folder: Path, argv: list[str], faults: dict) -> int:
-    if _draw(folder, faults, "squeue"):
-        print("squeue: error: slurm_load_jobs error: Socket timed out on send/recv operation", file=sys.stderr)
+def squeue(folder: Path, argv: list[str], faults: dict, call: Call) -> int:
+    if _draw(folder, faults, "squeue", call):
+        print("squeue: error: slurm_load_jobs error: Socket timed out on send/recv operation", file=call.err)
         return 1
     fmt = _option(argv, "-o", "--format") or "%i|%T|%r"
     names = _option(argv, "-n", "--name")
@@ -374,13 +425,13 @@ def squeue(folder: Path, argv: list[str], faults: dict) -> int:
                 continue
             reason = "None" if task["state"] != "PENDING" else "JobArrayTaskLimit"
             lines.append(fmt.replace("%i", key).replace("%T", task["state"]).replace("%r", reason))
-    print("\n".join(lines))
+    print("\n".join(lines), file=call.out)
     return 0
 
 
-def sacct(folder: Path, argv: list[str], faults: dict) -> int:
-    if _draw(folder, faults, "sacct"):
-        print("sacct: error: slurmdbd: Connection refused", file=sys.stderr)
+def sacct(folder: Path, argv: list[str], faults: dict, call: Call) -> int:
+    if _draw(folder, faults, "sacct", call):
+        print("sacct: error: slurmdbd: Connection refused", file=call.err)
         return 1
     names = _option(argv, "--name")
     ids = _option(argv, "-j", "--jobs")
@@ -396,11 +447,11 @@ def sacct(folder: Path, argv: list[str], faults: dict) -> int:
                 continue
             shown = "RUNNING" if task.get("runaway") else task["state"]
             lines.append(f"{key}|{shown}" if _option(argv, "-o", "--format") != "JobID" else key)
-    print("\n".join(lines))
+    print("\n".join(lines), file=call.out)
     return 0
 
 
-def scancel(folder: Path, argv: list[str], faults: dict) -> int:
+def scancel(folder: Path, argv: list[str], faults: dict, call: Call) -> int:
     sig = _option(argv, "--signal", "-s")
     idents = [a for a in argv if not a.startswith("-") and a != sig]
     with locked_state(folder) as state:
@@ -414,8 +465,8 @@ def scancel(folder: Path, argv: list[str], faults: dict) -> int:
                     elif task["state"] == "RUNNING":
                         task["cancel_requested"] = True
                 continue
-            if RANDOM.random() < faults.get("not_alterable", 0.0):
-                print(f"scancel: error: Kill job error on job id {ident}: Job can not be altered now", file=sys.stderr)
+            if call.random.random() < faults.get("not_alterable", 0.0):
+                print(f"scancel: error: Kill job error on job id {ident}: Job can not be altered now", file=call.err)
                 return 1
             for key in keys:
                 step = folder / "steps" / key
@@ -427,9 +478,9 @@ def scancel(folder: Path, argv: list[str], faults: dict) -> int:
     return 0
 
 
-def scontrol(folder: Path, argv: list[str], faults: dict) -> int:
+def scontrol(folder: Path, argv: list[str], faults: dict, call: Call) -> int:
     if argv[:2] == ["show", "config"]:
-        print(f"MaxArraySize            = {faults.get('max_array_size', 1001)}")
+        print(f"MaxArraySize            = {faults.get('max_array_size', 1001)}", file=call.out)
         return 0
     if argv[:1] == ["requeue"]:
         with locked_state(folder) as state:
@@ -440,30 +491,33 @@ def scontrol(folder: Path, argv: list[str], faults: dict) -> int:
                 elif task["state"] not in ALIVE:
                     task.update(state="PENDING", restarts=task["restarts"] + 1, eligible=time.time())
         return 0
-    print(f"scontrol: {' '.join(argv)}: not stood in for", file=sys.stderr)
+    print(f"scontrol: {' '.join(argv)}: not stood in for", file=call.err)
     return 1
 
 
-RANDOM = random.Random()  # each call's: seeded by the schedule, the command and how many calls of it came before
+@dataclass
+class Call:
+    """One call of a command: what it prints, what it prints as errors, and its random draws (seeded by the
+    schedule, the command and how many calls of it came before)."""
+
+    out: io.StringIO = field(default_factory=io.StringIO)
+    err: io.StringIO = field(default_factory=io.StringIO)
+    random: random.Random = field(default_factory=random.Random)
 
 
-def main() -> int:
-    folder = Path(os.environ["STAND_IN_SLURM"])
-    command, argv = os.environ["STAND_IN_COMMAND"], sys.argv[1:]
+def run_command(folder: Path, command: str, argv: list[str]) -> tuple[int, str, str]:
+    """``command`` (sbatch, squeue, ...) called with ``argv``: its exit code, output and error output."""
     faults = json.loads((folder / "faults.json").read_text())
+    call = Call()
     with locked_state(folder) as state:
         calls = state.setdefault("calls", {})
         calls[command] = calls.get(command, 0) + 1
-        RANDOM.seed(f"{faults.get('seed', 0)}:{command}:{calls[command]}")
+        call.random.seed(f"{faults.get('seed', 0)}:{command}:{calls[command]}")
     with open(folder / "calls.jsonl", "a") as f:
         f.write(json.dumps([command, *argv]) + "\n")
     if command == "sinfo":
-        print("debug*|1:00:00|1|64|(null)")
-        return 0
-    return {"sbatch": sbatch, "squeue": squeue, "sacct": sacct, "scancel": scancel, "scontrol": scontrol}[command](
-        folder, argv, faults
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        print("debug*|1:00:00|1|64|(null)", file=call.out)
+        return 0, call.out.getvalue(), ""
+    run = {"sbatch": sbatch, "squeue": squeue, "sacct": sacct, "scancel": scancel, "scontrol": scontrol}[command]
+    code = run(folder, argv, faults, call)
+    return code, call.out.getvalue(), call.err.getvalue()

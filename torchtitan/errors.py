@@ -20,8 +20,7 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable  # neither pathlib nor typing: a job script's record imports this leaf
 
 USER_ERROR_EXIT_CODE = 2  # "your input is wrong"
 DIVERGENCE_EXIT_CODE = 3  # "training diverged": the loss, the gradients or the state became non-finite
@@ -49,11 +48,11 @@ class SaveFailed(Exception):
 
 
 def exit_code(
-    body: Callable[[], Any],
+    body: Callable[[], object],
     *,
     print_errors: bool = True,
-    interrupted: Optional[str] = None,
-    on_exit: Optional[Callable[[int, str], None]] = None,
+    interrupted: str | None = None,
+    on_exit: Callable[[int, str], None] | None = None,
 ) -> int:
     """Run an entry point's ``body``: the int it returns (anything else: 0), or the exit code of its error.
 
@@ -90,21 +89,21 @@ def _report(error: object, code: int, print_errors: bool, kind: str = "error") -
     return code, message
 
 
-def write_exit_record(folder: Union[str, Path], code: int, message: str) -> None:
+def write_exit_record(folder: str | os.PathLike, code: int, message: str) -> None:
     """Record in ``folder`` (a run's dump folder) how the run ended: its exit code and one-line message, now."""
     from torchtitan.files import write_text_atomically
 
-    Path(folder).mkdir(parents=True, exist_ok=True)
+    os.makedirs(folder, exist_ok=True)
     record = {"exit_code": code, "message": message, "time": time.time(), "pid": os.getpid()}
-    write_text_atomically(Path(folder) / EXIT_RECORD, json.dumps(record) + "\n")
+    write_text_atomically(os.path.join(folder, EXIT_RECORD), json.dumps(record) + "\n")
 
 
-def read_exit_record(folder: Union[str, Path], since: float = 0.0) -> Optional[dict]:
+def read_exit_record(folder: str | os.PathLike, since: float = 0.0) -> dict | None:
     """The exit record of ``folder`` written at ``since`` or later (an attempt's own, not an earlier one's); None
     when there is none."""
-    path = Path(folder) / EXIT_RECORD
     try:
-        record = json.loads(path.read_text())
+        with open(os.path.join(folder, EXIT_RECORD)) as f:
+            record = json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     return record if record.get("time", 0.0) >= since else None

@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
-from typing import Union
 
 
-def write_text_atomically(path: Union[str, Path], text: str) -> None:
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file beside it, renamed over ``path`` once complete."""
     temporary = f"{path}.tmp"
     with open(temporary, "w") as f:

@@ -1,9 +1,11 @@
 """The package's former names: a module of a former layout fails to import with one line naming its new home, and
 a package that was a module says where each of the module's names lives now. A leaf: imports nothing of the package."""
 
+from __future__ import annotations
+
 import importlib
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable  # not typing: a job script's record imports this leaf, and typing costs it 7 ms
 
 # The modules of former layouts, and where each one lives now.
 MOVED_MODULES = {
@@ -42,7 +44,7 @@ MOVED_MODULES = {
 }
 
 
-def lazy_names(package: str, homes: dict[str, str], former: Optional[str] = None) -> Callable[[str], Any]:
+def lazy_names(package: str, homes: dict[str, str], former: str | None = None) -> Callable[[str], object]:
     """A ``__getattr__`` for ``package`` that imports each name of ``homes`` from its module on first use.
 
     ``former`` is the module that ``package``'s name was before it became a package: a name that module holds, asked
@@ -50,7 +52,7 @@ def lazy_names(package: str, homes: dict[str, str], former: Optional[str] = None
     (``from torchtitan.optim import partition``).
     """
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str) -> object:
         home = homes.get(name)
         if home is not None:
             return getattr(importlib.import_module(home), name)
@@ -67,7 +69,7 @@ def lazy_names(package: str, homes: dict[str, str], former: Optional[str] = None
 class _MovedModuleFinder:  # a meta path finder (its find_spec): importlib.abc costs a job script's record 40 ms
     """Asked after every real finder, so only for a module that does not exist: one line naming its new home."""
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+    def find_spec(self, fullname: str, path: object, target: object = None) -> None:
         home = MOVED_MODULES.get(fullname)
         if home is not None:
             raise ModuleNotFoundError(f"{fullname} moved to {home}: import it from there", name=fullname)

@@ -29,15 +29,8 @@ import torch
 from tests.chaos_trainer import TRAINER, ledger_problems
 from tests.helpers import DEBUG_RUN, FAKE, ROOT, by_step, metric_rows, one_error_line, read_checkpoint, train
 from torchtitan.errors import UserError
-from torchtitan.study.slurm import (
-    EVENTS_FILE,
-    JOB_FILE,
-    SLURM_FOLDER,
-    SlurmSettings,
-    check_time_limit,
-    job_name,
-    run_state,
-)
+from torchtitan.study.slurm import SlurmSettings, check_time_limit, job_name, run_state
+from torchtitan.study.slurm_job import EVENTS_FILE, JOB_FILE, SLURM_FOLDER
 from torchtitan.tools.sweep import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")

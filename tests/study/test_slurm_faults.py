@@ -18,17 +18,16 @@ import pytest
 from tests.chaos_trainer import TRAINER
 from tests.helpers import FAKE, ROOT, one_error_line
 from torchtitan.errors import write_exit_record
-from torchtitan.study import scheduling, slurm
+from torchtitan.study import scheduling, slurm, slurm_job
 from torchtitan.study.report import why_it_ended
-from torchtitan.study.slurm import (
+from torchtitan.study.slurm import SlurmSettings, check_time_limit, run_state
+from torchtitan.study.slurm_job import (
     EVENTS_FILE,
     JOB_FILE,
     SLURM_FOLDER,
     SUBMISSION_SUFFIX,
-    SlurmSettings,
-    check_time_limit,
+    newest_checkpoint,
     requeue_refusal,
-    run_state,
     trained_seconds,
 )
 from torchtitan.tools.sweep import main
@@ -246,8 +245,8 @@ def test_a_stop_that_is_not_requeued_ends_the_run_with_why(tmp_path, monkeypatch
     run.mkdir()
     job = {"job_id": "7_0", "array": "7", "submitted": time.time() - 100, "fields": {"optimizer": "AdamW"}}
     (run / JOB_FILE).write_text(json.dumps(job))
-    assert slurm.main(["started", str(run)]) == 0
-    assert slurm.main(["stopped", str(run), "1", "3"]) == 1  # no checkpoint: ended, not requeued
+    assert slurm_job.main(["started", str(run)]) == 0
+    assert slurm_job.main(["stopped", str(run), "1", "3"]) == 1  # no checkpoint: ended, not requeued
     status = json.loads((run / "sweep_status.json").read_text())
     assert status["outcome"] == "failed" and "not requeued, a new start would train the same steps" in status["message"]
     assert run_state(run, {})[1] == status["message"]
@@ -340,7 +339,6 @@ def test_the_job_script_requeues_a_stopped_run_only_when_it_saved_a_newer_checkp
 
 def test_the_newest_checkpoint_is_read_as_the_checkpoint_manager_reads_them(tmp_path):
     from torchtitan.checkpoint.folders import SUPERSEDED_FOLDER, complete_steps
-    from torchtitan.study.slurm import newest_checkpoint
 
     folder = tmp_path / "checkpoint" / "AdamW"
     for name, complete in (("step-4", True), ("step-12", True), ("step-20", False), (".step-30.tmp-ab", True)):
@@ -380,6 +378,17 @@ def _one_run(dump: Path, launcher: str = FAKE) -> tuple[Path, Path]:
 
 def _events_of(run: Path) -> list[str]:
     return [json.loads(line)["event"] for line in (run / EVENTS_FILE).read_text().splitlines()]
+
+
+def test_the_job_script_records_its_run_with_a_module_that_imports_none_of_the_sweeps_submitting(tmp_path, controller):
+    # Each start and end of each task is a fresh interpreter (hundreds in a study's life): it imports only what the
+    # record needs, not the sweep's argument parsing, job names' hashing or submitting, and never torch.
+    script, _ = _one_run(tmp_path / "study")
+    (module,) = set(re.findall(r" -m (torchtitan[\w.]*)", script.read_text()))
+    command = [sys.executable, "-c", f"import sys, {module}; print(' '.join(sys.modules))"]
+    loaded = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr
+    assert not {"argparse", "hashlib", "secrets", "torch", "numpy"} & set(loaded.stdout.split())
 
 
 def test_a_task_whose_submission_was_never_confirmed_adopts_it_and_records_its_end(tmp_path, controller, capsys):
@@ -530,8 +539,8 @@ def test_a_torn_line_in_the_events_is_skipped_with_a_warning(tmp_path, monkeypat
     _events(tmp_path, {"event": "started", "time": time.time() - 50})
     with open(tmp_path / EVENTS_FILE, "a") as f:
         f.write('{"event": "preem\n')  # a job killed as it wrote
-    assert slurm.main(["started", str(tmp_path)]) == 0
-    assert [e["event"] for e in slurm.read_events(tmp_path)] == ["started", "started"]
+    assert slurm_job.main(["started", str(tmp_path)]) == 0
+    assert [e["event"] for e in slurm_job.read_events(tmp_path)] == ["started", "started"]
     assert f"{tmp_path / EVENTS_FILE}: line 2 is not a whole JSON object (torn); left out" in capsys.readouterr().err
 
 
@@ -551,8 +560,8 @@ def test_every_start_past_the_requeues_allowed_ends_the_run_slurms_own_requeues_
     (tmp_path / JOB_FILE).write_text(json.dumps(job))
     # Two starts, each ended by Slurm itself (a node lost, a preemption): no "preempted" event of the job script.
     _events(tmp_path, {"event": "started", "time": time.time() - 50}, {"event": "started", "time": time.time() - 20})
-    assert slurm.main(["started", str(tmp_path), "", "2"]) == 0  # its third start: two requeues, two allowed
-    assert slurm.main(["started", str(tmp_path), "", "2"]) == 1  # a fourth: not trained
+    assert slurm_job.main(["started", str(tmp_path), "", "2"]) == 0  # its third start: two requeues, two allowed
+    assert slurm_job.main(["started", str(tmp_path), "", "2"]) == 1  # a fourth: not trained
     status = json.loads((tmp_path / "sweep_status.json").read_text())
     assert status["outcome"] == "failed" and "after 3 requeue(s), Slurm's own included" in status["message"]
 
@@ -567,6 +576,74 @@ def test_a_run_that_ended_in_a_start_its_job_could_not_record_is_recorded_at_the
     (tmp_path / "tb" / "1").mkdir(parents=True)
     (tmp_path / "tb" / "1" / "metrics.jsonl").write_text('{"step": 1, "loss_metrics/global_avg_loss": 2.5}\n')
     write_exit_record(tmp_path, 0, "")
-    assert slurm.main(["started", str(tmp_path)]) == 1  # not trained again
+    assert slurm_job.main(["started", str(tmp_path)]) == 1  # not trained again
     assert json.loads((tmp_path / "sweep_status.json").read_text())["outcome"] == "finished"
-    assert [e["event"] for e in slurm.read_events(tmp_path)] == ["started", "ended"]
+    assert [e["event"] for e in slurm_job.read_events(tmp_path)] == ["started", "ended"]
+
+
+def _record(run, *event) -> subprocess.CompletedProcess:
+    """A record of ``event`` for ``run``, started as the job script starts it (python -S -m ...slurm_job)."""
+    return subprocess.run(
+        [sys.executable, "-S", "-m", "torchtitan.study.slurm_job", event[0], str(run), *event[1:]],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_the_job_scripts_record_imports_only_light_leaves(tmp_path):
+    """A job script starts the record twice per start of every task: it imports neither pathlib, typing, dataclasses
+    nor subprocess (the sweep's modules), whichever event it records, a run's end (its status) included."""
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss_metrics/global_avg_loss": 2.5}\n')
+    heavy = ("pathlib", "typing", "dataclasses", "subprocess", "torchtitan.study.plan", "torchtitan.study.run_folders")
+    probe = (
+        "import sys; from torchtitan.study import slurm_job; code = slurm_job.main(sys.argv[1:]); "
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules)); sys.exit(code)"
+    )
+    for event in (["started", str(run), "", "3"], ["ended", str(run), "0"]):
+        result = subprocess.run(
+            [sys.executable, "-S", "-c", probe, *event],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert result.stdout.strip() == "[]", (event[0], result.stdout, result.stderr)
+    assert json.loads((run / "sweep_status.json").read_text())["outcome"] == "finished"
+
+
+def test_a_record_without_site_packages_reads_a_runs_event_files(tmp_path):
+    """A run that logged only TensorBoard event files (no metrics.jsonl) is read by a record started as the job
+    script starts it (python -S): site-packages, TensorBoard's, are added for that read only."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    run = tmp_path / "runs" / "r"
+    writer = EventFileWriter(str(run / "tb" / "1"))
+    for step in (1, 2):
+        value = Summary.Value(tag="loss_metrics/global_avg_loss", simple_value=3.0 / step)
+        writer.add_event(Event(step=step, wall_time=time.time(), summary=Summary(value=[value])))
+    writer.close()
+    result = _record(run, "ended", "0")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((run / "sweep_status.json").read_text())["outcome"] == "finished"
+
+
+def test_the_made_up_trainers_exit_record_reads_as_train_pys(tmp_path):
+    """The chaos test's trainer writes its exit record as text, not through torchtitan.errors: the project reads it
+    as its own, code, message and time."""
+    from tests import chaos_trainer
+    from torchtitan import errors
+
+    assert (chaos_trainer.EXIT_RECORD, chaos_trainer.PREEMPTED_EXIT_CODE) == (
+        errors.EXIT_RECORD,
+        errors.PREEMPTED_EXIT_CODE,
+    )
+    began = time.time()
+    chaos_trainer.write_exit_record(str(tmp_path), 4, "preempted: stopped on SIGTERM after step 2")
+    record = errors.read_exit_record(tmp_path, since=began)
+    assert record["exit_code"] == 4 and record["message"] == "preempted: stopped on SIGTERM after step 2"
+    assert record["pid"] == os.getpid()

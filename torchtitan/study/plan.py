@@ -18,18 +18,15 @@ from typing import Optional, Sequence
 
 from torchtitan.errors import UserError
 from torchtitan.files import strict_json
+from torchtitan.study.run_status import DIVERGED, FAILED, FINISHED, LOG_FILE, STATUS_FILE  # noqa: F401 (their home)
 
 # The sweep's folder: runs/{name}/ per run (train.py's dump folder plus train.log and sweep_status.json), and the
 # settings every run shares.
 RUNS_FOLDER = "runs"
-STATUS_FILE = "sweep_status.json"
 SETTINGS_FILE = "sweep_settings.json"
 LOCK_FILE = "sweep.lock"
-LOG_FILE = "train.log"
 DEFAULT_LAST_K = 10  # final training loss = mean of the last k logged values, unless the sweep says otherwise
 COMMAND_FILE = "command.sh"  # the run's exact command, environment and folder, runnable again
-# A run's outcome, recorded in its status when it ends.
-FINISHED, DIVERGED, FAILED = "finished", "diverged", "failed"
 # Options each run gets from the sweep itself; setting them in the shared options would make every run the same.
 SWEEP_OPTIONS = {
     "optimizer.name": "--optimizers",

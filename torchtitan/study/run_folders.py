@@ -14,21 +14,29 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from torchtitan.errors import UserError
-from torchtitan.files import strict_json, write_text_atomically
 from torchtitan.study.plan import RUNS_FOLDER, STATUS_FILE, Budget, RunSpec
+from torchtitan.study.run_status import (  # noqa: F401 (their home: a leaf, which a job script's record imports)
+    EVENT_FILE_PREFIX,
+    GRAD_NORM,
+    LOSS,
+    METRICS_FILE,
+    VALIDATION_LOSS,
+    event_scalars_by_step,
+    logging_folders,
+    merged_by_step,
+    metrics_by_step,
+    read_jsonl,
+    read_status,
+    write_status,
+)
 
 # The tags train.py logs (see train.py's metrics); GPU runs log the allocator's peak, CPU runs the process RSS.
-LOSS = "loss_metrics/global_avg_loss"
-VALIDATION_LOSS = "validation/loss"
-GRAD_NORM = "grad_norm"
 TPS = "throughput/tps"
 TOKENS_SEEN = "throughput/tokens_seen"
 # GPU runs log the allocator's peak (max_active in runs of older versions); CPU runs log the process RSS. The first
 # one a run logs is its peak memory.
 MEMORY_TAGS = ("memory/max_allocated(GiB)", "memory/max_active(GiB)", "memory/rss(GiB)")
 STATE_BYTES = "optimizer/state_bytes"
-EVENT_FILE_PREFIX = "events.out.tfevents"
-METRICS_FILE = "metrics.jsonl"  # train.py's logger writes it beside its event files: the same scalars, fast to read
 DATASET_FILE = "dataset.json"  # {"fingerprint", "source", "data_seed"} of the data a run read, beside metrics.jsonl
 
 
@@ -64,7 +72,7 @@ def _has_event_files(folder: Path) -> bool:
     return any(p.is_file() and p.name.startswith(EVENT_FILE_PREFIX) for p in folder.iterdir())
 
 
-def _series(by_step: dict[int, float]) -> Series:
+def series_of(by_step: dict[int, float]) -> Series:
     steps = tuple(sorted(by_step))
     return Series(steps, tuple(by_step[s] for s in steps))
 
@@ -74,57 +82,13 @@ def read_scalars(run_dir: Path) -> dict[str, Series]:
 
     A resumed run may log a step twice; the later value wins.
     """
-    from tensorboard.backend.event_processing import event_accumulator
-    from tensorboard.util import tensor_util
-
-    accumulator = event_accumulator.EventAccumulator(
-        str(run_dir), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
-    )
-    accumulator.Reload()
-    tags = accumulator.Tags()
-    scalars = {
-        tag: _series({e.step: float(e.value) for e in accumulator.Scalars(tag)})
-        for tag in tags.get(event_accumulator.SCALARS, [])
-    }
-    for tag in tags.get(event_accumulator.TENSORS, []):
-        arrays = [(e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)]
-        if arrays and all(a.size == 1 for _, a in arrays):
-            scalars.setdefault(tag, _series({step: float(a.reshape(())) for step, a in arrays}))
-    return scalars
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The objects of a file of one JSON object a line, written by appending (a crash or a full disk can tear a
-    line, and a later writer goes on after it): a line cut short, or not an object, is left out with a warning on
-    stderr (none for a last line cut short, the trace of a writer that stopped)."""
-    lines = path.read_text(errors="replace").splitlines()
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        if isinstance(record, dict):
-            records.append(record)
-        elif number < len(lines):
-            print(f"warning: {path}: line {number} is not a whole JSON object (torn); left out", file=sys.stderr)
-    return records
+    return {tag: series_of(by_step) for tag, by_step in event_scalars_by_step(run_dir).items()}
 
 
 def read_metrics_jsonl(path: Path) -> dict[str, Series]:
     """Every scalar of a ``metrics.jsonl`` (one ``{"step": N, tag: value, ...}`` object a line); a later line wins
     for a step, and a torn line is left out (:func:`read_jsonl`)."""
-    by_tag: dict[str, dict[int, float]] = {}
-    for record in read_jsonl(path):
-        if not isinstance(record.get("step"), int):
-            continue
-        step = int(record.pop("step"))
-        for tag, value in record.items():
-            if isinstance(value, (int, float)):
-                by_tag.setdefault(tag, {})[step] = float(value)
-    return {tag: _series(by_step) for tag, by_step in by_tag.items()}
+    return {tag: series_of(by_step) for tag, by_step in metrics_by_step(path).items()}
 
 
 def read_logged(folder: Path) -> dict[str, Series]:
@@ -136,27 +100,13 @@ def read_logged(folder: Path) -> dict[str, Series]:
 
 def _logging_folders(run_dir: Path) -> list[Path]:
     """The folders below ``run_dir`` that train.py logged into, oldest first (a restarted run has several)."""
-
-    def started(folder: Path) -> tuple[float, str]:
-        # Event files are named events.out.tfevents.{unix time}.{host}...; the oldest one dates the folder.
-        times = [int(p.name.split(".")[3]) for p in folder.iterdir() if p.name.startswith(EVENT_FILE_PREFIX)]
-        if not times:
-            times = [int((folder / METRICS_FILE).stat().st_mtime)]
-        return min(times), folder.name
-
-    folders = {p.parent for p in run_dir.rglob(f"{EVENT_FILE_PREFIX}*") if p.is_file()}
-    folders |= {p.parent for p in run_dir.rglob(METRICS_FILE) if p.is_file()}
-    return sorted(folders, key=started)
+    return [Path(folder) for folder in logging_folders(run_dir)]
 
 
 def merged_scalars(run_dir: Path) -> dict[str, Series]:
     """Every scalar logged below ``run_dir``, over all its logging folders, oldest first, so that a later value of
-    a step wins (each folder read by :func:`read_logged`)."""
-    merged: dict[str, dict[int, float]] = {}
-    for folder in _logging_folders(run_dir):
-        for tag, series in read_logged(folder).items():
-            merged.setdefault(tag, {}).update(zip(series.steps, series.values))
-    return {tag: _series(by_step) for tag, by_step in merged.items()}
+    a step wins (:func:`run_status.merged_by_step`)."""
+    return {tag: series_of(by_step) for tag, by_step in merged_by_step(run_dir).items()}
 
 
 def latest_record(run_dir: Path, name: str) -> Optional[Path]:
@@ -234,16 +184,6 @@ def load_runs(paths: Sequence[str], labels: Optional[str] = None) -> list[Run]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # The sweep: one folder per run, each with a status once it ended
-
-
-def read_status(run_dir: Path) -> Optional[dict]:
-    path = run_dir / STATUS_FILE
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def write_status(run_dir: Path, status: dict) -> None:
-    """Write ``sweep_status.json`` atomically: a run has a complete status or none."""
-    write_text_atomically(run_dir / STATUS_FILE, strict_json(status))
 
 
 def status_budget(status: dict) -> Optional[Budget]:

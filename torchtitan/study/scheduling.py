@@ -4,9 +4,7 @@ each run's log, command and outcome, and the end of every run still going when t
 from __future__ import annotations
 
 import fcntl
-import math
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -16,12 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from torchtitan.errors import DIVERGENCE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, read_exit_record
+from torchtitan.errors import USER_ERROR_EXIT_CODE, UserError
 from torchtitan.study.plan import (
     COMMAND_FILE,
-    DIVERGED,
     FAILED,
-    FINISHED,
     LOG_FILE,
     RunSpec,
     axis_value,
@@ -29,7 +25,15 @@ from torchtitan.study.plan import (
     run_folder,
     wandb_group,
 )
-from torchtitan.study.run_folders import LOSS, Series, merged_scalars, read_status, status_paths, write_status
+from torchtitan.study.run_folders import read_status, status_paths, write_status
+from torchtitan.study.run_status import (  # noqa: F401 (their home: a leaf, which a job script's record imports)
+    ATTEMPT_MARK,
+    attempt_error_line,
+    ended_status,
+    is_done,
+    outcome,
+    run_exit_code,
+)
 
 # How often the runner looks for runs that ended (a run takes seconds at the very least).
 POLL_SECONDS = 0.1
@@ -51,42 +55,6 @@ def lock_trainer(run_dir: Path) -> Optional[int]:
         os.close(fd)
         return None
     return fd
-
-
-def outcome(exit_code: int, scalars: dict[str, Series]) -> str:
-    """A run's outcome from its own exit code (:func:`run_exit_code`, not its launcher's) and what it logged."""
-    if exit_code == DIVERGENCE_EXIT_CODE:
-        return DIVERGED
-    if exit_code != 0:
-        return FAILED
-    if _diverged_at_step(scalars) is not None:
-        return DIVERGED
-    return FINISHED if LOSS in scalars else FAILED
-
-
-def _diverged_at_step(scalars: dict[str, Series]) -> Optional[int]:
-    """``summary.diverged_at_step``, asked only of a run that logged a non-finite value (the rule looks at nothing
-    else): a job script records its run's end without importing the statistics' numpy."""
-    if all(math.isfinite(v) for series in scalars.values() for v in series.values):
-        return None
-    from torchtitan.study.summary import diverged_at_step
-
-    return diverged_at_step(scalars)
-
-
-def run_exit_code(run_dir: Path, launcher_code: int, started: float) -> tuple[int, Optional[str]]:
-    """The run's own exit code and message: what train.py's first rank recorded in the run's folder during this
-    attempt (torchrun reports any worker's failure, a divergence or a mistake alike, as 1); else the launcher's
-    code, and no message."""
-    record = read_exit_record(run_dir, since=started)
-    if record is None or launcher_code == 0 and record["exit_code"] != 0:
-        return launcher_code, None
-    return int(record["exit_code"]), record.get("message") or None
-
-
-def is_done(status: Optional[dict]) -> bool:
-    """A run that never trains again: it finished or diverged (a failed or interrupted one is tried again)."""
-    return status is not None and status["outcome"] in (FINISHED, DIVERGED)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -131,20 +99,6 @@ def plan_slots(parallel: int, nproc: int, gpus: Sequence[str]) -> list[Slot]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # One run
-
-
-ATTEMPT_MARK = "\n$ "  # each attempt's output in train.log follows a line "$ {command}" (Slurm's: "$ (Slurm job ...")
-# A line that says what went wrong: train.py's one-line errors, and the last line of a Python traceback.
-_ERROR_LINE = re.compile(r"^(error: |[\w.]*(Error|Exception|Interrupt): )")
-
-
-def attempt_error_line(log: Path) -> str:
-    """What went wrong in the latest attempt of ``log``: its first ``error:`` line or exception line (a run that
-    failed before its first step: ``ModuleNotFoundError: No module named 'torch'``), else its last line."""
-    text = log.read_text(errors="replace") if log.exists() else ""
-    lines = [line.strip() for line in text[text.rfind(ATTEMPT_MARK) + 1 :].splitlines()[1:] if line.strip()]
-    errors = [line for line in lines if _ERROR_LINE.match(line)]
-    return (errors or lines or ["(no output)"])[0 if errors else -1]
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
@@ -314,28 +268,6 @@ def spec_fields(spec: RunSpec, vary_data_seed: bool = False) -> dict:
         **({"option_values": dict(spec.options)} if spec.options else {}),
         **(spec.budget.status() if spec.budget else {}),
     }
-
-
-def ended_status(fields: dict, exit_code: int, run_dir: Path, started: float) -> dict:
-    """A run's ``sweep_status.json`` once its launcher ended with ``exit_code``: ``fields`` (its cell, command and
-    environment) with its outcome, read from its own exit record and what it logged, its times and, unless it
-    finished, why."""
-    scalars = merged_scalars(run_dir)
-    code, message = run_exit_code(run_dir, exit_code, started)
-    status = {
-        **fields,
-        "outcome": outcome(code, scalars),
-        "exit_code": code,
-        **({"launcher_exit_code": exit_code} if code != exit_code else {}),
-        "started": started,
-        "seconds": round(time.time() - started, 1),
-        "ended": time.time(),
-    }
-    if status["outcome"] == DIVERGED and code == 0:
-        status["message"] = f"non-finite loss logged at step {_diverged_at_step(scalars)}"
-    elif status["outcome"] != FINISHED:
-        status["message"] = message or attempt_error_line(run_dir / LOG_FILE)
-    return status
 
 
 def first_failure(dump: Path, since: float) -> str:

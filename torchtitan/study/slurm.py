@@ -12,7 +12,8 @@ What Slurm knows, each run folder keeps: ``slurm_job.json`` (the job of its last
 (``squeue``, and ``sacct`` where the cluster keeps accounting): pending, running, preempted (requeued, waiting),
 finished, diverged or failed. A run with a job still alive is never submitted again.
 
-The job script calls back into this module: ``python -m torchtitan.study.slurm started|preempted|ended RUN_DIR``.
+The job script records each start, stop and end of its run through ``python -m torchtitan.study.slurm_job``, a
+module that imports only what those calls need; this one reads what they recorded.
 """
 
 from __future__ import annotations
@@ -32,13 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from torchtitan.errors import (
-    DIVERGENCE_EXIT_CODE,
-    PREEMPTED_EXIT_CODE,
-    USER_ERROR_EXIT_CODE,
-    UserError,
-    read_exit_record,
-)
+from torchtitan.errors import PREEMPTED_EXIT_CODE, UserError
 from torchtitan.files import write_text_atomically
 from torchtitan.study.plan import (
     COMMAND_FILE,
@@ -50,20 +45,26 @@ from torchtitan.study.plan import (
     run_folder,
     wandb_group,
 )
-from torchtitan.study.run_folders import LOSS, merged_scalars, read_jsonl, read_status, status_paths, write_status
+from torchtitan.study.run_folders import LOSS, merged_scalars, read_status, status_paths, write_status
 from torchtitan.study.scheduling import (
     RUN_ENVIRONMENT,
     TRAINER_LOCK,
     command_script,
     ended_status,
     is_done,
-    run_exit_code,
     spec_fields,
 )
+from torchtitan.study.slurm_job import (
+    DEFAULT_MAX_REQUEUES,
+    PREEMPTED,
+    SLURM_FOLDER,
+    SUBMISSION_SUFFIX,
+    adopt,
+    main,
+    read_events,
+    read_job,
+)
 
-SLURM_FOLDER = "slurm"  # in the dump folder: each submission's job script, its list of run folders, Slurm's output
-JOB_FILE = "slurm_job.json"  # in a run folder: its last submission's job id, and the run's cell
-EVENTS_FILE = "slurm_events.jsonl"  # in a run folder: each start, preemption and end of its jobs
 # --wait asks squeue this often at first, then half as often after each answer in which no run ended, down to once
 # every POLL_MAX_SECONDS: a 200-run study is one squeue a minute, whatever its size (docs/cluster.md).
 POLL_SECONDS = 2.0
@@ -73,14 +74,12 @@ POLL_MAX_SECONDS = 60.0
 QUERY_TRIES = 4
 QUERY_RETRY_SECONDS = 1.0
 UNANSWERED_SECONDS = 900.0
-DEFAULT_MAX_REQUEUES = 10
 SLURM_TIMEOUT_SECONDS = (
     60.0  # how long a Slurm command may take to answer (sbatch retries while the controller is busy)
 )
 # An array sbatch did not confirm (it timed out, or its socket did) is looked for by its name; once this long has
 # passed since, a controller that knows no job of that name and no run that started under it never queued it.
 UNCONFIRMED_SECONDS = 120.0
-SUBMISSION_SUFFIX = ".submission.json"  # in the slurm folder: an array being submitted, until its runs know its id
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize: task ids 0 .. 1000
 RENDEZVOUS_PORTS = (20000, 10000)  # a multi-node run's rendezvous port: 20000 + its job id modulo 10000
 # Job states in which a job may still train (squeue's long names); anything else has ended.
@@ -104,7 +103,7 @@ RUNAWAY = "RUNAWAY"  # a job accounting keeps RUNNING after the controller forgo
 # A runaway job is taken for lost (its run submitted again) this long after its run's last sign of life.
 RUNAWAY_SECONDS = 600.0
 NOT_LISTED = "not listed by Slurm yet"  # the reason of a job just submitted that squeue does not show yet
-PENDING, RUNNING, PREEMPTED = "pending", "running", "preempted"
+PENDING, RUNNING = "pending", "running"
 # Alive states in which a job waits for someone, as the sweep shows them, and what to do.
 WAITING_ON_SOMEONE = {
     "REQUEUE_HOLD": (
@@ -522,17 +521,6 @@ def job_state(run_dir: Path, job: dict, states: dict[str, tuple[str, str]]) -> t
 # A run's folder: its job, its events, its state
 
 
-def read_job(run_dir: Path) -> Optional[dict]:
-    path = run_dir / JOB_FILE
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def read_events(run_dir: Path) -> list[dict]:
-    """The run's Slurm events; a torn line (a job killed as it wrote) is left out with a warning."""
-    path = run_dir / EVENTS_FILE
-    return [e for e in read_jsonl(path) if "event" in e] if path.exists() else []
-
-
 def run_state(run_dir: Path, states: dict[str, tuple[str, str]]) -> tuple[str, str]:
     """(state, detail) of a run: its job's while the job lives, else its status' outcome ("" when it never ran)."""
     job = read_job(run_dir)
@@ -599,7 +587,8 @@ JOB_SCRIPT = """#!/bin/bash
 run_dir=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {runs})
 # This task, as scancel and scontrol name it (the first task's own job id is the whole array's).
 task=${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}
-record() {{ PYTHONPATH={root} {python} -m torchtitan.study.slurm "$1" "$run_dir" "${{@:2}}" 9>&-; }}
+# The record needs the standard library and this package only (-S: no site-packages, which cost each call 4 ms).
+record() {{ PYTHONPATH={root} {python} -S -m torchtitan.study.slurm_job "$1" "$run_dir" "${{@:2}}" 9>&-; }}
 # One trainer per run folder: a local sweep or another job training this run holds the lock; then this task ends.
 # Only this shell holds it (fd 9, closed for what it starts): it is free again the moment this task ends.
 exec 9>>"$run_dir/{lock}"
@@ -784,7 +773,7 @@ class SlurmRunner:
                     continue
                 array = _array_of(submission)
                 if array is not None:
-                    _adopt(path, submission, array)
+                    adopt(path, submission, array)
                     print(f"slurm: found job array {array} ({submission['name']}), which sbatch did not confirm")
                 elif time.time() - submission["time"] > UNCONFIRMED_SECONDS:
                     path.unlink()
@@ -881,7 +870,7 @@ class SlurmRunner:
             return None
         for index, job in enumerate(queued):
             job.job_id = f"{array}_{index}"
-        _adopt(record, submission, array)
+        adopt(record, submission, array)
         print(
             f"slurm: submitted {len(queued)} run(s) as job array {array}, {self.parallel} at a time "
             f"(job script {script})",
@@ -971,32 +960,6 @@ def _array_of(submission: dict) -> Optional[str]:
     return None
 
 
-def _adopt(record: Path, submission: dict, array: str) -> None:
-    """Each run of ``submission`` now belongs to array ``array`` (its ``slurm_job.json``); the record is done."""
-    for index, entry in enumerate(submission["entries"]):
-        job = {"job_id": f"{array}_{index}", "array": array, "submitted": submission["time"]}
-        job.update(name=submission["name"], fields=entry["fields"])
-        write_text_atomically(Path(entry["run_dir"]) / JOB_FILE, json.dumps(job, indent=1) + "\n")
-    record.unlink(missing_ok=True)  # a task of the array and the sweep may adopt it at once
-
-
-def _adopt_own_submission(run_dir: Path) -> None:
-    """A task whose run does not know its job yet (sbatch's answer was lost and the lookup missed): its array is
-    the one whose submission record bears this job's name; every run of it learns its job now."""
-    job, array = read_job(run_dir), os.environ.get("SLURM_ARRAY_JOB_ID", "")
-    if not array or (job is not None and job.get("array") == array):
-        return
-    name = os.environ.get("SLURM_JOB_NAME", "")
-    for path in (run_dir.parent.parent / SLURM_FOLDER).glob(f"*{SUBMISSION_SUFFIX}"):
-        try:
-            submission = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            continue
-        if submission.get("name") == name:
-            _adopt(path, submission, array)
-            return
-
-
 def _without_status(state: str) -> str:
     """What a job that ended without writing the run's status did (``state`` in squeue's words, lower case)."""
     if state == "timeout":  # killed at its limit: its step and save did not fit in the warning
@@ -1023,160 +986,5 @@ def _ended_status(run_dir: Path, job_id: str, state: tuple[str, str]) -> dict:
     return status
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The job script's calls: python -m torchtitan.study.slurm started|stopped|ended RUN_DIR [EXIT_CODE [MAX_REQUEUES]]
-
-
-def _event(run_dir: Path, event: str, code: Optional[int], **more) -> dict:
-    entry = {
-        "event": event,
-        "job_id": _job_id(),
-        "job_name": os.environ.get("SLURM_JOB_NAME", ""),
-        "time": time.time(),
-        "start": int(os.environ.get("SLURM_RESTART_COUNT", "0")) + 1,
-        **({"exit_code": code} if code is not None else {}),
-        **more,
-    }
-    with open(run_dir / EVENTS_FILE, "a") as f:
-        f.write(json.dumps(entry) + "\n")
-    return entry
-
-
-def _job_id() -> str:
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID", "")
-
-
-def newest_checkpoint(run_dir: Path) -> Optional[int]:
-    """The step of the newest complete checkpoint below the run's folder (where train.py writes them unless
-    checkpoint.folder is absolute); None when there is none. The rule of ``checkpoint.folders.complete_steps`` (a
-    ``step-N`` folder holding DCP's ``.metadata``, none set aside as superseded), read without importing torch: the
-    job script asks at every start and stop."""
-    steps = [
-        int(match.group(1))
-        for path in run_dir.rglob("step-*")
-        if (match := re.fullmatch(r"step-(\d+)", path.name))
-        and (path / ".metadata").is_file()
-        and "superseded" not in path.relative_to(run_dir).parts
-    ]
-    return max(steps) if steps else None
-
-
-def trained_seconds(events: Sequence[dict], now: float) -> float:
-    """Seconds a job's starts took, from each start to the stop or end after it: time spent starting and
-    training, not time queued between a requeue and the next start."""
-    total, began = 0.0, None
-    for event in events:
-        if event["event"] == "started":
-            began = event["time"]
-        elif began is not None:
-            total, began = total + event["time"] - began, None
-    return total + (now - began if began is not None else 0.0)
-
-
-def requeue_refusal(run_dir: Path, code: int, max_requeues: int) -> Optional[str]:
-    """Why a run stopped on a signal is not requeued ("" when its own status says why); None to requeue it. Never
-    a run that stopped on its own
-    (diverged, a mistake: its exit record says so), never past ``max_requeues`` requeues of its job, and never a
-    run that saved no checkpoint newer than the one it started from (a new start would train the same steps)."""
-    events = [e for e in read_events(run_dir) if e.get("job_id") == _job_id()]
-    starts = [e for e in events if e["event"] == "started"]
-    own, _ = run_exit_code(run_dir, code, starts[-1]["time"] if starts else 0.0)
-    if own in (USER_ERROR_EXIT_CODE, DIVERGENCE_EXIT_CODE):
-        return ""  # its status says why: its own error line
-    requeues = max(0, len(starts) - 1)  # every start after the first, whoever requeued it (Slurm's own too)
-    if requeues >= max_requeues:
-        return (
-            f"stopped on a signal after {requeues} requeue(s), the most --slurm-max-requeues {max_requeues} allows: "
-            "not requeued; raise --slurm-time or --slurm-max-requeues"
-        )
-    newest, began_at = newest_checkpoint(run_dir), starts[-1].get("checkpoint") if starts else None
-    if newest is None or (began_at is not None and newest <= began_at):
-        since = "" if began_at is None else f" than step {began_at}, the one it started from"
-        return (
-            f"stopped on a signal without a checkpoint newer{since}: not requeued, a new start would train the same "
-            "steps again; enable checkpointing (--checkpoint.enable_checkpoint), or raise --slurm-signal-seconds "
-            "if a step and its save take longer than the warning"
-        )
-    return None
-
-
-def _ended_unrecorded(run_dir: Path) -> bool:
-    """Whether the run's last start ended it (its own exit record, written after that start, says it finished or
-    diverged) without a status: its job was preempted or killed between the run's end and its record."""
-    starts = [e["time"] for e in read_events(run_dir) if e["event"] == "started"]
-    record = read_exit_record(run_dir, since=starts[-1]) if starts else None
-    return record is not None and record.get("exit_code") in (0, DIVERGENCE_EXIT_CODE)
-
-
-def _write_ended(run_dir: Path, code: Optional[int], why: Optional[str] = None) -> None:
-    job = read_job(run_dir) or {}  # none only when neither the sweep nor the task could learn the job (see main)
-    submitted = float(job.get("submitted", time.time()))
-    events = [e for e in read_events(run_dir) if e.get("job_id") == _job_id()]
-    starts = [e["time"] for e in events if e["event"] == "started"]
-    status = ended_status(
-        job.get("fields", {}), -1 if code is None else code, run_dir, starts[-1] if starts else submitted
-    )
-    status["started"] = starts[0] if starts else submitted
-    status["seconds"] = round(trained_seconds(events, time.time()), 1)  # starting and training, not queueing
-    requeues = max(0, len(starts) - 1)
-    if requeues:
-        status["requeues"] = requeues
-    if why:
-        status["message"] = why
-    write_status(run_dir, status)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The job script's record of a start, a stop on a signal or an end of the run in ``RUN_DIR``; ``stopped``
-    exits 0 when the task is to be requeued (recorded as preempted), 1 when the run ended (its status written)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    event, run_dir = argv[0], Path(argv[1])
-    code = int(argv[2]) if len(argv) > 2 and argv[2] else None
-    max_requeues = int(argv[3]) if len(argv) > 3 else DEFAULT_MAX_REQUEUES
-    if event == "started":  # exits 1 when the task is not to train: its run ended, or its requeues are spent
-        _adopt_own_submission(run_dir)
-        if is_done(read_status(run_dir)):
-            _event(run_dir, "skipped", None, reason="the run has ended already")
-            print(f"{run_dir.name} has ended already (its sweep_status.json): not trained again", file=sys.stderr)
-            return 1
-        if _ended_unrecorded(run_dir):  # its last start trained it to its end; the job ended before it said so
-            _event(run_dir, "ended", 0, reason="recorded at the next start")
-            _write_ended(run_dir, 0)
-            print(f"{run_dir.name} ended in its last start: recorded now, not trained again", file=sys.stderr)
-            return 1
-        requeues = sum(e["event"] == "started" for e in read_events(run_dir) if e.get("job_id") == _job_id())
-        if requeues > max_requeues:
-            why = (
-                f"started again after {requeues} requeue(s), Slurm's own included, more than --slurm-max-requeues "
-                f"{max_requeues} allows: not trained again; raise --slurm-time or --slurm-max-requeues"
-            )
-            _event(run_dir, "ended", None, reason=why)
-            _write_ended(run_dir, None, why)
-            return 1
-        _event(run_dir, event, code, checkpoint=newest_checkpoint(run_dir))
-    elif event == "busy":  # another trainer (a local sweep, another job) holds the run's folder
-        _event(run_dir, event, None)
-        print(
-            f"{run_dir.name} is being trained by another process (its folder is locked): not trained here",
-            file=sys.stderr,
-        )
-    elif event == "interrupted":  # stopped by a TERM: Slurm requeues a preempted job itself, not a cancelled one
-        _event(run_dir, event, code)
-    elif event == "stopped":
-        why = requeue_refusal(run_dir, code, max_requeues)
-        if why is None:
-            _event(run_dir, PREEMPTED, code)
-            return 0
-        _event(run_dir, "ended", code, reason=why)
-        _write_ended(run_dir, code, why)
-        return 1
-    else:
-        _event(run_dir, event, code)
-        if event == "ended":
-            _write_ended(run_dir, code)
-    return 0
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the job scripts of studies submitted before their calls moved to slurm_job
     sys.exit(main())

@@ -15,7 +15,6 @@ from torchtitan.errors import UserError
 from torchtitan.study import selection, statistics
 from torchtitan.study.plan import DIVERGED, FAILED, FINISHED, RUNS_FOLDER, lr_label
 from torchtitan.study.run_folders import (
-    GRAD_NORM,
     LOSS,
     MEMORY_TAGS,
     STATE_BYTES,
@@ -25,6 +24,7 @@ from torchtitan.study.run_folders import (
     Series,
     SweepRun,
 )
+from torchtitan.study.run_status import diverged_at_step, first_non_finite_step  # noqa: F401 (their home)
 
 DEFAULT_BASELINE = "AdamW"
 # Tokens/s leaves out the first logged values: the steps they cover include torch.compile's compilation (and a fused
@@ -56,25 +56,6 @@ def finite(values: Sequence[float]) -> list[float]:
 def _last_finite(series: Optional[Series]) -> Optional[float]:
     values = finite(series.values) if series else []
     return values[-1] if values else None
-
-
-def first_non_finite_step(series: Series) -> Optional[int]:
-    """The first step whose value is NaN or infinite, or None."""
-    return next((step for step, value in zip(series.steps, series.values) if not math.isfinite(value)), None)
-
-
-def diverged_at_step(scalars: dict[str, Series]) -> Optional[int]:
-    """The first step with a non-finite training or validation loss, or where the non-finite gradient norms that a
-    run ended with began (the divergence guard skipped its last updates: a saturated model can keep a finite loss
-    while its gradients are NaN); None for a run that did not diverge."""
-    steps = [first_non_finite_step(scalars[tag]) for tag in (LOSS, VALIDATION_LOSS) if tag in scalars]
-    grad_norms = scalars.get(GRAD_NORM)
-    if grad_norms is not None and grad_norms.values and not math.isfinite(grad_norms.values[-1]):
-        start = len(grad_norms.values) - 1
-        while start > 0 and not math.isfinite(grad_norms.values[start - 1]):
-            start -= 1
-        steps.append(grad_norms.steps[start])
-    return min((step for step in steps if step is not None), default=None)
 
 
 def summarize(scalars: dict[str, Series], last_k: int) -> dict:
