@@ -1,9 +1,10 @@
 """Pre-train Llama 3 from a TOML job config: ``torchrun ... train.py --job.config_file X.toml [--section.key value]``.
 
-Reads top to bottom like the training recipe: config, device mesh, tokenizer, model on meta, parallelize,
-initialise, optimizers, schedulers, data, checkpoint, loop. The model building and one training step (forward,
-loss, backward, clip, divergence guard, update) live in ``torchtitan/training/step.py``, shared with the memory
-estimator.
+Reads top to bottom like the training recipe: config checked (preflight), the job built (device mesh, model on
+meta, parallelize, initialise, optimizers, schedulers, data, checkpoint: ``torchtitan/training/job.py``, shared
+with the optimizer x layout matrix), resume, loop. One step of the loop (micro-batches, forward, loss, backward,
+clip, divergence guard, update, schedule) is ``Job.step``; its core, ``torchtitan/training/step.py``, is shared
+with the memory estimator.
 ``python train.py ...`` without torchrun runs as one process.
 """
 
@@ -21,17 +22,15 @@ os.environ.update(allocator_environ(os.environ))
 
 import torch.distributed as dist
 
-from torchtitan.checkpoint import CheckpointManager
 from torchtitan.checkpoint.folders import FolderInUse
 from torchtitan.config.job_config import JOB_CONFIG_RECORD, JobConfig
 from torchtitan.config.preflight import checked_by_launcher, preflight
-from torchtitan.datasets.build import DATASET_RECORD, build_data_loader, dataset_record
-from torchtitan.distributed.collectives import all_reduce_scalar, first_step_timeouts, training_timeouts
-from torchtitan.distributed.utils import init_distributed, set_determinism, set_float32_matmul_precision
+from torchtitan.datasets.build import DATASET_RECORD
+from torchtitan.distributed.collectives import all_reduce_scalar, training_timeouts
+from torchtitan.distributed.utils import init_distributed, set_float32_matmul_precision
 from torchtitan.errors import exit_code, write_exit_record
 from torchtitan.logging import init_logger, logger
-from torchtitan.optim import build_optimizers
-from torchtitan.telemetry.health import LossSpikes, OptimizerHealth, format_health_line
+from torchtitan.telemetry.health import format_health_line
 from torchtitan.telemetry.metrics import (
     build_metric_logger,
     format_log_line,
@@ -43,13 +42,9 @@ from torchtitan.telemetry.metrics import (
     run_header,
 )
 from torchtitan.telemetry.profiling import maybe_profile
-from torchtitan.telemetry.step_timing import StepTimer
 from torchtitan.training.garbage_collection import GarbageCollection
-from torchtitan.training.guard import DivergenceGuard
-from torchtitan.training.lr_scheduling import build_lr_schedulers
+from torchtitan.training.job import build_job
 from torchtitan.training.preemption import Preemption
-from torchtitan.training.step import TrainState, build_model, first_compile_notice, init_model, train_step
-from torchtitan.training.validate import build_validator, training_split
 
 
 def main(job_config: JobConfig) -> None:
@@ -66,7 +61,6 @@ def main(job_config: JobConfig) -> None:
     device, rank, world_size = init_distributed(job_config.comm.init_timeout_seconds)
     if not first_rank:
         checked = preflight(job_config, world_size, check_layout=False)
-    parallel_dims, model_args, tokenizer = checked
     t = job_config.training
     logger.info(f"job: {job_config.job.description} | {world_size} process(es) on {device.type}")
     if device.type == "cuda":
@@ -75,52 +69,9 @@ def main(job_config: JobConfig) -> None:
         logger.info(f"float32 matmuls: {'TF32' if precision == 'high' else 'full float32'} (training.tf32 {t.tf32})")
     if job_config.job.print_args:
         logger.info(f"config: {job_config.to_dict()}")
-    set_determinism(t.seed, t.deterministic)
-
-    world_mesh = parallel_dims.build_mesh(device.type)
-    dp_rank, dp_degree = parallel_dims.dp_rank_and_degree(world_mesh)
-    dp_group = parallel_dims.dp_mesh(world_mesh).get_group() if parallel_dims.dp_enabled else None
-    if world_size > 1:  # compiling comes next, on some ranks from a warm cache and on others cold
-        seconds = first_step_timeouts(job_config.comm, world_mesh, dp_group)
-        logger.info(f"collectives: timeout {seconds} s until the first step ends")
-
-    model = build_model(job_config, model_args, parallel_dims, world_mesh, compute_device_type=device.type)
-    num_params = sum(p.numel() for p in model.parameters())
-    logger.info(
-        f"model: llama3 {job_config.model.flavor}, {num_params:,} parameters, vocab {model_args.vocab_size}, "
-        f"{t.param_dtype} weights"
-    )
-    init_model(model, device, t.seed)
-    model_parts = [model]
-
-    optimizers = build_optimizers(model_parts, job_config)
-    if (notice := first_compile_notice(job_config, device.type)) is not None:
-        logger.info(notice)  # its state is created (compiling its step) by the first load or save, or below
-    lr_schedulers = build_lr_schedulers(optimizers, job_config)
-    data_record = dataset_record(job_config, tokenizer)
-    logger.info(f"data: {data_record['source']}, fingerprint {data_record['fingerprint']}")
-    data_loader = build_data_loader(
-        job_config,
-        tokenizer,
-        dp_rank,
-        dp_degree,
-        data_record["fingerprint"],
-        training_split(job_config),
-        pin_memory=device.type == "cuda",
-        group=_world_group(),
-    )
-    validator = build_validator(job_config, tokenizer, parallel_dims, dp_rank, dp_degree, dp_group, device)
-    spikes = LossSpikes.build(job_config, device, dp_group)
-    train_state = TrainState(spikes)  # a resumed run counts loss spikes on from its checkpoint's count
-    checkpoint = CheckpointManager(
-        data_loader=data_loader,
-        model_parts=model_parts,
-        optimizers=optimizers,
-        lr_schedulers=lr_schedulers,
-        states={"train_state": train_state},
-        job_config=job_config,
-        token_ids={"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id},
-    )
+    job = build_job(job_config, checked, device, world_size)
+    model, optimizers, checkpoint, train_state = job.model, job.optimizers, job.checkpoint, job.train_state
+    world_mesh, dp_group, dp_degree, validator = job.world_mesh, job.dp_group, job.dp_degree, job.validator
     if job_config.checkpoint.create_seed_checkpoint:
         seed_folder = checkpoint.create_seed_checkpoint()
         checkpoint.close()
@@ -138,22 +89,21 @@ def main(job_config: JobConfig) -> None:
         resumed_step=train_state.step,
     )
     if rank == 0:  # what the run read and the whole config it ran with, beside its metrics
-        metric_logger.write_record(DATASET_RECORD, json.dumps(data_record, indent=1))
+        metric_logger.write_record(DATASET_RECORD, json.dumps(job.data_record, indent=1))
         metric_logger.write_record(JOB_CONFIG_RECORD, job_config.to_toml(run_header(world_size, device)))
     optimizers.initialise_state()  # a fresh run's state exists from the start (measured, and checkpointable)
     state_bytes = all_reduce_scalar(optimizers.state_bytes(), "sum", _world_group(), device)
     metric_logger.log({"optimizer/state_bytes": state_bytes}, train_state.step)
     logger.info(f"optimizer: {optimizers.name}, state {state_bytes / 2**20:,.1f} MiB over all ranks")
 
-    tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * dp_degree
-    flops = model_flops_per_token(num_params, model_args, t.seq_len)
+    tokens_per_step = job.tokens_per_step
+    flops = model_flops_per_token(sum(p.numel() for p in model.parameters()), job.model_args, t.seq_len)
     gpu_peak = peak_flops(device)
-    batches = iter(data_loader)
     # SIGTERM or SIGUSR1: finish the step, save it, exit (torchtitan/training/preemption.py); the guard's all-reduce
     # tells every rank.
     preemption = Preemption()
-    guard = DivergenceGuard(t.max_skipped_steps, device, stop_signal=preemption.signalled)
-    health, timer = OptimizerHealth.build(model_parts, job_config, device), StepTimer(device)
+    guard, health, timer, spikes = job.guard, job.health, job.timer, job.spikes
+    guard.stop_signal = preemption.signalled
     logger.info(
         f"training {t.steps} steps from step {train_state.step}: global batch {t.batch_size * dp_degree} x "
         f"{t.gradient_accumulation_steps} accumulation x {t.seq_len} tokens"
@@ -166,25 +116,17 @@ def main(job_config: JobConfig) -> None:
     first_step = train_state.step + 1
     with maybe_profile(job_config, train_state) as profiler, GarbageCollection(t.gc_freq) as garbage_collection:
         while train_state.step < t.steps:
-            train_state.step += 1
-            garbage_collection.run(train_state.step)
-            lr = lr_schedulers.get_last_lr()
-            loss, grad_norm, updated = train_step(
-                model, optimizers, batches, parallel_dims, job_config, device, guard, train_state.step, health, timer
-            )
-            timer.step_done()
-            if spikes is not None:
-                spikes.record(loss, updated)
+            garbage_collection.run(train_state.step + 1)
+            # One step of the loop (torchtitan/training/job.py): a skipped step still consumes its batches and
+            # advances the schedule (see torchtitan/training/guard.py).
+            outcome = job.step()
+            loss, grad_norm, updated, lr = outcome.loss, outcome.grad_norm, outcome.updated, outcome.lr
             if health is not None and (health_metrics := health.metrics(lr)):
                 logger.info(format_health_line(train_state.step, health_metrics))
                 metric_logger.log(health_metrics, train_state.step)
             if train_state.step == first_step and world_size > 1:
                 seconds = training_timeouts(job_config.comm, world_mesh, dp_group)
                 logger.info(f"collectives: timeout {seconds} s from now on")
-            # A skipped step still consumes its batch and advances the schedule (see torchtitan/training/guard.py).
-            lr_schedulers.step()
-            train_state.tokens_seen += tokens_per_step
-            train_state.skipped_steps += not updated
             window_steps += 1
 
             if train_state.step % job_config.metrics.log_freq == 0 or train_state.step == t.steps:

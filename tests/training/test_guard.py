@@ -14,6 +14,7 @@ import torch.distributed as dist
 import train as train_module
 from tests.distributed import run_workers
 from tests.helpers import DEBUG_RUN, ROOT, Trainer, checkpoint_job, event_tags, metric_rows, run_dir, train
+from torchtitan.training import job as job_module
 from torchtitan.training import step as step_module
 from torchtitan.training.guard import DivergenceError, DivergenceGuard, resume_hint, tensors_are_finite
 from torchtitan.training.preemption import Preemption
@@ -157,7 +158,7 @@ def in_process_run(tmp_path, monkeypatch, nan_at_step=None, *extra):
         record[len(record) + 1] = (updated, unchanged)
         return loss, grad_norm, updated
 
-    monkeypatch.setattr(train_module, "train_step", observed_step)
+    monkeypatch.setattr(job_module, "train_step", observed_step)  # the step train.py's loop runs (Job.step)
     monkeypatch.setattr(step_module, "clip_grad_norm_", clip_with_injection)
     monkeypatch.setattr(sys, "argv", ["train.py", *DEBUG_RUN, "--job.dump_folder", str(tmp_path), *extra])
     monkeypatch.chdir(ROOT)
