@@ -411,22 +411,29 @@ def squeue(folder: Path, argv: list[str], faults: dict, call: Call) -> int:
     me = "--me" in argv or _option(argv, "-u", "--user") is not None
     with locked_state(folder) as state:
         lines = []
-        for key, task in sorted(state["tasks"].items()):
-            array = state["arrays"][task["array"]]
-            if not _visible(array):
-                continue
+        for key, task in _listed(state, names, ids, by_task=True):
             if task["state"] not in ALIVE and time.time() - task["ended"] > faults.get("min_job_age", 1.0):
                 continue  # forgotten by the controller
-            if names is not None and array["name"] not in names.split(","):
-                continue
-            if ids is not None and task["array"] not in ids.split(",") and key not in ids.split(","):
-                continue
             if me and task["state"] not in ALIVE:
                 continue
             reason = "None" if task["state"] != "PENDING" else "JobArrayTaskLimit"
             lines.append(fmt.replace("%i", key).replace("%T", task["state"]).replace("%r", reason))
     print("\n".join(lines), file=call.out)
     return 0
+
+
+def _listed(state: dict, names, ids, by_task: bool):
+    """The tasks a listing shows: of arrays the controller shows, named by ``-n`` and ``-j`` where given (``-j``
+    naming arrays, and for squeue also single tasks)."""
+    for key, task in sorted(state["tasks"].items()):
+        array = state["arrays"][task["array"]]
+        if not _visible(array):
+            continue
+        if names is not None and array["name"] not in names.split(","):
+            continue
+        if ids is not None and task["array"] not in ids.split(",") and not (by_task and key in ids.split(",")):
+            continue
+        yield key, task
 
 
 def sacct(folder: Path, argv: list[str], faults: dict, call: Call) -> int:
@@ -437,14 +444,7 @@ def sacct(folder: Path, argv: list[str], faults: dict, call: Call) -> int:
     ids = _option(argv, "-j", "--jobs")
     with locked_state(folder) as state:
         lines = []
-        for key, task in sorted(state["tasks"].items()):
-            array = state["arrays"][task["array"]]
-            if not _visible(array):
-                continue
-            if names is not None and array["name"] not in names.split(","):
-                continue
-            if ids is not None and task["array"] not in ids.split(","):
-                continue
+        for key, task in _listed(state, names, ids, by_task=False):
             shown = "RUNNING" if task.get("runaway") else task["state"]
             lines.append(f"{key}|{shown}" if _option(argv, "-o", "--format") != "JobID" else key)
     print("\n".join(lines), file=call.out)

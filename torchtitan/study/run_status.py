@@ -35,12 +35,17 @@ ATTEMPT_MARK = "\n$ "  # each attempt's output in train.log follows a line "$ {c
 _ERROR_LINE = re.compile(r"^(error: |[\w.]*(Error|Exception|Interrupt): )")
 
 
-def read_status(run_dir: str | os.PathLike) -> dict | None:
+def read_json(path: str | os.PathLike) -> dict | None:
+    """A run folder's JSON file, None while it does not exist."""
     try:
-        with open(os.path.join(run_dir, STATUS_FILE)) as f:
+        with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
         return None
+
+
+def read_status(run_dir: str | os.PathLike) -> dict | None:
+    return read_json(os.path.join(run_dir, STATUS_FILE))
 
 
 def write_status(run_dir: str | os.PathLike, status: dict) -> None:

@@ -21,7 +21,15 @@ import time
 from collections.abc import Sequence
 
 from torchtitan.errors import DIVERGENCE_EXIT_CODE, USER_ERROR_EXIT_CODE, read_exit_record
-from torchtitan.study.run_status import ended_status, is_done, read_jsonl, read_status, run_exit_code, write_status
+from torchtitan.study.run_status import (
+    ended_status,
+    is_done,
+    read_json,
+    read_jsonl,
+    read_status,
+    run_exit_code,
+    write_status,
+)
 
 SLURM_FOLDER = "slurm"  # in the dump folder: each submission's job script, its list of run folders, Slurm's output
 JOB_FILE = "slurm_job.json"  # in a run folder: its last submission's job id, and the run's cell
@@ -32,11 +40,7 @@ PREEMPTED = "preempted"  # a run stopped on a signal and requeued (its event, an
 
 
 def read_job(run_dir: str | os.PathLike) -> dict | None:
-    try:
-        with open(os.path.join(run_dir, JOB_FILE)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
+    return read_json(os.path.join(run_dir, JOB_FILE))
 
 
 def read_events(run_dir: str | os.PathLike) -> list[dict]:
