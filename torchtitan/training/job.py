@@ -49,7 +49,6 @@ class Job:
 
     job_config: JobConfig
     device: torch.device
-    world_size: int
     parallel_dims: Any
     model_args: Any
     tokenizer: Any
@@ -70,10 +69,6 @@ class Job:
     health: Optional[OptimizerHealth]
     timer: StepTimer
     _batches: Any = None
-
-    @property
-    def model_parts(self) -> list[torch.nn.Module]:
-        return [self.model]
 
     @property
     def tokens_per_step(self) -> int:
@@ -163,7 +158,6 @@ def build_job(job_config: JobConfig, checked: tuple, device: torch.device, world
     return Job(
         job_config=job_config,
         device=device,
-        world_size=world_size,
         parallel_dims=parallel_dims,
         model_args=model_args,
         tokenizer=tokenizer,
