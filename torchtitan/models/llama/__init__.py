@@ -28,7 +28,7 @@ llama3_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16, rope_theta=500000),
     "debugmodel_gqa": ModelArgs(dim=256, n_layers=8, n_heads=16, n_kv_heads=4, rope_theta=500000),
     # The smallest shape with every rule to bite on (grouped-query heads TP 2 splits, rows FSDP 3 splits unevenly, two
-    # blocks): the optimizer x layout matrix of the tests, and a smoke run in seconds.
+    # blocks): a smoke run in seconds.
     "debugmodel_tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=64, rope_theta=500000),
     # Llama 3.2 1B shapes with an untied output projection (~1.5B parameters at the 128k vocabulary).
     "1B": ModelArgs(
