@@ -528,7 +528,7 @@ STEPS: dict[str, Step] = {
     "component_checks": Step(step_component_checks, estimate_s=300, budget_s=500),
     "gpu_tests": Step(step_gpu_tests, estimate_s=360, budget_s=450, needs=("pytest", "torchdata")),
     "health_timing": Step(step_health_timing, estimate_s=60, budget_s=100, needs=(*TRAIN_PY_NEEDS, COMPILE)),
-    "seed_run_8b": Step(step_seed_run_8b, estimate_s=250, budget_s=320, needs=(COMPILE,)),
+    "seed_run_8b": Step(step_seed_run_8b, estimate_s=270, budget_s=340, needs=(COMPILE,)),
 }
 # Every budget leaves at least this much over its estimate (a loaded or slower machine, a colder cache).
 BUDGET_HEADROOM = 1.25
