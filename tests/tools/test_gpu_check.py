@@ -136,6 +136,36 @@ def test_snapshot_summary_per_stream():
     assert seed_run.summarize_snapshot({"segments": []}) == []
 
 
+def test_phase_peaks_name_each_peaks_phase_and_keep_the_reserved_peaks_snapshot(monkeypatch):
+    """On a GPU: each phase's peaks (the counters reset between phases), the phase of each overall peak, and the
+    allocator's snapshot from the end of the first phase that reached the reserved peak."""
+    gib = 2**30
+    peaks = iter([(5, 10), (8, 10), (7, 12), (3, 12)])  # (allocated, reserved) GiB of each phase, in turn
+    now: dict[str, int] = {}
+
+    def read_peaks():
+        now["allocated"], now["reserved"] = (value * gib for value in next(peaks))
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: now["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: now["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: now["reserved"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"taken after": now["reserved"] // gib})
+    recorder = seed_run.PhasePeaks(torch.device("cuda"))
+    for phase in ("build", "forward (step 1)", "optimizer step (step 1)", "forward (step 2)"):
+        recorder.begin(phase)
+        read_peaks()
+    recorder.end()
+    assert recorder.summary() == {
+        "peak reserved GiB": 12.0,
+        "reserved peak during": "optimizer step (step 1)",
+        "peak allocated GiB": 8.0,
+        "allocated peak during": "forward (step 1)",
+    }
+    assert recorder.snapshot_phase == "optimizer step (step 1)" and recorder.snapshot == {"taken after": 12}
+    assert seed_run.PhasePeaks(torch.device("cpu")).summary()["peak reserved GiB"] is None  # nothing on a CPU
+
+
 def test_seed_run_measures_under_the_launchers_setting_then_torchs_defaults():
     launcher = context.step_environment(False, {"PATH": "/bin"})
     (first, first_env), (second, second_env) = seed_run.allocator_settings(launcher)
