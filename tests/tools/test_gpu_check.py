@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -164,6 +165,37 @@ def test_phase_peaks_name_each_peaks_phase_and_keep_the_reserved_peaks_snapshot(
     }
     assert recorder.snapshot_phase == "optimizer step (step 1)" and recorder.snapshot == {"taken after": 12}
     assert seed_run.PhasePeaks(torch.device("cpu")).summary()["peak reserved GiB"] is None  # nothing on a CPU
+
+
+def test_seed_run_rows_beside_the_estimate_of_their_allocator_setting():
+    from torchtitan.estimation.allocator import Replay, parse_alloc_conf
+
+    gib = 2**30
+
+    def estimate(allocated, expandable, default):
+        reserved = [Replay(parse_alloc_conf("expandable_segments:True"), expandable * gib, "backward (step 1)")]
+        reserved.append(Replay(parse_alloc_conf(""), default * gib, "optimizer step (step 2)"))
+        return SimpleNamespace(peak=allocated * gib, reserved=reserved)
+
+    estimates = {"AdamW": estimate(62, 72, 79), "AdamMini": estimate(58, 68, 77)}
+    rows = []
+    for conf, measured in (("expandable_segments:True", (70, 66)), ("", (75, 69))):
+        for name, reserved in zip(seed_run.SEED_RUN_OPTIMIZERS, measured):
+            row = {"optimizer": name, "allocator": conf or seed_run.TORCH_DEFAULTS, "fits": "yes"}
+            row.update({"peak reserved GiB": reserved, "peak allocated GiB": 60})
+            seed_run._compare(row, estimates[name], conf)
+            rows.append(row)
+    assert rows[0]["estimated peak reserved GiB"] == 72 and rows[0]["reserved estimate error %"] == 2.9
+    assert rows[2]["estimated peak reserved GiB"] == 79 and rows[2]["reserved estimate error %"] == 5.3
+    assert rows[2]["estimated reserved peak during"] == "optimizer step (step 2)"
+    assert rows[1]["estimated peak allocated GiB"] == 58 and rows[1]["allocated estimate error %"] == -3.3
+    assert seed_run._savings(rows) == [
+        "AdamW minus AdamMini, peak reserved, expandable_segments:True: measured 4 GiB, estimated 4.0 GiB, seed run "
+        "6.19 GiB",
+        "AdamW minus AdamMini, peak reserved, torch's defaults: measured 6 GiB, estimated 2.0 GiB, seed run 6.19 GiB",
+    ]
+    rows[3]["fits"] = "no: out of memory during backward (step 1) within 79.2 GiB"
+    assert len(seed_run._savings(rows)) == 1  # no saving where one run did not fit
 
 
 def test_seed_run_measures_under_the_launchers_setting_then_torchs_defaults():

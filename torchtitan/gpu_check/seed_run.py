@@ -323,6 +323,8 @@ def step_seed_run_8b(ctx: Context) -> StepResult:
                     "seed_run` on a GPU with more memory (an H200, 141 GB)"
                 )
             row["seed run reserved GiB"] = SEED_RUN_RESERVED_GIB[name]
+            if row.get("peak reserved GiB"):
+                row["vs seed run %"] = round(100 * (row["peak reserved GiB"] / SEED_RUN_RESERVED_GIB[name] - 1), 1)
             result.rows.append(row)
             if measured.get("snapshot") and measured["snapshot"]["streams"]:
                 texts.append(snapshot_text(f"{name}, {row['allocator']}", measured["snapshot"]))
