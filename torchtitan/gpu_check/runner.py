@@ -146,10 +146,13 @@ def run_steps_together(names: list[str], ctx: Context) -> dict[str, dict[str, An
     log = log_path(ctx.out, "steps")
     returncode = _start(runnable, ctx, budget, log)
     for name in runnable:
+        saved = result_path(ctx.out, name)
+        ended = saved.is_file() and any(key in json.loads(saved.read_text()) for key in ("done", "error"))
         outcome = _outcome(name, ctx, returncode, log, budget)
-        if "seconds" not in outcome:  # not reached
-            break
+        outcome.setdefault("seconds", 0.0)
         outcomes[name] = _printed(name, outcome)
+        if not ended:  # the step the process stopped in (at its budget, or crashing); the next were not reached
+            break
     return outcomes
 
 
