@@ -198,6 +198,18 @@ def test_seed_run_rows_beside_the_estimate_of_their_allocator_setting():
     assert len(seed_run._savings(rows)) == 1  # no saving where one run did not fit
 
 
+def test_a_seed_run_process_that_fails_is_its_rows_error_with_its_output_kept(tmp_path):
+    """On a GPU each measurement is ``python -m torchtitan.gpu_check.seed_run`` in a process of its own; here, without
+    CUDA, it fails, and its row says so in one cell while its whole output is kept in the check's logs."""
+    ctx = context.Context(sizes=context.Sizes.for_run(dry_run=True), out=tmp_path, dry_run=False)
+    env = {**context.step_environment(False), "CUDA_VISIBLE_DEVICES": ""}
+    measured = seed_run._measure_in_a_process(ctx, "AdamW", "expandable_segments:True", env)
+    assert measured["row"]["fits"].startswith("error: its process exited with 1: "), measured
+    log = (tmp_path / "logs" / "seed_run_8b" / "AdamW-expandable_segments_True.log").read_text()
+    assert "Traceback" in log and "--optimizer" not in measured["row"]["fits"]
+    assert runner.broken_rows([measured["row"]])  # the step fails, its other rows still measured
+
+
 def test_seed_run_measures_under_the_launchers_setting_then_torchs_defaults():
     launcher = context.step_environment(False, {"PATH": "/bin"})
     (first, first_env), (second, second_env) = seed_run.allocator_settings(launcher)

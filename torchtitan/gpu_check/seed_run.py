@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from torchtitan.distributed.cuda_allocator import ALLOC_CONF_VARIABLES, alloc_conf_in_effect
-from torchtitan.gpu_check.context import GIB, REPO_ROOT, Context, StepResult, run_command, step_env
+from torchtitan.gpu_check.context import GIB, REPO_ROOT, Context, StepResult, log_path, run_command, step_env
 
 SEED_RUN_CONFIG = REPO_ROOT / "tests" / "estimation" / "llama3_8b_seed_run.toml"
 # What the seed run measured per GPU (torch.cuda.max_memory_reserved), by optimizer.
@@ -233,7 +233,10 @@ def allocator_settings(env: dict[str, str]) -> list[tuple[str, dict[str, str]]]:
     return [(launcher, env)] + ([("", bare)] if launcher else [])
 
 
-def _measure_in_a_process(ctx: Context, name: str, env: dict[str, str], uncapped: bool = False) -> dict[str, Any]:
+def _measure_in_a_process(
+    ctx: Context, name: str, conf: str, env: dict[str, str], uncapped: bool = False
+) -> dict[str, Any]:
+    """One optimizer's measurement in a fresh process under ``env``; its output is kept in the check's logs."""
     out = ctx.out / "seed_run" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
@@ -243,6 +246,10 @@ def _measure_in_a_process(ctx: Context, name: str, env: dict[str, str], uncapped
         main(command[3:])
         return json.loads(out.read_text())
     done = run_command(command, ctx, env=env)
+    label = "".join(c if c.isalnum() else "_" for c in conf) or "defaults"
+    log = log_path(ctx.out, f"seed_run_8b/{name}-{label}{'-uncapped' if uncapped else ''}")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(done.output)
     if not done.ok or not out.is_file():
         tail = " / ".join(done.output.strip().splitlines()[-3:])[-600:]
         return {"row": {"fits": f"error: its process {done.how_it_ended()}: {tail}"}, "snapshot": None}
@@ -310,12 +317,12 @@ def step_seed_run_8b(ctx: Context) -> StepResult:
     texts = []
     for conf, env in allocator_settings(step_env(ctx)):
         for name in names:
-            measured = _measure_in_a_process(ctx, name, env)
+            measured = _measure_in_a_process(ctx, name, conf, env)
             row = {"optimizer": name, "allocator": conf or TORCH_DEFAULTS, **measured["row"]}
             capped = row.get("capacity GiB") is not None and row["capacity GiB"] < row.get("GPU GiB", 0)
             if row.get("fits", "").startswith("no") and capped:  # measure what the whole GPU holds too
                 result.rows.append(row)
-                measured = _measure_in_a_process(ctx, name, env, uncapped=True)
+                measured = _measure_in_a_process(ctx, name, conf, env, uncapped=True)
                 row = {"optimizer": name, "allocator": conf or TORCH_DEFAULTS, **measured["row"]}
             elif row.get("fits", "").startswith("no"):
                 result.notes.append(
