@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from tests.distributed import launch_env
 from tests.helpers import ROOT
 from torchtitan.distributed.cuda_allocator import DEFAULT_ALLOC_CONF
 from torchtitan.errors import UserError
-from torchtitan.gpu_check import context, runner
+from torchtitan.gpu_check import context, runner, seed_run
 from torchtitan.gpu_check import steps as plan
 from torchtitan.optim.builder import OPTIMIZERS
 from torchtitan.tools import gpu_check
@@ -74,8 +75,150 @@ def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
     markdown = (out / "gpu_check.md").read_text()
     for name in plan.STEPS:
         assert f"## {name}: ok" in markdown
+    # The seed run's rank: each optimizer under train.py's allocator setting and torch's defaults, beside the
+    # estimate of the same job and the seed run's measurement (peaks are None on the CPU).
+    seed_rows = report["steps"]["seed_run_8b"]["rows"]
+    assert [(row["optimizer"], row["allocator"]) for row in seed_rows] == [
+        (name, allocator)
+        for allocator in (DEFAULT_ALLOC_CONF, seed_run.TORCH_DEFAULTS)
+        for name in seed_run.SEED_RUN_OPTIMIZERS
+    ]
+    for row in seed_rows:
+        assert row["fits"] == "yes" and row["steps"] == seed_run.SEED_RUN_STEPS, row
+        assert row["estimated peak allocated GiB"] is not None and "peak reserved GiB" in row, row
+        assert row["seed run reserved GiB"] == seed_run.SEED_RUN_RESERVED_GIB[row["optimizer"]]
+    assert "| AdamMini | torch's defaults |" in markdown
     assert report["allocator"] == f"PYTORCH_CUDA_ALLOC_CONF={DEFAULT_ALLOC_CONF}"
     assert not list((out / "steps").glob("*.json.partial"))
+
+
+def test_snapshot_summary_per_stream():
+    """``torch.cuda.memory._snapshot()``'s segments summed per stream; the largest free block is the largest
+    inactive block of any of its segments (not the sum of free bytes, which fragmentation scatters)."""
+    mib = 2**20
+
+    def segment(stream, total, blocks):
+        allocated = sum(size for size, state in blocks if state == "active_allocated")
+        return {
+            "stream": stream,
+            "total_size": total,
+            "allocated_size": allocated,
+            "active_size": allocated,
+            "segment_type": "large",
+            "blocks": [{"size": size, "state": state, "address": 0, "requested_size": size} for size, state in blocks],
+        }
+
+    snapshot = {
+        "segments": [
+            segment(0, 100 * mib, [(60 * mib, "active_allocated"), (40 * mib, "inactive")]),
+            segment(0, 2 * mib, [(1 * mib, "active_allocated"), (1 * mib, "inactive")]),
+            segment(0x7F00, 1024 * mib, [(1000 * mib, "active_allocated"), (24 * mib, "active_awaiting_free")]),
+        ],
+        "device_traces": [],
+    }
+    assert seed_run.summarize_snapshot(snapshot) == [
+        {
+            "stream": "0x7f00",
+            "segments": 1,
+            "reserved GiB": 1.0,
+            "allocated GiB": 0.98,
+            "free GiB": 0.02,
+            "largest free block MiB": 0.0,  # a block awaiting another stream is not free yet
+        },
+        {
+            "stream": "default",
+            "segments": 2,
+            "reserved GiB": 0.1,
+            "allocated GiB": 0.06,
+            "free GiB": 0.04,
+            "largest free block MiB": 40.0,
+        },
+    ]
+    assert seed_run.summarize_snapshot({"segments": []}) == []
+
+
+def test_phase_peaks_name_each_peaks_phase_and_keep_the_reserved_peaks_snapshot(monkeypatch):
+    """On a GPU: each phase's peaks (the counters reset between phases), the phase of each overall peak, and the
+    allocator's snapshot from the end of the first phase that reached the reserved peak."""
+    gib = 2**30
+    peaks = iter([(5, 10), (8, 10), (7, 12), (3, 12)])  # (allocated, reserved) GiB of each phase, in turn
+    now: dict[str, int] = {}
+
+    def read_peaks():
+        now["allocated"], now["reserved"] = (value * gib for value in next(peaks))
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: now["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: now["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: now["reserved"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"taken after": now["reserved"] // gib})
+    recorder = seed_run.PhasePeaks(torch.device("cuda"))
+    for phase in ("build", "forward (step 1)", "optimizer step (step 1)", "forward (step 2)"):
+        recorder.begin(phase)
+        read_peaks()
+    recorder.end()
+    assert recorder.summary() == {
+        "peak reserved GiB": 12.0,
+        "reserved peak during": "optimizer step (step 1)",
+        "peak allocated GiB": 8.0,
+        "allocated peak during": "forward (step 1)",
+    }
+    assert recorder.snapshot_phase == "optimizer step (step 1)" and recorder.snapshot == {"taken after": 12}
+    assert seed_run.PhasePeaks(torch.device("cpu")).summary()["peak reserved GiB"] is None  # nothing on a CPU
+
+
+def test_seed_run_rows_beside_the_estimate_of_their_allocator_setting():
+    from torchtitan.estimation.allocator import Replay, parse_alloc_conf
+
+    gib = 2**30
+
+    def estimate(allocated, expandable, default):
+        reserved = [Replay(parse_alloc_conf("expandable_segments:True"), expandable * gib, "backward (step 1)")]
+        reserved.append(Replay(parse_alloc_conf(""), default * gib, "optimizer step (step 2)"))
+        return SimpleNamespace(peak=allocated * gib, reserved=reserved)
+
+    estimates = {"AdamW": estimate(62, 72, 79), "AdamMini": estimate(58, 68, 77)}
+    rows = []
+    for conf, measured in (("expandable_segments:True", (70, 66)), ("", (75, 69))):
+        for name, reserved in zip(seed_run.SEED_RUN_OPTIMIZERS, measured):
+            row = {"optimizer": name, "allocator": conf or seed_run.TORCH_DEFAULTS, "fits": "yes"}
+            row.update({"peak reserved GiB": reserved, "peak allocated GiB": 60})
+            seed_run._compare(row, estimates[name], conf)
+            rows.append(row)
+    assert rows[0]["estimated peak reserved GiB"] == 72 and rows[0]["reserved estimate error %"] == 2.9
+    assert rows[2]["estimated peak reserved GiB"] == 79 and rows[2]["reserved estimate error %"] == 5.3
+    assert rows[2]["estimated reserved peak during"] == "optimizer step (step 2)"
+    assert rows[1]["estimated peak allocated GiB"] == 58 and rows[1]["allocated estimate error %"] == -3.3
+    assert seed_run._savings(rows) == [
+        "AdamW minus AdamMini, peak reserved, expandable_segments:True: measured 4 GiB, estimated 4.0 GiB, seed run "
+        "6.19 GiB",
+        "AdamW minus AdamMini, peak reserved, torch's defaults: measured 6 GiB, estimated 2.0 GiB, seed run 6.19 GiB",
+    ]
+    rows[3]["fits"] = "no: out of memory during backward (step 1) within 79.2 GiB"
+    assert len(seed_run._savings(rows)) == 1  # no saving where one run did not fit
+
+
+def test_a_seed_run_process_that_fails_is_its_rows_error_with_its_output_kept(tmp_path):
+    """On a GPU each measurement is ``python -m torchtitan.gpu_check.seed_run`` in a process of its own; here, without
+    CUDA, it fails, and its row says so in one cell while its whole output is kept in the check's logs."""
+    ctx = context.Context(sizes=context.Sizes.for_run(dry_run=True), out=tmp_path, dry_run=False)
+    env = {**context.step_environment(False), "CUDA_VISIBLE_DEVICES": ""}
+    measured = seed_run._measure_in_a_process(ctx, "AdamW", "expandable_segments:True", env)
+    assert measured["row"]["fits"].startswith("error: its process exited with 1: "), measured
+    log = (tmp_path / "logs" / "seed_run_8b" / "AdamW-expandable_segments_True.log").read_text()
+    assert "Traceback" in log and "--optimizer" not in measured["row"]["fits"]
+    assert runner.broken_rows([measured["row"]])  # the step fails, its other rows still measured
+
+
+def test_seed_run_measures_under_the_launchers_setting_then_torchs_defaults():
+    launcher = context.step_environment(False, {"PATH": "/bin"})
+    (first, first_env), (second, second_env) = seed_run.allocator_settings(launcher)
+    assert (first, first_env["PYTORCH_CUDA_ALLOC_CONF"]) == (DEFAULT_ALLOC_CONF, DEFAULT_ALLOC_CONF)
+    assert second == "" and "PYTORCH_CUDA_ALLOC_CONF" not in second_env and second_env["PATH"] == "/bin"
+    own = context.step_environment(False, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"})
+    assert [conf for conf, _ in seed_run.allocator_settings(own)] == ["max_split_size_mb:512", ""]
+    # A user who chose torch's defaults is measured once.
+    assert [conf for conf, _ in seed_run.allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": ""})] == [""]
 
 
 def test_plan_follows_the_registry():
@@ -210,7 +353,7 @@ def test_a_failing_hanging_or_unequipped_step_fails_alone(tmp_path, monkeypatch)
     monkeypatch.setattr(runner, "step_budget", lambda name, dry_run: 20 if name == "hangs" else 120)
     skip_the_import_probe(monkeypatch)
     started = time.monotonic()
-    report = runner.run(tmp_path, dry_run=True)
+    report = runner.run(tmp_path, dry_run=True, together=False)  # a process per step, as on a GPU
     steps = report["steps"]
     assert steps["fine"]["status"] == "ok" and steps["fine"]["rows"] == [{"checked": "yes"}]
     assert steps["broken"]["status"] == "failed" and "broken on purpose" in steps["broken"]["error"]
@@ -235,6 +378,28 @@ def test_a_failing_hanging_or_unequipped_step_fails_alone(tmp_path, monkeypatch)
     assert steps["after"]["status"] == "ok"
     assert time.monotonic() - started < 5 * 60  # the hanging step was stopped at its budget
     assert "## broken: failed" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_steps_run_together_keep_their_own_outcomes(tmp_path, monkeypatch):
+    """A dry run's steps share one process: a step that fails still fails alone, with what it measured first, and
+    the next one runs."""
+    monkeypatch.setattr(
+        runner,
+        "STEPS",
+        {
+            "fine": plan.Step(fine_step, 1, 2),
+            "broken": plan.Step(broken_step, 1, 2),
+            "unequipped": plan.Step(fine_step, 1, 2, needs=("no_such_package_here",)),
+            "after": plan.Step(fine_step, 1, 2),
+        },
+    )
+    skip_the_import_probe(monkeypatch)
+    steps = runner.run(tmp_path, dry_run=True)["steps"]
+    assert [steps[name]["status"] for name in steps] == ["ok", "failed", "skipped", "ok"]
+    assert "broken on purpose" in steps["broken"]["error"]
+    assert steps["broken"]["rows"] == [{"measured": "before breaking"}]
+    assert steps["after"]["rows"] == [{"checked": "yes"}]
+    assert (tmp_path / "logs" / "steps.log").is_file() and not (tmp_path / "logs" / "fine.log").exists()
 
 
 def test_unknown_step_or_optimizer_is_a_user_error(capsys):
@@ -316,7 +481,7 @@ def test_sigterm_ends_the_check_with_its_processes_and_a_report(tmp_path, monkey
 
     previous = signal.getsignal(signal.SIGTERM)
     threading.Thread(target=terminate_once_the_step_hangs, daemon=True).start()
-    report = runner.run(tmp_path, dry_run=True)
+    report = runner.run(tmp_path, dry_run=True, together=False)
     assert signal.getsignal(signal.SIGTERM) is previous  # the check's handler is undone
     assert report["ended"] == "SIGTERM"
     steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]

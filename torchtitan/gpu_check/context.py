@@ -77,6 +77,7 @@ class Sizes:
     bench_runs: dict[str, tuple[tuple[str, str], ...]]  # per bench step: (shapes, dtype) of bench_optimizers.py
     bench_args: tuple[str, ...]
     train_overrides: tuple[str, ...]  # for train.py runs
+    seed_run_overrides: tuple[str, ...]  # for the seed run's job (tests/estimation/llama3_8b_seed_run.toml)
 
     @classmethod
     def for_run(cls, dry_run: bool) -> Sizes:
@@ -99,6 +100,11 @@ class Sizes:
                 },
                 bench_args=("--device", "cpu", "--steps", "1", "--warmup", "0"),
                 train_overrides=("--training.seq_len", "32", "--training.batch_size", "1"),
+                seed_run_overrides=(
+                    *("--model.flavor", "tiny", "--training.seq_len", "16", "--training.compile", "false"),
+                    *("--memory_estimation.vocab_size", "256", "--memory_estimation.device", "cpu"),
+                    *("--memory_estimation.device_memory_gib", "0"),
+                ),
             )
         return cls(
             device=torch.device("cuda"),
@@ -119,6 +125,7 @@ class Sizes:
             },
             bench_args=("--steps", "10", "--warmup", "2"),
             train_overrides=("--model.flavor", "debugmodel", "--training.compile", "true"),
+            seed_run_overrides=(),
         )
 
 
@@ -128,12 +135,14 @@ def dry_run_settings() -> Iterator[None]:
     (torchao's per-step compile too: a dry run checks the wiring, not speed); both undone afterwards."""
     from torchtitan.models.llama import ModelArgs, llama3_configs
 
+    added = "tiny" not in llama3_configs  # entered again within itself (a step measuring in its own process)
     llama3_configs["tiny"] = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16)
     try:
         with torch._dynamo.config.patch(disable=True):
             yield
     finally:
-        del llama3_configs["tiny"]
+        if added:
+            del llama3_configs["tiny"]
 
 
 def optimizer_specs(kinds: Optional[list[str]] = None) -> list[str]:
@@ -303,7 +312,7 @@ def log_path(out: Path, step: str) -> Path:
 
 
 @dataclass
-class _Done:
+class Done:
     """How a step's command ended: its exit code (None: killed at the timeout) and its output."""
 
     returncode: Optional[int]
@@ -320,20 +329,24 @@ class _Done:
         return f"exited with {self.returncode}"
 
 
-def run_command(command: list[str], ctx: Context, timeout: Optional[float] = None) -> _Done:
-    """Run ``command`` in the repository root; past ``timeout`` seconds (default :data:`COMMAND_TIMEOUT_S`, and
-    never past the step's budget) it is killed with its children, and the result says so."""
+def run_command(
+    command: list[str], ctx: Context, timeout: Optional[float] = None, env: Optional[dict[str, str]] = None
+) -> Done:
+    """Run ``command`` in the repository root, in ``env`` (default: the step's); past ``timeout`` seconds (default
+    :data:`COMMAND_TIMEOUT_S`, and never past the step's budget) it is killed with its children, and the result
+    says so."""
     timeout = round(ctx.seconds_left(COMMAND_TIMEOUT_S if timeout is None else timeout), 1)
+    env = step_env(ctx) if env is None else env
     with tempfile.TemporaryFile("w+") as output:
         process = subprocess.Popen(
-            command, stdout=output, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=step_env(ctx), start_new_session=True
+            command, stdout=output, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env, start_new_session=True
         )
         returncode = wait_or_kill(process, timeout)
         output.seek(0)
         text = output.read()
     if returncode is None:
-        return _Done(None, f"{text}\n(timed out after {timeout} s)", timeout)
-    return _Done(returncode, text, timeout)
+        return Done(None, f"{text}\n(timed out after {timeout} s)", timeout)
+    return Done(returncode, text, timeout)
 
 
 def wait_or_kill(process: subprocess.Popen, timeout: float) -> Optional[int]:

@@ -46,10 +46,10 @@ from torchtitan.training.garbage_collection import collecting_only_new_objects
 # Running the plan and the report
 
 
-def _child_command(name: str, ctx: Context) -> list[str]:
-    function = STEPS[name].run
-    command = [sys.executable, "-m", "torchtitan.tools.gpu_check", "--out", str(ctx.out), "--child", name]
-    command += ["--step-function", f"{function.__module__}:{function.__qualname__}"]
+def _child_command(names: list[str], ctx: Context) -> list[str]:
+    functions = [STEPS[name].run for name in names]
+    command = [sys.executable, "-m", "torchtitan.tools.gpu_check", "--out", str(ctx.out), "--child", ",".join(names)]
+    command += ["--step-function", ",".join(f"{f.__module__}:{f.__qualname__}" for f in functions)]
     command += ["--dry-run"] if ctx.dry_run else []
     command += ["--optimizers", ",".join(ctx.optimizers)] if ctx.optimizers else []
     return command
@@ -59,50 +59,101 @@ def step_budget(name: str, dry_run: bool) -> int:
     return DRY_RUN_BUDGET_S if dry_run else STEPS[name].budget_s
 
 
-def run_step(name: str, ctx: Context) -> dict[str, Any]:
-    """Run step ``name`` in a process of its own, stopped at its budget; what it measured, how it ended."""
-    started = time.perf_counter()
+def _skipped(name: str, ctx: Context) -> Optional[dict[str, Any]]:
+    """The outcome of a step that needs a package (or compiling) this machine lacks; None if it can run."""
     missing = missing_needs(STEPS[name].needs, ctx.found)
-    if missing:
-        outcome: dict[str, Any] = {"status": "skipped", "error": skipped_text(missing), "seconds": 0.0}
-        print(f"gpu_check: {name}: {outcome['error']}", flush=True)
-        return outcome
-    budget = step_budget(name, ctx.dry_run)
-    saved = result_path(ctx.out, name)
-    saved.unlink(missing_ok=True)
-    log = log_path(ctx.out, name)
+    if not missing:
+        return None
+    print(f"gpu_check: {name}: {skipped_text(missing)}", flush=True)
+    return {"status": "skipped", "error": skipped_text(missing), "seconds": 0.0}
+
+
+def _start(names: list[str], ctx: Context, budget: float, log: Path) -> Optional[int]:
+    """Run ``names`` one after another in one process of their own, stopped at ``budget`` seconds; its exit code
+    (None: stopped)."""
+    for name in names:
+        result_path(ctx.out, name).unlink(missing_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as output:
         process = subprocess.Popen(
-            _child_command(name, ctx),
+            _child_command(names, ctx),
             stdout=output,
             stderr=subprocess.STDOUT,
             cwd=REPO_ROOT,
             env=step_env(ctx),
             start_new_session=True,
         )
-        returncode = wait_or_kill(process, budget)
+        return wait_or_kill(process, budget)
+
+
+def _outcome(name: str, ctx: Context, returncode: Optional[int], log: Path, budget: float) -> dict[str, Any]:
+    """What step ``name`` measured and how it ended, from what its process saved."""
+    saved = result_path(ctx.out, name)
     result = json.loads(saved.read_text()) if saved.is_file() else {}
     saved.unlink(missing_ok=True)
     outcome = {"status": "ok", "rows": result.get("rows", []), "notes": result.get("notes", [])}
     outcome["text"] = result.get("text", "")
-    if returncode is None:
-        outcome.update(status="failed", error=f"stopped at its budget of {budget} s (what it measured is kept)")
-    elif "error" in result:
+    if "error" in result:
         outcome.update(status="failed", error=result["error"], traceback=result.get("traceback", ""))
-    elif returncode != 0 or not result.get("done"):
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        outcome.update(status="failed", error=f"its process exited with {returncode} before finishing:\n{tail}")
-    else:
+    elif result.get("done"):
         broken = broken_rows(outcome["rows"])
         if broken:  # the other rows were still measured
             outcome.update(
                 status="failed", error=f"{len(broken)} of {len(outcome['rows'])} runs failed (see the table)"
             )
-    outcome["seconds"] = round(time.perf_counter() - started, 1)
+    elif returncode is None:
+        outcome.update(status="failed", error=f"stopped at its budget of {budget} s (what it measured is kept)")
+    else:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        outcome.update(status="failed", error=f"its process exited with {returncode} before finishing:\n{tail}")
+    if "seconds" in result:
+        outcome["seconds"] = result["seconds"]
     outcome["budget s"] = budget
-    print(f"gpu_check: {name}: {outcome['status']} in {outcome['seconds']} s (budget {budget} s)", flush=True)
     return outcome
+
+
+def _printed(name: str, outcome: dict[str, Any]) -> dict[str, Any]:
+    print(
+        f"gpu_check: {name}: {outcome['status']} in {outcome['seconds']} s (budget {outcome['budget s']} s)",
+        flush=True,
+    )
+    return outcome
+
+
+def run_step(name: str, ctx: Context) -> dict[str, Any]:
+    """Run step ``name`` in a process of its own, stopped at its budget; what it measured, how it ended."""
+    started = time.perf_counter()
+    skipped = _skipped(name, ctx)
+    if skipped is not None:
+        return skipped
+    budget = step_budget(name, ctx.dry_run)
+    log = log_path(ctx.out, name)
+    returncode = _start([name], ctx, budget, log)
+    outcome = _outcome(name, ctx, returncode, log, budget)
+    outcome["seconds"] = round(time.perf_counter() - started, 1)
+    return _printed(name, outcome)
+
+
+def run_steps_together(names: list[str], ctx: Context) -> dict[str, dict[str, Any]]:
+    """A dry run's steps one after another in one process (on the CPU, a process per step costs seconds of imports
+    each and proves nothing more), stopped at one step's budget; each step's outcome, as :func:`run_step` gives it.
+    Steps not reached (the process stopped first) are absent."""
+    outcomes = {name: skipped for name in names if (skipped := _skipped(name, ctx)) is not None}
+    runnable = [name for name in names if name not in outcomes]
+    if not runnable:
+        return outcomes
+    budget = DRY_RUN_BUDGET_S
+    log = log_path(ctx.out, "steps")
+    returncode = _start(runnable, ctx, budget, log)
+    for name in runnable:
+        saved = result_path(ctx.out, name)
+        ended = saved.is_file() and any(key in json.loads(saved.read_text()) for key in ("done", "error"))
+        outcome = _outcome(name, ctx, returncode, log, budget)
+        outcome.setdefault("seconds", 0.0)
+        outcomes[name] = _printed(name, outcome)
+        if not ended:  # the step the process stopped in (at its budget, or crashing); the next were not reached
+            break
+    return outcomes
 
 
 def broken_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -127,17 +178,28 @@ def run_child(name: str, function: str, ctx: Context) -> int:
     ctx.step = name
     ctx.deadline = time.monotonic() + step_budget(name, ctx.dry_run) if name in STEPS else None
     ctx.found = json.loads(imports_path(ctx.out).read_text())  # the parent's probe
+    started = time.perf_counter()
+    saved = result_path(ctx.out, name)
     try:
         with dry_run_settings() if ctx.dry_run else contextlib.nullcontext(), collecting_only_new_objects():
             result = step(ctx)
     except Exception as e:  # noqa: BLE001 - the parent reports it as this step's failure
-        partial = json.loads(result_path(ctx.out, name).read_text()) if result_path(ctx.out, name).is_file() else {}
+        partial = json.loads(saved.read_text()) if saved.is_file() else {}
         partial.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-        write_atomically(result_path(ctx.out, name), json.dumps(partial, default=str))
+        partial["seconds"] = round(time.perf_counter() - started, 1)
+        write_atomically(saved, json.dumps(partial, default=str))
         traceback.print_exc()
         return 1
-    write_atomically(result_path(ctx.out, name), json.dumps({**result_json(result), "done": True}, default=str))
+    seconds = round(time.perf_counter() - started, 1)
+    write_atomically(saved, json.dumps({**result_json(result), "done": True, "seconds": seconds}, default=str))
     return 0
+
+
+def run_children(names: str, functions: str, ctx: Context) -> int:
+    """The body of a process running steps ``names`` (comma-separated, with their ``functions``) in turn; a step
+    that fails does not stop the next."""
+    codes = [run_child(name, function, ctx) for name, function in zip(names.split(","), functions.split(","))]
+    return max(codes, default=0)
 
 
 def probe_imports(ctx: Context) -> dict[str, Optional[str]]:
@@ -208,7 +270,15 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
     write_atomically(out / "gpu_check.md", markdown(report))
 
 
-def run(out: Path, dry_run: bool, only: Optional[list[str]] = None, optimizers: Optional[list[str]] = None) -> dict:
+def run(
+    out: Path,
+    dry_run: bool,
+    only: Optional[list[str]] = None,
+    optimizers: Optional[list[str]] = None,
+    together: Optional[bool] = None,
+) -> dict:
+    """Run the plan (or the steps ``only``), each step in a process of its own; ``together`` (default: in a dry
+    run) runs them one after another in one process."""
     if not dry_run and not torch.cuda.is_available():
         raise UserError("no CUDA GPU found; run with --dry-run to check the plan on the CPU")
     out.mkdir(parents=True, exist_ok=True)
@@ -234,6 +304,14 @@ def run(out: Path, dry_run: bool, only: Optional[list[str]] = None, optimizers: 
     }
     write_report(out, report)
     with _ended_by_sigterm():
+        if together if together is not None else dry_run:
+            try:
+                report["steps"].update(run_steps_together(names, ctx))
+            except _Ended as e:  # the finished steps' results are kept; the one running is failed
+                _ended_together(names, ctx, report, str(e))
+            report["seconds"] = round(time.perf_counter() - started, 1)
+            write_report(out, report)
+            names = []
         for name in names:
             try:
                 report["steps"][name] = run_step(name, ctx)
@@ -250,6 +328,20 @@ def run(out: Path, dry_run: bool, only: Optional[list[str]] = None, optimizers: 
     if "ended" in report:
         print(f"gpu_check: ended by {report['ended']}; report in {out / 'gpu_check.md'}", flush=True)
     return report
+
+
+def _ended_together(names: list[str], ctx: Context, report: dict[str, Any], signal_name: str) -> None:
+    """The steps run together were ended: those that finished keep their outcome, the first that did not fails."""
+    for name in names:
+        saved = result_path(ctx.out, name)
+        partial = json.loads(saved.read_text()) if saved.is_file() else {}
+        if partial.get("done"):
+            report["steps"][name] = _outcome(name, ctx, 0, log_path(ctx.out, "steps"), DRY_RUN_BUDGET_S)
+            continue
+        error = f"the check was ended ({signal_name}) during this step"
+        report["steps"][name] = {**partial, "status": "failed", "error": error}
+        break
+    report["ended"] = signal_name
 
 
 class _Ended(Exception):

@@ -25,6 +25,7 @@ from torchtitan.gpu_check.context import (
     REPO_ROOT,
     TRAIN_PY_NEEDS,
     Context,
+    Done,
     Sizes,
     StepResult,
     as_run_here,
@@ -36,6 +37,7 @@ from torchtitan.gpu_check.context import (
     skipped_text,
 )
 from torchtitan.gpu_check.measure import build, estimates, free_memory, is_oom, train
+from torchtitan.gpu_check.seed_run import step_seed_run_8b
 
 
 def _optimizer_rows(
@@ -237,18 +239,17 @@ def step_float8(ctx: Context) -> StepResult:
     return result
 
 
-def debug_train_command(ctx: Context, dump: Path, *args: str) -> list[str]:
-    """train.py on the debug model at this check's sizes, dumping into ``dump``, with ``args``."""
+def debug_train_args(ctx: Context, dump: Path, *args: str) -> list[str]:
+    """train.py's arguments for the debug model at this check's sizes, dumping into ``dump``, with ``args``."""
     config = REPO_ROOT / "train_configs" / "debug_model.toml"
-    command = [sys.executable, str(REPO_ROOT / "train.py"), "--job.config_file", str(config)]
-    return [*command, "--job.dump_folder", str(dump), *ctx.sizes.train_overrides, *args]
+    return ["--job.config_file", str(config), "--job.dump_folder", str(dump), *ctx.sizes.train_overrides, *args]
 
 
 def step_async_checkpoint(ctx: Context) -> StepResult:
     """train.py saves asynchronously at steps 2 and 4; a second run resumes from step 4 and trains to 6."""
     dump = ctx.out / "async_checkpoint"
     shutil.rmtree(dump, ignore_errors=True)  # the first run must not resume from an earlier gpu_check's checkpoints
-    common = debug_train_command(
+    common = debug_train_args(
         ctx,
         dump,
         "--checkpoint.enable_checkpoint",
@@ -266,7 +267,7 @@ def step_async_checkpoint(ctx: Context) -> StepResult:
     rows = result.rows
     for steps in (4, 6):
         started = time.perf_counter()
-        done = run_command([*common, "--training.steps", str(steps)], ctx)
+        done = run_script(ctx, "train.py", [*common, "--training.steps", str(steps)])
         log = done.output
         (dump / f"train_to_{steps}.log").parent.mkdir(parents=True, exist_ok=True)
         (dump / f"train_to_{steps}.log").write_text(log)
@@ -298,7 +299,7 @@ def step_health_timing(ctx: Context) -> StepResult:
     dump = ctx.out / "health_timing"
     shutil.rmtree(dump, ignore_errors=True)
     steps = 4 if ctx.dry_run else 12
-    command = debug_train_command(
+    command = debug_train_args(
         ctx,
         dump,
         "--training.steps",
@@ -310,7 +311,7 @@ def step_health_timing(ctx: Context) -> StepResult:
         "--metrics.health_freq",
         "2",
     )
-    done = run_command(command, ctx)
+    done = run_script(ctx, "train.py", command)
     if not done.ok:
         raise RuntimeError(f"train.py {done.how_it_ended()}:\n{done.output[-3000:]}")
     (metrics_file,) = (dump / "tb").glob("*/metrics.jsonl")
@@ -331,13 +332,33 @@ def step_health_timing(ctx: Context) -> StepResult:
         }
     )
     ctx.save(result)
-    bench = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_health.py")]
-    bench += ["--rounds", "1", "--device", "cpu", *ctx.sizes.train_overrides] if ctx.dry_run else ["--rounds", "20"]
-    done = run_command(bench, ctx)
-    result.text = f"$ bench_health.py {' '.join(bench[2:])}\n{done.output}"
+    bench = ["--rounds", "1", "--device", "cpu", *ctx.sizes.train_overrides] if ctx.dry_run else ["--rounds", "20"]
+    done = run_script(ctx, "benchmarks/bench_health.py", bench)
+    result.text = f"$ bench_health.py {' '.join(bench)}\n{done.output}"
     if not done.ok:
         raise RuntimeError(result.text)
     return result
+
+
+def run_script(ctx: Context, script: str, args: list[str]) -> Done:
+    """``python3 SCRIPT ARGS`` in the repository root (``script`` relative to it); in a dry run the script's entry in
+    this process (``train.py``'s ``run()`` on its command line, a tool's ``main(args)``), its output captured: on
+    the CPU a process of its own costs seconds of imports and proves nothing more."""
+    if not ctx.dry_run:
+        return run_command([sys.executable, str(REPO_ROOT / script), *args], ctx)
+    import importlib
+    from unittest import mock
+
+    sys.path.insert(0, str(REPO_ROOT))
+    module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        with mock.patch.object(sys, "argv", [str(REPO_ROOT / script), *args]):
+            try:
+                code = module.run() if script == "train.py" else module.main(args)
+            except SystemExit as e:
+                code = e.code
+    return Done(code, captured.getvalue(), 0)
 
 
 def step_checkpoint_memory(ctx: Context) -> StepResult:
@@ -355,10 +376,9 @@ def step_checkpoint_memory(ctx: Context) -> StepResult:
         return StepResult(notes=notes or ["no AdamW or low-bit optimizer selected"])
     text = []
     for extra in ([], ["--async-save"]):
-        command = [sys.executable, str(REPO_ROOT / "scripts" / "checkpoint_memory.py"), "--optimizers", ",".join(names)]
-        command += extra + (["--dry-run"] if ctx.dry_run else [])
-        done = run_command(command, ctx)
-        text.append(f"$ checkpoint_memory.py {' '.join(command[2:])}\n{done.output}")
+        args = ["--optimizers", ",".join(names), *extra, *(["--dry-run"] if ctx.dry_run else [])]
+        done = run_script(ctx, "scripts/checkpoint_memory.py", args)
+        text.append(f"$ checkpoint_memory.py {' '.join(args)}\n{done.output}")
         ctx.save(StepResult(notes=notes, text="\n".join(text)))
         if not done.ok:
             raise RuntimeError("\n".join(text))
@@ -508,6 +528,7 @@ STEPS: dict[str, Step] = {
     "component_checks": Step(step_component_checks, estimate_s=300, budget_s=500),
     "gpu_tests": Step(step_gpu_tests, estimate_s=360, budget_s=450, needs=("pytest", "torchdata")),
     "health_timing": Step(step_health_timing, estimate_s=60, budget_s=100, needs=(*TRAIN_PY_NEEDS, COMPILE)),
+    "seed_run_8b": Step(step_seed_run_8b, estimate_s=270, budget_s=340, needs=(COMPILE,)),
 }
 # Every budget leaves at least this much over its estimate (a loaded or slower machine, a colder cache).
 BUDGET_HEADROOM = 1.25
@@ -521,6 +542,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "training": ("float8", "async_checkpoint", "checkpoint_memory"),
     "components": ("component_checks",),
     "tests": ("gpu_tests", "health_timing"),
+    # Right after --quick: the seed run's reserved memory, measured (it does not fit the quick profile's command).
+    "seed_run": ("seed_run_8b",),
 }
 STARTUP_S = 30  # the check's own start, the import probe and the compile probe, before the first step
 

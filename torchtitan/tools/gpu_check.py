@@ -22,7 +22,7 @@ from typing import Optional
 
 from torchtitan.errors import UserError, exit_code
 from torchtitan.gpu_check.context import Context, Sizes
-from torchtitan.gpu_check.runner import names_of, run, run_child, steps_of
+from torchtitan.gpu_check.runner import names_of, run, run_children, steps_of
 from torchtitan.gpu_check.steps import GROUPS, STEPS
 
 
@@ -51,7 +51,7 @@ def _main(argv: Optional[list[str]]) -> int:
     out = Path(options.out)
     if options.child:
         ctx = Context(sizes=Sizes.for_run(options.dry_run), out=out, dry_run=options.dry_run, optimizers=optimizers)
-        return run_child(options.child, options.step_function, ctx)
+        return run_children(options.child, options.step_function, ctx)
     report = run(out, options.dry_run, only, optimizers)
     failed = [name for name, step in report["steps"].items() if step["status"] == "failed"]
     print(f"gpu_check: report in {out / 'gpu_check.md'}" + (f"; failed: {', '.join(failed)}" if failed else ""))
