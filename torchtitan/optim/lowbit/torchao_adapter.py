@@ -20,6 +20,7 @@ import tempfile
 from typing import Any, Iterator
 
 import torch
+import torch._functorch.config
 
 from torchtitan.distributed.utils import grad_like_param, local_tensor
 from torchtitan.optim.state.storage import dequantized, is_quantized, laid_out_like, quantized_layout
@@ -59,17 +60,22 @@ def low_bit_class(name: str) -> type:
 
 @contextlib.contextmanager
 def separate_compile_cache(tag: str) -> Iterator[None]:
-    """Compile inside ``<inductor cache>/optim_<tag>`` while the block runs.
+    """Compile an optimizer's step inside ``<inductor cache>/optim_<tag>``, without AOT autograd's cache.
 
-    torchao compiles each low-bit step for its own quantized state classes; sharing one on-disk inductor cache
-    between optimizer kinds can hand one kind's cached graph to another. One folder per kind keeps them apart (and
-    keeps warm restarts warm).
+    AOT autograd's on-disk cache keys a DTensor input by its global shape, placements and mesh, not by the rank's
+    local shard: where FSDP shards a parameter unevenly (3 ranks, a dimension of 64), a rank would be handed the
+    graph another rank compiled for its shard's shape — torchao's steps, compiled on DTensors, then fail on a size
+    check, and a graph compiled without size checks would update part of the shard. It also keys torchao's
+    quantized state classes by shape and contents alone, not by class. So the optimizers' steps skip that cache:
+    inductor's own graph cache, keyed by the local graphs that run, still keeps a warm restart warm. One folder
+    per optimizer kind keeps each kind's compiled graphs together.
     """
     original = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     base = original or _default_inductor_cache_dir()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"optim_{tag}")
     try:
-        yield
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            yield
     finally:
         if original is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
