@@ -13,6 +13,8 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
@@ -56,6 +58,9 @@ class CompiledStep:
         dataless = any(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
         step = self.eager if dataless or _get_current_dispatch_mode() is not None else self.compiled
         # A model's few distinct slices are a few graphs each; dynamo's default limit per function is lower.
-        with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache(self.cache_tag):
+        with torch._dynamo.utils.disable_cache_limit():
             for part in slices:
-                step(*arguments(part))
+                args = arguments(part)
+                on_dtensors = any(isinstance(leaf, DTensor) for leaf in pytree.tree_leaves(args))
+                with separate_compile_cache(self.cache_tag, dtensor_inputs=on_dtensors):
+                    step(*args)

@@ -40,7 +40,7 @@ def low_bit_class(name: str) -> type:
                 for p in group["params"]:
                     if p.grad is not None:
                         p.grad = grad_like_param(p, name)
-            with separate_compile_cache(name):
+            with separate_compile_cache(name, dtensor_inputs=True):  # torchao compiles on the parameters
                 return base.step(self, closure)
 
         def _new_buffer(self, p, signed):
@@ -59,22 +59,23 @@ def low_bit_class(name: str) -> type:
 
 
 @contextlib.contextmanager
-def separate_compile_cache(tag: str) -> Iterator[None]:
-    """Compile an optimizer's step inside ``<inductor cache>/optim_<tag>``, without AOT autograd's cache.
+def separate_compile_cache(tag: str, *, dtensor_inputs: bool) -> Iterator[None]:
+    """Compile an optimizer's step inside ``<inductor cache>/optim_<tag>``; with ``dtensor_inputs``, without AOT
+    autograd's on-disk cache.
 
-    AOT autograd's on-disk cache keys a DTensor input by its global shape, placements and mesh, not by the rank's
-    local shard: where FSDP shards a parameter unevenly (3 ranks, a dimension of 64), a rank would be handed the
-    graph another rank compiled for its shard's shape — torchao's steps, compiled on DTensors, then fail on a size
-    check, and a graph compiled without size checks would update part of the shard. It also keys torchao's
-    quantized state classes by shape and contents alone, not by class. So the optimizers' steps skip that cache:
-    inductor's own graph cache, keyed by the local graphs that run, still keeps a warm restart warm. One folder
-    per optimizer kind keeps each kind's compiled graphs together.
+    That cache keys a DTensor input by its global shape, placements and mesh, not by the rank's local shard: where
+    FSDP shards a parameter unevenly (3 ranks, a dimension of 64), a rank would be handed the graph another rank
+    compiled for its shard's shape — torchao's steps, compiled on DTensors, then fail a size check, and a graph
+    compiled without size checks would update part of the shard. Inductor's own graph cache, keyed by the local
+    graphs that run, still keeps a warm restart warm. Steps compiled on plain local tensors keep AOT autograd's
+    cache (keyed by their shapes), which saves tracing each graph again in every process. One folder per optimizer
+    kind keeps each kind's graphs together.
     """
     original = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     base = original or _default_inductor_cache_dir()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"optim_{tag}")
     try:
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        with torch._functorch.config.patch(enable_autograd_cache=False) if dtensor_inputs else contextlib.nullcontext():
             yield
     finally:
         if original is None:
