@@ -90,3 +90,55 @@ def test_a_rank_with_another_shard_shape_compiles_its_own_step_from_a_shared_cac
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line[:2] in ("0 ", "1 "))
     assert lines["1"] == str([[3.0] * 4] * 2)
     assert lines["0"] == str([[3.0] * 4] * 3)
+
+
+_COMPILING_RANK = """
+import json, os, sys, time
+from torchtitan.optim.compile_cache import optimizer_compile
+
+go = sys.argv[1]
+open(go + f".{os.getpid()}", "w").close()  # ready
+while not os.path.exists(go):
+    time.sleep(0.005)
+entered = time.time()
+with optimizer_compile("once_test", dtensor_inputs=False, signature="a-slice"):
+    started = time.time()
+    marked = os.path.exists(os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "compiled", "a-slice"))
+    time.sleep(2.0)  # a compile
+    ended = time.time()
+print(json.dumps(dict(entered=entered, started=started, ended=ended, marked=marked)))
+"""
+
+
+def test_ranks_on_one_machine_compile_a_step_one_after_another_and_only_the_first_unmarked(tmp_path):
+    """Two ranks reach the same first step at once: one compiles while the other waits, finds the mark, and loads
+    (here: starts its block only after the first ended); a third arriving later does not wait at all."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    go = tmp_path / "go"
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", _COMPILING_RANK, str(go)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    while len(list(tmp_path.glob("go.*"))) < 2:  # both imported and waiting: they reach the step together
+        time.sleep(0.01)
+    go.touch()
+    first, second = sorted((json.loads(rank.communicate(timeout=120)[0]) for rank in ranks), key=lambda r: r["started"])
+    assert not first["marked"] and second["marked"]
+    assert second["started"] >= first["ended"]
+    assert second["entered"] < first["ended"]  # it did wait
+    late = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", _COMPILING_RANK, str(go)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )
+    assert late["marked"] and late["started"] - late["entered"] < 0.5

@@ -14,15 +14,12 @@ bit (``quantized_checkpoint``).
 from __future__ import annotations
 
 import contextlib
-import getpass
-import os
-import tempfile
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
-import torch._functorch.config
 
 from torchtitan.distributed.utils import grad_like_param, local_tensor
+from torchtitan.optim.compile_cache import optimizer_compile, signature
 from torchtitan.optim.state.storage import dequantized, is_quantized, laid_out_like, quantized_layout
 from torchtitan.optim.state.torchao_import import import_torchao_optim
 
@@ -40,8 +37,13 @@ def low_bit_class(name: str) -> type:
                 for p in group["params"]:
                     if p.grad is not None:
                         p.grad = grad_like_param(p, name)
-            with separate_compile_cache(name, dtensor_inputs=True):  # torchao compiles on the parameters
-                return base.step(self, closure)
+            # torchao compiles its step on the parameters (DTensors), one graph per shape: the first step of each
+            # set of shards compiles once per machine.
+            first = _first_step_signature(self)
+            with optimizer_compile(name, dtensor_inputs=True, signature=first):
+                loss = base.step(self, closure)
+            self._compiled_signatures.add(first)
+            return loss
 
         def _new_buffer(self, p, signed):
             # torchao judges the local shard (at least 4096 values, a whole number of blocks): one parameter would
@@ -58,39 +60,24 @@ def low_bit_class(name: str) -> type:
     return _low_bit_classes[name]
 
 
-@contextlib.contextmanager
-def separate_compile_cache(tag: str, *, dtensor_inputs: bool) -> Iterator[None]:
-    """Compile an optimizer's step inside ``<inductor cache>/optim_<tag>``; with ``dtensor_inputs``, without AOT
-    autograd's on-disk cache.
-
-    That cache keys a DTensor input by its global shape, placements and mesh, not by the rank's local shard: where
-    FSDP shards a parameter unevenly (3 ranks, a dimension of 64), a rank would be handed the graph another rank
-    compiled for its shard's shape — torchao's steps, compiled on DTensors, then fail a size check, and a graph
-    compiled without size checks would update part of the shard. Inductor's own graph cache, keyed by the local
-    graphs that run, still keeps a warm restart warm. Steps compiled on plain local tensors keep AOT autograd's
-    cache (keyed by their shapes), which saves tracing each graph again in every process. One folder per optimizer
-    kind keeps each kind's graphs together.
-    """
-    original = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    base = original or _default_inductor_cache_dir()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"optim_{tag}")
-    try:
-        with torch._functorch.config.patch(enable_autograd_cache=False) if dtensor_inputs else contextlib.nullcontext():
-            yield
-    finally:
-        if original is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = original
-
-
-def _default_inductor_cache_dir() -> str:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        return default_cache_dir()
-    except ImportError:  # the helper moved; the same place by hand
-        return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+def _first_step_signature(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """What torchao's step compiles for (each parameter's shard, its gradient and state, the groups' constants),
+    or None once a step with it has run in this process."""
+    parts = [
+        (
+            local_tensor(p),
+            local_tensor(p.grad) if p.grad is not None else None,
+            sorted((key, value) for key, value in optimizer.state.get(p, {}).items() if key != "step"),
+        )
+        for group in optimizer.param_groups
+        for p in group["params"]
+    ]
+    constants = [
+        sorted((k, v) for k, v in group.items() if k != "params" and k != "lr") for group in optimizer.param_groups
+    ]
+    compiled = optimizer.__dict__.setdefault("_compiled_signatures", set())
+    found = signature(type(optimizer).__name__, getattr(optimizer, "block_size", None), constants, parts)
+    return None if found in compiled else found
 
 
 def portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:
