@@ -14,7 +14,7 @@ bit (``quantized_checkpoint``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
@@ -39,10 +39,10 @@ def low_bit_class(name: str) -> type:
                         p.grad = grad_like_param(p, name)
             # torchao compiles its step on the parameters (DTensors), one graph per shape: the first step of each
             # set of shards compiles once per machine.
-            first = _first_step_signature(self)
+            first = None if self.__dict__.get("_stepped") else _first_step_signature(self)
             with optimizer_compile(name, dtensor_inputs=True, signature=first):
                 loss = base.step(self, closure)
-            self._compiled_signatures.add(first)
+            self._stepped = True  # later steps run the graphs the first one compiled
             return loss
 
         def _new_buffer(self, p, signed):
@@ -60,9 +60,8 @@ def low_bit_class(name: str) -> type:
     return _low_bit_classes[name]
 
 
-def _first_step_signature(optimizer: torch.optim.Optimizer) -> Optional[str]:
-    """What torchao's step compiles for (each parameter's shard, its gradient and state, the groups' constants),
-    or None once a step with it has run in this process."""
+def _first_step_signature(optimizer: torch.optim.Optimizer) -> str:
+    """What torchao's step compiles for: each parameter's shard, its gradient and state, the groups' constants."""
     parts = [
         (
             local_tensor(p),
@@ -75,9 +74,7 @@ def _first_step_signature(optimizer: torch.optim.Optimizer) -> Optional[str]:
     constants = [
         sorted((k, v) for k, v in group.items() if k != "params" and k != "lr") for group in optimizer.param_groups
     ]
-    compiled = optimizer.__dict__.setdefault("_compiled_signatures", set())
-    found = signature(type(optimizer).__name__, getattr(optimizer, "block_size", None), constants, parts)
-    return None if found in compiled else found
+    return signature(type(optimizer).__name__, getattr(optimizer, "block_size", None), constants, parts)
 
 
 def portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:
