@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from torchtitan.distributed.utils import grad_like_param, local_tensor
-from torchtitan.optim.compile_cache import optimizer_compile, signature
+from torchtitan.optim.compile_cache import optimizer_compile
 from torchtitan.optim.state.storage import dequantized, is_quantized, laid_out_like, quantized_layout
 from torchtitan.optim.state.torchao_import import import_torchao_optim
 
@@ -37,13 +37,11 @@ def low_bit_class(name: str) -> type:
                 for p in group["params"]:
                     if p.grad is not None:
                         p.grad = grad_like_param(p, name)
-            # torchao compiles its step on the parameters (DTensors), one graph per shape: the first step of each
-            # set of shards compiles once per machine.
-            first = None if self.__dict__.get("_stepped") else _first_step_signature(self)
-            with optimizer_compile(name, dtensor_inputs=True, signature=first):
-                loss = base.step(self, closure)
-            self._stepped = True  # later steps run the graphs the first one compiled
-            return loss
+            # torchao compiles its step on the parameters (DTensors). Not once per machine: inductor's cache keys
+            # for these graphs differ between the ranks of a run (two ranks of FSDP 2, or of DDP 2, each compiled
+            # every graph though one had finished it first), so a rank that waited would compile again after.
+            with optimizer_compile(name, dtensor_inputs=True):
+                return base.step(self, closure)
 
         def _new_buffer(self, p, signed):
             # torchao judges the local shard (at least 4096 values, a whole number of blocks): one parameter would
@@ -58,23 +56,6 @@ def low_bit_class(name: str) -> type:
         members = {"step": step, "_new_buffer": _new_buffer, "__module__": __name__}
         _low_bit_classes[name] = type(name, (base,), members)
     return _low_bit_classes[name]
-
-
-def _first_step_signature(optimizer: torch.optim.Optimizer) -> str:
-    """What torchao's step compiles for: each parameter's shard, its gradient and state, the groups' constants."""
-    parts = [
-        (
-            local_tensor(p),
-            local_tensor(p.grad) if p.grad is not None else None,
-            sorted((key, value) for key, value in optimizer.state.get(p, {}).items() if key != "step"),
-        )
-        for group in optimizer.param_groups
-        for p in group["params"]
-    ]
-    constants = [
-        sorted((k, v) for k, v in group.items() if k != "params" and k != "lr") for group in optimizer.param_groups
-    ]
-    return signature(type(optimizer).__name__, getattr(optimizer, "block_size", None), constants, parts)
 
 
 def portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:
