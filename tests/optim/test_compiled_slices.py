@@ -101,7 +101,7 @@ open(go + f".{os.getpid()}", "w").close()  # ready
 while not os.path.exists(go):
     time.sleep(0.005)
 entered = time.time()
-with optimizer_compile("once_test", dtensor_inputs=False, signature="a-slice"):
+with optimizer_compile("once_test", subclass_inputs=False, signature="a-slice"):
     started = time.time()
     marked = os.path.exists(os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "compiled", "a-slice"))
     time.sleep(2.0)  # a compile

@@ -25,26 +25,29 @@ import torch
 import torch._functorch.config
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 @contextlib.contextmanager
-def optimizer_compile(tag: str, *, dtensor_inputs: bool, signature: Optional[str] = None) -> Iterator[None]:
-    """Compile an optimizer's step inside ``<inductor cache>/optim_<tag>``; with ``dtensor_inputs``, without AOT
-    autograd's on-disk cache; with ``signature``, once per machine (see the module's docstring).
+def optimizer_compile(tag: str, *, subclass_inputs: bool, signature: Optional[str] = None) -> Iterator[None]:
+    """Compile an optimizer's step inside ``<inductor cache>/optim_<tag>``; with ``subclass_inputs`` (tensor
+    subclasses among its inputs: DTensors, quantized state), without AOT autograd's on-disk cache; with
+    ``signature``, once per machine (see the module's docstring).
 
-    AOT autograd's cache keys a DTensor input by its global shape, placements and mesh, not by the rank's local
-    shard: where FSDP shards a parameter unevenly (3 ranks, a dimension of 64), a rank would be handed the graph
-    another rank compiled for its shard's shape — torchao's steps, compiled on DTensors, then fail a size check, and
-    a graph compiled without size checks would update part of the shard. Inductor's own graph cache, keyed by the
-    local graphs that run, still keeps a warm restart warm. Steps compiled on plain local tensors keep AOT
-    autograd's cache (keyed by their shapes), which saves tracing each graph again in every process.
+    AOT autograd's cache keys a tensor subclass by what the subclass says of itself: a DTensor by its global shape,
+    placements and mesh, not by the rank's local shard — where FSDP shards a parameter unevenly (3 ranks, a
+    dimension of 64), a rank would be handed the graph another rank compiled for its shard's shape (torchao's
+    steps, compiled on DTensors, then fail a size check; a graph compiled without size checks would update part of
+    the shard) — and torchao's quantized state by its shapes and contents, not its class. Inductor's own graph
+    cache, keyed by the plain graphs that run, still keeps a warm restart warm. Steps compiled on plain tensors keep
+    AOT autograd's cache (keyed by their shapes), which saves tracing each graph again in every process.
     """
     original = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     folder = os.path.join(original or _default_inductor_cache_dir(), f"optim_{tag}")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     try:
         with (
-            torch._functorch.config.patch(enable_autograd_cache=False) if dtensor_inputs else contextlib.nullcontext(),
+            torch._functorch.config.patch(enable_autograd_cache=False) if subclass_inputs else contextlib.nullcontext(),
             _once_per_machine(folder, signature) if signature is not None else contextlib.nullcontext(),
         ):
             yield
@@ -77,6 +80,11 @@ def _once_per_machine(folder: str, signature: str) -> Iterator[None]:
             pass
     finally:
         lock.release()
+
+
+def has_subclass(parts: Any) -> bool:
+    """Whether a tensor subclass (a DTensor, quantized state) is among ``parts``."""
+    return any(is_traceable_wrapper_subclass(leaf) for leaf in pytree.tree_leaves(parts))
 
 
 def signature(*parts: Any) -> str:

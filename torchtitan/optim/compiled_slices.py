@@ -13,8 +13,6 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.tensor import DTensor
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtitan.optim import compile_cache
@@ -62,12 +60,13 @@ class CompiledStep:
         with torch._dynamo.utils.disable_cache_limit():
             for part in slices:
                 args = arguments(part)
-                on_dtensors = any(isinstance(leaf, DTensor) for leaf in pytree.tree_leaves(args))
                 # A slice's first compiled call compiles its graph: once per machine (see optimizer_compile).
                 first = compile_cache.signature(args) if step is self.compiled else None
                 if first in self._compiled:
                     first = None
-                with compile_cache.optimizer_compile(self.cache_tag, dtensor_inputs=on_dtensors, signature=first):
+                with compile_cache.optimizer_compile(
+                    self.cache_tag, subclass_inputs=compile_cache.has_subclass(args), signature=first
+                ):
                     step(*args)
                 if first is not None:
                     self._compiled.add(first)

@@ -40,7 +40,7 @@ def low_bit_class(name: str) -> type:
             # torchao compiles its step on the parameters (DTensors). Not once per machine: inductor's cache keys
             # for these graphs differ between the ranks of a run (two ranks of FSDP 2, or of DDP 2, each compiled
             # every graph though one had finished it first), so a rank that waited would compile again after.
-            with optimizer_compile(name, dtensor_inputs=True):
+            with optimizer_compile(name, subclass_inputs=True):
                 return base.step(self, closure)
 
         def _new_buffer(self, p, signed):
