@@ -31,10 +31,11 @@ from torchtitan.training.step import train_step
 VOCAB = 512
 # Estimate vs the allocator's measured peak, as (lowest, highest) relative error. One process: the same allocations
 # as the real step, so the bound is docs/memory.md's 0.2%. Two gloo ranks: the estimate leaves out gloo's temporary
-# copies of the tensors it sends (real on CPU, no counterpart under NCCL), measured at 4-4.5% of the peak on the
-# debug model; the estimate must stay below the measurement and within 6% of it.
+# copies of the tensors it sends (real on CPU, no counterpart under NCCL); how many of them are alive at once depends
+# on the two ranks' timing, measured at 0 to 6.3% of the peak under FSDP on the debug model on a loaded 2-core
+# machine. The estimate must stay below the measurement and within 8% of it.
 ONE_PROCESS_TOLERANCE = (-0.002, 0.002)
-GLOO_TOLERANCE = (-0.06, 0.0)
+GLOO_TOLERANCE = (-0.08, 0.0)
 # The debug model's shapes in 2 of its 8 layers, for the tests of what an estimate depends on: they hold per layer,
 # and an estimate's time grows with the layers it simulates.
 TWO_LAYERS = "debugmodel-2-layers"
