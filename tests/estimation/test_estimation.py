@@ -6,6 +6,8 @@ training step, in order, and their running sum gives the step's peak above the t
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import gc
 import json
 import math
@@ -29,10 +31,24 @@ from torchtitan.training.step import train_step
 VOCAB = 512
 # Estimate vs the allocator's measured peak, as (lowest, highest) relative error. One process: the same allocations
 # as the real step, so the bound is docs/memory.md's 0.2%. Two gloo ranks: the estimate leaves out gloo's temporary
-# copies of the tensors it sends (real on CPU, no counterpart under NCCL), measured at 4-4.5% of the peak on the
-# debug model; the estimate must stay below the measurement and within 6% of it.
+# copies of the tensors it sends (real on CPU, no counterpart under NCCL); how many of them are alive at once varies
+# from run to run: 0 to 6.3% of the peak under FSDP on the debug model, 6.2% in a whole run of this file (on a
+# 2-core machine, before and after the two layouts shared a launch). The estimate must stay below the measurement
+# and within 8% of it.
 ONE_PROCESS_TOLERANCE = (-0.002, 0.002)
-GLOO_TOLERANCE = (-0.06, 0.0)
+GLOO_TOLERANCE = (-0.08, 0.0)
+# The debug model's shapes in 2 of its 8 layers, for the tests of what an estimate depends on: they hold per layer,
+# and an estimate's time grows with the layers it simulates.
+TWO_LAYERS = "debugmodel-2-layers"
+
+
+@pytest.fixture
+def two_layers(monkeypatch) -> list[str]:
+    """The job options of the 2-layer debug model, a flavor for this test only."""
+    from torchtitan.models.llama import llama3_configs
+
+    monkeypatch.setitem(llama3_configs, TWO_LAYERS, dataclasses.replace(llama3_configs["debugmodel"], n_layers=2))
+    return ["--model.flavor", TWO_LAYERS]
 
 
 def _job(*overrides: str) -> JobConfig:
@@ -152,37 +168,46 @@ def test_single_process_estimate_matches_a_real_cpu_step(loss_chunks, optimizers
     _assert_close(estimate, measured, "1 process", ONE_PROCESS_TOLERANCE)
 
 
-def _real_rank(rank: int, world_size: int, overrides: list[str]) -> dict:
+# Layouts over 2 ranks, measured in one launch (its processes are the slow part).
+TWO_RANK_LAYOUTS = {
+    # FSDP over 2 ranks, blocks recomputed in backward. A larger batch keeps gloo's temporary copies of gathered
+    # parameters (real on CPU, absent from the estimate) a small part of the peak.
+    "fsdp2-full-ac": ["--activation_checkpoint.mode", "full", "--training.batch_size", "8"],
+    "tp2": ["--training.tensor_parallel_degree", "2"],  # tensor parallel over 2 ranks, loss parallel
+}
+
+
+def _real_ranks(rank: int, world_size: int) -> dict:
     from torchtitan.parallelisms import ParallelDims
 
-    job = _job(*overrides)
-    mesh = ParallelDims.from_job_config(job, world_size).build_mesh("cpu")
-    return _measure_real_steps(job, world_size, mesh, ["AdamW"], seed=rank)
+    measured = {}
+    for layout, overrides in TWO_RANK_LAYOUTS.items():
+        job = _job(*overrides)
+        mesh = ParallelDims.from_job_config(job, world_size).build_mesh("cpu")
+        measured[layout] = _measure_real_steps(job, world_size, mesh, ["AdamW"], seed=rank)
+    return measured
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        # FSDP over 2 ranks, blocks recomputed in backward. A larger batch keeps gloo's temporary copies of gathered
-        # parameters (real on CPU, absent from the estimate) a small part of the peak.
-        ["--activation_checkpoint.mode", "full", "--training.batch_size", "8"],
-        ["--training.tensor_parallel_degree", "2"],  # tensor parallel over 2 ranks, loss parallel
-    ],
-    ids=["fsdp2-full-ac", "tp2"],
-)
-def test_two_rank_estimate_matches_rank_0_of_a_real_two_process_step(overrides):
+@functools.lru_cache(maxsize=None)
+def _rank_0_of_two() -> dict:
+    return run_workers(_real_ranks, world_size=2)[0]
+
+
+@pytest.mark.parametrize("layout", list(TWO_RANK_LAYOUTS))
+def test_two_rank_estimate_matches_rank_0_of_a_real_two_process_step(layout):
+    overrides = TWO_RANK_LAYOUTS[layout]
     job = _job("--memory_estimation.world_size", "2", "--memory_estimation.optimizers", "AdamW", *overrides)
     estimate = estimate_memory(job)
-    measured_rank0 = run_workers(_real_rank, world_size=2, args=(overrides,))[0]
-    _assert_close(estimate, measured_rank0, " ".join(overrides), GLOO_TOLERANCE)
+    _assert_close(estimate, _rank_0_of_two()[layout], " ".join(overrides), GLOO_TOLERANCE)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # What the estimate depends on
 
 
-def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
+def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic(two_layers):
     job = _job(
+        *two_layers,
         "--memory_estimation.world_size",
         "8",
         "--memory_estimation.optimizers",
@@ -231,10 +256,11 @@ def test_optimizer_state_on_8_fsdp_ranks_follows_the_shard_arithmetic():
     assert adamw_4bit.peak < adam_mini.peak < adamw.peak
 
 
-def test_a_tied_weight_is_counted_once():
+def test_a_tied_weight_is_counted_once(two_layers):
     def estimate(tied: str, world_size: str):
         return estimate_memory(
             _job(
+                *two_layers,
                 "--memory_estimation.world_size",
                 world_size,
                 "--memory_estimation.optimizers",
@@ -254,9 +280,11 @@ def test_a_tied_weight_is_counted_once():
         assert untied.optimizers[0].optimizer_state - tied.optimizers[0].optimizer_state == 8 * local + 4
 
 
-def test_activations_follow_checkpointing_and_batch_size():
+def test_activations_follow_checkpointing_and_batch_size(two_layers):
     def activations(*overrides):
-        job = _job("--memory_estimation.world_size", "1", "--memory_estimation.optimizers", "AdamW", *overrides)
+        job = _job(
+            *two_layers, "--memory_estimation.world_size", "1", "--memory_estimation.optimizers", "AdamW", *overrides
+        )
         return estimate_memory(job).optimizers[0].activations
 
     full_batch = activations("--training.batch_size", "4")
@@ -268,6 +296,7 @@ def test_activations_follow_checkpointing_and_batch_size():
     # A GPU job on one device computes in bf16 through autocast, as train.py's would: smaller activations.
     gpu = estimate_memory(
         _job(
+            *two_layers,
             "--memory_estimation.world_size",
             "1",
             "--memory_estimation.optimizers",
@@ -330,6 +359,8 @@ def test_command_line_prints_a_table_and_writes_json(tmp_path):
             "estimation.py",
             "--job.config_file",
             DEBUG_CONFIG,
+            "--model.flavor",
+            "debugmodel_tiny",
             "--memory_estimation.world_size",
             "4",
             "--training.tensor_parallel_degree",

@@ -1,5 +1,5 @@
 """The spawned worlds of the distributed parity tests (``parallel_worlds.py``): each family's test module (its
-``FAMILY``: adam_mini, muon, normuon or ademamix) spawns each world size it asks for once."""
+``FAMILY``: adam_mini, muon (Muon and NorMuon) or ademamix) spawns each world size it asks for once."""
 
 from __future__ import annotations
 
@@ -15,28 +15,23 @@ def family(request) -> str:
 
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory, family) -> str:
-    """Where world2 saves the checkpoint that world3 and the one-process tests resume."""
+    """Where world2 saves the checkpoint that the one-process tests resume."""
     return str(tmp_path_factory.mktemp(f"{family}_dcp"))
 
 
 @pytest.fixture(scope="module")
 def world2(family, checkpoint_dir):
-    return spawn(2, family, checkpoint_dir, None)
-
-
-@pytest.fixture(scope="module")
-def world3(family, world2, checkpoint_dir):  # needs the checkpoint world2 saved
-    return spawn(3, family, None, checkpoint_dir)
+    return spawn(2, family, checkpoint_dir)
 
 
 @pytest.fixture(scope="module")
 def world4(family):
-    return spawn(4, family, None, None)
+    return spawn(4, family, None)
 
 
 @pytest.fixture(scope="module")
 def world6(family):
-    return spawn(6, family, None, None)
+    return spawn(6, family, None)
 
 
 @pytest.fixture(scope="module")

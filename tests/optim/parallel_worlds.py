@@ -1,10 +1,10 @@
-"""Spawned gloo worlds (float64) shared by the distributed parity tests of Adam-mini, Muon, NorMuon and AdEMAMix.
+"""Spawned gloo worlds (float64) shared by the distributed tests of Adam-mini, the Muon family and AdEMAMix.
 
-A family's test module spawns each world size it needs (2, 3, 4 or 6 ranks) once, running all of that family's layouts
+A family's test module spawns each world size it needs (2, 4 or 6 ranks) once, running all of that family's layouts
 in it (``tests/optim/conftest.py``: the module's ``FAMILY``), so that the families' files run on pytest-xdist workers of
 their own, none waiting for another's world. A layout's failure is returned as its traceback, so that only that
 layout's test fails. The tests themselves live with their family: ``test_adam_mini_distributed.py``,
-``test_muon_distributed.py``, ``test_normuon_distributed.py``, ``test_ademamix_distributed.py``."""
+``test_muon_distributed.py`` (Muon and NorMuon), ``test_ademamix_distributed.py``."""
 
 from __future__ import annotations
 
@@ -55,8 +55,6 @@ from torchtitan.optim.adam_mini.partition import PER_ELEMENT, PER_ROW, PER_TENSO
 from torchtitan.optim.state.storage import BFLOAT16, INT8
 
 STEPS = 5
-# The fused back end and bfloat16 momentum, each checked like the default (foreach, float64 momentum).
-VARIANTS = {"fused": ("implementation", FUSED), "bfloat16": ("momentum_storage", BFLOAT16)}
 SAVE_AT, RESUME_STEPS = 3, 3
 MUON_STEPS = 3  # several steps, each bit for bit; kept short, Newton-Schulz in float64 being the slow part
 # For 8-bit momentum, in blocks of 128: every matrix has at least 4096 entries and rows of whole blocks, and TP 2
@@ -73,7 +71,8 @@ OTHER_PARTITION = {
     "mlp_blocks": PER_TENSOR,
     "norm_weight_decay": True,
 }
-PARTITION_LAYOUTS = {2: ("fsdp", "tp"), 3: ("fsdp",), 4: ("fsdp_tp", "hsdp")}
+# The layouts of every other partition rule and of bf16 momentum.
+PARTITION_LAYOUTS = {2: ("fsdp", "tp"), 4: ("fsdp_tp", "hsdp")}
 WIDE = ModelArgs(
     dim=256,
     n_layers=1,
@@ -138,26 +137,6 @@ def set_grads(model: torch.nn.Module, step: int) -> None:
         p.grad = grad_from_values(name, p, step)
 
 
-def _batch(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's share of a fixed global batch of 6 sequences (all of it in one process)."""
-    tokens = torch.randint(0, TINY.vocab_size, (6, 9), generator=torch.Generator().manual_seed(5))
-    share = tokens.shape[0] // world_size
-    tokens = tokens[rank * share : (rank + 1) * share]
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def train_on_loss(model: torch.nn.Module, rank: int, world_size: int, steps: int) -> dict[str, torch.Tensor]:
-    """Real forward and backward (FSDP2 reduce-scatters the gradients), then AdamMini steps."""
-    optimizer = adam_mini_for(model)
-    inputs, labels = _batch(rank, world_size)
-    for _ in range(steps):
-        logits = model(inputs)
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return weights(model)
-
-
 def train_muon(layout: str, world_size: int, steps: int, make: Callable = muon_for) -> dict[str, torch.Tensor]:
     model = _parallel_model(layout, world_size)
     optimizer = make(model)
@@ -167,17 +146,17 @@ def train_muon(layout: str, world_size: int, steps: int, make: Callable = muon_f
     return weights(model)
 
 
-# Fewer rows than 3 ranks: FSDP2 gives the last rank an empty shard of every parameter (per_row, per_tensor and
+# Fewer rows than ranks: FSDP2 gives the last rank an empty shard of every parameter (per_row, per_tensor and
 # per_element blocks).
 EMPTY_SHARD_ROLES = {"proj.weight": "mlp", "proj.bias": "bias", "norm.weight": "norm", "norm.bias": "bias"}
 
 
 def train_with_empty_shards(world_size: int, steps: int) -> dict[str, torch.Tensor]:
-    """The fused step on a two-row module; FSDP2-sharded over ``world_size`` ranks when more than one."""
+    """The fused step on a one-row module; FSDP2-sharded over ``world_size`` ranks when more than one."""
     torch.manual_seed(0)
     module = torch.nn.Sequential()
-    module.add_module("proj", torch.nn.Linear(8, 2))
-    module.add_module("norm", torch.nn.LayerNorm(2))
+    module.add_module("proj", torch.nn.Linear(8, 1))
+    module.add_module("norm", torch.nn.LayerNorm(1))
     module.double()
     if world_size > 1:
         fully_shard(module, mesh=init_device_mesh("cpu", (world_size,)))
@@ -287,21 +266,22 @@ def muon_path(checkpoint_dir: str) -> str:
     return os.path.join(checkpoint_dir, "muon")
 
 
-def _muon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
+def _muon_runs(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
+    """The Muon family (Muon and NorMuon) where the layout matrix does not reach: each step's collectives (the owner
+    rounds) under FSDP and FSDP x TP, a Muon checkpoint saved on 2 ranks, NorMuon with the paper's step size."""
     runs: dict[str, tuple[bool, Any]] = {}
+    layout = {2: "fsdp", 4: "fsdp_tp"}.get(world_size)
+    if layout is not None:
+        runs[f"muon_comm_{layout}"] = attempt(_collectives_of_one_step, layout, world_size, muon_for)
+        runs[f"normuon_comm_{layout}"] = attempt(_collectives_of_one_step, layout, world_size, normuon_for)
     if world_size == 2:
-        runs["muon_fsdp"] = attempt(train_muon, "fsdp", world_size, MUON_STEPS)
-        runs["muon_tp"] = attempt(train_muon, "tp", world_size, MUON_STEPS)
-        runs["muon_comm_fsdp"] = attempt(_collectives_of_one_step, "fsdp", world_size, muon_for)
         runs["muon_save"] = attempt(_save_checkpoint, world_size, muon_path(checkpoint_dir), muon_for)
-    if world_size == 4:
-        runs["muon_fsdp_tp"] = attempt(train_muon, "fsdp_tp", world_size, MUON_STEPS)
-        runs["muon_hsdp"] = attempt(train_muon, "hsdp", world_size, MUON_STEPS)
-        runs["muon_comm_fsdp_tp"] = attempt(_collectives_of_one_step, "fsdp_tp", world_size, muon_for)
+    for layout in {2: ("fsdp", "tp"), 4: ("fsdp_tp",)}.get(world_size, ()):
+        runs[f"normuon_rms_{layout}"] = attempt(train_muon, layout, world_size, MUON_STEPS, normuon_rms_for)
     return runs
 
 
-def _ademamix_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
+def _ademamix_runs(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     """AdEMAMix (element-wise: each shard steps on its own) under FSDP2 and TP on 2 ranks, and its collectives under
     FSDP."""
     if world_size != 2:
@@ -313,83 +293,60 @@ def _ademamix_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: 
     return runs
 
 
-def _normuon_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
-    """NorMuon in the layouts Muon runs in, and its collectives under FSDP and FSDP x TP."""
-    layouts = {2: ("fsdp", "tp"), 4: ("fsdp_tp", "hsdp")}.get(world_size, ())
-    runs = {f"normuon_{layout}": attempt(train_muon, layout, world_size, MUON_STEPS, normuon_for) for layout in layouts}
-    if world_size in (2, 4):
-        layout = "fsdp" if world_size == 2 else "fsdp_tp"
-        runs[f"normuon_comm_{layout}"] = attempt(_collectives_of_one_step, layout, world_size, normuon_for)
-    for layout in {2: ("fsdp", "tp"), 4: ("fsdp_tp",)}.get(world_size, ()):
-        runs[f"normuon_rms_{layout}"] = attempt(train_muon, layout, world_size, MUON_STEPS, normuon_rms_for)
-    return runs
-
-
 def normuon_rms_for(model: torch.nn.Module) -> torch.optim.Optimizer:
     """NorMuon with the paper's step size (the global shape's sqrt(rows cols), whatever the shard)."""
     return normuon_for(model, "--optimizer.normuon_step_size", "rms")
 
 
-def _adam_mini_runs(rank: int, world_size: int, checkpoint_dir: str, resume_dir: str | None) -> dict[str, Any]:
-    first = "fsdp" if world_size < 6 else "fsdp_tp"  # 6 ranks: 3 x 2, the heads of the TP shards cut unevenly by FSDP
-    runs: dict[str, tuple[bool, Any]] = {first: attempt(train, first, world_size, STEPS)}
+def _adam_mini_runs(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
+    """What the layout matrix (tests/optim/test_layout_matrix.py) does not run: the optional partition rules, the
+    collectives of a step, the one-pass operator's calls, bf16 and 8-bit momentum held exact, empty shards, FSDP x TP
+    on 3 x 2 and a resume on one rank."""
+    runs: dict[str, tuple[bool, Any]] = {}
     if world_size == 2:
-        runs["tp"] = attempt(train, "tp", world_size, STEPS)
-        runs["fsdp_loss"] = attempt(lambda: train_on_loss(_parallel_model("fsdp", world_size), rank, world_size, 3))
         runs["save"] = attempt(_save_checkpoint, world_size, checkpoint_dir)
         runs["comm_fsdp"] = attempt(_collectives_of_one_step, "fsdp", world_size)
         runs["comm_tp"] = attempt(_collectives_of_one_step, "tp", world_size)
-        for option, value in VARIANTS.values():
-            runs[f"fsdp_{value}"] = attempt(functools.partial(train, "fsdp", world_size, STEPS, **{option: value}))
-            runs[f"tp_{value}"] = attempt(functools.partial(train, "tp", world_size, STEPS, **{option: value}))
         runs["comm_fsdp_fused"] = attempt(lambda: _collectives_of_one_step("fsdp", world_size, implementation=FUSED))
-    if world_size == 3:
-        runs["fsdp_per_tensor_values"] = attempt(train, "fsdp", world_size, STEPS, PER_TENSOR)
-        runs["comm_fsdp"] = attempt(_collectives_of_one_step, "fsdp", world_size)
-        runs["resume"] = attempt(lambda: resume(_parallel_model("fsdp", world_size), resume_dir))
         runs["empty_shards"] = attempt(train_with_empty_shards, world_size, STEPS)
-        for option, value in VARIANTS.values():
-            runs[f"fsdp_{value}"] = attempt(functools.partial(train, "fsdp", world_size, STEPS, **{option: value}))
     if world_size == 4:
-        runs["fsdp_tp"] = attempt(train, "fsdp_tp", world_size, STEPS)
-        runs["hsdp"] = attempt(train, "hsdp", world_size, STEPS)
         runs["comm_fsdp_tp"] = attempt(_collectives_of_one_step, "fsdp_tp", world_size)
-        runs["fsdp_tp_fused"] = attempt(lambda: train("fsdp_tp", world_size, STEPS, implementation=FUSED))
         for layout in ("hsdp", "fsdp_tp"):
-            runs[f"{layout}_{BFLOAT16}"] = attempt(
-                functools.partial(train, layout, world_size, STEPS, momentum_storage=BFLOAT16)
-            )
             runs[f"{layout}_{INT8}"] = attempt(
                 functools.partial(train, layout, world_size, STEPS, args=WIDE, **INT8_OPTIONS)
             )
+        runs["fsdp_tp_fused_graphs"] = attempt(train_one_pass, "fsdp_tp", world_size, STEPS, True)
+    if world_size == 6:
+        runs["fsdp_tp"] = attempt(train, "fsdp_tp", world_size, STEPS)
     for layout in PARTITION_LAYOUTS.get(world_size, ()):
         runs[f"{layout}_other_partition"] = attempt(
             functools.partial(train, layout, world_size, STEPS, **OTHER_PARTITION)
+        )
+        runs[f"{layout}_{BFLOAT16}"] = attempt(
+            functools.partial(train, layout, world_size, STEPS, momentum_storage=BFLOAT16)
         )
     for layout, options in ONE_PASS_RUNS.get(world_size, ()):
         runs[f"{layout}_one_pass{'_other_partition' if options else ''}"] = attempt(
             functools.partial(train_one_pass, layout, world_size, STEPS, **options)
         )
-    if world_size == 4:
-        runs["fsdp_tp_fused_graphs"] = attempt(train_one_pass, "fsdp_tp", world_size, STEPS, True)
     return runs
 
 
-# The fused back end's one-pass operator in every layout, with the default and every other partition rule (the
-# fused runs of VARIANTS take it too). Under FSDP x TP the compiled graphs alone run once more, kept in step.
+# The fused back end's one-pass operator: one call a step for every tensor, in the layouts above, with every other
+# partition rule (the default rules' fused step in every layout is the layout matrix's). Under FSDP x TP on 4 ranks
+# the compiled graphs alone run once more, kept in step.
 ONE_PASS_RUNS = {
     2: (("fsdp", OTHER_PARTITION), ("tp", OTHER_PARTITION)),
-    3: (("fsdp", OTHER_PARTITION),),
-    4: (("hsdp", {}), ("hsdp", OTHER_PARTITION), ("fsdp_tp", OTHER_PARTITION)),
+    4: (("hsdp", OTHER_PARTITION), ("fsdp_tp", OTHER_PARTITION)),
     6: (("fsdp_tp", {}),),
 }
 
 
-FAMILIES = {"adam_mini": _adam_mini_runs, "muon": _muon_runs, "normuon": _normuon_runs, "ademamix": _ademamix_runs}
+FAMILIES = {"adam_mini": _adam_mini_runs, "muon": _muon_runs, "ademamix": _ademamix_runs}
 
 
-def _world_runs(rank: int, world_size: int, family: str, checkpoint_dir: str, resume_dir: str | None) -> bytes:
-    runs = FAMILIES[family](rank, world_size, checkpoint_dir, resume_dir)
+def _world_runs(rank: int, world_size: int, family: str, checkpoint_dir: str) -> bytes:
+    runs = FAMILIES[family](rank, world_size, checkpoint_dir)
     # Rank 0's results stand for all: every rank gathered the same full tensors.
     if rank != 0:
         runs = {name: (ok, None if ok else value) for name, (ok, value) in runs.items()}
@@ -404,9 +361,9 @@ def _world_runs(rank: int, world_size: int, family: str, checkpoint_dir: str, re
 # ------------------------------------------------------------------------------------------------------------
 
 
-def spawn(world_size: int, family: str, checkpoint_dir: str | None, resume_dir: str | None) -> list[dict[str, Any]]:
+def spawn(world_size: int, family: str, checkpoint_dir: str | None) -> list[dict[str, Any]]:
     """One world of ``world_size`` ranks running ``family``'s layouts (a key of ``FAMILIES``)."""
-    packed = run_workers(_world_runs, world_size, (family, checkpoint_dir, resume_dir))
+    packed = run_workers(_world_runs, world_size, (family, checkpoint_dir))
     return [torch.load(io.BytesIO(data), weights_only=False) for data in packed]
 
 
@@ -437,24 +394,15 @@ def one_process_runs(family: str) -> dict[str, Any]:
     if family == "adam_mini":
         return {
             PER_ROW: run_single_process(STEPS, PER_ROW, grads_from_values=True),
-            PER_TENSOR: run_single_process(STEPS, PER_TENSOR, grads_from_values=True),
             "uninterrupted": run_single_process(SAVE_AT + RESUME_STEPS, grads_from_values=True),
-            **{
-                value: run_single_process(STEPS, grads_from_values=True, **{option: value})
-                for option, value in VARIANTS.values()
-            },
+            BFLOAT16: run_single_process(STEPS, grads_from_values=True, momentum_storage=BFLOAT16),
             "wide": train("single", 1, STEPS, args=WIDE),
             f"wide_{INT8}": train("single", 1, STEPS, args=WIDE, **INT8_OPTIONS),
             "other_partition": train("single", 1, STEPS, **OTHER_PARTITION),
         }
     if family == "muon":
         return {
-            "muon": train_muon("single", 1, MUON_STEPS),
             "muon_uninterrupted": train_muon("single", 1, SAVE_AT + RESUME_STEPS),
-        }
-    if family == "normuon":
-        return {
-            "muon": train_muon("single", 1, MUON_STEPS),
             "normuon": train_muon("single", 1, MUON_STEPS, normuon_for),
             "normuon_rms": train_muon("single", 1, MUON_STEPS, normuon_rms_for),
         }

@@ -1,7 +1,7 @@
 """NorMuon in one process: against a reference written from the NorMuon reference code (microsoft/dion's
 ``normuon.py``) over Muon's momentum and Newton–Schulz, the rows it evens out, its options, and its state across a
-load. (Across processes: tests/optim/test_normuon_distributed.py; names, state bytes and checkpoints:
-tests/optim/test_optim_builder.py.)"""
+load. (Across processes: tests/optim/test_layout_matrix.py and tests/optim/test_muon_distributed.py; names, state
+bytes and checkpoints: tests/optim/test_optim_builder.py.)"""
 
 from __future__ import annotations
 

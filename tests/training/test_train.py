@@ -1,4 +1,5 @@
-"""End-to-end runs of train.py on the debug model: one process, two FSDP processes, determinism and bad input."""
+"""End-to-end runs of train.py on the debug model: one process, FSDP x TP under torchrun, determinism and bad
+input."""
 
 import json
 import sys
@@ -62,69 +63,36 @@ def test_identical_runs_give_identical_losses_and_the_seed_matters(debug_run, tm
     assert losses(tmp_path / "c")[0] != losses(reference)[0]
 
 
-# The 4-rank runs and their one-process references: 3 steps (one past the 2 warm-up steps) show the loss falling and
-# every step matching; the 4 ranks' start-up is most of their cost, so more steps would prove no more.
-LAYOUT_STEPS = ("--training.steps", "3")
+# The 4-rank run and its one-process reference: 3 steps (one past the 2 warm-up steps) show the loss falling and every
+# step matching; the 4 ranks' start-up is most of their cost, so more steps would prove no more. Adam-mini, the
+# project's optimizer, in float64 (its per-tensor loop: the compiled float32 steps in every layout are
+# tests/optim/test_layout_matrix_compiled.py).
+LAYOUT_RUN = ("--training.steps", "3", "--training.param_dtype", "float64", "--optimizer.name", "AdamMini")
 
 
-@pytest.fixture(scope="module")
-def one_process_float64(tmp_path_factory):
-    """One process's float64 losses on the global batch of 4 sequences that ``readers`` data readers deal out.
-
-    Each data-parallel rank reads its own share of the documents (one reader per rank and loader worker), so a
-    layout with N data-parallel ranks sees what one process with N loader workers sees when it takes one micro-batch
-    from each worker in turn: batch 4 / N, N accumulation steps (the same mean over the same 4 sequences)."""
-    found = {}
-
-    def losses_with(readers: int) -> list[float]:
-        if readers not in found:
-            path = tmp_path_factory.mktemp(f"one-{readers}-readers")
-            batch = ["--training.batch_size", str(4 // readers), "--training.gradient_accumulation_steps", str(readers)]
-            readers_args = ["--training.data_workers", str(readers), "--training.param_dtype", "float64"]
-            train(path, *LAYOUT_STEPS, *batch, *readers_args, cpu=True)
-            found[readers] = losses(path)
-        return found[readers]
-
-    return losses_with
-
-
-# train.py end to end on the two 4-rank layouts, which between them run FSDP, TP (loss parallel), HSDP and 2 and 4
-# data readers; every layout's step, the 2-rank ones included, against one process:
-# tests/parallelisms/test_parallelisms.py.
-@pytest.mark.parametrize(
-    "nproc, layout",
-    [
-        # FSDP 2 x TP 2; the training timeout (after the first step) goes to every group and changes no number.
-        (
-            4,
-            [
-                "--training.tensor_parallel_degree",
-                "2",
-                "--training.batch_size",
-                "2",
-                "--comm.train_timeout_seconds",
-                "600",
-            ],
-        ),
-        (4, ["--training.data_parallel_replicate_degree", "2", "--training.batch_size", "1"]),  # HSDP 2 x 2
-    ],
-    ids=["fsdp2_x_tp2", "hsdp2x2"],
-)
-def test_parallel_layouts_match_one_process(tmp_path, one_process_float64, nproc, layout):
-    """train.py under torchrun on 4 ranks, the only end-to-end runs of TP with loss parallel and of HSDP with the
-    trainer's own data readers, timeouts and logging, against one process reading the same global batch."""
-    # Same global batch (4 sequences from the same data readers), so every layout sees exactly the data one process
-    # sees; float64 makes the only difference the order of floating-point sums, far below rel 1e-9. On CPU
-    # everywhere: on a GPU, FSDP computes in training.mixed_precision_param, which a float64 comparison cannot absorb.
-    proc = train(tmp_path, *LAYOUT_STEPS, "--training.param_dtype", "float64", *layout, nproc=nproc, cpu=True)
+def test_fsdp_x_tp_under_torchrun_matches_one_process(tmp_path):
+    """train.py under torchrun on 4 ranks (FSDP 2 x TP 2): the end-to-end run of FSDP, TP with loss parallel and
+    Adam-mini's block sums across both, with the trainer's own data readers, timeouts and logging, against one
+    process reading the same global batch. Every layout's step against one process through the trainer's build
+    path, HSDP and DDP included, is tests/optim/test_layout_matrix.py; the model's layouts,
+    tests/parallelisms/test_parallelisms.py."""
+    # Each data-parallel rank reads its own share of the documents (one reader per rank and loader worker), so 2
+    # data-parallel ranks of 2 sequences see what one process with 2 loader workers sees when it takes one
+    # micro-batch of 2 from each worker in turn (the same mean over the same 4 sequences). float64 makes the only
+    # difference the order of floating-point sums, far below rel 1e-9. On CPU everywhere: on a GPU, FSDP computes in
+    # training.mixed_precision_param, which a float64 comparison cannot absorb. The training timeout (after the
+    # first step) goes to every group and changes no number.
+    layout = ["--training.tensor_parallel_degree", "2", "--training.batch_size", "2"]
+    proc = train(tmp_path / "four", *LAYOUT_RUN, *layout, "--comm.train_timeout_seconds", "600", nproc=4, cpu=True)
+    one_process = ["--training.batch_size", "2", "--training.gradient_accumulation_steps", "2"]
+    train(tmp_path / "one", *LAYOUT_RUN, *one_process, "--training.data_workers", "2", cpu=True)
     # The start-up timeout covers the compiles up to the end of the first step, then the training one takes over.
     assert "collectives: timeout 1800 s until the first step ends" in proc.stderr
-    if "--comm.train_timeout_seconds" in layout:
-        assert "collectives: timeout 600 s from now on" in proc.stderr
-    two = losses(tmp_path)
-    assert two[-1] < two[0]
-    readers = 4 if "--training.data_parallel_replicate_degree" in layout else 2  # data-parallel ranks x workers
-    assert two == pytest.approx(one_process_float64(readers), rel=1e-9)
+    assert "collectives: timeout 600 s from now on" in proc.stderr
+    four = losses(tmp_path / "four")
+    assert len(four) == 3 and four[-1] < four[0]
+    assert four == pytest.approx(losses(tmp_path / "one"), rel=1e-9)
+    assert run_dir(tmp_path / "four").name.endswith("_AdamMini")
 
 
 BAD_INPUT = [

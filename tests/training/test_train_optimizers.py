@@ -18,11 +18,28 @@ def state_bytes(path):
     return next(r["optimizer/state_bytes"] for r in metric_rows(run_dir(path)) if "optimizer/state_bytes" in r)
 
 
+# The runs resumed below: each saves a checkpoint at every step, so that the step after the first (the end of the
+# warm-up) is resumed. The first resumed loss reads the restored weights, the second the first update made from the
+# restored moments and the lr schedule's position; more steps would prove no more.
+RESUMED = ("AdamMini", "AdamW8bit")
+SAVED_AT, STEPS = 1, 3
+
+
+def deterministic():
+    """On a GPU, deterministic kernels, so that runs can agree bit for bit (on CPU they are the default)."""
+    return ["--training.deterministic"] if uses_cuda() else []
+
+
+def checkpointed(name):
+    every_step = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
+    return [*every_step, *deterministic()] if name in RESUMED else []
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, debug_run):
     """A 3-step run per optimizer name (two updates after the first loss, enough to see it fall; the low-bit steps run
     eagerly, seconds each), started on first use and shared by the tests below; its dump folder. AdamW, the debug
-    config's optimizer, is the suite's shared 6-step run."""
+    config's optimizer, is the suite's shared 6-step run. The runs of ``RESUMED`` save a checkpoint at every step."""
     folders = {"AdamW": debug_run[0]}
 
     def get(name):
@@ -31,7 +48,9 @@ def trained(tmp_path_factory, debug_run):
             with pytest.MonkeyPatch.context() as patch:
                 for key, value in EAGER.items():
                     patch.setenv(key, value)
-                train(folders[name], "--optimizer.name", name.lower(), "--training.steps", "3")
+                train(
+                    folders[name], "--optimizer.name", name.lower(), "--training.steps", str(STEPS), *checkpointed(name)
+                )
         return folders[name]
 
     return get
@@ -64,78 +83,20 @@ def test_state_bytes_ratios(trained):
     assert 3.4 * measured["AdamW"] < measured["SOAP"] < 3.6 * measured["AdamW"]
 
 
-@pytest.mark.parametrize("name", ["AdamMini"])
-def test_two_fsdp_processes(tmp_path, name):
-    """Adam-mini through train.py under torchrun with FSDP (the layouts' step against one process in float64 is
-    tests/optim/test_adam_mini_distributed.py; this is the launched trainer, float32, with its data readers)."""
-    # 2 ranks of 2 sequences see the global batch one process sees when it takes 2 micro-batches of 2 sequences from
-    # 2 loader workers (each rank, like each worker, reads its own share of the documents): the same losses, up to
-    # float32 summation order on CPU, or FSDP's bf16 compute (training.mixed_precision_param) on GPUs. (AdamW's FSDP
-    # run against one process, in float64, is tests/training/test_train.py's fsdp2_x_tp2 layout.)
-    train(tmp_path / "two", "--optimizer.name", name, "--training.steps", "4", nproc=2)
-    on_gpus = uses_cuda(2)
-    train(
-        tmp_path / "one",
-        "--optimizer.name",
-        name,
-        "--training.steps",
-        "4",
-        "--training.batch_size",
-        "2",
-        "--training.gradient_accumulation_steps",
-        "2",
-        "--training.data_workers",
-        "2",
-        cpu=not on_gpus,
-    )
-    values = losses(tmp_path / "two")
-    assert len(values) == 4 and values[-1] < values[0]
-    assert values == pytest.approx(losses(tmp_path / "one"), rel=2e-2 if on_gpus else 1e-5)
-    assert run_dir(tmp_path / "two").name.endswith("_" + name)
-
-
-# A checkpoint after the warm-up (step 2 of 4). The first resumed loss reads the restored weights, the second the
-# first update made from the restored moments and the lr schedule's position; more steps would prove no more.
-SAVED_AT, STEPS = 2, 4
-
-
-def resume_args(name):
-    """4 steps with a checkpoint every 2; on a GPU with deterministic kernels, so that runs can agree bit for bit."""
-    return [
-        "--optimizer.name",
-        name,
-        "--training.steps",
-        str(STEPS),
-        "--checkpoint.enable_checkpoint",
-        "--checkpoint.interval",
-        str(SAVED_AT),
-        *(["--training.deterministic"] if uses_cuda() else []),
-    ]
-
-
-def resumed_vs_straight(tmp_path, name):
-    """Losses of the steps after SAVED_AT of a straight run, and of the same steps resumed from its checkpoint."""
-    common = resume_args(name)
-    train(tmp_path / "straight", *common)
+@pytest.mark.parametrize("name", RESUMED)
+def test_resume_equals_uninterrupted_run(trained, tmp_path, monkeypatch, name):
+    """train.py's own resume, bit for bit, of Adam-mini's state and of quantized state (the checkpoint holds each
+    quantized state's block scales beside its values, tests/checkpoint/test_lowprec_checkpoints.py)."""
+    straight = trained(name)
     saved = Path("checkpoint", name, f"step-{SAVED_AT}")  # each optimizer's default folder
-    shutil.copytree(tmp_path / "straight" / saved, tmp_path / "resumed" / saved)
-    train(tmp_path / "resumed", *common, "--checkpoint.load_step", str(SAVED_AT))
-    return losses(tmp_path / "straight")[SAVED_AT:], losses(tmp_path / "resumed")
-
-
-def test_adam_mini_resume_equals_uninterrupted_run(tmp_path):
-    straight, resumed = resumed_vs_straight(tmp_path, "AdamMini")
+    shutil.copytree(straight / saved, tmp_path / saved)
+    for key, value in EAGER.items():
+        monkeypatch.setenv(key, value)
+    args = ["--optimizer.name", name, "--training.steps", str(STEPS), *checkpointed(name)]
+    train(tmp_path, *args, "--checkpoint.load_step", str(SAVED_AT))
+    resumed = losses(tmp_path)
     assert len(resumed) == STEPS - SAVED_AT
-    assert resumed == straight  # bit for bit
-
-
-def test_low_bit_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
-    """train.py's own resume of quantized state (the checkpoint holds each quantized state's block scales beside its
-    values, tests/checkpoint/test_lowprec_checkpoints.py): a resumed 8-bit run continues bit for bit."""
-    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
-    straight, resumed = resumed_vs_straight(tmp_path, "AdamW8bit")
-    assert len(resumed) == STEPS - SAVED_AT
-    assert resumed == straight  # bit for bit
+    assert resumed == losses(straight)[SAVED_AT:]  # bit for bit
 
 
 @pytest.mark.parametrize(
