@@ -1,11 +1,16 @@
-"""The optimizer x layout matrix's cells, run the way train.py runs a job (tests/optim/test_layout_matrix.py asserts).
+"""The optimizer x layout matrix's cells, each a job built and trained by train.py's own code (the tests assert).
 
-A cell is one row (an optimizer as ``[optimizer]`` options: every name in the registry, and the state options that
-change its code path) in one column (a layout as ``[training]`` degrees). It is built as train.py builds a run:
-``ParallelDims.from_job_config``, the mesh, ``build_model`` (the trainer's TP plan, activation
-checkpointing, compile, FSDP2/HSDP/DDP), ``init_model``, ``build_optimizers`` and its container,
-``OptimizerHealth`` on at every step, a ``CheckpointManager``; each step is ``train_step`` (forward with
-the trainer's chunked loss, backward, clipping, the optimizer step) on this rank's share of a fixed global batch.
+A cell is one row (an optimizer as ``[optimizer]`` options) in one column (a layout as ``[training]`` degrees), a job
+config like any user's: ``debugmodel_tiny`` (two blocks), pre-tokenized sample data read by the trainer's data loader,
+gradient accumulation 2, clipping that engages, the divergence guard on, lr warm-up then decay, optimizer health at
+every step, a checkpoint manager. It is checked by ``preflight`` and built by ``torchtitan.training.job.build_job``,
+and each step is ``Job.step``: the very build and step train.py runs, not a copy.
+
+Two grids. The float64 grid runs the rows whose float32 run takes no other path (plain Adam/AdamW, Adam-mini's
+foreach back end, Muon and NorMuon with their Newton-Schulz in float64, SOAP), where layouts must agree to float64
+rounding. The float32 grid runs, as users run them, the rows whose float32 run takes a path of its own: a compiled
+step (Adam-mini's fused back end and its quantized momentum, AdEMAMix, the bfloat16-state steps, torchao's
+8-bit/4-bit/fp8 AdamW, in blocks of 32: see LOW_BIT_BLOCK) or bfloat16 Newton-Schulz (Muon, NorMuon).
 
 Every launch of a world size runs all of that size's cells in one process group (processes are the slow part), one
 after another; rows are derived from the registry, so a new optimizer joins with no edit here.
@@ -20,32 +25,28 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from torchtitan.models.llama import ModelArgs
 from torchtitan.optim.builder import OPTIMIZERS
-from torchtitan.optim.settings import (
-    BF16_STOCHASTIC_ROUND,
-    BLOCK_SIZE,
-    IMPLEMENTATION,
-    NS_DTYPE,
-    STATE_DTYPE,
-    VALUE_BLOCKS,
-)
+from torchtitan.optim.settings import ADEMAMIX_ALPHA, BLOCK_SIZE, NS_DTYPE, STATE_DTYPE, VALUE_BLOCKS
 
-# Llama shaped so that every rule has something to bite on: GQA heads that TP 2 splits, sizes FSDP 3 splits
-# unevenly (67 vocabulary rows, 32 key rows), and weights of at least 4096 values whose last dimension is a whole
-# number of 32-value blocks, also when TP 2 halves it (so the low-bit rows, with block_size 32, really quantize).
-MATRIX_MODEL = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=67, multiple_of=64, max_seq_len=8)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = os.path.join(ROOT, "assets", "tokenizer", "tiktoken_test.model")
+FLAVOR = "debugmodel_tiny"
 SEQ_LEN = 8
-GLOBAL_BATCH = 12  # divisible by every data-parallel degree below (1, 2, 3, 4)
-STEPS, SAVE_AT = 3, 2  # a checkpoint at step 2; resumed cells run step 3 from it
+GLOBAL_BATCH = 12  # sequences per micro-batch over all ranks: divisible by every data-parallel degree (1, 2, 3, 4)
+ACCUMULATION = 2
+STEPS, SAVE_AT, WARMUP = 3, 2, 2  # lr: half the peak at step 1, the peak at step 2, decaying at step 3
 SEED = 0
 LR = "0.01"
+# Below the first steps' gradient norms (measured 0.64-0.70 on this model and data), so clipping always engages; the
+# test asserts it did at every step.
+MAX_NORM = 0.5
+# Quantized blocks of 32 values: the tiny model's rows (64 and 192 values, 32 and 96 where TP 2 halves them) hold
+# whole blocks, so the low-bit rows really quantize in every layout. torchao's defaults (256, 128) need rows of 512
+# values to quantize at TP 2 (on these shapes nothing would be quantized: the row would test plain AdamW).
 LOW_BIT_BLOCK = "32"
 
-
-# Optimizers whose trajectory is not determined by the gradients alone, and why; their cells are held to what can be
-# checked (finite losses close to one process's, every health metric present, state kept on one rank of those that
-# split a matrix), their exactness to tests on a well-conditioned problem.
+# Optimizers whose trajectory the gradients do not determine, with the reason: their cells are held to losses close
+# to one process's, health present and finite, state on the owners.
 NOT_DETERMINED = {
     "SOAP": "its first eigenbases are those of statistics of rank at most the gradient's: a 32 x 64 matrix's 64 x 64 "
     "right statistic has rank 32 at step 1, and the basis of its null space is whatever eigh makes of 1e-16 "
@@ -55,56 +56,82 @@ NOT_DETERMINED = {
 
 @dataclass(frozen=True)
 class Row:
-    """An optimizer as the job's ``[optimizer]`` options."""
+    """An optimizer as the job's ``[optimizer]`` options, in a parameter dtype."""
 
     name: str
     options: tuple[tuple[str, str], ...] = ()
+    dtype: str = "float64"
 
     @property
     def label(self) -> str:
-        return "-".join([self.name, *(f"{k}={v}" for k, v in self.options)])
+        return "-".join([self.name, *(f"{k}={v}" for k, v in self.options), self.dtype])
+
+    def argv(self) -> list[str]:
+        argv = ["--optimizer.name", self.name, "--optimizer.lr", LR]
+        if BLOCK_SIZE in OPTIMIZERS[self.name].options and BLOCK_SIZE not in dict(self.options):
+            argv += ["--optimizer.block_size", LOW_BIT_BLOCK]
+        if NS_DTYPE in OPTIMIZERS[self.name].options and self.dtype == "float64":
+            argv += ["--optimizer.ns_dtype", "float64"]  # the float64 grid's exactness (bfloat16 by default)
+        for key, value in self.options:
+            argv += [f"--optimizer.{key}", value]
+        return argv
 
     @property
     def determined(self) -> bool:
         """Whether its trajectory is determined by the gradients; see ``NOT_DETERMINED``."""
         return self.name not in NOT_DETERMINED
 
-    def argv(self) -> list[str]:
-        argv = ["--optimizer.name", self.name, "--optimizer.lr", LR]
-        kind = OPTIMIZERS[self.name]
-        if BLOCK_SIZE in kind.options:  # quantized blocks the small model's weights are whole multiples of
-            argv += ["--optimizer.block_size", LOW_BIT_BLOCK]
-        if NS_DTYPE in kind.options:  # Newton-Schulz in the test's float64 (bfloat16 by default)
-            argv += ["--optimizer.ns_dtype", "float64"]
-        for key, value in self.options:
-            argv += [f"--optimizer.{key}", value]
-        return argv
-
-    @property
-    def param_dtype(self) -> str:
-        """float64, the reference precision; float32 for torchao's low-bit AdamW (the optimizers that take
-        ``bf16_stochastic_round``): its step does its math in its float32 state, and DTensor's checks refuse a float64
-        weight beside it, which no real run has."""
-        return "float32" if BF16_STOCHASTIC_ROUND in OPTIMIZERS[self.name].options else "float64"
-
     @property
     def rounds_state(self) -> bool:
-        """Its state is stored rounded (bfloat16, 8-/4-bit, fp8): see the test's tolerance."""
-        kind = OPTIMIZERS[self.name]
-        return BLOCK_SIZE in kind.options or dict(self.options).get(STATE_DTYPE) == "bfloat16"
+        """Its state is stored rounded (bfloat16, 8-/4-bit, fp8 blocks)."""
+        return BLOCK_SIZE in OPTIMIZERS[self.name].options or dict(self.options).get(STATE_DTYPE) == "bfloat16"
+
+    @property
+    def bfloat16_newton_schulz(self) -> bool:
+        return NS_DTYPE in OPTIMIZERS[self.name].options and self.dtype == "float32"
+
+
+def _float32_path(name: str) -> bool:
+    """Whether the optimizer's float32 run takes a path its float64 run does not (see the module's docstring)."""
+    kind = OPTIMIZERS[name]
+    return (
+        BLOCK_SIZE in kind.options  # torchao's compiled low-bit steps, Adam-mini's quantized momentum graphs
+        or ADEMAMIX_ALPHA in kind.options  # AdEMAMix's compiled step
+        or NS_DTYPE in kind.options  # bfloat16 Newton-Schulz by default
+        or _is_adam_mini(kind)  # fused in float32 by default
+    )
+
+
+def torchao_step(row: Row) -> bool:
+    """Whether the row's step is torchao's (its low-bit AdamW variants)."""
+    kind = OPTIMIZERS[row.name]
+    return BLOCK_SIZE in kind.options and not _is_adam_mini(kind)
+
+
+def _is_adam_mini(kind) -> bool:
+    return VALUE_BLOCKS in kind.options
 
 
 def rows() -> list[Row]:
-    """Every registered optimizer, then the state options that take another code path: bfloat16 state wherever
-    ``state_dtype`` is taken, and the fused back end wherever ``implementation`` picks between Adam-mini's own."""
-    result = [Row(name) for name in OPTIMIZERS]
-    for name, kind in OPTIMIZERS.items():
-        if STATE_DTYPE in kind.options:
-            result.append(Row(name, ((STATE_DTYPE, "bfloat16"),)))
-    for name, kind in OPTIMIZERS.items():
-        if IMPLEMENTATION in kind.options and VALUE_BLOCKS in kind.options and STATE_DTYPE in kind.options:
-            result.append(Row(name, ((IMPLEMENTATION, "fused"),)))
-    return result
+    """The float64 grid's rows, then the float32 grid's: every registered optimizer and its bfloat16 state, each in
+    one grid, and Muon's family in both (float64 Newton-Schulz proves its distributed rounds exactly, bfloat16 is
+    its default).
+
+    float32 (dynamo on): each optimizer whose float32 run takes a path of its own, and the bfloat16 state of the
+    optimizers whose float32 run does not (Adam's and AdamW's compiled bfloat16 step). float64 (steps eager, see
+    ``run_cell``): the others, and the bfloat16 state of the float32 grid's optimizers: their compiled steps are
+    those the float32 grid compiles (Adam-mini's graphs, as for its quantized momentum; AdEMAMix's; Muon's AdamW
+    part is AdamW's bfloat16 step), run here in their eager form, in every layout."""
+    bfloat16 = ((STATE_DTYPE, "bfloat16"),)
+    takes_state_dtype = [name for name, kind in OPTIMIZERS.items() if STATE_DTYPE in kind.options]
+    exact = [Row(name) for name in OPTIMIZERS if not _float32_path(name)]
+    exact += [Row(name) for name, kind in OPTIMIZERS.items() if NS_DTYPE in kind.options]  # Newton-Schulz in float64
+    # Adam-mini in float64: its foreach back end (its default there; fused is its float32 default).
+    exact += [Row(name) for name, kind in OPTIMIZERS.items() if _is_adam_mini(kind) and BLOCK_SIZE not in kind.options]
+    exact += [Row(name, bfloat16) for name in takes_state_dtype if _float32_path(name)]
+    compiled = [Row(name, (), "float32") for name in OPTIMIZERS if _float32_path(name)]
+    compiled += [Row(name, bfloat16, "float32") for name in takes_state_dtype if not _float32_path(name)]
+    return exact + compiled
 
 
 # Columns: layout name -> (world size, [training] options). A new layout joins as a line here.
@@ -122,26 +149,62 @@ COLUMNS: dict[str, tuple[int, tuple[str, ...]]] = {
 }
 # Resumed cells: (saved in, resumed in); each resumes every row's step-2 checkpoint for step 3.
 RESUMES = (("one_process", "tp2"), ("tp2", "fsdp3"), ("fsdp2", "fsdp2_x_tp2"))
-# Cells a layout rules out, with words of their refusal; each runs until it is refused (before any step). Quantized
-# blocks of 64 values are the model's whole rows, which TP 2 halves in the row-wise split weights (attention output,
-# feed-forward down projection): torchao's 8-bit AdamW and Adam-mini's 8-bit momentum refuse alike.
-REFUSED: dict[tuple[Row, str], str] = {
-    (Row(name, ((BLOCK_SIZE, "64"),)), "tp2"): "in blocks of 64 along its last dimension, which the layout splits "
-    "into parts of up to 32"
-    for name in ("AdamW8bit", "AdamMini8bit")
-}
+
+# float32 rows whose compiled step is another row's over another state class (torchao's 4-bit and fp8 AdamW: its
+# 8-bit one's adapter and step; Adam-mini's 4-bit momentum: the graphs of its 8-bit one), with the row that runs
+# every column. Their own cells are the columns where their state's layout can differ from that row's: one process,
+# FSDP 3 (uneven shards: 4-bit codes pack two values a byte), TP 2 (rows split along the blocks), and the resumes
+# between them. A graph compiled for a layout costs seconds of CPU per parameter shape on every rank, and these
+# rows' graphs are recompiled by every rank (torchao's) or for every shard shape.
+SHARES_STEP_WITH = {"AdamW4bit": "AdamW8bit", "AdamWFp8": "AdamW8bit", "AdamMini4bit": "AdamMini8bit"}
+OWN_STATE_COLUMNS = ("one_process", "fsdp3", "tp2")
 
 
-def job_argv(row: Row, column: str, folder: str, extra: tuple[str, ...] = ()) -> list[str]:
+def columns_of(row: Row) -> list[str]:
+    """The layouts ``row`` runs in (see ``SHARES_STEP_WITH``)."""
+    if row.dtype == "float32" and not row.options and row.name in SHARES_STEP_WITH:
+        return list(OWN_STATE_COLUMNS)
+    return list(COLUMNS)
+
+
+def resumes_of(row: Row) -> list[tuple[str, str]]:
+    return [(saved, resumed) for saved, resumed in RESUMES if {saved, resumed} <= set(columns_of(row))]
+
+
+def data_parallel_degree(column: str) -> int:
+    world_size, options = COLUMNS[column]
+    key = "--training.tensor_parallel_degree"
+    return world_size // (int(options[options.index(key) + 1]) if key in options else 1)
+
+
+def job_argv(row: Row, column: str, folder: str, tokens: str, extra: tuple[str, ...] = ()) -> list[str]:
     return [
+        "--model.flavor",
+        FLAVOR,
+        "--model.tokenizer_path",
+        TOKENIZER,
+        "--training.dataset",
+        "tokens",
+        "--training.dataset_path",
+        tokens,
+        "--training.data_workers",
+        "0",
         "--training.param_dtype",
-        row.param_dtype,
+        row.dtype,
         "--training.seq_len",
         str(SEQ_LEN),
+        "--training.batch_size",
+        str(GLOBAL_BATCH // data_parallel_degree(column)),
+        "--training.gradient_accumulation_steps",
+        str(ACCUMULATION),
         "--training.steps",
         str(STEPS),
+        "--training.warmup_steps",
+        str(WARMUP),
         "--training.max_norm",
-        "1.0",
+        str(MAX_NORM),
+        "--training.seed",
+        str(SEED),
         "--loss.num_chunks",
         "3",
         "--metrics.health_freq",
@@ -159,87 +222,112 @@ def job_argv(row: Row, column: str, folder: str, extra: tuple[str, ...] = ()) ->
     ]
 
 
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, MATRIX_MODEL.vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
+# Cells a layout rules out, with words of their refusal: preflight refuses them (in the launching process, as
+# run_llama_train.sh runs it) and the build refuses them alike in the workers, before any step. Quantized blocks of
+# 64 values are the tiny model's whole rows, which TP 2 halves in the row-wise split weights (attention output):
+# torchao's 8-bit AdamW and Adam-mini's 8-bit momentum refuse alike. (At their default block sizes every row trains
+# in every layout here.)
+REFUSED: dict[tuple[Row, str], str] = {
+    (Row(name, ((BLOCK_SIZE, "64"),), "float32"), "tp2"): "in blocks of 64 along its last dimension, which the "
+    "layout splits into parts of up to 32"
+    for name in ("AdamW8bit", "AdamMini8bit")
+}
+
+
+def sample_tokens(base: str) -> str:
+    """The sample data, pre-tokenized into ``base``/tokens (the tokens loader reads the same global batch at any
+    number of data-parallel ranks)."""
+    from torchtitan.logging import quiet
+    from torchtitan.tools.pretokenize import pretokenize
+
+    folder = os.path.join(base, "tokens")
+    if not os.path.isdir(folder):
+        with quiet():
+            pretokenize("sample", TOKENIZER, folder)
+    return folder
 
 
 def cell_folder(base: str, row: Row, column: str) -> str:
     return os.path.join(base, row.label, column)
 
 
-def run_cell(row: Row, column: str, base: str, resume_from: Optional[str] = None, extra: tuple[str, ...] = ()) -> dict:
+def run_cell(
+    row: Row, column: str, base: str, tokens: str, resume_from: Optional[str] = None, extra: tuple[str, ...] = ()
+) -> dict:
     """Train one cell ``STEPS`` steps (saving at ``SAVE_AT``), or, with ``resume_from`` (a column), load that
-    column's step-``SAVE_AT`` checkpoint and train the rest. Returns what every rank saw, or the one-line refusal."""
-    from torchtitan.checkpoint import CheckpointManager
-    from torchtitan.config.job_config import JobConfig
-    from torchtitan.errors import UserError
-    from torchtitan.optim import build_optimizers
-    from torchtitan.optim.state.storage import is_quantized
-    from torchtitan.parallelisms import ParallelDims
-    from torchtitan.telemetry.health import OptimizerHealth
-    from torchtitan.training.step import TrainState, build_model, init_model, train_step
+    column's step-``SAVE_AT`` checkpoint and train the rest; ``extra``: more of the job's options. Returns what
+    every rank saw, or the one-line refusal."""
+    if row.dtype == "float64":  # the float64 grid's steps run eagerly (see rows)
+        with torch.compiler.set_stance("force_eager"):
+            return _run_cell(row, column, base, tokens, resume_from, extra)
+    return _run_cell(row, column, base, tokens, resume_from, extra)
 
+
+def _run_cell(
+    row: Row, column: str, base: str, tokens: str, resume_from: Optional[str], extra: tuple[str, ...]
+) -> dict:
+    from torch._dynamo.utils import counters
+
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.config.preflight import preflight
+    from torchtitan.errors import UserError
+    from torchtitan.optim.state.storage import is_quantized
+    from torchtitan.training.job import build_job
+
+    graphs_before = counters["stats"]["unique_graphs"]  # the state's creation compiles the optimizer's step
+    compiles_before = _inductor_compiles()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     folder = cell_folder(base, row, resume_from if resume_from is not None else column)
-    job = JobConfig.parse_args(job_argv(row, column, folder, extra))
-    dims = ParallelDims.from_job_config(job, world_size)
-    mesh = dims.build_mesh("cpu") if dims.any_parallelism else None
-    device = torch.device("cpu")
-    model = init_model(build_model(job, MATRIX_MODEL, dims, mesh), device, SEED)
+    job_config = JobConfig.parse_args(job_argv(row, column, folder, tokens, extra))
+    # As train.py's ranks after a launcher's preflight: the layout check ran in the launching process.
+    job = build_job(job_config, preflight(job_config, world_size, check_layout=False), torch.device("cpu"), world_size)
     try:
-        optimizers = build_optimizers([model], job)
-        optimizers.initialise_state()  # as train.py: where a layout rules the state out, it is refused here
+        job.optimizers.initialise_state()  # as train.py: where a layout rules the state out, it is refused here
     except UserError as e:
         return {"refused": str(e)}
-    health = OptimizerHealth.build([model], job, device)
-    train_state = TrainState()
-    checkpoint = CheckpointManager(
-        data_loader=None,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=None,
-        states={"train_state": train_state},
-        job_config=job,
-    )
     if resume_from is not None:
-        assert checkpoint.load(step=SAVE_AT), f"no checkpoint of {row.label} at step {SAVE_AT} in {folder}"
-        assert train_state.step == SAVE_AT
-    dp_rank, dp_degree = dims.dp_rank_and_degree(mesh)
-    dp_group = dims.dp_mesh(mesh).get_group() if dims.dp_enabled else None
-    share = GLOBAL_BATCH // dp_degree
-    losses, healths, mismatched = {}, {}, []
-    while train_state.step < STEPS:
-        train_state.step += 1
-        step = train_state.step
-        inputs, labels = global_batch(step)
-        rows_here = slice(dp_rank * share, (dp_rank + 1) * share)
-        batches = iter([(inputs[rows_here], labels[rows_here])])
-        loss, _, updated = train_step(model, optimizers, batches, dims, job, device, None, step, health)
-        assert updated
+        assert job.checkpoint.load(step=SAVE_AT), f"no checkpoint of {row.label} at step {SAVE_AT} in {folder}"
+        assert job.train_state.step == SAVE_AT
+    losses, healths, norms, lrs, mismatched = {}, {}, {}, {}, []
+    while job.train_state.step < STEPS:
+        outcome = job.step()
+        step = job.train_state.step
+        assert outcome.updated, f"the guard skipped step {step}"
         if step == 1:
-            mismatched = sorted(name for name, p in model.named_parameters() if _laid_out_otherwise(p))
-        total = loss.detach().reshape(1).clone()
-        if dp_group is not None:
-            dist.all_reduce(total, group=dp_group)
-        losses[step] = total.item() / dp_degree
-        healths[step] = health.metrics(float(LR))
-        if resume_from is None and any(column == saved for saved, _ in RESUMES):
-            checkpoint.save(step, force=step == SAVE_AT)
-    checkpoint.close()
-    states = [value for optimizer in optimizers for state in optimizer.state.values() for value in state.values()]
-    quantized = any(is_quantized(value) for value in states)
+            mismatched = sorted(name for name, p in job.model.named_parameters() if _laid_out_otherwise(p))
+        total = outcome.loss.detach().reshape(1).clone()
+        if job.dp_group is not None:
+            dist.all_reduce(total, group=job.dp_group)
+        losses[step] = total.item() / job.dp_degree
+        norms[step] = float(outcome.grad_norm)
+        lrs[step] = outcome.lr
+        healths[step] = job.health.metrics(outcome.lr)
+        if resume_from is None and any(column == saved for saved, _ in resumes_of(row)):
+            job.checkpoint.save(step, force=step == SAVE_AT)
+    job.checkpoint.close()
+    states = [value for opt in job.optimizers for state in opt.state.values() for value in state.values()]
     return {
         "losses": losses,
+        "grad_norms": norms,
+        "lrs": lrs,
         "health": healths,
-        "weights": {name: _whole(p).numpy().copy() for name, p in model.named_parameters()},
-        "quantized": quantized,
+        "weights": {name: _whole(p).numpy().copy() for name, p in job.model.named_parameters()},
+        "quantized": any(is_quantized(value) for value in states),
         "mismatched": mismatched,
+        "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,  # graphs dynamo compiled in this cell
+        # Graphs inductor compiled (not found in its cache): ranks with the same shards compile each once in all.
+        "inductor_compiles": _inductor_compiles() - compiles_before,
         # Which state each parameter has on this rank: state kept whole on a matrix's owner is on one rank of those
         # that split it.
-        "held": {name: sorted(optimizer_state(optimizers, p)) for name, p in model.named_parameters()},
+        "held": {name: sorted(optimizer_state(job.optimizers, p)) for name, p in job.model.named_parameters()},
     }
+
+
+def _inductor_compiles() -> int:
+    """Graphs inductor compiled in this process: not found in its cache, or not cacheable."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"]
 
 
 def optimizer_state(optimizers, p: torch.Tensor) -> dict:
@@ -263,23 +351,24 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().to(torch.float64)
 
 
-def run_world(rank: int, world_size: int, base: str, labels: Optional[list[str]] = None) -> dict:
-    """Every cell of this world size (and the resumed cells that run in it), row by row; on every rank."""
+def run_world(rank: int, world_size: int, base: str, tokens: str, labels: Optional[list[str]] = None) -> dict:
+    """Every cell of this world size (and the resumed cells that run in it), row by row; on every rank. The
+    cells preflight refused in the launching process run too: the build must refuse them alike."""
     results = {}
     for row in rows():
         if labels is not None and row.label not in labels:
             continue
-        for column, (size, _) in COLUMNS.items():
-            if size == world_size:
-                results[(row.label, column)] = run_cell(row, column, base)
-        for saved, resumed in RESUMES:
+        for column in columns_of(row):
+            if COLUMNS[column][0] == world_size:
+                results[(row.label, column)] = run_cell(row, column, base, tokens)
+        for saved, resumed in resumes_of(row):
             if COLUMNS[resumed][0] != world_size:
                 continue
             if not os.path.isdir(os.path.join(cell_folder(base, row, saved), "checkpoint")):
                 results[(row.label, f"{resumed}<-{saved}")] = {"refused": f"nothing saved in {saved}"}
                 continue
-            results[(row.label, f"{resumed}<-{saved}")] = run_cell(row, resumed, base, resume_from=saved)
+            results[(row.label, f"{resumed}<-{saved}")] = run_cell(row, resumed, base, tokens, resume_from=saved)
     for row, column in REFUSED:
         if COLUMNS[column][0] == world_size and (labels is None or row.label in labels):
-            results[(row.label, column)] = run_cell(row, column, base)
+            results[(row.label, column)] = run_cell(row, column, base, tokens)
     return results

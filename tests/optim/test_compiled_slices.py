@@ -1,5 +1,7 @@
 """Slicing an optimizer's parameter list so that compiled graphs are shared between layers."""
 
+import os
+
 import torch
 
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
@@ -44,3 +46,99 @@ def test_compiled_step_runs_meta_tensors_eagerly_slice_by_slice():
     step.run([[0, 1], [2]], lambda part: ([tensors[i] for i in part],), tensors)
     assert calls == [2, 1]  # Python ran it (a compiled graph would not append), once per slice
     assert not dict(torch._dynamo.utils.counters["stats"]).get("unique_graphs")
+
+
+# Two ranks of an uneven FSDP shard, one after the other in one process (dynamo's memory cleared between them) with one
+# inductor cache folder: rank 1 (2 rows of the parameter's 5) compiles first, then rank 0 (3 rows) compiles the same
+# step on the same global DTensor spec.
+_UNEVEN_SHARDS = """
+import sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torchtitan.optim.compiled_slices import CompiledStep
+
+def double_the_gradient_in(params, grads):
+    for p, g in zip(params, grads):
+        p.add_(g * 2)
+
+step = CompiledStep(double_the_gradient_in, "uneven_test")
+for rank in (1, 0):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    rows = 3 if rank == 0 else 2
+    p, g = (DTensor.from_local(torch.ones(rows, 4), mesh, [Shard(0)], run_check=False, shape=torch.Size([5, 4]),
+                               stride=(4, 1)) for _ in range(2))
+    step.run([[0]], lambda part: ([p], [g]), [p])
+    print(rank, p.to_local().tolist())
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+"""
+
+
+def test_a_rank_with_another_shard_shape_compiles_its_own_step_from_a_shared_cache(tmp_path):
+    """AOT autograd's on-disk cache keys a DTensor by its global spec, not its local shard: without the optimizers'
+    own cache context, rank 0 here reuses rank 1's graph for 2 rows and leaves its third row unchanged."""
+    import sys
+
+    from tests.processes import run
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    done = run([sys.executable, "-c", _UNEVEN_SHARDS], timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line[:2] in ("0 ", "1 "))
+    assert lines["1"] == str([[3.0] * 4] * 2)
+    assert lines["0"] == str([[3.0] * 4] * 3)
+
+
+_COMPILING_RANK = """
+import json, os, sys, time
+from torchtitan.optim.compile_cache import optimizer_compile
+
+go = sys.argv[1]
+open(go + f".{os.getpid()}", "w").close()  # ready
+while not os.path.exists(go):
+    time.sleep(0.005)
+entered = time.time()
+with optimizer_compile("once_test", subclass_inputs=False, signature="a-slice"):
+    started = time.time()
+    marked = os.path.exists(os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "compiled", "a-slice"))
+    time.sleep(2.0)  # a compile
+    ended = time.time()
+print(json.dumps(dict(entered=entered, started=started, ended=ended, marked=marked)))
+"""
+
+
+def test_ranks_on_one_machine_compile_a_step_one_after_another_and_only_the_first_unmarked(tmp_path):
+    """Two ranks reach the same first step at once: one compiles while the other waits, finds the mark, and loads
+    (here: starts its block only after the first ended); a third arriving later does not wait at all."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    go = tmp_path / "go"
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", _COMPILING_RANK, str(go)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    while len(list(tmp_path.glob("go.*"))) < 2:  # both imported and waiting: they reach the step together
+        time.sleep(0.01)
+    go.touch()
+    first, second = sorted((json.loads(rank.communicate(timeout=120)[0]) for rank in ranks), key=lambda r: r["started"])
+    assert not first["marked"] and second["marked"]
+    assert second["started"] >= first["ended"]
+    assert second["entered"] < first["ended"]  # it did wait
+    late = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", _COMPILING_RANK, str(go)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )
+    assert late["marked"] and late["started"] - late["entered"] < 0.5

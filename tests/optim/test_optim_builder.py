@@ -35,7 +35,7 @@ from tests.helpers import (
 )
 from torchtitan.errors import UserError
 from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
-from torchtitan.optim import AdamMini, AdEMAMix, OptimizersContainer, build_optimizers
+from torchtitan.optim import AdamMini, AdEMAMix, OptimizersContainer, build_optimizers, compile_cache
 from torchtitan.optim.container import tensor_bytes
 from torchtitan.optim.lowbit import torchao_adapter
 from torchtitan.optim.muon.normuon import NorMuon
@@ -569,7 +569,7 @@ def test_low_bit_dcp_round_trip_and_resume(tmp_path):
     inductor_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     uninterrupted, resumed, without_state, optimizers = resume_run("AdamW8bit", LOW_BIT, torch.float32, tmp_path)
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == inductor_dir  # the per-optimizer cache folder was scoped
-    cache_base = inductor_dir or torchao_adapter._default_inductor_cache_dir()
+    cache_base = inductor_dir or compile_cache._default_inductor_cache_dir()
     assert os.listdir(os.path.join(cache_base, "optim_AdamW8bit"))
 
     # The live state is quantized again; the checkpoint holds only plain tensors.

@@ -15,6 +15,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from torchtitan.optim import compile_cache
+
 
 def repeating_slices(members: Sequence[int], signatures: Sequence[Hashable]) -> list[list[int]]:
     """``members`` cut into slices of which most have the same signatures in the same order.
@@ -48,14 +50,23 @@ class CompiledStep:
             fn, fullgraph=True, dynamic=False, options={"size_asserts": False, **inductor_options}
         )
         self.cache_tag = cache_tag
+        self._compiled: set[str] = set()  # signatures of the slices compiled in this process
 
     def run(self, slices: Iterable[list[int]], arguments: Callable[[list[int]], tuple], tensors: Sequence[Any]) -> None:
         """Call the step once per slice with ``arguments(slice)``; ``tensors`` tell whether it can be compiled."""
-        from torchtitan.optim.lowbit.torchao_adapter import separate_compile_cache
-
         dataless = any(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
         step = self.eager if dataless or _get_current_dispatch_mode() is not None else self.compiled
         # A model's few distinct slices are a few graphs each; dynamo's default limit per function is lower.
-        with torch._dynamo.utils.disable_cache_limit(), separate_compile_cache(self.cache_tag):
+        with torch._dynamo.utils.disable_cache_limit():
             for part in slices:
-                step(*arguments(part))
+                args = arguments(part)
+                # A slice's first compiled call compiles its graph: once per machine (see optimizer_compile).
+                first = compile_cache.signature(args) if step is self.compiled else None
+                if first in self._compiled:
+                    first = None
+                with compile_cache.optimizer_compile(
+                    self.cache_tag, subclass_inputs=compile_cache.has_subclass(args), signature=first
+                ):
+                    step(*args)
+                if first is not None:
+                    self._compiled.add(first)

@@ -30,7 +30,7 @@ def _update_slice(params, grads, exp_avgs, exp_avg_slows, exp_avg_sqs, factors, 
 
 
 # One compiled graph per distinct slice of a model's parameters (a layer's worth), reused by every layer.
-_COMPILED_STEP = CompiledStep(_update_slice, "AdEMAMix")
+_COMPILED_STEP = CompiledStep(_update_slice, "AdEMAMix", realize_opcount_threshold=4)
 
 
 class AdEMAMix(torch.optim.Optimizer):

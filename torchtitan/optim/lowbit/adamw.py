@@ -54,7 +54,7 @@ def _local_adam_steps(
         p.copy_(weights * decay - step_sizes[i] * m_new / denominator)
 
 
-_ADAM_STEP = CompiledStep(_local_adam_steps, "AdamW_bf16")
+_ADAM_STEP = CompiledStep(_local_adam_steps, "AdamW_bf16", realize_opcount_threshold=4)
 
 
 class LowPrecisionAdam(torch.optim.Optimizer):

@@ -14,14 +14,12 @@ bit (``quantized_checkpoint``).
 from __future__ import annotations
 
 import contextlib
-import getpass
-import os
-import tempfile
 from typing import Any, Iterator
 
 import torch
 
 from torchtitan.distributed.utils import grad_like_param, local_tensor
+from torchtitan.optim.compile_cache import optimizer_compile
 from torchtitan.optim.state.storage import dequantized, is_quantized, laid_out_like, quantized_layout
 from torchtitan.optim.state.torchao_import import import_torchao_optim
 
@@ -39,7 +37,10 @@ def low_bit_class(name: str) -> type:
                 for p in group["params"]:
                     if p.grad is not None:
                         p.grad = grad_like_param(p, name)
-            with separate_compile_cache(name):
+            # torchao compiles its step on the parameters (DTensors). Not once per machine: inductor's cache keys
+            # for these graphs differ between the ranks of a run (two ranks of FSDP 2, or of DDP 2, each compiled
+            # every graph though one had finished it first), so a rank that waited would compile again after.
+            with optimizer_compile(name, subclass_inputs=True):
                 return base.step(self, closure)
 
         def _new_buffer(self, p, signed):
@@ -55,35 +56,6 @@ def low_bit_class(name: str) -> type:
         members = {"step": step, "_new_buffer": _new_buffer, "__module__": __name__}
         _low_bit_classes[name] = type(name, (base,), members)
     return _low_bit_classes[name]
-
-
-@contextlib.contextmanager
-def separate_compile_cache(tag: str) -> Iterator[None]:
-    """Compile inside ``<inductor cache>/optim_<tag>`` while the block runs.
-
-    torchao compiles each low-bit step for its own quantized state classes; sharing one on-disk inductor cache
-    between optimizer kinds can hand one kind's cached graph to another. One folder per kind keeps them apart (and
-    keeps warm restarts warm).
-    """
-    original = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    base = original or _default_inductor_cache_dir()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"optim_{tag}")
-    try:
-        yield
-    finally:
-        if original is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = original
-
-
-def _default_inductor_cache_dir() -> str:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        return default_cache_dir()
-    except ImportError:  # the helper moved; the same place by hand
-        return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 
 
 def portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,115 @@
+"""Where and how an optimizer's step compiles: a cache folder per optimizer kind, and each graph compiled once per
+machine.
+
+Every rank on a machine compiles the same step graphs for the same shard shapes at the same moment (the first step),
+each missing inductor's cache because none has written it yet: four ranks of a CPU debugging run spend four times the
+CPU on it. ``optimizer_compile`` with a ``signature`` (what the graphs depend on: shapes, dtypes, constants) lets one
+rank compile under a file lock in the cache folder and leave a mark; the others wait for the lock, find the mark and
+load the compiled graphs from inductor's cache. Ranks whose shards differ (uneven FSDP shards) have signatures of
+their own and compile side by side. The mark is only a hint: a mark whose graphs are not in the cache (another
+torch, a cleared cache) costs a compile without the lock, as without marks.
+
+Nothing that waits for another rank may run inside: the steps compiled here are local (no collectives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import hashlib
+import os
+import tempfile
+from typing import Any, Iterator, Optional
+
+import torch
+import torch._functorch.config
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+
+@contextlib.contextmanager
+def optimizer_compile(tag: str, *, subclass_inputs: bool, signature: Optional[str] = None) -> Iterator[None]:
+    """Compile an optimizer's step inside ``<inductor cache>/optim_<tag>``; with ``subclass_inputs`` (tensor
+    subclasses among its inputs: DTensors, quantized state), without AOT autograd's on-disk cache; with
+    ``signature``, once per machine (see the module's docstring).
+
+    AOT autograd's cache keys a tensor subclass by what the subclass says of itself: a DTensor by its global shape,
+    placements and mesh, not by the rank's local shard — where FSDP shards a parameter unevenly (3 ranks, a
+    dimension of 64), a rank would be handed the graph another rank compiled for its shard's shape (torchao's
+    steps, compiled on DTensors, then fail a size check; a graph compiled without size checks would update part of
+    the shard) — and torchao's quantized state by its shapes and contents, not its class. Inductor's own graph
+    cache, keyed by the plain graphs that run, still keeps a warm restart warm. Steps compiled on plain tensors keep
+    AOT autograd's cache (keyed by their shapes), which saves tracing each graph again in every process.
+    """
+    original = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    folder = os.path.join(original or _default_inductor_cache_dir(), f"optim_{tag}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    try:
+        with (
+            torch._functorch.config.patch(enable_autograd_cache=False) if subclass_inputs else contextlib.nullcontext(),
+            _once_per_machine(folder, signature) if signature is not None else contextlib.nullcontext(),
+        ):
+            yield
+    finally:
+        if original is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = original
+
+
+@contextlib.contextmanager
+def _once_per_machine(folder: str, signature: str) -> Iterator[None]:
+    from filelock import FileLock
+
+    marks = os.path.join(folder, "compiled")
+    mark = os.path.join(marks, signature)
+    if os.path.exists(mark):
+        yield  # compiled here before: inductor's cache holds the graphs
+        return
+    os.makedirs(marks, exist_ok=True)
+    lock = FileLock(os.path.join(marks, f"{signature}.lock"))
+    lock.acquire()
+    if os.path.exists(mark):  # compiled while this rank waited
+        lock.release()
+        yield
+        return
+    try:
+        yield
+        with open(mark, "w"):
+            pass
+    finally:
+        lock.release()
+
+
+def has_subclass(parts: Any) -> bool:
+    """Whether a tensor subclass (a DTensor, quantized state) is among ``parts``."""
+    return any(is_traceable_wrapper_subclass(leaf) for leaf in pytree.tree_leaves(parts))
+
+
+def signature(*parts: Any) -> str:
+    """A name for what a step's compiled graphs depend on: each tensor's kind, shape, stride, dtype and device (a
+    DTensor's local shard and placements too), every other value by its repr."""
+    described = []
+    for leaf in pytree.tree_leaves(parts):
+        if isinstance(leaf, DTensor):
+            local = leaf.to_local()
+            described.append(("DTensor", leaf.placements, _tensor(local)))
+        elif isinstance(leaf, torch.Tensor):
+            described.append(_tensor(leaf))
+        else:
+            described.append(repr(leaf))
+    return hashlib.blake2b(repr((torch.__version__, described)).encode(), digest_size=16).hexdigest()
+
+
+def _tensor(t: torch.Tensor) -> tuple:
+    return (type(t).__name__, tuple(t.shape), t.stride(), t.dtype, t.device.type)
+
+
+def _default_inductor_cache_dir() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return default_cache_dir()
+    except ImportError:  # the helper moved; the same place by hand
+        return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
