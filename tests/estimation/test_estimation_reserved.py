@@ -11,11 +11,11 @@ from tests.estimation.test_estimation import ONE_PROCESS_TOLERANCE, VOCAB, _asse
 from tests.helpers import DEBUG_CONFIG, ROOT
 from torchtitan.config.job_config import JobConfig
 from torchtitan.estimation import LiveMemoryTracker, estimate_memory, format_table, simulate, to_json
+from torchtitan.gpu_check.seed_run import SEED_RUN_RESERVED_GIB
 
 # The run this project was started from (Llama 3 8B, 8 x H100, FSDP 8, batch 1 x 8192, no activation checkpointing,
-# compiled, one loss chunk, the Llama 3 vocabulary) and its measured peak reserved memory per GPU, GiB.
+# compiled, one loss chunk, the Llama 3 vocabulary); its measured peak reserved memory per GPU is SEED_RUN_RESERVED_GIB.
 SEED_RUN = ROOT / "tests" / "estimation" / "llama3_8b_seed_run.toml"
-SEED_RUN_RESERVED_GIB = {"AdamW": 71.94, "AdamMini": 65.75}
 
 
 def test_the_tracker_records_allocations_and_frees_with_their_streams_while_it_tracks():
