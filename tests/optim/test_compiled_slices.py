@@ -113,32 +113,30 @@ print(json.dumps(dict(entered=entered, started=started, ended=ended, marked=mark
 def test_ranks_on_one_machine_compile_a_step_one_after_another_and_only_the_first_unmarked(tmp_path):
     """Two ranks reach the same first step at once: one compiles while the other waits, finds the mark, and loads
     (here: starts its block only after the first ended); a third arriving later does not wait at all."""
+    import contextlib
     import json
     import subprocess
     import sys
     import time
 
+    from tests.processes import run, started
+
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     go = tmp_path / "go"
-    ranks = [
-        subprocess.Popen([sys.executable, "-c", _COMPILING_RANK, str(go)], env=env, stdout=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
-    while len(list(tmp_path.glob("go.*"))) < 2:  # both imported and waiting: they reach the step together
-        time.sleep(0.01)
-    go.touch()
-    first, second = sorted((json.loads(rank.communicate(timeout=120)[0]) for rank in ranks), key=lambda r: r["started"])
+    command = [sys.executable, "-c", _COMPILING_RANK, str(go)]
+    with contextlib.ExitStack() as stack:  # both ranks ended whatever happens
+        ranks = [stack.enter_context(started(command, env=env, stdout=subprocess.PIPE, text=True)) for _ in range(2)]
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("go.*"))) < 2:  # both imported and waiting: they reach the step together
+            assert time.monotonic() < deadline and all(rank.poll() is None for rank in ranks), "a rank did not start"
+            time.sleep(0.01)
+        go.touch()
+        outputs = [json.loads(rank.communicate(timeout=120)[0]) for rank in ranks]
+    first, second = sorted(outputs, key=lambda r: r["started"])
     assert not first["marked"] and second["marked"]
     assert second["started"] >= first["ended"]
     assert second["entered"] < first["ended"]  # it did wait
-    late = json.loads(
-        subprocess.run(
-            [sys.executable, "-c", _COMPILING_RANK, str(go)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
-    )
+    done = run(command, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    late = json.loads(done.stdout)
     assert late["marked"] and late["started"] - late["entered"] < 0.5

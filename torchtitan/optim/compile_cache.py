@@ -15,6 +15,7 @@ Nothing that waits for another rank may run inside: the steps compiled here are 
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
 import hashlib
 import os
@@ -106,6 +107,7 @@ def _tensor(t: torch.Tensor) -> tuple:
     return (type(t).__name__, tuple(t.shape), t.stride(), t.dtype, t.device.type)
 
 
+@functools.lru_cache(maxsize=None)
 def _default_inductor_cache_dir() -> str:
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
