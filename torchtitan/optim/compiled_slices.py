@@ -50,7 +50,7 @@ class CompiledStep:
             fn, fullgraph=True, dynamic=False, options={"size_asserts": False, **inductor_options}
         )
         self.cache_tag = cache_tag
-        self._seen: set[tuple] = set()  # the compiled slices called in this process, by shapes and dtypes
+        self._compiled: set[str] = set()  # signatures of the slices compiled in this process
 
     def run(self, slices: Iterable[list[int]], arguments: Callable[[list[int]], tuple], tensors: Sequence[Any]) -> None:
         """Call the step once per slice with ``arguments(slice)``; ``tensors`` tell whether it can be compiled."""
@@ -60,18 +60,14 @@ class CompiledStep:
         with torch._dynamo.utils.disable_cache_limit():
             for part in slices:
                 args = arguments(part)
-                # A slice's first compiled call compiles its graph: once per machine (see optimizer_compile). Later
-                # calls find it by its tensors' shapes and dtypes, not by the signature of all its arguments.
-                seen = tuple(_shape_and_dtype(tensors[i]) for i in part)
-                first = None
-                if step is self.compiled and seen not in self._seen:
-                    first = compile_cache.signature(args)
-                    self._seen.add(seen)
+                # A slice's first compiled call compiles its graph: once per machine (see optimizer_compile). The
+                # signature holds every argument: slices of the same shapes may compile different graphs.
+                first = compile_cache.signature(args) if step is self.compiled else None
+                if first in self._compiled:
+                    first = None
                 with compile_cache.optimizer_compile(
                     self.cache_tag, subclass_inputs=compile_cache.has_subclass(args), signature=first
                 ):
                     step(*args)
-
-
-def _shape_and_dtype(t: Any) -> tuple:
-    return (tuple(t.shape), t.dtype)
+                if first is not None:
+                    self._compiled.add(first)
