@@ -19,6 +19,7 @@ after another; rows are derived from the registry, so a new optimizer joins with
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -150,20 +151,9 @@ COLUMNS: dict[str, tuple[int, tuple[str, ...]]] = {
 # Resumed cells: (saved in, resumed in); each resumes every row's step-2 checkpoint for step 3.
 RESUMES = (("one_process", "tp2"), ("tp2", "fsdp3"), ("fsdp2", "fsdp2_x_tp2"))
 
-# float32 rows whose compiled step is another row's over another state class (torchao's 4-bit and fp8 AdamW: its
-# 8-bit one's adapter and step; Adam-mini's 4-bit momentum: the graphs of its 8-bit one), with the row that runs
-# every column. Their own cells are the columns where their state's layout can differ from that row's: one process,
-# FSDP 3 (uneven shards: 4-bit codes pack two values a byte), TP 2 (rows split along the blocks), and the resumes
-# between them. A graph compiled for a layout costs seconds of CPU per parameter shape on every rank, and these
-# rows' graphs are recompiled by every rank (torchao's) or for every shard shape.
-SHARES_STEP_WITH = {"AdamW4bit": "AdamW8bit", "AdamWFp8": "AdamW8bit", "AdamMini4bit": "AdamMini8bit"}
-OWN_STATE_COLUMNS = ("one_process", "fsdp3", "tp2")
-
 
 def columns_of(row: Row) -> list[str]:
-    """The layouts ``row`` runs in (see ``SHARES_STEP_WITH``)."""
-    if row.dtype == "float32" and not row.options and row.name in SHARES_STEP_WITH:
-        return list(OWN_STATE_COLUMNS)
+    """The layouts ``row`` runs in: all of them."""
     return list(COLUMNS)
 
 
@@ -257,10 +247,14 @@ def run_cell(
     """Train one cell ``STEPS`` steps (saving at ``SAVE_AT``), or, with ``resume_from`` (a column), load that
     column's step-``SAVE_AT`` checkpoint and train the rest; ``extra``: more of the job's options. Returns what
     every rank saw, or the one-line refusal."""
+    started = time.process_time()
     if row.dtype == "float64":  # the float64 grid's steps run eagerly (see rows)
         with torch.compiler.set_stance("force_eager"):
-            return _run_cell(row, column, base, tokens, resume_from, extra)
-    return _run_cell(row, column, base, tokens, resume_from, extra)
+            result = _run_cell(row, column, base, tokens, resume_from, extra)
+    else:
+        result = _run_cell(row, column, base, tokens, resume_from, extra)
+    result["cpu_seconds"] = time.process_time() - started  # this rank's CPU for the cell, compiles included
+    return result
 
 
 def _run_cell(

@@ -14,12 +14,13 @@ bit (``quantized_checkpoint``).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
 
 from torchtitan.distributed.utils import grad_like_param, local_tensor
-from torchtitan.optim.compile_cache import optimizer_compile
+from torchtitan.optim.compile_cache import optimizer_compile, signature
 from torchtitan.optim.state.storage import dequantized, is_quantized, laid_out_like, quantized_layout
 from torchtitan.optim.state.torchao_import import import_torchao_optim
 
@@ -32,16 +33,25 @@ def low_bit_class(name: str) -> type:
         base = getattr(import_torchao_optim(), name)
 
         def step(self, closure=None):
-            # torchao's step reads p.grad: hand it each gradient in its parameter's layout (grad_like_param).
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad = grad_like_param(p, name)
-            # torchao compiles its step on the parameters (DTensors). Not once per machine: inductor's cache keys
-            # for these graphs differ between the ranks of a run (two ranks of FSDP 2, or of DDP 2, each compiled
-            # every graph though one had finished it first), so a rank that waited would compile again after.
-            with optimizer_compile(name, subclass_inputs=True):
-                return base.step(self, closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            with torch.no_grad(), torch._dynamo.utils.disable_cache_limit():
+                calls = [
+                    _step_arguments(self, group, p)
+                    for group in self.param_groups
+                    for p in group["params"]
+                    if p.grad is not None
+                ]
+                # The first step compiles the graphs (one per argument layout), once per machine: ranks whose
+                # shards have the same shapes load them from inductor's cache. Later steps reuse them.
+                once = None if self._graphs_compiled else signature(name, calls)
+                with optimizer_compile(name, subclass_inputs=True, signature=once):
+                    for arguments in calls:
+                        _compiled_single_param_step()(*arguments)
+                self._graphs_compiled = True
+            return loss
 
         def _new_buffer(self, p, signed):
             # torchao judges the local shard (at least 4096 values, a whole number of blocks): one parameter would
@@ -53,9 +63,55 @@ def low_bit_class(name: str) -> type:
                 out = torch.zeros_like(local)
             return laid_out_like(p, out).to(p.device)  # as torchao: kept on the parameter's device (CPU offload)
 
-        members = {"step": step, "_new_buffer": _new_buffer, "__module__": __name__}
+        members = {"step": step, "_new_buffer": _new_buffer, "_graphs_compiled": False, "__module__": __name__}
         _low_bit_classes[name] = type(name, (base,), members)
     return _low_bit_classes[name]
+
+
+def _step_arguments(optimizer, group: dict, p: torch.Tensor) -> tuple:
+    """torchao's per-parameter Adam step's arguments for ``p``, its state created and its step counted, on this
+    rank's shards.
+
+    torchao steps each parameter as it is (a DTensor under FSDP or TP); here the step gets the rank's local shards
+    instead: the step is elementwise, and each quantized state's blocks lie within its shard (the state is a DTensor
+    over a quantized local tensor), so the shards' update is the DTensor's. The compiled graphs are then keyed by
+    the shards alone, as the project's own compiled steps are: a DTensor's device mesh, among a graph's inputs,
+    keys it differently on every rank, so that no rank could load a graph another rank had compiled."""
+    grad = grad_like_param(p, type(optimizer).__name__)  # torchao reads p.grad: hand it in p's layout
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = optimizer._new_buffer(p, True)
+        state["exp_avg_sq"] = optimizer._new_buffer(p, False)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = optimizer._new_buffer(p, False)
+    state["step"] += 1
+    if not isinstance(group["lr"], torch.Tensor):
+        raise TypeError(f"{type(optimizer).__name__}'s lr must stay a tensor (set it with fill_)")
+    max_exp_avg_sq = state.get("max_exp_avg_sq")
+    return (
+        local_tensor(p.detach()),
+        local_tensor(grad),
+        state["step"],
+        local_tensor(state["exp_avg"]),
+        local_tensor(state["exp_avg_sq"]),
+        None if max_exp_avg_sq is None else local_tensor(max_exp_avg_sq),
+        group["lr"],
+        group["betas"][0],
+        group["betas"][1],
+        group["weight_decay"],
+        group["eps"],
+        optimizer.is_adamw,
+        optimizer.bf16_stochastic_round and p.dtype is torch.bfloat16,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_single_param_step():
+    """torchao's per-parameter Adam step, compiled as torchao compiles it (whole graph, static shapes)."""
+    from torchao.optim.adam import single_param_adam
+
+    return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
 
 
 def portable_quantized_state(optimizer: torch.optim.Optimizer) -> None:
