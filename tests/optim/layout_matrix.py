@@ -119,10 +119,11 @@ def rows() -> list[Row]:
     its default).
 
     float32 (dynamo on): each optimizer whose float32 run takes a path of its own, and the bfloat16 state of the
-    optimizers whose float32 run does not (Adam's and AdamW's compiled bfloat16 step). float64 (steps eager, see
-    ``run_cell``): the others, and the bfloat16 state of the float32 grid's optimizers: their compiled steps are
-    those the float32 grid compiles (Adam-mini's graphs, as for its quantized momentum; AdEMAMix's; Muon's AdamW
-    part is AdamW's bfloat16 step), run here in their eager form, in every layout."""
+    first optimizer whose float32 run does not (AdamW's compiled bfloat16 step). float64 (steps eager, see
+    ``run_cell``): the others, and the bfloat16 state of the float32 grid's optimizers and of Adam: their compiled
+    steps are those the float32 grid compiles (Adam-mini's graphs, as for its quantized momentum; AdEMAMix's; Muon's
+    AdamW part and Adam's are AdamW's bfloat16 step, Adam's with its decay added to the gradient), run here in their
+    eager form, in every layout."""
     bfloat16 = ((STATE_DTYPE, "bfloat16"),)
     takes_state_dtype = [name for name, kind in OPTIMIZERS.items() if STATE_DTYPE in kind.options]
     exact = [Row(name) for name in OPTIMIZERS if not _float32_path(name)]
@@ -131,7 +132,11 @@ def rows() -> list[Row]:
     exact += [Row(name) for name, kind in OPTIMIZERS.items() if _is_adam_mini(kind) and BLOCK_SIZE not in kind.options]
     exact += [Row(name, bfloat16) for name in takes_state_dtype if _float32_path(name)]
     compiled = [Row(name, (), "float32") for name in OPTIMIZERS if _float32_path(name)]
-    compiled += [Row(name, bfloat16, "float32") for name in takes_state_dtype if not _float32_path(name)]
+    # The plain optimizers' bfloat16 state is one compiled step (LowPrecisionAdam), its weight decay decoupled
+    # (AdamW, the first registered) or added to the gradient (Adam): compiled in the first, eager in the others.
+    plain = [name for name in takes_state_dtype if not _float32_path(name)]
+    compiled += [Row(name, bfloat16, "float32") for name in plain[:1]]
+    exact += [Row(name, bfloat16) for name in plain[1:]]
     return exact + compiled
 
 
