@@ -18,6 +18,7 @@ import functools
 from typing import Any, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from torchtitan.distributed.utils import grad_like_param, local_tensor
 from torchtitan.optim.compile_cache import optimizer_compile, signature
@@ -46,7 +47,8 @@ def low_bit_class(name: str) -> type:
                 ]
                 # The first step compiles the graphs (one per argument layout), once per machine: ranks whose
                 # shards have the same shapes load them from inductor's cache. Later steps reuse them.
-                once = None if self._graphs_compiled else signature(name, calls)
+                # (Meta and fake parameters, memory estimates, run it eagerly: nothing is compiled or marked.)
+                once = None if self._graphs_compiled or _dataless(calls) else signature(name, calls)
                 with optimizer_compile(name, subclass_inputs=True, signature=once):
                     for arguments in calls:
                         _compiled_single_param_step()(*arguments)
@@ -104,6 +106,12 @@ def _step_arguments(optimizer, group: dict, p: torch.Tensor) -> tuple:
         optimizer.is_adamw,
         optimizer.bf16_stochastic_round and p.dtype is torch.bfloat16,
     )
+
+
+def _dataless(calls: list[tuple]) -> bool:
+    """Whether the step's tensors are meta or fake (a memory estimate)."""
+    tensors = [value for arguments in calls for value in arguments if isinstance(value, torch.Tensor)]
+    return any(value.is_meta or is_fake(value) for value in tensors)
 
 
 @functools.lru_cache(maxsize=None)
