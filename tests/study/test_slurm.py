@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import processes
 from tests.chaos_trainer import TRAINER, ledger_problems
 from tests.helpers import DEBUG_RUN, FAKE, ROOT, by_step, metric_rows, one_error_line, read_checkpoint, train
 from torchtitan.errors import UserError
@@ -41,7 +42,13 @@ TIMEOUT = 300
 
 @functools.cache
 def slurm_is_up() -> bool:
-    """Asked once: whether Slurm's commands are here and its controller answers (sinfo waits long on one down)."""
+    """Asked once: whether Slurm's commands are here and its controller answers (sinfo waits long on one down).
+    Where a start is under way (``.ci/run`` starts the cluster in the background: SLURM_CLUSTER_STARTING, its
+    process), first waits for it to end."""
+    starting = os.environ.get("SLURM_CLUSTER_STARTING")
+    deadline = time.monotonic() + 600
+    while starting and processes._alive(int(starting)) and time.monotonic() < deadline:
+        time.sleep(1)
     if shutil.which("sinfo") is None:
         return False
     try:
