@@ -60,8 +60,9 @@ ClusterName=ci
 SlurmctldHost=$host
 SlurmUser=slurm
 AuthType=auth/munge
-# Job credentials live 20 s, not 120: a requeued job waits that long before it may start again (the tests requeue).
-AuthInfo=cred_expire=20
+# Job credentials live 10 s, not 120: a requeued job waits that long before it may start again (the tests requeue).
+# Slurm takes 5 s at least; a credential is checked as its job or step starts, within a second of being made.
+AuthInfo=cred_expire=10
 StateSaveLocation=$STATE_DIR/ctld
 SlurmdSpoolDir=$STATE_DIR/d
 SlurmctldPidFile=$STATE_DIR/slurmctld.pid

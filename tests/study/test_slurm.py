@@ -265,7 +265,7 @@ def test_a_run_warned_ahead_of_its_time_limit_is_requeued_and_resumes_bit_for_bi
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
     wait_until(lambda: "preempted" in (run_dir / EVENTS_FILE).read_text(), "the run stopping", timeout=120)
     # The job script requeues the task right after it records the preemption; a requeued job waits for its old
-    # credential to expire before it starts again (20 s on the test cluster, 120 s by default).
+    # credential to expire before it starts again (10 s on the test cluster, 120 s by default).
     wait_until(lambda: _state(job) == "PENDING", "the job requeued", timeout=60)
     assert main(["--dump-folder", str(dump), "--report-only", "--last-k", "2"]) == 0
     assert "slurm: 1 preempted" in capsys.readouterr().out
