@@ -48,11 +48,12 @@ def low_bit_class(name: str) -> type:
                 # The first step compiles the graphs (one per argument layout), once per machine: ranks whose
                 # shards have the same shapes load them from inductor's cache. Later steps reuse them.
                 # (Meta and fake parameters, memory estimates, run it eagerly: nothing is compiled or marked.)
-                once = None if self._graphs_compiled or _dataless(calls) else signature(name, calls)
+                dataless = _dataless(calls)
+                once = None if self._graphs_compiled or dataless else signature(name, calls)
                 with optimizer_compile(name, subclass_inputs=True, signature=once):
                     for arguments in calls:
                         _compiled_single_param_step()(*arguments)
-                self._graphs_compiled = True
+                self._graphs_compiled = self._graphs_compiled or not dataless
             return loss
 
         def _new_buffer(self, p, signed):
