@@ -337,18 +337,22 @@ def skip_the_import_probe(monkeypatch) -> None:
     monkeypatch.setattr(runner, "probe_compile", lambda ctx: ("yes", "gpu_check: torch.compile works on cpu"))
 
 
+def made_up_steps(hanging: bool) -> dict:
+    """A fine step, a failing one, one that needs a missing package, a hanging one (with ``hanging``), a fine one."""
+    steps = {
+        "fine": plan.Step(fine_step, 1, 2),
+        "broken": plan.Step(broken_step, 1, 2),
+        "unequipped": plan.Step(fine_step, 1, 2, needs=("no_such_package_here",)),
+        "hangs": plan.Step(hanging_step, 1, 2),
+        "after": plan.Step(fine_step, 1, 2),
+    }
+    if not hanging:
+        del steps["hangs"]
+    return steps
+
+
 def test_a_failing_hanging_or_unequipped_step_fails_alone(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        runner,
-        "STEPS",
-        {
-            "fine": plan.Step(fine_step, 1, 2),
-            "broken": plan.Step(broken_step, 1, 2),
-            "unequipped": plan.Step(fine_step, 1, 2, needs=("no_such_package_here",)),
-            "hangs": plan.Step(hanging_step, 1, 2),
-            "after": plan.Step(fine_step, 1, 2),
-        },
-    )
+    monkeypatch.setattr(runner, "STEPS", made_up_steps(hanging=True))
     # The steps that finish get time for a loaded machine to start Python and torch; the hanging one a short budget.
     monkeypatch.setattr(runner, "step_budget", lambda name, dry_run: 20 if name == "hangs" else 120)
     skip_the_import_probe(monkeypatch)
@@ -383,16 +387,7 @@ def test_a_failing_hanging_or_unequipped_step_fails_alone(tmp_path, monkeypatch)
 def test_steps_run_together_keep_their_own_outcomes(tmp_path, monkeypatch):
     """A dry run's steps share one process: a step that fails still fails alone, with what it measured first, and
     the next one runs."""
-    monkeypatch.setattr(
-        runner,
-        "STEPS",
-        {
-            "fine": plan.Step(fine_step, 1, 2),
-            "broken": plan.Step(broken_step, 1, 2),
-            "unequipped": plan.Step(fine_step, 1, 2, needs=("no_such_package_here",)),
-            "after": plan.Step(fine_step, 1, 2),
-        },
-    )
+    monkeypatch.setattr(runner, "STEPS", made_up_steps(hanging=False))
     skip_the_import_probe(monkeypatch)
     steps = runner.run(tmp_path, dry_run=True)["steps"]
     assert [steps[name]["status"] for name in steps] == ["ok", "failed", "skipped", "ok"]
