@@ -87,10 +87,6 @@ class Row:
         """Its state is stored rounded (bfloat16, 8-/4-bit, fp8 blocks)."""
         return BLOCK_SIZE in OPTIMIZERS[self.name].options or dict(self.options).get(STATE_DTYPE) == "bfloat16"
 
-    @property
-    def bfloat16_newton_schulz(self) -> bool:
-        return NS_DTYPE in OPTIMIZERS[self.name].options and self.dtype == "float32"
-
 
 def _float32_path(name: str) -> bool:
     """Whether the optimizer's float32 run takes a path its float64 run does not (see the module's docstring)."""
@@ -155,15 +151,6 @@ COLUMNS: dict[str, tuple[int, tuple[str, ...]]] = {
 }
 # Resumed cells: (saved in, resumed in); each resumes every row's step-2 checkpoint for step 3.
 RESUMES = (("one_process", "tp2"), ("tp2", "fsdp3"), ("fsdp2", "fsdp2_x_tp2"))
-
-
-def columns_of(row: Row) -> list[str]:
-    """The layouts ``row`` runs in: all of them."""
-    return list(COLUMNS)
-
-
-def resumes_of(row: Row) -> list[tuple[str, str]]:
-    return [(saved, resumed) for saved, resumed in RESUMES if {saved, resumed} <= set(columns_of(row))]
 
 
 def data_parallel_degree(column: str) -> int:
@@ -301,7 +288,7 @@ def _run_cell(
         norms[step] = float(outcome.grad_norm)
         lrs[step] = outcome.lr
         healths[step] = job.health.metrics(outcome.lr)
-        if resume_from is None and any(column == saved for saved, _ in resumes_of(row)):
+        if resume_from is None and any(column == saved for saved, _ in RESUMES):
             job.checkpoint.save(step, force=step == SAVE_AT)
     job.checkpoint.close()
     states = [value for opt in job.optimizers for state in opt.state.values() for value in state.values()]
@@ -357,10 +344,10 @@ def run_world(rank: int, world_size: int, base: str, tokens: str, labels: Option
     for row in rows():
         if labels is not None and row.label not in labels:
             continue
-        for column in columns_of(row):
+        for column in COLUMNS:
             if COLUMNS[column][0] == world_size:
                 results[(row.label, column)] = run_cell(row, column, base, tokens)
-        for saved, resumed in resumes_of(row):
+        for saved, resumed in RESUMES:
             if COLUMNS[resumed][0] != world_size:
                 continue
             if not os.path.isdir(os.path.join(cell_folder(base, row, saved), "checkpoint")):

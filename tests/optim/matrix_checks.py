@@ -49,7 +49,7 @@ import pytest
 
 from tests.distributed import run_workers
 from tests.optim import layout_matrix
-from tests.optim.layout_matrix import COLUMNS, MAX_NORM, Row, columns_of, resumes_of, rows
+from tests.optim.layout_matrix import COLUMNS, MAX_NORM, RESUMES, Row, rows
 
 WORLD_SIZES = sorted({size for size, _ in COLUMNS.values()})
 DISTRIBUTED = [column for column, (size, _) in COLUMNS.items() if size > 1]
@@ -77,8 +77,8 @@ def define(namespace: dict, part: str):
     its launches' results by world size."""
     ROWS = {row.label: row for row in rows() if part_of(row) == part}
     REFUSED_HERE = [(row, column) for row, column in layout_matrix.REFUSED if part_of(row) == part]
-    CELLS = [(label, column) for label, row in ROWS.items() for column in columns_of(row) if column in DISTRIBUTED] + [
-        (label, f"{resumed}<-{saved}") for label, row in ROWS.items() for saved, resumed in resumes_of(row)
+    CELLS = [(label, column) for label in ROWS for column in DISTRIBUTED] + [
+        (label, f"{resumed}<-{saved}") for label in ROWS for saved, resumed in RESUMES
     ]
     TIMES: dict[int, float] = {}
     LABELS = [*ROWS, *(row.label for row, _ in REFUSED_HERE)]
