@@ -220,3 +220,15 @@ def test_every_checkout_builds_the_kernel_from_the_cache_folders_own_copy_of_the
     monkeypatch.setattr(cpu_build, "_loaded", None)
     assert cpu_build.load_cpu_kernel() and built[-1] == first
     assert compiled.read_bytes() == elsewhere.read_bytes()
+
+
+def test_each_torch_installation_builds_the_kernel_in_a_folder_of_its_own(monkeypatch):
+    """torch's build file names the headers and libraries of the torch that builds: two environments sharing a folder
+    would rewrite it in turn, and ninja would rebuild (and relink under the other's running processes) at each switch.
+    The same installation keeps its name."""
+    import torch
+
+    here = cpu_build.build_name()
+    assert cpu_build.build_name() == here
+    monkeypatch.setattr(torch, "__file__", "/another/venv/lib/python3.11/site-packages/torch/__init__.py")
+    assert cpu_build.build_name() != here

@@ -1,8 +1,9 @@
 """Building the CPU kernel of ``torchtitan::adam_mini_step_`` from its source in the package, once per machine.
 
 ``torch.utils.cpp_extension.load`` compiles ``csrc/adam_mini_step.cpp`` (OpenMP, ``-O3 -march=native``) into a
-folder of the user's cache named by a hash of the source, torch's version, the flags and the CPU, so a changed source
-or another machine builds anew and everything else loads the built library. It compiles the folder's own copy of the
+folder of the user's cache named by a hash of the source, torch's version and installation folder, the flags and the
+CPU, so a changed source, another environment or another machine builds anew and everything else loads the built
+library. It compiles the folder's own copy of the
 source: the build file then names the same path from every checkout of the project, so a second checkout (another
 clone, a worktree) loads what the first built instead of rebuilding it, and two checkouts testing at once do not
 rebuild it in turn. Ranks that start together take turns on a file lock (released when its holder dies, unlike
@@ -50,8 +51,14 @@ def _cpu_model() -> str:
 
 
 def build_name() -> str:
-    """The extension's name: the source, torch's version, the flags and the CPU, hashed."""
-    key = "\n".join([SOURCE.read_text(), torch.__version__, *CFLAGS, *LDFLAGS, _cpu_model()])
+    """The extension's name: the source, torch's version and installation, the flags and the CPU, hashed.
+
+    The installation's folder is part of it because torch's build file names its headers and libraries there: two
+    environments (two virtual environments on one machine, a fresh clone's beside a working copy's) sharing one
+    build folder would each write a build file naming their own, so that ninja rebuilt the kernel at every switch,
+    rewriting the library under the other environment's running processes."""
+    installation = str(Path(torch.__file__).resolve().parent)
+    key = "\n".join([SOURCE.read_text(), torch.__version__, installation, *CFLAGS, *LDFLAGS, _cpu_model()])
     return "torchtitan_adam_mini_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
