@@ -1,5 +1,7 @@
 """Suite-wide fixtures: one short debug-model run shared by the modules that read it, and the check that no process
-started by the tests outlives the suite."""
+started by the tests outlives the suite; the order in which the suite's files start."""
+
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +36,46 @@ def debug_run(tmp_path_factory):
         "3",
         "--checkpoint.last_save_in_hf",
     )
+
+
+# The files that start first, in this order; the others follow, those with more tests first (pytest-xdist's own
+# order, which the README's command turns off: --no-loadscope-reorder). Each of the two workers takes the next file
+# as it nears the end of its own. So the two compiled layout-matrix files (about 5 minutes of a core each on a 2-core
+# machine with inductor's cache empty) start early on the two workers, the files that mostly wait (the GPU check's
+# runner on made-up hanging steps, the sweep's parallel runs, the Slurm cluster's jobs) run beside a matrix launch of
+# 2-4 ranks, which uses the core a waiting worker leaves idle, rather than beside each other, and the rest follow
+# longest first, so that the last files to end are short. Measured per file with --junitxml on the 2-core machine.
+FIRST = (
+    "optim/test_layout_matrix_float32.py",
+    "tools/test_gpu_check.py",
+    "study/test_sweep_search.py",
+    "optim/test_layout_matrix_torchao.py",
+    "study/test_slurm.py",
+    "optim/test_adam_mini_lowprec.py",
+    "optim/test_layout_matrix.py",
+    "estimation/test_estimation.py",
+    "checkpoint/test_resume.py",
+    "study/test_slurm_chaos.py",
+    "training/test_train_optimizers.py",
+    "optim/test_optim_builder.py",
+    "study/test_sweep.py",
+    "training/test_preemption.py",
+    "training/test_train.py",
+    "study/test_verdict.py",
+    "optim/test_adam_mini_distributed.py",
+    "study/test_scale.py",
+    "data/test_validation.py",
+    "optim/test_layout_matrix_compiled.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """``items`` grouped by file, the files of ``FIRST`` first in its order, then the others by their number of
+    tests, most first (ties in collection order)."""
+    tests = Path(__file__).parent
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(Path(item.fspath).relative_to(tests).as_posix(), []).append(item)
+    rank = {name: i for i, name in enumerate(FIRST)}
+    order = sorted(files, key=lambda name: (rank.get(name, len(FIRST)), -len(files[name])))
+    items[:] = [item for name in order for item in files[name]]
