@@ -32,11 +32,12 @@ VOCAB = 512
 # Estimate vs the allocator's measured peak, as (lowest, highest) relative error. One process: the same allocations
 # as the real step, so the bound is docs/memory.md's 0.2%. Two gloo ranks: the estimate leaves out gloo's temporary
 # copies of the tensors it sends (real on CPU, no counterpart under NCCL); how many of them are alive at once varies
-# from run to run: 0 to 6.3% of the peak under FSDP on the debug model, 6.2% in a whole run of this file (on a
-# 2-core machine, before and after the two layouts shared a launch). The estimate must stay below the measurement
-# and within 8% of it.
+# from step to step with the two ranks' timing: 0 to 6.3% of the peak under FSDP on the debug model, and once 8.2% in
+# a whole suite on a busy 2-core machine. Each rank-0 measurement is the lowest peak of GLOO_REPEATS identical steps
+# (the least inflated by those copies; each copy only adds). The estimate must stay below it and within 8% of it.
 ONE_PROCESS_TOLERANCE = (-0.002, 0.002)
 GLOO_TOLERANCE = (-0.08, 0.0)
+GLOO_REPEATS = 3
 # The debug model's shapes in 2 of its 8 layers, for the tests of what an estimate depends on: they hold per layer,
 # and an estimate's time grows with the layers it simulates.
 TWO_LAYERS = "debugmodel-2-layers"
@@ -88,6 +89,14 @@ def _allocator_peak_above_start(fn) -> int:
     return peak
 
 
+def _peak_of_a_step(step, model) -> int:
+    peak = _allocator_peak_above_start(step)
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    return peak
+
+
 def _live_bytes(model, optimizers) -> int:
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [v for opt in optimizers.optimizers for state in opt.state.values() for v in state.values()]
@@ -119,7 +128,7 @@ def _measure_real_steps(job: JobConfig, world_size: int, mesh, optimizer_names: 
                 p.grad = None
             gc.collect()
             before = _live_bytes(model, optimizers)
-            peak = before + _allocator_peak_above_start(step)
+            peak = before + min(_peak_of_a_step(step, model) for _ in range(1 if world_size == 1 else GLOO_REPEATS))
             measured[name] = {"peak": peak, "state": optimizers.state_bytes()}
             del optimizers
             for p in model.parameters():
