@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(session, config, items):
     tests = Path(__file__).parent
     files: dict[str, list] = {}
     for item in items:
-        files.setdefault(Path(item.fspath).relative_to(tests).as_posix(), []).append(item)
+        files.setdefault(item.path.relative_to(tests).as_posix(), []).append(item)
     rank = {name: i for i, name in enumerate(FIRST)}
     order = sorted(files, key=lambda name: (rank.get(name, len(FIRST)), -len(files[name])))
     items[:] = [item for name in order for item in files[name]]
