@@ -69,7 +69,7 @@ FIRST = (
 )
 
 
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(items):
     """``items`` grouped by file, the files of ``FIRST`` first in its order, then the others by their number of
     tests, most first (ties in collection order)."""
     tests = Path(__file__).parent

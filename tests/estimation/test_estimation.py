@@ -89,11 +89,15 @@ def _allocator_peak_above_start(fn) -> int:
     return peak
 
 
-def _peak_of_a_step(step, model) -> int:
-    peak = _allocator_peak_above_start(step)
+def _drop_gradients(model) -> None:
     for p in model.parameters():
         p.grad = None
     gc.collect()
+
+
+def _peak_of_a_step(step, model) -> int:
+    peak = _allocator_peak_above_start(step)
+    _drop_gradients(model)
     return peak
 
 
@@ -124,15 +128,11 @@ def _measure_real_steps(job: JobConfig, world_size: int, mesh, optimizer_names: 
             optimizers = build_optimizers([model], named)
             step = lambda: train_step(model, optimizers, data, parallel_dims, named, torch.device("cpu"))  # noqa
             step()  # warm-up: creates the optimizer state
-            for p in model.parameters():
-                p.grad = None
-            gc.collect()
+            _drop_gradients(model)
             before = _live_bytes(model, optimizers)
             peak = before + min(_peak_of_a_step(step, model) for _ in range(1 if world_size == 1 else GLOO_REPEATS))
             measured[name] = {"peak": peak, "state": optimizers.state_bytes()}
             del optimizers
-            for p in model.parameters():
-                p.grad = None
             gc.collect()
     return measured
 

@@ -1,15 +1,14 @@
 """Building the CPU kernel of ``torchtitan::adam_mini_step_`` from its source in the package, once per machine.
 
-``torch.utils.cpp_extension.load`` compiles ``csrc/adam_mini_step.cpp`` (OpenMP, ``-O3 -march=native``) into a
-folder of the user's cache named by a hash of the source, torch's version and installation folder, the flags and the
-CPU, so a changed source, another environment or another machine builds anew and everything else loads the built
-library. It compiles the folder's own copy of the
-source: the build file then names the same path from every checkout of the project, so a second checkout (another
-clone, a worktree) loads what the first built instead of rebuilding it, and two checkouts testing at once do not
-rebuild it in turn. Ranks that start together take turns on a file lock (released when its holder dies, unlike
-torch's own lock file, which a killed build leaves behind and the holder of the file lock removes), so one compiles
-and the others load. Where no C++ compiler is found, one line says so and the fused back end runs its compiled graphs
-instead.
+``torch.utils.cpp_extension.load`` compiles ``csrc/adam_mini_step.cpp`` (OpenMP, ``-O3 -march=native``) into a folder of
+the user's cache named by a hash of the source, torch's version and installation folder, the flags and the CPU, so a
+changed source, another environment or another machine builds anew and everything else loads the built library. It
+compiles the folder's own copy of the source: the build file then names the same path from every checkout of the
+project, so a second checkout (another clone, a worktree) using the same environment loads what the first built instead
+of rebuilding it, and two checkouts testing at once do not rebuild it in turn. Ranks that start together take turns on a
+file lock (released when its holder dies, unlike torch's own lock file, which a killed build leaves behind and the
+holder of the file lock removes), so one compiles and the others load. Where no C++ compiler is found, one line says so
+and the fused back end runs its compiled graphs instead.
 """
 
 from __future__ import annotations
