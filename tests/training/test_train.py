@@ -22,10 +22,8 @@ def test_one_process_trains_and_logs(debug_run):
     assert len(values) == 6
     assert values[-1] < values[0]
     assert "step:     6  loss:" in proc.stderr
-    # Before the first compile, one line says what compiles, when and roughly how long (see test_train_step.py).
-    notice = proc.stderr.index("compiling the model's norms and the optimizer's step if it has a compiled one")
-    assert notice < proc.stderr.index("optimizer: AdamW, state") < proc.stderr.index("step:     1  loss:")
-    assert proc.stderr.count("compiling the model") == 1
+    # torch's AdamW on the default norms compiles nothing: no line announces a compile (see test_train_step.py).
+    assert "compiling" not in proc.stderr
     directory = run_dir(path)
     assert directory.name.endswith("_AdamW")
     assert TAGS | {memory_tag()} <= event_tags(directory)
@@ -89,6 +87,9 @@ def test_fsdp_x_tp_under_torchrun_matches_one_process(tmp_path):
     # The start-up timeout covers the compiles up to the end of the first step, then the training one takes over.
     assert "collectives: timeout 1800 s until the first step ends" in proc.stderr
     assert "collectives: timeout 600 s from now on" in proc.stderr
+    # Adam-mini's step may compile: one line (rank 0's) says so before the first step (see test_train_step.py).
+    notice = "compiling the optimizer's step if it has a compiled one: first step only"
+    assert proc.stderr.count(notice) == 1 and proc.stderr.index(notice) < proc.stderr.index("step:     1  loss:")
     four = losses(tmp_path / "four")
     assert len(four) == 3 and four[-1] < four[0]
     assert four == pytest.approx(losses(tmp_path / "one"), rel=1e-9)

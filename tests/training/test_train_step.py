@@ -272,9 +272,13 @@ def test_a_gpu_job_computes_in_bf16_with_tp_or_fsdp(two_ranks):
 def test_the_first_compile_is_announced_with_what_compiles_and_how_long(monkeypatch):
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     cpu = first_compile_notice(job_config("--training.compile"), "cpu")
-    assert "the model's blocks (training.compile)" in cpu and "first step only" in cpu
-    assert "about 2 minutes (a compiled optimizer step) on a 2-core CPU" in cpu
-    gpu = first_compile_notice(job_config(), "cuda")
-    assert "the model's norms" in gpu and "not yet timed on a GPU" in gpu
+    assert "compiling the model's blocks (training.compile) and the optimizer's step" in cpu
+    assert "first step only" in cpu and "about 2 minutes (a compiled optimizer step) on a 2-core CPU" in cpu
+    gpu = first_compile_notice(job_config("--model.norm_type", "compiled_rmsnorm"), "cuda", torch_optimizer=True)
+    assert "compiling the model's norms (compiled_rmsnorm):" in gpu and "not yet timed on a GPU" in gpu
+    assert "optimizer" not in gpu  # torch's own optimizer compiles nothing
+    optimizer_only = first_compile_notice(job_config("--optimizer.name", "AdamMini"), "cpu")
+    assert optimizer_only.startswith("compiling the optimizer's step if it has a compiled one:")
+    assert first_compile_notice(job_config(), "cpu", torch_optimizer=True) is None  # eager norms, torch's AdamW
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     assert first_compile_notice(job_config("--training.compile"), "cpu") is None  # nothing compiles

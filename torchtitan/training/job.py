@@ -127,7 +127,8 @@ def build_job(job_config: JobConfig, checked: tuple, device: torch.device, world
     init_model(model, device, t.seed)
 
     optimizers = build_optimizers([model], job_config)
-    if (notice := first_compile_notice(job_config, device.type)) is not None:
+    torch_optimizer = all(type(o).__module__.startswith("torch.optim.") for o in optimizers.optimizers)
+    if (notice := first_compile_notice(job_config, device.type, torch_optimizer)) is not None:
         logger.info(notice)  # its state is created (compiling its step) by the first load or save, or by the run
     lr_schedulers = build_lr_schedulers(optimizers, job_config)
     data_record = dataset_record(job_config, tokenizer)

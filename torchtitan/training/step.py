@@ -95,21 +95,31 @@ def init_model(model: Transformer, device: torch.device, seed: int) -> Transform
     return model
 
 
-def first_compile_notice(job_config: JobConfig, device_type: str) -> Optional[str]:
+def first_compile_notice(job_config: JobConfig, device_type: str, torch_optimizer: bool = False) -> Optional[str]:
     """What the run compiles before and during its first step, and roughly how long that takes here; None when
-    nothing compiles (``TORCHDYNAMO_DISABLE=1``). The optimizer's compiled step (Adam-mini's fused one, torchao's
-    low-bit steps, bfloat16 state, AdEMAMix, Muon's bfloat16 Newton-Schulz) compiles when its state is created."""
+    nothing compiles: ``TORCHDYNAMO_DISABLE=1``, or torch's own optimizer (``torch_optimizer``: AdamW and Adam with
+    float32 state) on a model that compiles nothing (``training.compile`` off, norms other than compiled_rmsnorm).
+    The optimizer's compiled step (Adam-mini's fused one, torchao's low-bit steps, bfloat16 state, AdEMAMix, Muon's
+    bfloat16 Newton-Schulz) compiles when its state is created."""
     if os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0"):
         return None
-    model = "the model's blocks (training.compile)" if job_config.training.compile else "the model's norms"
+    parts = []
+    if job_config.training.compile:
+        parts.append("the model's blocks (training.compile)")
+    elif job_config.model.norm_type == "compiled_rmsnorm":
+        parts.append("the model's norms (compiled_rmsnorm)")
+    if not torch_optimizer:
+        parts.append("the optimizer's step if it has a compiled one")
+    if not parts:
+        return None
     if device_type == "cpu":
-        # Measured on the debug model, 2 CPU cores: AdamW 5 s (norms only); Adam-mini and torchao's 4-bit AdamW
-        # 1 to 2 minutes (their optimizer steps), with an empty inductor cache.
-        how_long = "from seconds (AdamW) to about 2 minutes (a compiled optimizer step) on a 2-core CPU"
+        # Measured on the debug model, 2 CPU cores, with an empty inductor cache: compiled norms a few seconds;
+        # Adam-mini and torchao's 4-bit AdamW 1 to 2 minutes (their optimizer steps).
+        how_long = "from seconds (the model's norms) to about 2 minutes (a compiled optimizer step) on a 2-core CPU"
     else:
         how_long = "not yet timed on a GPU"
     return (
-        f"compiling {model} and the optimizer's step if it has a compiled one: first step only, {how_long}; "
+        f"compiling {' and '.join(parts)}: first step only, {how_long}; "
         "a warm inductor cache (the same machine and shapes) shortens it"
     )
 
