@@ -1,5 +1,6 @@
 """Slicing an optimizer's parameter list so that compiled graphs are shared between layers."""
 
+import json
 import os
 
 import torch
@@ -48,10 +49,11 @@ def test_compiled_step_runs_meta_tensors_eagerly_slice_by_slice():
     assert not dict(torch._dynamo.utils.counters["stats"]).get("unique_graphs")
 
 
-# Two ranks of an uneven FSDP shard, one after the other in one process (dynamo's memory cleared between them) with one
-# inductor cache folder: rank 1 (2 rows of the parameter's 5) compiles first, then rank 0 (3 rows) compiles the same
-# step on the same global DTensor spec.
-_UNEVEN_SHARDS = """
+# Two ranks of an FSDP shard, one after the other in one process (dynamo's memory cleared between them, as in another
+# process) with one inductor cache folder: rank 1 compiles first, then rank 0 compiles the same step on the same
+# global DTensor spec, with as many rows as argv says (of a parameter of 5 or 4). Each prints its rows after the step
+# and how many graphs it loaded from AOT autograd's cache.
+_TWO_SHARDS = """
 import sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -63,33 +65,49 @@ def double_the_gradient_in(params, grads):
     for p, g in zip(params, grads):
         p.add_(g * 2)
 
-step = CompiledStep(double_the_gradient_in, "uneven_test")
+rank_rows = {0: int(sys.argv[1]), 1: int(sys.argv[2])}
 for rank in (1, 0):
+    step = CompiledStep(double_the_gradient_in, "two_shards_test")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
-    rows = 3 if rank == 0 else 2
-    p, g = (DTensor.from_local(torch.ones(rows, 4), mesh, [Shard(0)], run_check=False, shape=torch.Size([5, 4]),
+    shape = torch.Size([sum(rank_rows.values()), 4])
+    p, g = (DTensor.from_local(torch.ones(rank_rows[rank], 4), mesh, [Shard(0)], run_check=False, shape=shape,
                                stride=(4, 1)) for _ in range(2))
+    torch._dynamo.utils.counters.clear()
     step.run([[0]], lambda part: ([p], [g]), [p])
-    print(rank, p.to_local().tolist())
+    print(rank, p.to_local().tolist(), torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"])
     torch._dynamo.reset()
     dist.destroy_process_group()
 """
 
 
-def test_a_rank_with_another_shard_shape_compiles_its_own_step_from_a_shared_cache(tmp_path):
-    """AOT autograd's on-disk cache keys a DTensor by its global spec, not its local shard: without the optimizers'
-    own cache context, rank 0 here reuses rank 1's graph for 2 rows and leaves its third row unchanged."""
+def _two_shards(tmp_path, rows_0: int, rows_1: int) -> dict[str, tuple[list, int]]:
+    """Each rank's rows after the step and its graphs loaded from AOT autograd's cache (see ``_TWO_SHARDS``)."""
     import sys
 
     from tests.processes import run
 
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
-    done = run([sys.executable, "-c", _UNEVEN_SHARDS], timeout=300, env=env)
+    done = run([sys.executable, "-c", _TWO_SHARDS, str(rows_0), str(rows_1)], timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line[:2] in ("0 ", "1 "))
-    assert lines["1"] == str([[3.0] * 4] * 2)
-    assert lines["0"] == str([[3.0] * 4] * 3)
+    lines = [line.rsplit(" ", 1) for line in done.stdout.splitlines() if line[:2] in ("0 ", "1 ")]
+    return {rank_rows[:1]: (json.loads(rank_rows[2:]), int(hits)) for rank_rows, hits in lines}
+
+
+def test_a_rank_with_another_shard_shape_compiles_its_own_step_from_a_shared_cache(tmp_path):
+    """AOT autograd's on-disk cache keys a DTensor by its global spec, not its local shard: without the optimizers'
+    own cache context, rank 0 here reuses rank 1's graph for 2 rows and leaves its third row unchanged."""
+    ranks = _two_shards(tmp_path, 3, 2)
+    assert ranks["1"] == ([[3.0] * 4] * 2, 0)
+    assert ranks["0"] == ([[3.0] * 4] * 3, 0)  # its own graph, not rank 1's
+
+
+def test_a_rank_with_the_same_shards_loads_the_graph_another_rank_traced(tmp_path):
+    """Ranks of an even layout hold shards of the same shapes: the second loads the first's graph from AOT autograd's
+    cache instead of tracing it again (the optimizers' cache context keeps that cache for shards it tells apart)."""
+    ranks = _two_shards(tmp_path, 2, 2)
+    assert ranks["1"] == ([[3.0] * 4] * 2, 0)
+    assert ranks["0"] == ([[3.0] * 4] * 2, 1)
 
 
 _COMPILING_RANK = """
@@ -140,3 +158,27 @@ def test_ranks_on_one_machine_compile_a_step_one_after_another_and_only_the_firs
     assert done.returncode == 0, done.stderr[-3000:]
     late = json.loads(done.stdout)
     assert late["marked"] and late["started"] - late["entered"] < 0.5
+
+
+def test_a_step_signature_tells_apart_quantized_states_that_only_their_blocks_or_sign_distinguish():
+    """A quantized state's outer shape is its parameter's: its block size and signedness (the codes' and scales'
+    layout) must be in the signature too, which names the folder of AOT autograd's cache its graphs live in."""
+    import pytest
+
+    pytest.importorskip("torchao.optim")
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from torchtitan.optim.compile_cache import signature
+
+    def state(cls, signed: bool, block_size: int):
+        return cls.zeros((64, 256), signed=signed, block_size=block_size)
+
+    names = [
+        signature([state(OptimState8bit, True, 256)]),
+        signature([state(OptimState8bit, True, 128)]),
+        signature([state(OptimState8bit, False, 256)]),
+        signature([state(OptimState4bit, True, 128)]),
+    ]
+    assert len(set(names)) == len(names)
+    assert signature([state(OptimState8bit, True, 256)]) == names[0]  # and the same state, the same name

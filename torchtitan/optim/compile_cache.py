@@ -31,24 +31,30 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 @contextlib.contextmanager
 def optimizer_compile(tag: str, *, subclass_inputs: bool, signature: Optional[str] = None) -> Iterator[None]:
-    """Compile an optimizer's step inside ``<inductor cache>/optim_<tag>``; with ``subclass_inputs`` (tensor
-    subclasses among its inputs: DTensors, quantized state), without AOT autograd's on-disk cache; with
-    ``signature``, once per machine (see the module's docstring).
+    """Compile an optimizer's step inside ``<inductor cache>/optim_<tag>``; with ``signature``, once per machine (see
+    the module's docstring).
 
-    AOT autograd's cache keys a tensor subclass by what the subclass says of itself: a DTensor by its global shape,
-    placements and mesh, not by the rank's local shard — where FSDP shards a parameter unevenly (3 ranks, a
-    dimension of 64), a rank would be handed the graph another rank compiled for its shard's shape (torchao's
-    steps, compiled on DTensors, then fail a size check; a graph compiled without size checks would update part of
-    the shard) — and torchao's quantized state by its shapes and contents, not its class. Inductor's own graph
-    cache, keyed by the plain graphs that run, still keeps a warm restart warm. Steps compiled on plain tensors keep
-    AOT autograd's cache (keyed by their shapes), which saves tracing each graph again in every process.
+    AOT autograd's on-disk cache saves tracing each graph again in every process (every rank, every restart). It
+    keys a tensor subclass by what the subclass says of itself: a DTensor by its global shape, placements and mesh,
+    not by the rank's local shard — where FSDP shards a parameter unevenly (3 ranks, a dimension of 64), a rank
+    would be handed the graph another rank compiled for its shard's shape (torchao's steps then fail a size check;
+    a graph compiled without size checks would update part of the shard) — and torchao's quantized state by its
+    shapes and contents, not its class. So with ``subclass_inputs`` (DTensors or quantized state among the
+    inputs) the step compiles in a folder of its ``signature`` (which holds every local shard's shape and every
+    subclass's own description), where AOT autograd's cache can only hold graphs of the same shards; without a
+    signature (a step this process compiled before, which dynamo recompiles) AOT autograd's cache is off and
+    inductor's own cache, keyed by the plain graphs that run, still keeps a warm restart warm. Steps compiled on
+    plain tensors keep AOT autograd's cache (keyed by their shapes) in the tag's folder.
     """
     original = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     folder = os.path.join(original or _default_inductor_cache_dir(), f"optim_{tag}")
+    if subclass_inputs and signature is not None:
+        folder = os.path.join(folder, f"shards_{signature}")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    aot_cache_off = subclass_inputs and signature is None
     try:
         with (
-            torch._functorch.config.patch(enable_autograd_cache=False) if subclass_inputs else contextlib.nullcontext(),
+            torch._functorch.config.patch(enable_autograd_cache=False) if aot_cache_off else contextlib.nullcontext(),
             _once_per_machine(folder, signature) if signature is not None else contextlib.nullcontext(),
         ):
             yield
@@ -90,21 +96,22 @@ def has_subclass(parts: Any) -> bool:
 
 def signature(*parts: Any) -> str:
     """A name for what a step's compiled graphs depend on: each tensor's kind, shape, stride, dtype and device (a
-    DTensor's local shard and placements too), every other value by its repr."""
-    described = []
-    for leaf in pytree.tree_leaves(parts):
-        if isinstance(leaf, DTensor):
-            local = leaf.to_local()
-            described.append(("DTensor", leaf.placements, _tensor(local)))
-        elif isinstance(leaf, torch.Tensor):
-            described.append(_tensor(leaf))
-        else:
-            described.append(repr(leaf))
+    DTensor's placements and local shard too, a quantized tensor's own description and inner tensors), every other
+    value by its repr."""
+    described = [
+        _described(leaf) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in pytree.tree_leaves(parts)
+    ]
     return hashlib.blake2b(repr((torch.__version__, described)).encode(), digest_size=16).hexdigest()
 
 
-def _tensor(t: torch.Tensor) -> tuple:
-    return (type(t).__name__, tuple(t.shape), t.stride(), t.dtype, t.device.type)
+def _described(t: torch.Tensor) -> tuple:
+    plain = (type(t).__name__, tuple(t.shape), t.stride(), t.dtype, t.device.type)
+    if isinstance(t, DTensor):
+        return (*plain, t.placements, _described(t.to_local()))
+    if is_traceable_wrapper_subclass(t):  # torchao's quantized state: its block size, signedness, codes and scales
+        names, context = t.__tensor_flatten__()
+        return (*plain, repr(context), tuple(_described(getattr(t, name)) for name in names))
+    return plain
 
 
 @functools.lru_cache(maxsize=None)
