@@ -182,3 +182,39 @@ def test_a_step_signature_tells_apart_quantized_states_that_only_their_blocks_or
     ]
     assert len(set(names)) == len(names)
     assert signature([state(OptimState8bit, True, 256)]) == names[0]  # and the same state, the same name
+
+
+_STEP_ON_CPU = """
+import torch
+from torchtitan.optim.compiled_slices import CompiledStep
+
+def add_the_gradient_to(params, grads):
+    for p, g in zip(params, grads):
+        p.add_(g)
+
+step = CompiledStep(add_the_gradient_to, "probe_test")
+p, g = torch.zeros(8), torch.ones(8)
+step.run([[0]], lambda part: ([p], [g]), [p])
+print(p.tolist())
+"""
+
+
+def test_the_cpu_probes_are_compiled_once_in_the_shared_cache_not_in_each_optimizers_folder(tmp_path):
+    """Before its first CPU kernel, inductor compiles small programs that probe the CPU's vector instructions into the
+    current cache folder (~7 CPU seconds): in the shared folder, where every optimizer and process finds them."""
+    import sys
+
+    from tests.processes import run
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    done = run([sys.executable, "-c", _STEP_ON_CPU], timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str([1.0] * 8)
+
+    def probes(folder):
+        return [path for path in folder.rglob("*.cpp") if "_chk_kernel" in path.read_text()]
+
+    own = tmp_path / "optim_probe_test"
+    assert list(own.rglob("*.cpp"))  # the step's kernel compiled in its own folder
+    assert not probes(own)
+    assert probes(tmp_path)

@@ -30,9 +30,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 @contextlib.contextmanager
-def optimizer_compile(tag: str, *, subclass_inputs: bool, signature: Optional[str] = None) -> Iterator[None]:
+def optimizer_compile(
+    tag: str, *, subclass_inputs: bool, signature: Optional[str] = None, device_type: Optional[str] = None
+) -> Iterator[None]:
     """Compile an optimizer's step inside ``<inductor cache>/optim_<tag>``; with ``signature``, once per machine (see
-    the module's docstring).
+    the module's docstring); ``device_type``: where the step's tensors are ("cpu": see ``_probe_cpu_once``).
 
     AOT autograd's on-disk cache saves tracing each graph again in every process (every rank, every restart). It
     keys a tensor subclass by what the subclass says of itself: a DTensor by its global shape, placements and mesh,
@@ -47,6 +49,8 @@ def optimizer_compile(tag: str, *, subclass_inputs: bool, signature: Optional[st
     plain tensors keep AOT autograd's cache (keyed by their shapes) in the tag's folder.
     """
     original = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if device_type == "cpu" and signature is not None:
+        _probe_cpu_once()  # in the shared folder, before this step's own
     folder = os.path.join(original or _default_inductor_cache_dir(), f"optim_{tag}")
     if subclass_inputs and signature is not None:
         folder = os.path.join(folder, f"shards_{signature}")
@@ -63,6 +67,19 @@ def optimizer_compile(tag: str, *, subclass_inputs: bool, signature: Optional[st
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = original
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_cpu_once() -> None:
+    """Probe the CPU's vector instructions as inductor does before it generates its first CPU kernel in a process:
+    it compiles about ten small programs into the current inductor cache folder (about 7 CPU seconds when the folder
+    has none) and loads each, then keeps the answer for the process. Probed here in the shared folder, the probes are
+    compiled once per machine, not once in each optimizer's folder (and each shard signature's)."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+    except ImportError:  # moved: inductor probes wherever it first compiles, as before
+        return
+    pick_vec_isa()
 
 
 @contextlib.contextmanager

@@ -66,7 +66,10 @@ class CompiledStep:
                 if first in self._compiled:
                     first = None
                 with compile_cache.optimizer_compile(
-                    self.cache_tag, subclass_inputs=compile_cache.has_subclass(args), signature=first
+                    self.cache_tag,
+                    subclass_inputs=compile_cache.has_subclass(args),
+                    signature=first,
+                    device_type=tensors[0].device.type if tensors else None,
                 ):
                     step(*args)
                 if first is not None:

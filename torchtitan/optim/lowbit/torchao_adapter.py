@@ -50,7 +50,8 @@ def low_bit_class(name: str) -> type:
                 # (Meta and fake parameters, memory estimates, run it eagerly: nothing is compiled or marked.)
                 dataless = _dataless(calls)
                 once = None if self._graphs_compiled or dataless else signature(name, calls)
-                with optimizer_compile(name, subclass_inputs=True, signature=once):
+                device_type = calls[0][0].device.type if calls else None
+                with optimizer_compile(name, subclass_inputs=True, signature=once, device_type=device_type):
                     for arguments in calls:
                         _compiled_single_param_step()(*arguments)
                 self._graphs_compiled = self._graphs_compiled or not dataless
