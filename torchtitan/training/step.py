@@ -113,9 +113,9 @@ def first_compile_notice(job_config: JobConfig, device_type: str, torch_optimize
     if not parts:
         return None
     if device_type == "cpu":
-        # Measured on the debug model, 2 CPU cores, with an empty inductor cache: compiled norms a few seconds;
-        # Adam-mini and torchao's 4-bit AdamW 1 to 2 minutes (their optimizer steps).
-        how_long = "from seconds (the model's norms) to about 2 minutes (a compiled optimizer step) on a 2-core CPU"
+        # Measured on the debug model, 2 CPU cores, with an empty inductor cache: torchao's 4-bit AdamW at FSDP 2,
+        # 23 s on an idle machine (December 2026); on a busy one, earlier, 1 to 2 minutes.
+        how_long = "from seconds to a minute or two (a compiled optimizer step) on a 2-core CPU"
     else:
         how_long = "not yet timed on a GPU"
     return (
