@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from torchtitan.optim.compiled_slices import CompiledStep, repeating_slices
@@ -91,7 +92,7 @@ def _two_shards(tmp_path, rows_0: int, rows_1: int) -> dict[str, tuple[list, int
     done = run([sys.executable, "-c", _TWO_SHARDS, str(rows_0), str(rows_1)], timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.rsplit(" ", 1) for line in done.stdout.splitlines() if line[:2] in ("0 ", "1 ")]
-    return {rank_rows[:1]: (json.loads(rank_rows[2:]), int(hits)) for rank_rows, hits in lines}
+    return {rank_and_rows[:1]: (json.loads(rank_and_rows[2:]), int(hits)) for rank_and_rows, hits in lines}
 
 
 def test_a_rank_with_another_shard_shape_compiles_its_own_step_from_a_shared_cache(tmp_path):
@@ -163,8 +164,6 @@ def test_ranks_on_one_machine_compile_a_step_one_after_another_and_only_the_firs
 def test_a_step_signature_tells_apart_quantized_states_that_only_their_blocks_or_sign_distinguish():
     """A quantized state's outer shape is its parameter's: its block size and signedness (the codes' and scales'
     layout) must be in the signature too, which names the folder of AOT autograd's cache its graphs live in."""
-    import pytest
-
     pytest.importorskip("torchao.optim")
     from torchao.optim.subclass_4bit import OptimState4bit
     from torchao.optim.subclass_8bit import OptimState8bit
